@@ -157,6 +157,10 @@ pub struct GenerateOptions {
     pub do_sample: bool,
     /// Base seed; sample `i` of prompt `j` uses a seed derived from it, so results are reproducible.
     pub seed: Option<u64>,
+    /// Global index of the first prompt of this call (its data-parallel rank's offset in the
+    /// step's batch): prompt `i` samples as prompt `row_offset + i` would, so the split of a batch
+    /// over ranks does not change what is generated.
+    pub row_offset: u64,
     pub eos_token_ids: Vec<i64>,
     pub pad_token_id: i64,
     /// Keep generating past EOS (fixed-length benchmarks).
@@ -177,6 +181,7 @@ impl Default for GenerateOptions {
             top_k: -1,
             do_sample: true,
             seed: None,
+            row_offset: 0,
             eos_token_ids: vec![],
             pad_token_id: 0,
             ignore_eos: false,

@@ -230,6 +230,7 @@ impl FsdpActor {
             top_k: o.top_k,
             do_sample: o.do_sample,
             seed: Some(seed),
+            row_offset: o.row_offset,
             eos_token_ids: eos,
             pad_token_id: o.pad_token_id,
             ignore_eos: o.ignore_eos,

@@ -17,8 +17,9 @@ use crate::sampler::Sampler;
 /// * `prompt_mask`: `[B, P]` (any integer/bool kind, nonzero = real token); every row needs at
 ///   least one real token.
 ///
-/// Sample `j` of prompt `i` draws its randomness from a stream keyed by `(seed, i, j)` only, so a
-/// row's tokens do not depend on the other rows of the batch or on the padding width.
+/// Sample `j` of prompt `i` draws its randomness from a stream keyed by
+/// `(seed, params.row_offset + i, j)` only, so a row's tokens do not depend on the other rows of
+/// the batch or on the padding width.
 pub fn generate(
     model: &Transformer,
     prompts: &Tensor,
@@ -81,7 +82,9 @@ pub fn generate_with_stats(
                 Some(s) => s,
                 None => random_seed()?,
             };
-            (0..b as u64).map(|i| rng::derive(base, i)).collect()
+            (0..b as u64)
+                .map(|i| rng::derive(base, params.row_offset + i))
+                .collect()
         }
     };
 

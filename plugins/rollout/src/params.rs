@@ -21,6 +21,10 @@ pub struct SamplingParams {
     /// Base seed; `None` draws one from libtorch's global CPU generator (so `tch::manual_seed`
     /// makes runs reproducible).
     pub seed: Option<u64>,
+    /// Global index of this call's first prompt: prompt `i` draws from the stream of prompt
+    /// `row_offset + i`, so a batch split over data-parallel ranks samples exactly what one rank
+    /// given the whole batch would.
+    pub row_offset: u64,
     /// A row stops after emitting any of these (the EOS token is kept, masked 1).
     pub eos_token_ids: Vec<i64>,
     /// Fills response positions after a row stopped.
@@ -42,6 +46,7 @@ impl Default for SamplingParams {
             top_k: -1,
             do_sample: true,
             seed: None,
+            row_offset: 0,
             eos_token_ids: Vec::new(),
             pad_token_id: 0,
             ignore_eos: false,

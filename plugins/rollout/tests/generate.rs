@@ -249,6 +249,19 @@ fn samples_depend_on_seed_prompt_and_sample_index_only() {
     let sub = run(&m, &prompts[..2], &params);
     assert_eq!(rows(&sub.responses), all_rows[..8]);
 
+    // A data-parallel rank holding prompts 1..3 samples them as the whole batch did.
+    let tail = run(
+        &m,
+        &prompts[1..],
+        &SamplingParams {
+            row_offset: 1,
+            ..params.clone()
+        },
+    );
+    assert_eq!(rows(&tail.responses), all_rows[4..]);
+    let unshifted = run(&m, &prompts[1..], &params);
+    assert_ne!(rows(&unshifted.responses), all_rows[4..]);
+
     // n samples of one prompt all differ.
     for i in 0..3 {
         for a in 0..4 {

@@ -120,9 +120,27 @@ pub struct InitArgs {
     pub world_size: u32,
     #[serde(default)]
     pub local_rank: u32,
+    /// Where the job's ranks meet (`world_size > 1`): the TCP store the host joined. A backend
+    /// connects its own communicator there; `None` on a single-rank job.
+    #[serde(default)]
+    pub rendezvous: Option<Rendezvous>,
     /// Role-specific extra arguments (e.g. a reward plugin's per-route options).
     #[serde(default)]
     pub extra: serde_json::Value,
+}
+
+/// The rendezvous store of an SPMD job (torchrun's `MASTER_ADDR:MASTER_PORT`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rendezvous {
+    pub master_addr: String,
+    pub master_port: u16,
+    /// How long a collective or rendezvous may wait for a peer before failing, in seconds.
+    #[serde(default = "rendezvous_timeout_s")]
+    pub timeout_s: u64,
+}
+
+fn rendezvous_timeout_s() -> u64 {
+    300
 }
 
 fn one() -> u32 {
@@ -137,6 +155,7 @@ impl InitArgs {
             rank: 0,
             world_size: 1,
             local_rank: 0,
+            rendezvous: None,
             extra: serde_json::Value::Null,
         }
     }

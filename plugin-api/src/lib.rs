@@ -19,7 +19,8 @@ pub mod testing;
 
 pub use batch::{Batch, Column, ColumnSpec, ColumnType, DType, Dim, Element, Tensor};
 pub use contract::{
-    col, GenerateOptions, InitArgs, LogProbOptions, ScoreOptions, UpdateOptions, ValueOptions,
+    col, GenerateOptions, InitArgs, LogProbOptions, Rendezvous, ScoreOptions, UpdateOptions,
+    ValueOptions,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use ffi::DataParallel;

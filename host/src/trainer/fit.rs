@@ -222,6 +222,7 @@ fn generate_options(cfg: &Config, enc: &PromptEncoder, seed: u64) -> GenerateOpt
         top_k: r.top_k,
         do_sample: r.do_sample,
         seed: Some(seed),
+        row_offset: 0,
         eos_token_ids: enc.eos_ids.clone(),
         pad_token_id: enc.pad_id,
         ignore_eos: r.ignore_eos,

@@ -16,12 +16,16 @@ use crate::config::{
     self, micro_batching, section, ActorSection, LogProbSection, MicroBatching, ModelSection,
     TrainerSection,
 };
-use crate::data::{chunks, column, index_tensor, micro_batches, to_f32_vec, Sequences};
+use crate::data::{
+    chunks, column, equalize_micro_batches, index_tensor, micro_batches, to_f32_vec, MicroBatch,
+    Sequences,
+};
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::forward::{per_micro_batch, response_logits, token_stats};
 use crate::metrics::MetricAcc;
-use crate::train::TrainableModel;
+use crate::shard::{MemoryStats, Offload};
+use crate::train::{Sharding, TrainableModel};
 
 enum Weights {
     Train(Box<TrainableModel>),
@@ -78,9 +82,10 @@ pub(crate) fn load_model(
 impl FsdpActor {
     pub fn create(init: &InitArgs, reference: bool) -> Result<FsdpActor> {
         let cfg = &init.config;
-        let dp = Dp::new(init.rank, init.world_size)?;
         let trainer: TrainerSection = section(cfg, "trainer")?;
         let device = config::device(&trainer, init.local_rank)?;
+        let dp = Dp::join(init, if reference { "reference" } else { "actor" }, device)?;
+        let dp_size = dp.size;
         let model_cfg: ModelSection = section(cfg, "actor_rollout_ref.model")?;
         let model_dir = config::model_dir("actor_rollout_ref.model.path", &model_cfg.path)?;
         let tokenizer_dir = model_cfg
@@ -118,7 +123,7 @@ impl FsdpActor {
                     reference.log_prob_max_token_len_per_gpu,
                     reference.log_prob_micro_batch_size_per_gpu,
                     reference.log_prob_micro_batch_size,
-                    dp.size,
+                    dp_size,
                 ),
                 log_prob_key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
                 default_temperature,
@@ -160,12 +165,20 @@ impl FsdpActor {
         }
         let loss_cfg: ActorLossConfig = section(cfg, "actor_rollout_ref.actor")?;
         let loss = ActorLoss::from_config(&loss_cfg)?;
-        let train = TrainableModel::new(
+        let train = TrainableModel::new_on(
             model,
             precision,
             actor.optim.clone(),
             "actor_rollout_ref.actor.optim",
             actor.grad_clip,
+            &dp,
+            Sharding {
+                offload: Offload {
+                    params: actor.fsdp_config.param_offload,
+                    optimizer: actor.fsdp_config.optimizer_offload,
+                },
+                reshard_after_forward: actor.fsdp_config.reshard_after_forward,
+            },
         )?;
         Ok(FsdpActor {
             role: "actor",
@@ -179,7 +192,7 @@ impl FsdpActor {
                 rollout.log_prob_max_token_len_per_gpu,
                 rollout.log_prob_micro_batch_size_per_gpu,
                 rollout.log_prob_micro_batch_size,
-                dp.size,
+                dp_size,
             ),
             log_prob_key: "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
             default_temperature,
@@ -191,7 +204,7 @@ impl FsdpActor {
                     actor.ppo_max_token_len_per_gpu,
                     actor.ppo_micro_batch_size_per_gpu,
                     actor.ppo_micro_batch_size,
-                    dp.size,
+                    dp_size,
                 ),
                 calculate_entropy: actor.calculate_entropy,
                 loss,
@@ -207,6 +220,36 @@ impl FsdpActor {
             Weights::Train(t) => &t.model,
             Weights::Frozen(m) => m,
         }
+    }
+
+    /// Runs `f` on the whole model; a sharded model is gathered once for the call and freed
+    /// after it (see [`TrainableModel::with_full`]).
+    fn run_model<T>(&mut self, f: impl FnOnce(&Transformer) -> Result<T>) -> Result<T> {
+        match &mut self.weights {
+            Weights::Train(t) => t.with_full(&self.dp, f),
+            Weights::Frozen(m) => f(m),
+        }
+    }
+
+    /// Bytes this rank holds in parameters, gradients and optimizer state (the frozen reference:
+    /// its parameters only).
+    pub fn memory(&self) -> MemoryStats {
+        match &self.weights {
+            Weights::Train(t) => t.memory(),
+            Weights::Frozen(m) => {
+                let params = crate::shard::sum_bytes(m.named_parameters().iter().map(|(_, p)| p));
+                MemoryStats {
+                    params,
+                    peak_gathered: params,
+                    ..MemoryStats::default()
+                }
+            }
+        }
+    }
+
+    /// On several ranks an error ends the group: the others' collectives fail naming this rank.
+    fn spmd<T>(&self, r: Result<T>) -> Result<T> {
+        r.map_err(|e| self.dp.fail(e))
     }
 
     fn do_generate(&mut self, prompts: &Batch, o: &GenerateOptions) -> Result<Batch> {
@@ -238,8 +281,10 @@ impl FsdpActor {
         };
         // Hybrid engine: the engine reads the live training weights; its KV cache lives only for
         // this call and is dropped before returning.
-        let gen = tch::no_grad(|| verl_rollout::generate(self.model(), &ids, &mask, &params))
-            .map_err(|e| FsdpError::Api(ApiError::failed(format!("generation: {e}"))))?;
+        let gen = self.run_model(|model| {
+            tch::no_grad(|| verl_rollout::generate(model, &ids, &mask, &params))
+                .map_err(|e| FsdpError::Api(ApiError::failed(format!("generation: {e}"))))
+        })?;
         let rows = gen.prompt_index.len();
         let index = Tensor::f_from_slice(&gen.prompt_index)
             .and_then(|t| t.f_to_device(self.device))
@@ -286,17 +331,13 @@ impl FsdpActor {
     fn do_log_prob(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {
         let seqs = Sequences::from_batch(batch, "Actor.compute_log_prob", self.device)?;
         let outputs = if o.with_entropy { 2 } else { 1 };
-        let model = self.model();
-        let res = per_micro_batch(
-            &seqs,
-            self.log_prob_micro,
-            self.log_prob_key,
-            outputs,
-            |sub| {
+        let (micro, key) = (self.log_prob_micro, self.log_prob_key);
+        let res = self.run_model(|model| {
+            per_micro_batch(&seqs, micro, key, outputs, |sub| {
                 let (lp, ent) = token_stats(model, sub, o.temperature, o.with_entropy)?;
                 Ok(std::iter::once(lp).chain(ent).collect())
-            },
-        )?;
+            })
+        })?;
         let (rows, rl) = (seqs.rows(), seqs.response_len as usize);
         let mut out = Batch::new();
         out.insert_tensor(
@@ -332,6 +373,8 @@ impl FsdpActor {
             .and_then(|v| v.as_i64())
             .or(self.trainer_total_steps);
         let lr = train.lr(total)?;
+        let dp = &self.dp;
+        same_rows_on_every_rank(dp, seqs.rows(), CALL)?;
         let rows: Vec<usize> = (0..seqs.rows()).collect();
         let lengths = seqs.row_lengths()?;
         let minis = chunks(&rows, plan.mini_batch_rows);
@@ -354,7 +397,7 @@ impl FsdpActor {
                         .ctx("mini-batch mask")?,
                 )?;
                 let mut c = [counts.tokens, counts.seqs];
-                self.dp.all_reduce_sum(&mut c)?;
+                dp.all_reduce_sum(&mut c)?;
                 counts = MaskCounts {
                     tokens: c[0],
                     seqs: c[1],
@@ -368,7 +411,9 @@ impl FsdpActor {
                     );
                     continue;
                 }
-                let norm = Normaliser::Global(LossScale::new(counts, self.dp.size));
+                // Gradients are summed over ranks (reduce-scatter SUM), never averaged: with the
+                // global counts the per-rank losses then add up to the one-rank loss exactly.
+                let norm = Normaliser::Global(LossScale::new(counts, 1));
                 train.zero_grad()?;
                 let mut mini_entropy: Option<f64> = None;
                 let parts = micro_batches(
@@ -377,7 +422,9 @@ impl FsdpActor {
                     plan.micro,
                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                 )?;
-                for (ui, part) in parts.iter().enumerate() {
+                let parts = same_micro_batch_count(dp, parts)?;
+                for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
+                    let dummy = *dummy;
                     let idx = index_tensor(part, device)?;
                     let sub = seqs.select(&idx)?;
                     let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
@@ -386,7 +433,8 @@ impl FsdpActor {
                     let mut captured: Option<
                         std::result::Result<BTreeMap<String, f64>, FsdpError>,
                     > = None;
-                    let loss = train.model.forward_backward(
+                    let loss = train.forward_backward(
+                        dp,
                         &sub.input_ids,
                         Some(&sub.attention_mask),
                         Some(&sub.position_ids),
@@ -422,6 +470,9 @@ impl FsdpActor {
                             match res {
                                 Ok((loss, m)) => {
                                     captured = Some(Ok(m));
+                                    if dummy {
+                                        return Ok(loss.f_mul_scalar(0.0)?);
+                                    }
                                     Ok(loss)
                                 }
                                 Err(e) => {
@@ -438,7 +489,7 @@ impl FsdpActor {
                     let metrics =
                         match (loss, captured) {
                             (_, Some(Err(e))) => return Err(fail(train, e)),
-                            (Err(e), _) => return Err(fail(train, e.into())),
+                            (Err(e), _) => return Err(fail(train, e)),
                             (Ok(l), Some(Ok(m))) => (l, m),
                             (Ok(_), None) => return Err(fail(
                                 train,
@@ -448,6 +499,9 @@ impl FsdpActor {
                             )),
                         };
                     let (loss, m) = metrics;
+                    if dummy {
+                        continue;
+                    }
                     let loss_value = loss.f_double_value(&[]).ctx("loss value")?;
                     for (name, v) in m.iter().chain([(&"loss".to_string(), &loss_value)]) {
                         if !v.is_finite() {
@@ -475,16 +529,21 @@ impl FsdpActor {
                     }
                 }
                 if let Some(e) = mini_entropy {
-                    acc.push("actor/entropy", e);
+                    // Each rank holds its share of the mini-batch entropy (global normaliser).
+                    let mut e = [e];
+                    dp.all_reduce_sum(&mut e)?;
+                    acc.push_global("actor/entropy", e[0]);
                 }
                 let grad_norm =
-                    train.finish_mini_batch(&self.dp, lr, "actor", o.global_step, epoch, mi)?;
-                acc.push("actor/grad_norm", grad_norm);
+                    train.finish_mini_batch(dp, lr, "actor", o.global_step, epoch, mi)?;
+                acc.push_global("actor/grad_norm", grad_norm);
             }
         }
         train.zero_grad()?;
         train.updates += 1;
-        acc.push("actor/lr", lr);
+        acc.push_global("actor/lr", lr);
+        crate::metrics::push_gpu_memory(&mut acc, dp, device)?;
+        acc.reduce(dp)?;
         Ok(acc.into_metrics())
     }
 
@@ -494,8 +553,8 @@ impl FsdpActor {
 
     fn do_save(&mut self, dir: &Path) -> Result<()> {
         let state = self.rng_state();
-        match &self.weights {
-            Weights::Train(t) => t.save(dir, self.role, state),
+        match &mut self.weights {
+            Weights::Train(t) => t.save_on(&self.dp, dir, self.role, state),
             Weights::Frozen(_) => Err(FsdpError::Api(ApiError::not_implemented(
                 "the reference policy is frozen: it is rebuilt from the model path, not checkpointed",
             ))),
@@ -521,15 +580,52 @@ impl FsdpActor {
         Ok(())
     }
 
+    /// Every rank takes part (the parameters are gathered); rank 0 writes.
     fn do_export(&mut self, dir: &Path) -> Result<()> {
-        let model = self.model();
-        model.save_pretrained(dir, &SaveOptions::default())?;
-        copy_tokenizer_files(&self.tokenizer_dir, dir)?;
-        if self.tokenizer_dir != self.model_dir {
-            copy_tokenizer_files(&self.model_dir, dir)?;
+        let rank0 = self.dp.rank == 0;
+        self.run_model(|model| {
+            if rank0 {
+                model.save_pretrained(dir, &SaveOptions::default())?;
+            }
+            Ok(())
+        })?;
+        if rank0 {
+            copy_tokenizer_files(&self.tokenizer_dir, dir)?;
+            if self.tokenizer_dir != self.model_dir {
+                copy_tokenizer_files(&self.model_dir, dir)?;
+            }
         }
-        Ok(())
+        self.dp.barrier("export barrier")
     }
+}
+
+/// Fails unless every rank of `dp` got `rows` rows: ranks step through mini-batches (and their
+/// collectives) together.
+pub(crate) fn same_rows_on_every_rank(dp: &Dp, rows: usize, call: &'static str) -> Result<()> {
+    if !dp.is_sharded() {
+        return Ok(());
+    }
+    let mut v = [rows as f64, -(rows as f64)];
+    dp.all_reduce_max(&mut v)?;
+    if v[0] != rows as f64 || -v[1] != rows as f64 {
+        return Err(FsdpError::Input {
+            call,
+            column: col::RESPONSES.into(),
+            expected: "the same number of rows on every data-parallel rank".into(),
+            found: format!(
+                "{rows} rows on rank {}, between {} and {} across ranks",
+                dp.rank, -v[1], v[0]
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The micro-batches of one mini-batch, as many on every rank (see [`equalize_micro_batches`]).
+pub(crate) fn same_micro_batch_count(dp: &Dp, parts: Vec<Vec<usize>>) -> Result<Vec<MicroBatch>> {
+    let mut n = [parts.len() as f64];
+    dp.all_reduce_max(&mut n)?;
+    Ok(equalize_micro_batches(parts, n[0] as usize))
 }
 
 /// Files HF tokenizers and generation read next to the weights.
@@ -588,27 +684,55 @@ fn i64_vec(t: &Tensor) -> Result<Vec<i64>> {
 
 impl Actor for FsdpActor {
     fn generate(&mut self, prompts: &Batch, options: &GenerateOptions) -> ApiResult<Batch> {
-        Ok(self.do_generate(prompts, options)?)
+        let r = self.do_generate(prompts, options);
+        Ok(self.spmd(r)?)
     }
     fn compute_log_prob(&mut self, batch: &Batch, options: &LogProbOptions) -> ApiResult<Batch> {
-        Ok(self.do_log_prob(batch, options)?)
+        let r = self.do_log_prob(batch, options);
+        Ok(self.spmd(r)?)
     }
     fn update(&mut self, batch: &Batch, options: &UpdateOptions) -> ApiResult<Metrics> {
-        Ok(self.do_update(batch, options)?)
+        let r = self.do_update(batch, options);
+        Ok(self.spmd(r)?)
     }
     fn save(&mut self, dir: &Path) -> ApiResult<()> {
-        Ok(self.do_save(dir)?)
+        let r = self.do_save(dir);
+        Ok(self.spmd(r)?)
     }
     fn load(&mut self, dir: &Path) -> ApiResult<()> {
-        Ok(self.do_load(dir)?)
+        let r = self.do_load(dir);
+        Ok(self.spmd(r)?)
     }
     fn export_hf(&mut self, dir: &Path) -> ApiResult<()> {
-        Ok(self.do_export(dir)?)
+        let r = self.do_export(dir);
+        Ok(self.spmd(r)?)
     }
     fn data_parallel(&self) -> DataParallel {
         DataParallel {
             rank: self.dp.rank as u32,
             size: self.dp.size as u32,
         }
+    }
+    fn call(
+        &mut self,
+        method: &str,
+        batch: &Batch,
+        options: &serde_json::Value,
+    ) -> ApiResult<Batch> {
+        let r = match (method, &mut self.weights) {
+            (crate::sft::SFT_UPDATE, Weights::Train(t)) => {
+                crate::sft::update(t, &self.dp, self.device, batch, options)
+            }
+            (crate::sft::SFT_EVAL, Weights::Train(t)) => {
+                crate::sft::eval(t, &self.dp, self.device, batch, options)
+            }
+            _ => {
+                return Err(ApiError::not_implemented(format!(
+                    "{} call `{method}` (the actor role answers `sft_update` and `sft_eval`)",
+                    self.role
+                )))
+            }
+        };
+        Ok(self.spmd(r)?)
     }
 }

@@ -43,6 +43,13 @@ pub struct FsdpSection {
     /// verl's legacy FSDP mixed-precision block: `param_dtype` is the compute dtype.
     pub mixed_precision: Option<Value>,
     pub seed: u64,
+    /// Keep the fp32 master shards on the CPU between optimizer steps (multi-rank).
+    pub param_offload: bool,
+    /// Keep the AdamW state shards on the CPU between optimizer steps (multi-rank).
+    pub optimizer_offload: bool,
+    /// Free a unit's gathered parameters right after its forward (`true`, ZeRO-3) or keep them
+    /// until its backward (one gather fewer per unit, more memory).
+    pub reshard_after_forward: bool,
 }
 
 impl Default for FsdpSection {
@@ -52,6 +59,9 @@ impl Default for FsdpSection {
             dtype: None,
             mixed_precision: None,
             seed: 42,
+            param_offload: false,
+            optimizer_offload: false,
+            reshard_after_forward: true,
         }
     }
 }

@@ -12,16 +12,18 @@ use verl_plugin_api::{
 };
 
 use crate::actor::load_model;
+use crate::actor::{same_micro_batch_count, same_rows_on_every_rank};
 use crate::config::{
     self, micro_batching, section, CriticSection, LogProbSection, MicroBatching, ModelSection,
     TrainerSection,
 };
-use crate::data::{chunks, column, index_tensor, micro_batches, to_f32_vec, Sequences};
+use crate::data::{chunks, column, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences};
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::forward::{per_micro_batch, values};
 use crate::metrics::MetricAcc;
-use crate::train::TrainableModel;
+use crate::shard::{MemoryStats, Offload};
+use crate::train::{Sharding, TrainableModel};
 
 pub struct FsdpCritic {
     train: TrainableModel,
@@ -38,9 +40,10 @@ pub struct FsdpCritic {
 impl FsdpCritic {
     pub fn create(init: &InitArgs) -> Result<FsdpCritic> {
         let cfg = &init.config;
-        let dp = Dp::new(init.rank, init.world_size)?;
         let trainer: TrainerSection = section(cfg, "trainer")?;
         let device = config::device(&trainer, init.local_rank)?;
+        let dp = Dp::join(init, "critic", device)?;
+        let dp_size = dp.size;
         let critic: CriticSection = section(cfg, "critic")?;
         let actor_model: ModelSection = section(cfg, "actor_rollout_ref.model")?;
         let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
@@ -71,12 +74,20 @@ impl FsdpCritic {
         }
         let loss_cfg: CriticLossConfig = section(cfg, "critic")?;
         let loss = CriticLoss::from_config(&loss_cfg)?;
-        let train = TrainableModel::new(
+        let train = TrainableModel::new_on(
             model,
             precision,
             critic.optim.clone(),
             "critic.optim",
             critic.grad_clip,
+            &dp,
+            Sharding {
+                offload: Offload {
+                    params: fsdp.param_offload,
+                    optimizer: fsdp.optimizer_offload,
+                },
+                reshard_after_forward: fsdp.reshard_after_forward,
+            },
         )?;
         Ok(FsdpCritic {
             train,
@@ -87,14 +98,14 @@ impl FsdpCritic {
                 critic.forward_max_token_len_per_gpu,
                 critic.forward_micro_batch_size_per_gpu,
                 critic.forward_micro_batch_size,
-                dp.size,
+                dp_size,
             ),
             update_micro: micro_batching(
                 critic.use_dynamic_bsz,
                 critic.ppo_max_token_len_per_gpu,
                 critic.ppo_micro_batch_size_per_gpu,
                 critic.ppo_micro_batch_size,
-                dp.size,
+                dp_size,
             ),
             mini_batch_rows: mini,
             epochs: critic.ppo_epochs as usize,
@@ -105,14 +116,16 @@ impl FsdpCritic {
 
     fn do_values(&mut self, batch: &Batch) -> Result<Batch> {
         let seqs = Sequences::from_batch(batch, "Critic.compute_values", self.device)?;
-        let model = &self.train.model;
-        let res = per_micro_batch(
-            &seqs,
-            self.forward_micro,
-            "critic.forward_max_token_len_per_gpu",
-            1,
-            |sub| Ok(vec![values(model, sub)?]),
-        )?;
+        let micro = self.forward_micro;
+        let res = self.train.with_full(&self.dp, |model| {
+            per_micro_batch(
+                &seqs,
+                micro,
+                "critic.forward_max_token_len_per_gpu",
+                1,
+                |sub| Ok(vec![values(model, sub)?]),
+            )
+        })?;
         // verl: only action tokens have values.
         let v = res[0].f_mul(&seqs.response_mask).ctx("mask values")?;
         let mut out = Batch::new();
@@ -136,6 +149,8 @@ impl FsdpCritic {
             .and_then(|v| v.as_i64())
             .or(self.trainer_total_steps);
         let lr = self.train.lr(total)?;
+        let dp = &self.dp;
+        same_rows_on_every_rank(dp, seqs.rows(), CALL)?;
         let rows: Vec<usize> = (0..seqs.rows()).collect();
         let lengths = seqs.row_lengths()?;
         let mut acc = MetricAcc::default();
@@ -154,7 +169,7 @@ impl FsdpCritic {
                         .ctx("mini-batch mask")?,
                 )?;
                 let mut c = [counts.tokens, counts.seqs];
-                self.dp.all_reduce_sum(&mut c)?;
+                dp.all_reduce_sum(&mut c)?;
                 if c[0] == 0.0 {
                     tracing::warn!(
                         step = o.global_step,
@@ -164,12 +179,13 @@ impl FsdpCritic {
                     );
                     continue;
                 }
+                // Gradients are summed over ranks, so the loss is not scaled by the DP size.
                 let norm = Normaliser::Global(LossScale::new(
                     MaskCounts {
                         tokens: c[0],
                         seqs: c[1],
                     },
-                    self.dp.size,
+                    1,
                 ));
                 train.zero_grad()?;
                 let parts = micro_batches(
@@ -178,14 +194,17 @@ impl FsdpCritic {
                     self.update_micro,
                     "critic.ppo_max_token_len_per_gpu",
                 )?;
-                for (ui, part) in parts.iter().enumerate() {
+                let parts = same_micro_batch_count(dp, parts)?;
+                for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
+                    let dummy = *dummy;
                     let idx = index_tensor(part, device)?;
                     let sub = seqs.select(&idx)?;
                     let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
                     let (v_old, ret) = (pick(&old_values)?, pick(&returns)?);
                     let loss_fn = &self.loss;
                     let mut captured = None;
-                    let res = train.model.forward_backward(
+                    let res = train.forward_backward(
+                        dp,
                         &sub.input_ids,
                         Some(&sub.attention_mask),
                         Some(&sub.position_ids),
@@ -208,6 +227,9 @@ impl FsdpCritic {
                             match r {
                                 Ok(out) => {
                                     captured = Some(Ok(out.metrics));
+                                    if dummy {
+                                        return Ok(out.loss.f_mul_scalar(0.0)?);
+                                    }
                                     Ok(out.loss)
                                 }
                                 Err(e) => {
@@ -224,7 +246,7 @@ impl FsdpCritic {
                     let m =
                         match (res, captured) {
                             (_, Some(Err(e))) => return Err(fail(train, e)),
-                            (Err(e), _) => return Err(fail(train, e.into())),
+                            (Err(e), _) => return Err(fail(train, e)),
                             (Ok(_), Some(Ok(m))) => m,
                             (Ok(_), None) => return Err(fail(
                                 train,
@@ -233,6 +255,9 @@ impl FsdpCritic {
                                 )),
                             )),
                         };
+                    if dummy {
+                        continue;
+                    }
                     for (name, v) in m.named() {
                         if !v.is_finite() {
                             return Err(fail(
@@ -255,30 +280,47 @@ impl FsdpCritic {
                     acc.push("critic/vpred_mean", m.vpred_mean);
                 }
                 let grad_norm =
-                    train.finish_mini_batch(&self.dp, lr, "critic", o.global_step, epoch, mi)?;
-                acc.push("critic/grad_norm", grad_norm);
+                    train.finish_mini_batch(dp, lr, "critic", o.global_step, epoch, mi)?;
+                acc.push_global("critic/grad_norm", grad_norm);
             }
         }
         train.zero_grad()?;
         train.updates += 1;
-        acc.push("critic/lr", lr);
+        acc.push_global("critic/lr", lr);
+        crate::metrics::push_gpu_memory(&mut acc, dp, device)?;
+        acc.reduce(dp)?;
         Ok(acc.into_metrics())
+    }
+
+    /// Bytes this rank holds in parameters, gradients and optimizer state.
+    pub fn memory(&self) -> MemoryStats {
+        self.train.memory()
+    }
+
+    /// On several ranks an error ends the group: the others' collectives fail naming this rank.
+    fn spmd<T>(&self, r: Result<T>) -> Result<T> {
+        r.map_err(|e| self.dp.fail(e))
     }
 }
 
 impl Critic for FsdpCritic {
     fn compute_values(&mut self, batch: &Batch, _options: &ValueOptions) -> ApiResult<Batch> {
-        Ok(self.do_values(batch)?)
+        let r = self.do_values(batch);
+        Ok(self.spmd(r)?)
     }
     fn update(&mut self, batch: &Batch, options: &UpdateOptions) -> ApiResult<Metrics> {
-        Ok(self.do_update(batch, options)?)
+        let r = self.do_update(batch, options);
+        Ok(self.spmd(r)?)
     }
     fn save(&mut self, dir: &Path) -> ApiResult<()> {
-        Ok(self.train.save(dir, "critic", serde_json::Value::Null)?)
+        let r = self
+            .train
+            .save_on(&self.dp, dir, "critic", serde_json::Value::Null);
+        Ok(self.spmd(r)?)
     }
     fn load(&mut self, dir: &Path) -> ApiResult<()> {
-        self.train.load(dir, "critic")?;
-        Ok(())
+        let r = self.train.load(dir, "critic").map(|_| ());
+        Ok(self.spmd(r)?)
     }
     fn data_parallel(&self) -> DataParallel {
         DataParallel {

@@ -220,9 +220,67 @@ pub fn micro_batches(
     }
 }
 
+/// One micro-batch of an update; a `dummy` one repeats real rows with its loss multiplied by zero.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MicroBatch {
+    pub rows: Vec<usize>,
+    pub dummy: bool,
+}
+
+/// Brings `parts` to `target` micro-batches, so that every rank runs the same number of
+/// forward-backward passes (each runs collectives). Splits the biggest multi-row micro-batch in
+/// halves while that is possible (staying under any token budget), then pads with dummy passes.
+pub fn equalize_micro_batches(parts: Vec<Vec<usize>>, target: usize) -> Vec<MicroBatch> {
+    let mut parts = parts;
+    while parts.len() < target {
+        let Some((i, _)) = parts
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.len() >= 2)
+            .max_by_key(|(i, p)| (p.len(), std::cmp::Reverse(*i)))
+        else {
+            break;
+        };
+        let half = parts[i].len() / 2;
+        let tail = parts[i].split_off(half);
+        parts.insert(i + 1, tail);
+    }
+    let mut out: Vec<MicroBatch> = parts
+        .iter()
+        .map(|rows| MicroBatch {
+            rows: rows.clone(),
+            dummy: false,
+        })
+        .collect();
+    while out.len() < target {
+        out.push(MicroBatch {
+            rows: parts.first().cloned().unwrap_or_default(),
+            dummy: true,
+        });
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn equalizing_splits_then_pads() {
+        let parts = vec![vec![0, 1, 2, 3], vec![4]];
+        let eq = equalize_micro_batches(parts.clone(), 2);
+        assert_eq!(eq.iter().map(|m| m.rows.clone()).collect::<Vec<_>>(), parts);
+        let eq = equalize_micro_batches(parts.clone(), 4);
+        let rows: Vec<Vec<usize>> = eq.iter().map(|m| m.rows.clone()).collect();
+        assert_eq!(rows, vec![vec![0], vec![1], vec![2, 3], vec![4]]);
+        assert!(eq.iter().all(|m| !m.dummy));
+        let eq = equalize_micro_batches(vec![vec![7]], 3);
+        assert_eq!(eq.len(), 3);
+        assert_eq!(
+            (eq[1].dummy, eq[2].dummy, eq[2].rows.clone()),
+            (true, true, vec![7])
+        );
+    }
 
     #[test]
     fn token_budget_packs_under_budget_and_covers_every_row() {

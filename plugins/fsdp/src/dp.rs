@@ -1,39 +1,252 @@
-//! The data-parallel group of a role: the seam where sharding plugs in.
+//! The data-parallel group of a role: its rank, size and communicator.
 //!
-//! Today every role runs on one rank (`rank 0 / size 1`), so the reductions below are identities.
-//! Multi-rank FSDP replaces them with the communicator's collectives; everything that must be
-//! reduced across ranks (loss-normaliser counts, gradients, metrics) already goes through here.
+//! Every role instance (actor, reference, critic) joins the job on its own: its own store
+//! connection (announced as its rank, so a crashed rank is noticed) and its own communicator under
+//! a per-role, per-instance rendezvous prefix. Nothing is process-global: ranks may be threads of
+//! one process (the tests) or separate processes (the host's launcher).
+//!
+//! With one rank every reduction is the identity and no communicator exists.
 
-use tch::Tensor;
+use std::sync::Arc;
+use std::time::Duration;
 
-use crate::error::{FsdpError, Result};
+use tch::{Device, Tensor};
+use verl_comm::{
+    CommError, Communicator, CpuCommunicator, CpuOptions, NcclCommunicator, NcclOptions, ReduceOp,
+    StoreClient,
+};
+use verl_plugin_api::InitArgs;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+use crate::error::{FsdpError, Result, TorchContext};
+
 pub struct Dp {
     pub rank: usize,
     pub size: usize,
+    comm: Option<Box<dyn Communicator>>,
+    /// Where small reduction buffers live: the communicator's device.
+    device: Device,
+}
+
+impl std::fmt::Debug for Dp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dp")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("backend", &self.comm.as_ref().map(|c| c.backend().name()))
+            .finish()
+    }
 }
 
 impl Dp {
-    /// The group of a role created with `world_size` ranks; refuses more than one until sharding lands.
-    pub fn new(rank: u32, world_size: u32) -> Result<Dp> {
-        if world_size > 1 {
+    /// A one-rank group.
+    pub fn single() -> Dp {
+        Dp {
+            rank: 0,
+            size: 1,
+            comm: None,
+            device: Device::Cpu,
+        }
+    }
+
+    /// A group over an existing communicator (its rank and size); collectives on tensors of
+    /// `device`.
+    pub fn with_communicator(comm: Box<dyn Communicator>, device: Device) -> Dp {
+        Dp {
+            rank: comm.rank(),
+            size: comm.world_size(),
+            comm: Some(comm),
+            device,
+        }
+    }
+
+    /// Joins the job described by `init` as role `role` (`"actor"`, `"reference"`, `"critic"`):
+    /// connects to `init.rendezvous`'s store as `init.rank` and builds a communicator (the CPU
+    /// backend when `device` is the CPU, NCCL on GPU `init.local_rank` otherwise) under the prefix
+    /// `verl-fsdp/<role>/<n>`, where `n` counts this role's instances on this rank, so that roles
+    /// and successive instances never share a rendezvous.
+    pub fn join(init: &InitArgs, role: &str, device: Device) -> Result<Dp> {
+        if init.world_size <= 1 {
+            return Ok(Dp::single());
+        }
+        if init.rank >= init.world_size {
             return Err(FsdpError::config(
-                "trainer.n_gpus_per_node × trainer.nnodes",
-                "1 (the fsdp backend runs single-rank for now; sharding is pending)",
-                format!("world size {world_size} (rank {rank})"),
+                "InitArgs.rank",
+                format!("a rank below the world size {}", init.world_size),
+                init.rank,
             ));
         }
-        Ok(Dp { rank: 0, size: 1 })
+        let rdv = init.rendezvous.as_ref().ok_or_else(|| {
+            FsdpError::config(
+                "InitArgs.rendezvous",
+                format!(
+                    "the job's store (master_addr, master_port) for a world of {} ranks",
+                    init.world_size
+                ),
+                "none",
+            )
+        })?;
+        let (rank, world) = (init.rank as usize, init.world_size as usize);
+        let timeout = Duration::from_secs(rdv.timeout_s.max(1));
+        let addr = format!("{}:{}", rdv.master_addr, rdv.master_port);
+        let comm_err = |op: &'static str| move |source: CommError| FsdpError::Comm { op, source };
+        let store = StoreClient::connect_as(addr.as_str(), rank, timeout)
+            .map_err(|e| comm_err("connect to the rendezvous store")(e.into()))?;
+        let instance = store
+            .add(&format!("verl-fsdp/{role}/instances/rank{rank}"), 1)
+            .map_err(|e| comm_err("rendezvous")(e.into()))?;
+        let prefix = format!("verl-fsdp/{role}/{instance}");
+        let store = Arc::new(store);
+        let (comm, dev): (Box<dyn Communicator>, Device) = match device {
+            Device::Cpu => (
+                Box::new(
+                    CpuCommunicator::with_prefix(
+                        store,
+                        &prefix,
+                        rank,
+                        world,
+                        CpuOptions {
+                            timeout,
+                            ..CpuOptions::default()
+                        },
+                    )
+                    .map_err(comm_err("rendezvous (cpu communicator)"))?,
+                ),
+                Device::Cpu,
+            ),
+            Device::Cuda(gpu) => (
+                Box::new(
+                    NcclCommunicator::with_prefix(
+                        store,
+                        &prefix,
+                        rank,
+                        world,
+                        NcclOptions {
+                            device: gpu,
+                            timeout,
+                            ..NcclOptions::default()
+                        },
+                    )
+                    .map_err(comm_err("rendezvous (nccl communicator)"))?,
+                ),
+                device,
+            ),
+            other => {
+                return Err(FsdpError::config(
+                    "trainer.device",
+                    "cpu or cuda for a multi-rank job",
+                    format!("{other:?}"),
+                ))
+            }
+        };
+        Ok(Dp {
+            rank,
+            size: world,
+            comm: Some(comm),
+            device: dev,
+        })
     }
 
-    /// Sums plain numbers over the group (loss-normaliser counts).
-    pub fn all_reduce_sum(&self, _values: &mut [f64]) -> Result<()> {
+    pub fn is_sharded(&self) -> bool {
+        self.size > 1
+    }
+
+    fn comm(&self) -> Option<&dyn Communicator> {
+        self.comm.as_deref()
+    }
+
+    /// Sums plain numbers over the group (loss-normaliser counts, metrics).
+    pub fn all_reduce_sum(&self, values: &mut [f64]) -> Result<()> {
+        self.all_reduce_f64(
+            values,
+            ReduceOp::Sum,
+            "all_reduce (sum of counts / metrics)",
+        )
+    }
+
+    /// Maximum of plain numbers over the group.
+    pub fn all_reduce_max(&self, values: &mut [f64]) -> Result<()> {
+        self.all_reduce_f64(values, ReduceOp::Max, "all_reduce (max)")
+    }
+
+    fn all_reduce_f64(&self, values: &mut [f64], op: ReduceOp, what: &'static str) -> Result<()> {
+        let Some(comm) = self.comm() else {
+            return Ok(());
+        };
+        if values.is_empty() {
+            return Ok(());
+        }
+        let mut t = Tensor::f_from_slice(values)
+            .and_then(|t| t.f_to_device(self.device))
+            .ctx("reduction buffer")?;
+        comm.all_reduce(&mut t, op)
+            .map_err(|source| FsdpError::Comm { op: what, source })?;
+        let host = Vec::<f64>::try_from(&t.f_to_device(Device::Cpu).ctx("reduction result")?)
+            .ctx("reduction result")?;
+        values.copy_from_slice(&host);
         Ok(())
     }
 
-    /// Averages gradients over the group in place.
-    pub fn all_reduce_mean(&self, _tensors: &[Tensor]) -> Result<()> {
-        Ok(())
+    /// All-gathers `input` (`[S]`) of every rank into `output` (`[size * S]`, rank-major).
+    pub fn all_gather_into(&self, output: &mut Tensor, input: &Tensor) -> Result<()> {
+        match self.comm() {
+            Some(c) => c
+                .all_gather_into(output, input)
+                .map_err(|source| FsdpError::Comm {
+                    op: "all_gather (parameters)",
+                    source,
+                }),
+            None => output.f_copy_(input).ctx("gather (one rank)"),
+        }
+    }
+
+    /// Sums `input` (`[size * S]`) over the group and leaves this rank's block in `output` (`[S]`).
+    pub fn reduce_scatter_sum(&self, output: &mut Tensor, input: &Tensor) -> Result<()> {
+        match self.comm() {
+            Some(c) => c
+                .reduce_scatter(output, input, ReduceOp::Sum)
+                .map_err(|source| FsdpError::Comm {
+                    op: "reduce_scatter (gradients)",
+                    source,
+                }),
+            None => output.f_copy_(input).ctx("reduce-scatter (one rank)"),
+        }
+    }
+
+    /// Copies rank `root`'s `tensor` into `tensor` on every rank.
+    pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
+        match self.comm() {
+            Some(c) => c.broadcast(tensor, root).map_err(|source| FsdpError::Comm {
+                op: "broadcast (initial weights)",
+                source,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    pub fn barrier(&self, what: &'static str) -> Result<()> {
+        match self.comm() {
+            Some(c) => c
+                .barrier()
+                .map_err(|source| FsdpError::Comm { op: what, source }),
+            None => Ok(()),
+        }
+    }
+
+    /// Declares this rank failed with `error`, so that every other rank's pending and later
+    /// collectives fail naming this rank instead of waiting for it. Returns `error`.
+    pub fn fail(&self, error: FsdpError) -> FsdpError {
+        if let Some(c) = self.comm() {
+            // A peer's failure reached us: repeating it would only blur the root cause.
+            if !matches!(
+                error,
+                FsdpError::Comm {
+                    source: CommError::PeerFailed { .. },
+                    ..
+                }
+            ) {
+                c.abort(&error.to_string());
+            }
+        }
+        error
     }
 }

@@ -50,6 +50,15 @@ pub enum FsdpError {
         source: std::io::Error,
     },
 
+    /// A collective or the rendezvous of the data-parallel group failed; when another rank failed
+    /// first, `source` names it and carries its message.
+    #[error("data-parallel {op}: {source}")]
+    Comm {
+        op: &'static str,
+        #[source]
+        source: verl_comm::CommError,
+    },
+
     #[error(transparent)]
     Model(#[from] verl_nn::NnError),
 

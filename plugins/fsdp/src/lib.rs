@@ -6,8 +6,10 @@
 //! accumulation under verl-losses' global normaliser, mixed precision, clipping, LR schedules and
 //! the backend's checkpoint files. It must not contain RL-loop logic (advantages, rewards, KL
 //! control, step scheduling: the host drives those), tokenize, or let a panic or tch exception cross
-//! the ABI. This build runs each role on a single rank; the data-parallel seam ([`dp::Dp`]) is where
-//! ZeRO-3 sharding over the communicator plugs in.
+//! the ABI. A role runs on one rank or, data-parallel, on several ([`dp::Dp`], one communicator per
+//! role instance): the actor and critic then shard their fp32 masters, gradients and AdamW state
+//! ZeRO-3 style ([`shard`]), gathering each unit's parameters around its use; the frozen reference
+//! keeps a full copy per rank.
 
 pub mod actor;
 pub mod config;
@@ -18,6 +20,8 @@ pub mod error;
 pub mod forward;
 pub mod metrics;
 pub mod optim;
+pub mod sft;
+pub mod shard;
 pub mod train;
 
 use verl_plugin_api::{
@@ -30,7 +34,8 @@ pub use error::FsdpError;
 
 pub struct FsdpPlugin;
 
-const SINGLE_RANK: &str = "single rank; sharding pending";
+const PARALLELISM: &str =
+    "one rank or data-parallel ZeRO-3 (params/grads/optimizer sharded; CPU or NCCL collectives)";
 
 impl BackendPlugin for FsdpPlugin {
     fn info() -> PluginInfo {
@@ -38,7 +43,7 @@ impl BackendPlugin for FsdpPlugin {
             name: "fsdp".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             description: format!(
-                "FSDP backend: actor (hybrid-engine generation, PPO update), reference and critic ({SINGLE_RANK})"
+                "FSDP backend: actor (hybrid-engine generation, PPO update), reference and critic ({PARALLELISM})"
             ),
             capabilities: vec![
                 ready(Role::Actor),
@@ -65,7 +70,7 @@ impl BackendPlugin for FsdpPlugin {
 
 fn ready(role: Role) -> Capability {
     Capability {
-        note: SINGLE_RANK.into(),
+        note: PARALLELISM.into(),
         ..Capability::ready(role)
     }
 }

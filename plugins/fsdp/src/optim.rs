@@ -49,44 +49,74 @@ impl AdamW {
 
     /// One step on `params` with `grads` (both fp32, same order as at creation).
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<()> {
+        let c = self.begin_step(lr);
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let (m, v) = (&self.exp_avg[i], &self.exp_avg_sq[i]);
+            self.update(&c, p, g, m, v)?;
+        }
+        Ok(())
+    }
+
+    /// Counts a step and returns its coefficients, for callers that update tensor by tensor
+    /// ([`AdamW::update`]), e.g. moving offloaded state to the device one tensor at a time.
+    pub fn begin_step(&mut self, lr: f64) -> StepCoefficients {
         self.step += 1;
         let (b1, b2) = self.betas;
         let bc1 = 1.0 - b1.powi(self.step as i32);
         let bc2 = 1.0 - b2.powi(self.step as i32);
-        let step_size = lr / bc1;
-        let bc2_sqrt = bc2.sqrt();
+        StepCoefficients {
+            lr,
+            step_size: lr / bc1,
+            bc2_sqrt: bc2.sqrt(),
+        }
+    }
+
+    /// Updates one parameter `p` in place with gradient `g` and its state `m`, `v` (all on one
+    /// device, same shape).
+    pub fn update(
+        &self,
+        c: &StepCoefficients,
+        p: &Tensor,
+        g: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        let (b1, b2) = self.betas;
         tch::no_grad(|| -> Result<()> {
-            for ((p, g), (m, v)) in params
-                .iter()
-                .zip(grads)
-                .zip(self.exp_avg.iter_mut().zip(self.exp_avg_sq.iter_mut()))
-            {
-                let mut p = p.shallow_clone();
-                let _ = p
-                    .f_mul_scalar_(1.0 - lr * self.weight_decay)
-                    .ctx("AdamW decay")?;
-                let _ = m.f_lerp_(g, 1.0 - b1).ctx("AdamW exp_avg")?;
-                let g2 = g
-                    .f_square()
-                    .and_then(|x| x.f_mul_scalar(1.0 - b2))
-                    .ctx("AdamW grad²")?;
-                let _ = v
-                    .f_mul_scalar_(b2)
-                    .and_then(|mut v| v.f_add_(&g2))
-                    .ctx("AdamW exp_avg_sq")?;
-                let denom = v
-                    .f_sqrt()
-                    .and_then(|d| d.f_div_scalar(bc2_sqrt))
-                    .and_then(|d| d.f_add_scalar(self.eps))
-                    .ctx("AdamW denom")?;
-                let update = m.f_div(&denom).ctx("AdamW update")?;
-                let _ = p
-                    .f_sub_(&update.f_mul_scalar(step_size).ctx("AdamW update")?)
-                    .ctx("AdamW apply")?;
-            }
+            let mut p = p.shallow_clone();
+            let (mut m, mut v) = (m.shallow_clone(), v.shallow_clone());
+            let _ = p
+                .f_mul_scalar_(1.0 - c.lr * self.weight_decay)
+                .ctx("AdamW decay")?;
+            let _ = m.f_lerp_(g, 1.0 - b1).ctx("AdamW exp_avg")?;
+            let g2 = g
+                .f_square()
+                .and_then(|x| x.f_mul_scalar(1.0 - b2))
+                .ctx("AdamW grad²")?;
+            let _ = v
+                .f_mul_scalar_(b2)
+                .and_then(|mut v| v.f_add_(&g2))
+                .ctx("AdamW exp_avg_sq")?;
+            let denom = v
+                .f_sqrt()
+                .and_then(|d| d.f_div_scalar(c.bc2_sqrt))
+                .and_then(|d| d.f_add_scalar(self.eps))
+                .ctx("AdamW denom")?;
+            let update = m.f_div(&denom).ctx("AdamW update")?;
+            let _ = p
+                .f_sub_(&update.f_mul_scalar(c.step_size).ctx("AdamW update")?)
+                .ctx("AdamW apply")?;
             Ok(())
         })
     }
+}
+
+/// The per-step scalars of one AdamW step.
+#[derive(Debug, Clone, Copy)]
+pub struct StepCoefficients {
+    lr: f64,
+    step_size: f64,
+    bc2_sqrt: f64,
 }
 
 /// `torch.nn.utils.clip_grad_norm_`: the total 2-norm of all gradients (before clipping); the

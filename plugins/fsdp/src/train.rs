@@ -2,9 +2,15 @@
 //! use), the fp32 master weights and their AdamW state, gradient accumulation, clipping, the LR
 //! schedule, and the checkpoint files of all of it.
 //!
-//! When the compute dtype equals the master dtype the masters *are* the model's parameters (shared
-//! storage, no copy). Otherwise each micro-batch's gradients are added into fp32 accumulators, the
-//! optimizer steps the fp32 masters, and the masters are cast back into the live model.
+//! On one rank: when the compute dtype equals the master dtype the masters *are* the model's
+//! parameters (shared storage, no copy). Otherwise each micro-batch's gradients are added into fp32
+//! accumulators, the optimizer steps the fp32 masters, and the masters are cast back into the live
+//! model.
+//!
+//! On several ranks ([`crate::shard`]): each rank holds 1/world of the masters, gradient
+//! accumulators and AdamW state; the live model's parameters are empty except while a unit (or a
+//! whole call, see [`TrainableModel::with_full`]) uses them. Gradients are summed over ranks (not
+//! averaged), so the loss must use the global normaliser with `dp_size = 1`.
 
 use std::path::Path;
 
@@ -15,6 +21,9 @@ use crate::config::{OptimSection, Precision};
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::optim::{clip_grad_norm, AdamW, LrSchedule};
+use crate::shard::{
+    read_named, sum_bytes, Gate, Layout, MemoryStats, Offload, ShardState, Source, What,
+};
 
 pub const STATE_FILE: &str = "state.json";
 pub const OPTIM_FILE: &str = "optim.safetensors";
@@ -36,17 +45,91 @@ pub struct TrainableModel {
     /// `update` calls completed (the scheduler's step).
     pub updates: u64,
     pub grad_clip: f64,
+    /// ZeRO-3 state when the role runs on several ranks (then `masters` and `accum` are empty).
+    shard: Option<ShardState>,
+}
+
+/// How a multi-rank model is sharded (`*.fsdp_config`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sharding {
+    pub offload: Offload,
+    pub reshard_after_forward: bool,
+}
+
+impl Default for Sharding {
+    fn default() -> Self {
+        Sharding {
+            offload: Offload::default(),
+            reshard_after_forward: true,
+        }
+    }
 }
 
 impl TrainableModel {
+    /// A model trained on one rank.
     pub fn new(
-        mut model: Transformer,
+        model: Transformer,
         precision: Precision,
         optim_cfg: OptimSection,
         optim_key: &str,
         grad_clip: f64,
     ) -> Result<TrainableModel> {
+        Self::new_on(
+            model,
+            precision,
+            optim_cfg,
+            optim_key,
+            grad_clip,
+            &Dp::single(),
+            Sharding::default(),
+        )
+    }
+
+    /// A model trained on the ranks of `dp`: sharded (ZeRO-3) when there are several. Every rank
+    /// must pass the same model (rank 0's weights win) and call this at the same point.
+    pub fn new_on(
+        mut model: Transformer,
+        precision: Precision,
+        optim_cfg: OptimSection,
+        optim_key: &str,
+        grad_clip: f64,
+        dp: &Dp,
+        sharding: Sharding,
+    ) -> Result<TrainableModel> {
         model.set_requires_grad(true)?;
+        if dp.is_sharded() {
+            let names: Vec<String> = model
+                .named_parameters()
+                .iter()
+                .map(|(n, _)| n.clone())
+                .collect();
+            let shard = ShardState::new(
+                &model,
+                dp,
+                precision.master,
+                sharding.offload,
+                sharding.reshard_after_forward,
+            )?;
+            let mut optim = AdamW::new(&optim_cfg, optim_key, &shard.masters)?;
+            let odev = shard.optimizer_device();
+            for t in optim.exp_avg.iter_mut().chain(optim.exp_avg_sq.iter_mut()) {
+                *t = t.f_to_device(odev).ctx("optimizer state placement")?;
+            }
+            return Ok(TrainableModel {
+                model,
+                precision,
+                names,
+                masters: Vec::new(),
+                accum: Vec::new(),
+                optim,
+                optim_cfg,
+                optim_key: optim_key.to_string(),
+                schedule: None,
+                updates: 0,
+                grad_clip,
+                shard: Some(shard),
+            });
+        }
         let names: Vec<String> = model
             .named_parameters()
             .iter()
@@ -87,11 +170,117 @@ impl TrainableModel {
             schedule: None,
             updates: 0,
             grad_clip,
+            shard: None,
         })
     }
 
     fn mixed(&self) -> bool {
         !self.accum.is_empty()
+    }
+
+    pub fn is_sharded(&self) -> bool {
+        self.shard.is_some()
+    }
+
+    /// Forward, `loss_fn`, backward of one micro-batch; gradients accumulate (into `.grad` /
+    /// the fp32 accumulators on one rank, reduce-scattered into this rank's shard otherwise).
+    pub fn forward_backward<F>(
+        &mut self,
+        dp: &Dp,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        loss_fn: F,
+    ) -> Result<Tensor>
+    where
+        F: FnOnce(&Tensor) -> verl_nn::Result<Tensor>,
+    {
+        let Some(shard) = self.shard.as_mut() else {
+            return Ok(self.model.forward_backward(
+                input_ids,
+                attention_mask,
+                position_ids,
+                loss_fn,
+            )?);
+        };
+        let mut gate = Gate {
+            state: shard,
+            dp,
+            error: None,
+        };
+        let res = self.model.forward_backward_gated(
+            input_ids,
+            attention_mask,
+            position_ids,
+            &mut gate,
+            loss_fn,
+        );
+        let kept = gate.error.take();
+        let released = shard_release(self.shard.as_mut());
+        match (kept, res) {
+            (Some(e), _) => Err(e),
+            (None, Err(e)) => Err(e.into()),
+            (None, Ok(loss)) => {
+                released?;
+                Ok(loss)
+            }
+        }
+    }
+
+    /// Runs `f` on the whole model. On several ranks every parameter is gathered for the call
+    /// (one all-gather per unit, all units resident at once) and freed afterwards: generation,
+    /// log-probs and values run the model many times per call, and re-gathering per layer per
+    /// decode step would cost far more than the memory it saves at these sizes.
+    pub fn with_full<T>(
+        &mut self,
+        dp: &Dp,
+        f: impl FnOnce(&Transformer) -> Result<T>,
+    ) -> Result<T> {
+        let Some(shard) = self.shard.as_mut() else {
+            return f(&self.model);
+        };
+        if let Err(e) = shard.acquire_all(dp) {
+            let _ = shard.release_all();
+            return Err(e);
+        }
+        let r = f(&self.model);
+        let released = shard_release(self.shard.as_mut());
+        let v = r?;
+        released?;
+        Ok(v)
+    }
+
+    /// Bytes this rank holds in parameters, gradients and optimizer state.
+    pub fn memory(&self) -> MemoryStats {
+        if let Some(s) = &self.shard {
+            return s.memory(&self.optim);
+        }
+        let params: Vec<&Tensor> = self
+            .model
+            .named_parameters()
+            .iter()
+            .map(|(_, p)| p)
+            .collect();
+        let model_bytes = sum_bytes(params.iter().copied());
+        let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).collect();
+        MemoryStats {
+            params: model_bytes
+                + if self.mixed() {
+                    sum_bytes(&self.masters)
+                } else {
+                    0
+                },
+            grads: sum_bytes(&grads) + sum_bytes(&self.accum),
+            optimizer: sum_bytes(self.optim.exp_avg.iter().chain(&self.optim.exp_avg_sq)),
+            peak_gathered: model_bytes,
+        }
+    }
+
+    /// Starts a new peak count of gathered parameters.
+    pub fn reset_peak_memory(&mut self) {
+        if let Some(s) = &mut self.shard {
+            s.reset_peak();
+        }
     }
 
     /// The LR schedule, built on first use so the host can pass the total step count with the first
@@ -108,6 +297,9 @@ impl TrainableModel {
     }
 
     pub fn zero_grad(&mut self) -> Result<()> {
+        if let Some(s) = &mut self.shard {
+            return s.zero_grad();
+        }
         for (_, p) in self.model.named_parameters() {
             let mut g = p.grad();
             if g.defined() {
@@ -122,7 +314,7 @@ impl TrainableModel {
 
     /// Called after each micro-batch backward: moves compute-dtype gradients into fp32.
     pub fn after_backward(&mut self) -> Result<()> {
-        if !self.mixed() {
+        if self.is_sharded() || !self.mixed() {
             return Ok(());
         }
         tch::no_grad(|| -> Result<()> {
@@ -158,12 +350,25 @@ impl TrainableModel {
             .collect()
     }
 
-    /// Reduces gradients over `dp`, clips them and returns the norm; the caller decides whether
-    /// to [`TrainableModel::apply`] (a non-finite norm must not be applied).
+    /// Clips the gradients and returns their global norm; the caller decides whether to
+    /// [`TrainableModel::apply`] (a non-finite norm must not be applied). Sharded: the norm is
+    /// `sqrt(Σ_ranks Σ shard²)` and the returned list is empty (the shards stay in place).
     pub fn clip(&mut self, dp: &Dp) -> Result<(Vec<Tensor>, f64)> {
+        let clip = self.grad_clip;
+        if let Some(s) = &mut self.shard {
+            let mut sq = [s.local_grad_sq()?];
+            dp.all_reduce_sum(&mut sq)?;
+            let norm = sq[0].sqrt();
+            if norm.is_finite() && clip > 0.0 {
+                let coef = clip / (norm + 1e-6);
+                if coef < 1.0 {
+                    s.scale_grads(coef)?;
+                }
+            }
+            return Ok((Vec::new(), norm));
+        }
         let grads = self.grads()?;
-        dp.all_reduce_mean(&grads)?;
-        let norm = clip_grad_norm(&grads, self.grad_clip)?;
+        let norm = clip_grad_norm(&grads, clip)?;
         Ok((grads, norm))
     }
 
@@ -199,6 +404,10 @@ impl TrainableModel {
 
     /// One optimizer step with clipped gradients, then the live model refreshed from the masters.
     pub fn apply(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        if let Some(s) = &mut self.shard {
+            // The live parameters are empty; the next gather publishes the new weights.
+            return s.step(&mut self.optim, lr);
+        }
         self.optim.step(&self.masters, grads, lr)?;
         if self.mixed() {
             tch::no_grad(|| -> Result<()> {
@@ -211,8 +420,68 @@ impl TrainableModel {
         Ok(())
     }
 
+    fn state_json(&self, role: &str, extra: serde_json::Value) -> serde_json::Value {
+        serde_json::json!({
+            "format": FORMAT,
+            "role": role,
+            "optimizer_step": self.optim.step,
+            "updates": self.updates,
+            "master_dtype": format!("{:?}", self.precision.master),
+            "compute_dtype": format!("{:?}", self.model.dtype()),
+            "extra": extra,
+        })
+    }
+
     /// Model (HF folder), master weights when they differ from the model, optimizer state, counters.
+    ///
+    /// Sharded: every rank calls this; rank 0 writes the HF folder (parameters gathered) and
+    /// `state.json` (with `world_size` and the flat `layout`), every rank writes its
+    /// `master.rank<r>-of-<w>` and `optim.rank<r>-of-<w>` files; returns once all ranks are done.
+    pub fn save_on(
+        &mut self,
+        dp: &Dp,
+        dir: &Path,
+        role: &str,
+        extra: serde_json::Value,
+    ) -> Result<()> {
+        if self.shard.is_none() {
+            return self.save(dir, role, extra);
+        }
+        std::fs::create_dir_all(dir).map_err(|source| FsdpError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let rank0 = dp.rank == 0;
+        self.with_full(dp, |model| {
+            if rank0 {
+                model.save_pretrained(
+                    dir.join(MODEL_DIR),
+                    &SaveOptions {
+                        dtype: Some(model.dtype()),
+                        ..SaveOptions::default()
+                    },
+                )?;
+            }
+            Ok(())
+        })?;
+        let shard = self.shard.as_ref().expect("checked above");
+        shard.save_shards(dir, &self.optim)?;
+        if rank0 {
+            let mut json = self.state_json(role, extra);
+            json["world_size"] = serde_json::json!(dp.size);
+            json["layout"] = shard.layout.to_json(dp.size);
+            write_json(&dir.join(STATE_FILE), &json)?;
+        }
+        dp.barrier("checkpoint barrier")
+    }
+
+    /// The one-rank checkpoint (see [`TrainableModel::save_on`] for several ranks).
     pub fn save(&self, dir: &Path, role: &str, extra: serde_json::Value) -> Result<()> {
+        if self.shard.is_some() {
+            return Err(FsdpError::Api(verl_plugin_api::Error::failed(
+                "a sharded model is saved with save_on (every rank takes part)",
+            )));
+        }
         std::fs::create_dir_all(dir).map_err(|source| FsdpError::Io {
             path: dir.to_path_buf(),
             source,
@@ -239,24 +508,11 @@ impl TrainableModel {
             state.push((format!("exp_avg_sq.{n}"), &self.optim.exp_avg_sq[i]));
         }
         Tensor::write_safetensors(&state, dir.join(OPTIM_FILE)).ctx("write optimizer state")?;
-        let json = serde_json::json!({
-            "format": FORMAT,
-            "role": role,
-            "optimizer_step": self.optim.step,
-            "updates": self.updates,
-            "master_dtype": format!("{:?}", self.precision.master),
-            "compute_dtype": format!("{:?}", self.model.dtype()),
-            "extra": extra,
-        });
-        let path = dir.join(STATE_FILE);
-        std::fs::write(
-            &path,
-            serde_json::to_string_pretty(&json).expect("json") + "\n",
-        )
-        .map_err(|source| FsdpError::Io { path, source })
+        write_json(&dir.join(STATE_FILE), &self.state_json(role, extra))
     }
 
-    /// Restores what [`TrainableModel::save`] wrote; returns its `extra` object.
+    /// Restores what [`TrainableModel::save`] or [`TrainableModel::save_on`] wrote, at any world
+    /// size (a checkpoint of `w` ranks is resharded for this one's); returns its `extra` object.
     pub fn load(&mut self, dir: &Path, role: &str) -> Result<serde_json::Value> {
         let path = dir.join(STATE_FILE);
         let text = std::fs::read_to_string(&path).map_err(|source| FsdpError::Io {
@@ -279,6 +535,65 @@ impl TrainableModel {
                 ),
             });
         }
+        let saved_world = field("world_size").as_u64().unwrap_or(1);
+        if let Some(shard) = self.shard.as_mut() {
+            let mut src = Source::open(dir, &state)?;
+            shard.load_from(&mut src, &mut self.optim)?;
+        } else if saved_world > 1 {
+            let ckpt = Checkpoint::open(dir.join(MODEL_DIR))?;
+            self.model.load_checkpoint(&ckpt)?;
+            let mut src = Source::open(dir, &state)?;
+            self.restore_unsharded(&mut src)?;
+        } else {
+            self.load_unsharded(dir)?;
+        }
+        let count = |k: &str| -> Result<u64> {
+            field(k).as_u64().ok_or_else(|| FsdpError::Checkpoint {
+                path: dir.join(STATE_FILE),
+                message: format!("`{k}` should be a non-negative integer, found {}", field(k)),
+            })
+        };
+        self.optim.step = count("optimizer_step")?;
+        self.updates = count("updates")?;
+        self.zero_grad()?;
+        Ok(field("extra"))
+    }
+
+    /// One rank from a sharded checkpoint: masters and optimizer state rebuilt from the shards.
+    fn restore_unsharded(&mut self, src: &mut Source) -> Result<()> {
+        let layout = Layout::of(&self.model);
+        tch::no_grad(|| -> Result<()> {
+            for group in &layout.groups {
+                for what in [What::Master, What::ExpAvg, What::ExpAvgSq] {
+                    let flat = src.group_flat(group, what)?;
+                    for (k, &i) in group.params.iter().enumerate() {
+                        let piece = flat
+                            .f_narrow(0, group.offsets[k] as i64, group.numels[k] as i64)
+                            .and_then(|x| x.f_view(group.shapes[k].as_slice()))
+                            .ctx("split checkpoint group")?;
+                        let dst = match what {
+                            What::Master => &self.masters[i],
+                            What::ExpAvg => &self.optim.exp_avg[i],
+                            What::ExpAvgSq => &self.optim.exp_avg_sq[i],
+                        };
+                        dst.shallow_clone().f_copy_(&piece).ctx("restore tensor")?;
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        if self.mixed() {
+            tch::no_grad(|| -> Result<()> {
+                for ((_, p), m) in self.model.named_parameters().iter().zip(&self.masters) {
+                    p.shallow_clone().f_copy_(m).ctx("masters → live model")?;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    fn load_unsharded(&mut self, dir: &Path) -> Result<()> {
         let ckpt = Checkpoint::open(dir.join(MODEL_DIR))?;
         self.model.load_checkpoint(&ckpt)?;
         let masters_path = dir.join(MASTER_FILE);
@@ -302,30 +617,26 @@ impl TrainableModel {
             &self.names,
             &self.optim.exp_avg_sq,
         )?;
-        let count = |k: &str| -> Result<u64> {
-            field(k).as_u64().ok_or_else(|| FsdpError::Checkpoint {
-                path: dir.join(STATE_FILE),
-                message: format!("`{k}` should be a non-negative integer, found {}", field(k)),
-            })
-        };
-        self.optim.step = count("optimizer_step")?;
-        self.updates = count("updates")?;
-        self.zero_grad()?;
-        Ok(field("extra"))
+        Ok(())
     }
 }
 
-fn read_named(path: &Path) -> Result<std::collections::HashMap<String, Tensor>> {
-    if !path.is_file() {
-        return Err(FsdpError::Checkpoint {
-            path: path.to_path_buf(),
-            message: "file missing".into(),
-        });
+fn shard_release(shard: Option<&mut ShardState>) -> Result<()> {
+    match shard {
+        Some(s) => s.release_all(),
+        None => Ok(()),
     }
-    Ok(Tensor::read_safetensors(path)
-        .ctx(&format!("read {}", path.display()))?
-        .into_iter()
-        .collect())
+}
+
+fn write_json(path: &Path, json: &serde_json::Value) -> Result<()> {
+    std::fs::write(
+        path,
+        serde_json::to_string_pretty(json).expect("json") + "\n",
+    )
+    .map_err(|source| FsdpError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 fn copy_named(

@@ -92,6 +92,11 @@ pub enum NnError {
 
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
+
+    /// A [`crate::ParamGate`] could not materialise, free or take the gradients of a unit (the
+    /// gate keeps the underlying cause for its owner).
+    #[error("parameter gate, unit {unit}: {message}")]
+    Gate { unit: String, message: String },
 }
 
 pub type Result<T, E = NnError> = std::result::Result<T, E>;

@@ -3,10 +3,12 @@
 //! Owns: parsing HF `config.json` into a typed [`ModelConfig`]; the Llama / Mistral / Qwen2 / Qwen3 /
 //! Mixtral / Qwen2-MoE / Qwen3-MoE decoder with an LM, value or sequence-classification head
 //! ([`Transformer`]); the KV cache for incremental decoding ([`KvCache`]); activation
-//! checkpointing ([`Transformer::forward_backward`]); loading and saving HF safetensors folders.
+//! checkpointing ([`Transformer::forward_backward`]); the [`ParamGate`] hook through which a sharding
+//! backend materialises each [`Unit`]'s parameters around its use; loading and saving HF safetensors
+//! folders.
 //!
 //! Must not: own training loops, losses, optimizers, sampling policies or distributed sharding
-//! (those belong to the losses crate, the backends and the generation engine); panic (every libtorch
+//! itself (those belong to the losses crate, the backends and the generation engine); panic (every libtorch
 //! call goes through tch's fallible `f_*` API and surfaces as [`NnError`]); download anything.
 //! Code paths are device-generic: the same model runs on CPU and CUDA.
 
@@ -19,4 +21,4 @@ pub mod model;
 pub use checkpoint::{Checkpoint, LoadReport, SaveOptions};
 pub use config::{Arch, ModelConfig, MoeConfig, RopeScaling};
 pub use error::{NnError, Result};
-pub use model::{HeadKind, KvCache, ModelOptions, Transformer};
+pub use model::{HeadKind, KvCache, ModelOptions, ParamGate, Transformer, Unit};

@@ -139,6 +139,41 @@ impl KvCache {
     }
 }
 
+/// A group of parameters used together by the forward pass: the unit a sharding backend gathers
+/// right before its use and frees right after (FSDP's "wrapped module").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Unit {
+    /// `model.embed_tokens`.
+    Embedding,
+    /// Decoder layer `i`.
+    Layer(usize),
+    /// The final norm and the head (with a tied LM head, that includes the embedding matrix).
+    Head,
+}
+
+impl std::fmt::Display for Unit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unit::Embedding => write!(f, "embedding"),
+            Unit::Layer(i) => write!(f, "layer {i}"),
+            Unit::Head => write!(f, "final norm + head"),
+        }
+    }
+}
+
+/// The hook [`Transformer::forward_backward_gated`] calls around each [`Unit`]: a sharded backend
+/// makes the unit's parameters hold full values on `acquire` (e.g. all-gather into them with
+/// `Tensor::set_data`), frees them on `release`, and receives the unit's parameter gradients from
+/// each backward through it (e.g. to reduce-scatter them) instead of having them accumulate in
+/// `.grad`. An error should be kept by the gate for its owner and reported as [`NnError::Gate`].
+pub trait ParamGate {
+    fn acquire(&mut self, unit: Unit) -> Result<()>;
+    fn release(&mut self, unit: Unit) -> Result<()>;
+    /// `grads[i]` belongs to parameter `Transformer::unit_parameters(unit)[i]`; `None` where the
+    /// parameter got no gradient (an expert no token was routed to).
+    fn gradients(&mut self, unit: Unit, grads: Vec<Option<Tensor>>) -> Result<()>;
+}
+
 #[derive(Debug)]
 enum Head {
     Lm(Tensor),
@@ -163,6 +198,11 @@ pub struct Transformer {
     head: Head,
     padding_idx: i64,
     checkpointing: bool,
+    /// Indices into `params` of each decoder layer's parameters.
+    layer_params: Vec<std::ops::Range<usize>>,
+    /// Indices of the final norm and the head's own parameters.
+    head_params: std::ops::Range<usize>,
+    tied_head: bool,
 }
 
 impl std::fmt::Debug for Transformer {
@@ -208,9 +248,16 @@ impl Transformer {
             "model.embed_tokens.weight",
             &[cfg.vocab_size, cfg.hidden_size],
         )?;
+        let mut layer_params = Vec::new();
         let layers = (0..cfg.num_hidden_layers as usize)
-            .map(|i| DecoderLayer::new(&mut f, cfg, i))
+            .map(|i| {
+                let start = f.params.len();
+                let layer = DecoderLayer::new(&mut f, cfg, i)?;
+                layer_params.push(start..f.params.len());
+                Ok(layer)
+            })
             .collect::<Result<Vec<_>>>()?;
+        let norm_start = f.params.len();
         let norm = f.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps)?;
         let n_before_head = f.params.len();
         let head = match opts.head {
@@ -223,7 +270,9 @@ impl Transformer {
                 Head::Score(f.linear("score", cfg.hidden_size, cfg.num_labels, false)?)
             }
         };
+        let tied_head = opts.head == HeadKind::CausalLm && cfg.tie_word_embeddings;
         let params = std::mem::take(&mut f.params);
+        let head_params = norm_start..params.len();
         let head_param_names = params[n_before_head..]
             .iter()
             .map(|(n, _)| n.clone())
@@ -247,6 +296,9 @@ impl Transformer {
             head,
             padding_idx,
             checkpointing: false,
+            layer_params,
+            head_params,
+            tied_head,
             config,
         })
     }
@@ -285,6 +337,31 @@ impl Transformer {
     /// Names of the head's own parameters (empty for a tied LM head).
     pub fn head_parameter_names(&self) -> &[String] {
         &self.head_param_names
+    }
+
+    /// The units in forward order: embedding, layers, final norm + head.
+    pub fn units(&self) -> Vec<Unit> {
+        std::iter::once(Unit::Embedding)
+            .chain((0..self.layers.len()).map(Unit::Layer))
+            .chain(std::iter::once(Unit::Head))
+            .collect()
+    }
+
+    /// Indices into [`Transformer::named_parameters`] of the parameters `unit` reads, in the
+    /// order [`ParamGate::gradients`] reports them. A tied LM head lists the embedding matrix
+    /// (index 0) after the final norm, so it belongs to two units.
+    pub fn unit_parameters(&self, unit: Unit) -> Vec<usize> {
+        match unit {
+            Unit::Embedding => vec![0],
+            Unit::Layer(i) => self.layer_params.get(i).cloned().unwrap_or(0..0).collect(),
+            Unit::Head => {
+                let mut v: Vec<usize> = self.head_params.clone().collect();
+                if self.tied_head {
+                    v.push(0);
+                }
+                v
+            }
+        }
     }
 
     /// Mutable access to the var store (e.g. `VarStore::set_device`).
@@ -482,6 +559,109 @@ impl Transformer {
         Ok(loss.f_detach()?)
     }
 
+    /// [`Transformer::forward_backward`] for a sharded model: every unit's parameters are
+    /// acquired from `gate` right before the unit runs and released right after, and each unit's
+    /// parameter gradients go to [`ParamGate::gradients`] as soon as its backward is done (they
+    /// never accumulate in `.grad`). Returns the (detached) loss.
+    ///
+    /// This always recomputes each layer in the backward (activation checkpointing), whatever
+    /// [`Transformer::set_activation_checkpointing`] says: a layer graph kept from the forward
+    /// would hold `weight.t()` views of the gathered parameters, and tch cannot shrink a storage
+    /// in place (PyTorch FSDP's `untyped_storage().resize_(0)`), so the gathered weights could not
+    /// be freed between forward and backward. Units are entered in the order embedding, layers,
+    /// head (forward), then head, layers in reverse, embedding (backward).
+    pub fn forward_backward_gated<F>(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        gate: &mut dyn ParamGate,
+        loss_fn: F,
+    ) -> Result<Tensor>
+    where
+        F: FnOnce(&Tensor) -> Result<Tensor>,
+    {
+        let ctx = self.prepare(input_ids, attention_mask, position_ids, None)?;
+        let mut inputs: Vec<Tensor> = Vec::with_capacity(self.layers.len());
+        let mut h = gated(gate, Unit::Embedding, |_| {
+            tch::no_grad(|| self.embed(input_ids))
+        })?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let next = gated(gate, Unit::Layer(i), |_| {
+                tch::no_grad(|| layer.forward(&h, &ctx.layer, None))
+            })?;
+            inputs.push(std::mem::replace(&mut h, next));
+        }
+        let (loss, mut grad) = gated(gate, Unit::Head, |gate| -> Result<(Tensor, Tensor)> {
+            let x = h.f_detach()?.f_set_requires_grad(true)?;
+            let out = self.apply_head(&self.norm.forward(&x)?, attention_mask)?;
+            let loss = loss_fn(&out)?;
+            check_scalar(&loss)?;
+            let grads = self.unit_backward(Unit::Head, &loss, Some(&x), gate)?;
+            Ok((loss.f_detach()?, input_grad(grads)?))
+        })?;
+        drop(h);
+        for (i, (layer, saved)) in self.layers.iter().zip(inputs).enumerate().rev() {
+            grad = gated(gate, Unit::Layer(i), |gate| -> Result<Tensor> {
+                let x = saved.f_detach()?.f_set_requires_grad(true)?;
+                let y = layer.forward(&x, &ctx.layer, None)?;
+                let surrogate = y.f_mul(&grad)?.f_sum(None::<Kind>)?;
+                let g = self.unit_backward(Unit::Layer(i), &surrogate, Some(&x), gate)?;
+                input_grad(g)
+            })?;
+        }
+        gated(gate, Unit::Embedding, |gate| -> Result<()> {
+            let e = self.embed(input_ids)?;
+            if e.requires_grad() {
+                let surrogate = e.f_mul(&grad)?.f_sum(None::<Kind>)?;
+                self.unit_backward(Unit::Embedding, &surrogate, None, gate)?;
+            }
+            Ok(())
+        })?;
+        Ok(loss)
+    }
+
+    /// Differentiates `root` w.r.t. `unit`'s parameters (those that require grad) and `input`;
+    /// hands the parameter gradients to `gate` and returns the input's.
+    fn unit_backward(
+        &self,
+        unit: Unit,
+        root: &Tensor,
+        input: Option<&Tensor>,
+        gate: &mut dyn ParamGate,
+    ) -> Result<Option<Tensor>> {
+        let idx = self.unit_parameters(unit);
+        let trainable: Vec<usize> = (0..idx.len())
+            .filter(|&k| self.params[idx[k]].1.requires_grad())
+            .collect();
+        let mut wrt: Vec<&Tensor> = input.into_iter().collect();
+        wrt.extend(trainable.iter().map(|&k| &self.params[idx[k]].1));
+        if wrt.is_empty() {
+            return Ok(None);
+        }
+        let mut grads = Tensor::f_run_backward(&[root], &wrt, false, false)?.into_iter();
+        let input_grad = match input {
+            Some(x) => {
+                let g = grads.next().filter(|g| g.defined());
+                Some(match g {
+                    Some(g) => g,
+                    None => x.f_zeros_like()?,
+                })
+            }
+            None => None,
+        };
+        let mut per_param: Vec<Option<Tensor>> = (0..idx.len()).map(|_| None).collect();
+        for (k, g) in trainable.into_iter().zip(grads) {
+            per_param[k] = g.defined().then_some(g);
+        }
+        // Called even when no parameter got a gradient: a sharding gate runs one collective per
+        // call, and every rank must make the same calls whatever its tokens were routed to.
+        if !per_param.is_empty() {
+            gate.gradients(unit, per_param)?;
+        }
+        Ok(input_grad)
+    }
+
     /// Greedy decoding of exactly `max_new_tokens` tokens (no EOS stop: that policy belongs to the
     /// generation engine). Returns int64 `[B, max_new_tokens]`. `use_cache = false` recomputes the
     /// whole sequence every step (a reference for the cached path).
@@ -672,6 +852,24 @@ impl Transformer {
 struct Prepared {
     layer: LayerCtx,
     full_mask: Tensor,
+}
+
+fn input_grad(g: Option<Tensor>) -> Result<Tensor> {
+    g.ok_or_else(|| NnError::input("unit backward", "a gradient for the unit input", "none"))
+}
+
+/// Runs `f` with `unit` acquired, releasing it afterwards even when `f` fails.
+fn gated<T>(
+    gate: &mut dyn ParamGate,
+    unit: Unit,
+    f: impl FnOnce(&mut dyn ParamGate) -> Result<T>,
+) -> Result<T> {
+    gate.acquire(unit)?;
+    let r = f(&mut *gate);
+    let released = gate.release(unit);
+    let v = r?;
+    released?;
+    Ok(v)
 }
 
 fn backward_with_grad(y: &Tensor, grad: &Tensor) -> Result<()> {

@@ -6,7 +6,9 @@ mod common;
 use common::{masked_max_abs, max_abs};
 use serde_json::json;
 use tch::{Kind, Tensor};
-use verl_nn::{HeadKind, ModelConfig, ModelOptions, NnError, SaveOptions, Transformer};
+use verl_nn::{
+    HeadKind, ModelConfig, ModelOptions, NnError, ParamGate, SaveOptions, Transformer, Unit,
+};
 
 fn config(extra: serde_json::Value) -> ModelConfig {
     let mut v = json!({
@@ -105,6 +107,112 @@ fn check_checkpointing(extra: serde_json::Value, head: HeadKind) {
     // Embedding and the first layer actually received gradient through the recomputed chain.
     let emb = &g_ckpt[0].1;
     assert!(emb.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+
+    // The gated path: parameters are empty outside their unit, gradients arrive per unit.
+    zero_grads(&m);
+    let mut gate = FreeingGate::new(&m);
+    let gated = m
+        .forward_backward_gated(&ids, Some(&mask), None, &mut gate, loss_fn)
+        .unwrap();
+    assert!(max_abs(&plain, &gated) < 1e-5, "loss {plain} vs {gated}");
+    assert_eq!(gate.live, 0, "every acquire was released");
+    for (_, p) in m.named_parameters() {
+        assert_eq!(p.numel(), 0, "parameters stay freed after the call");
+        let g = p.grad();
+        assert!(!g.defined() || g.abs().sum(Kind::Float).double_value(&[]) == 0.0);
+    }
+    for (i, (name, a)) in g_plain.iter().enumerate() {
+        let b = gate.grads[i]
+            .as_ref()
+            .unwrap_or_else(|| panic!("{name}: no gradient"));
+        let scale = a.abs().max().double_value(&[]).max(1.0);
+        let d = max_abs(a, b);
+        assert!(d <= 1e-5 * scale, "{name}: gated grad diff {d:.3e}");
+    }
+    gate.restore(&m);
+}
+
+/// A stand-in for a sharded backend's gate: keeps a private full copy of every parameter, empties
+/// the live parameters outside their unit and sums the gradients it is handed.
+struct FreeingGate {
+    full: Vec<Tensor>,
+    live_params: Vec<Tensor>,
+    units: std::collections::HashMap<Unit, Vec<usize>>,
+    refs: Vec<usize>,
+    grads: Vec<Option<Tensor>>,
+    live: usize,
+}
+
+impl FreeingGate {
+    fn new(m: &Transformer) -> FreeingGate {
+        let live_params: Vec<Tensor> = m
+            .named_parameters()
+            .iter()
+            .map(|(_, p)| p.shallow_clone())
+            .collect();
+        let full: Vec<Tensor> = live_params.iter().map(|p| p.detach().copy()).collect();
+        for p in &live_params {
+            p.shallow_clone()
+                .set_data(&Tensor::zeros([0], (p.kind(), p.device())));
+        }
+        let units = m
+            .units()
+            .into_iter()
+            .map(|u| (u, m.unit_parameters(u)))
+            .collect();
+        FreeingGate {
+            refs: vec![0; full.len()],
+            grads: full.iter().map(|_| None).collect(),
+            full,
+            live_params,
+            units,
+            live: 0,
+        }
+    }
+
+    fn restore(&self, m: &Transformer) {
+        for ((_, p), f) in m.named_parameters().iter().zip(&self.full) {
+            p.shallow_clone().set_data(f);
+        }
+    }
+}
+
+impl ParamGate for FreeingGate {
+    fn acquire(&mut self, unit: Unit) -> verl_nn::Result<()> {
+        self.live += 1;
+        for &i in &self.units[&unit] {
+            if self.refs[i] == 0 {
+                self.live_params[i]
+                    .shallow_clone()
+                    .set_data(&self.full[i].copy());
+            }
+            self.refs[i] += 1;
+        }
+        Ok(())
+    }
+    fn release(&mut self, unit: Unit) -> verl_nn::Result<()> {
+        self.live -= 1;
+        for &i in &self.units[&unit] {
+            self.refs[i] -= 1;
+            if self.refs[i] == 0 {
+                let p = &self.live_params[i];
+                p.shallow_clone()
+                    .set_data(&Tensor::zeros([0], (p.kind(), p.device())));
+            }
+        }
+        Ok(())
+    }
+    fn gradients(&mut self, unit: Unit, grads: Vec<Option<Tensor>>) -> verl_nn::Result<()> {
+        for (&i, g) in self.units[&unit].iter().zip(grads) {
+            if let Some(g) = g {
+                self.grads[i] = Some(match self.grads[i].take() {
+                    Some(acc) => acc + g,
+                    None => g,
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 #[test]

@@ -129,6 +129,18 @@ impl NcclCommunicator {
         world_size: usize,
         opts: NcclOptions,
     ) -> Result<NcclCommunicator, CommError> {
+        Self::with_prefix(store, "verl-comm/nccl/world", rank, world_size, opts)
+    }
+
+    /// As [`NcclCommunicator::new`] under a prefix of the caller's (unique per communicator on
+    /// this store), so that several independent world communicators can share one store.
+    pub fn with_prefix(
+        store: Arc<StoreClient>,
+        prefix: &str,
+        rank: usize,
+        world_size: usize,
+        opts: NcclOptions,
+    ) -> Result<NcclCommunicator, CommError> {
         if rank >= world_size {
             return Err(CommError::InvalidRank {
                 op: "rendezvous",
@@ -147,7 +159,7 @@ impl NcclCommunicator {
             watch,
             lib,
             ctx,
-            "verl-comm/nccl/world".into(),
+            prefix.to_string(),
             rank,
             (0..world_size).collect(),
             opts.timeout,

@@ -1,0 +1,818 @@
+//! ZeRO-3 state of a model trained on several data-parallel ranks.
+//!
+//! The parameters are grouped per [`Unit`] (embedding, each decoder layer, final norm + head) into
+//! one flat fp32 vector per group, padded to a multiple of the world size; rank `r` owns block `r`
+//! of every group: the master weights, the gradient accumulator and the AdamW moments of that
+//! block, nothing else. The live compute-dtype model keeps its parameter tensors (autograd leaves
+//! the layers hold), but their data is an empty tensor except while a unit runs: the [`Gate`]
+//! all-gathers the unit's groups into them (`Tensor::set_data`) right before, and empties them
+//! right after. Each unit's gradients are reduce-scattered (sum) into the accumulators as soon as
+//! its backward is done, so a full gradient exists for one unit at a time.
+//!
+//! A tied LM head reads the embedding group: the head unit gathers both groups and its embedding
+//! gradient is reduce-scattered into the embedding group's accumulator (summed with the one from
+//! the embedding unit).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use tch::{Device, Kind, Tensor};
+use verl_nn::{Checkpoint, NnError, ParamGate, Transformer, Unit};
+
+use crate::dp::Dp;
+use crate::error::{FsdpError, Result, TorchContext};
+use crate::optim::AdamW;
+
+/// One flat group: the parameters of a unit (those no earlier unit owns), in model order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    pub name: String,
+    /// Indices into `Transformer::named_parameters`.
+    pub params: Vec<usize>,
+    pub names: Vec<String>,
+    pub shapes: Vec<Vec<i64>>,
+    pub offsets: Vec<usize>,
+    pub numels: Vec<usize>,
+    /// Elements before padding.
+    pub numel: usize,
+}
+
+impl Group {
+    /// Elements each rank owns (the padded length divided by `world`).
+    pub fn shard_len(&self, world: usize) -> usize {
+        self.numel.div_ceil(world).max(1)
+    }
+}
+
+/// How a model's parameters are grouped, and which groups and slots each unit reads.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    pub groups: Vec<Group>,
+    /// For each unit, per entry of `Transformer::unit_parameters(unit)`: (group, index in group).
+    slots: BTreeMap<Unit, Vec<(usize, usize)>>,
+    /// Groups a unit reads, in gather order.
+    unit_groups: BTreeMap<Unit, Vec<usize>>,
+}
+
+fn group_name(unit: Unit) -> String {
+    match unit {
+        Unit::Embedding => "embedding".into(),
+        Unit::Layer(i) => format!("layers.{i}"),
+        Unit::Head => "head".into(),
+    }
+}
+
+impl Layout {
+    pub fn of(model: &Transformer) -> Layout {
+        let named = model.named_parameters();
+        let mut owner: Vec<Option<(usize, usize)>> = vec![None; named.len()];
+        let mut groups: Vec<Group> = Vec::new();
+        let mut slots = BTreeMap::new();
+        let mut unit_groups = BTreeMap::new();
+        for unit in model.units() {
+            let idx = model.unit_parameters(unit);
+            let mut g = Group {
+                name: group_name(unit),
+                params: vec![],
+                names: vec![],
+                shapes: vec![],
+                offsets: vec![],
+                numels: vec![],
+                numel: 0,
+            };
+            for &i in &idx {
+                if owner[i].is_some() {
+                    continue;
+                }
+                owner[i] = Some((groups.len(), g.params.len()));
+                let (name, p) = &named[i];
+                g.params.push(i);
+                g.names.push(name.clone());
+                g.shapes.push(p.size());
+                g.offsets.push(g.numel);
+                g.numels.push(p.numel());
+                g.numel += p.numel();
+            }
+            if !g.params.is_empty() {
+                groups.push(g);
+            }
+            let s: Vec<(usize, usize)> = idx
+                .iter()
+                .map(|&i| owner[i].expect("assigned above"))
+                .collect();
+            let mut gs: Vec<usize> = Vec::new();
+            for (g, _) in &s {
+                if !gs.contains(g) {
+                    gs.push(*g);
+                }
+            }
+            slots.insert(unit, s);
+            unit_groups.insert(unit, gs);
+        }
+        Layout {
+            groups,
+            slots,
+            unit_groups,
+        }
+    }
+
+    pub fn unit_groups(&self, unit: Unit) -> Vec<usize> {
+        self.unit_groups.get(&unit).cloned().unwrap_or_default()
+    }
+
+    /// The layout as written into a sharded checkpoint's index.
+    pub fn to_json(&self, world: usize) -> serde_json::Value {
+        let groups: Vec<serde_json::Value> = self
+            .groups
+            .iter()
+            .map(|g| {
+                serde_json::json!({
+                    "name": g.name,
+                    "numel": g.numel,
+                    "shard_numel": g.shard_len(world),
+                    "params": g.names.iter().zip(&g.shapes).zip(&g.offsets)
+                        .map(|((n, s), o)| serde_json::json!({"name": n, "shape": s, "offset": o}))
+                        .collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        serde_json::json!(groups)
+    }
+}
+
+/// Where the rank's shards live between optimizer steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Offload {
+    /// Master weights on the CPU.
+    pub params: bool,
+    /// AdamW moments on the CPU.
+    pub optimizer: bool,
+}
+
+/// Bytes held by a rank's training tensors, counted from the tensors themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryStats {
+    /// Parameters: master weights plus whatever compute-dtype parameters are materialised now.
+    pub params: usize,
+    /// Gradients (accumulators and `.grad` buffers).
+    pub grads: usize,
+    /// Optimizer state.
+    pub optimizer: usize,
+    /// The most bytes of gathered (full) parameters held at once since the last reset.
+    pub peak_gathered: usize,
+}
+
+impl MemoryStats {
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+pub(crate) fn bytes(t: &Tensor) -> usize {
+    if !t.defined() {
+        return 0;
+    }
+    t.numel() * t.kind().elt_size_in_bytes()
+}
+
+/// One rank's block of `flat` (`[numel]`) after padding to `world * shard` elements.
+fn slice_shard(flat: &Tensor, numel: usize, shard: usize, rank: usize) -> Result<Tensor> {
+    let start = rank * shard;
+    let out = Tensor::f_zeros([shard as i64], (flat.kind(), flat.device())).ctx("shard")?;
+    if start < numel {
+        let len = shard.min(numel - start);
+        out.f_narrow(0, 0, len as i64)
+            .and_then(|mut o| o.f_copy_(&flat.f_narrow(0, start as i64, len as i64)?))
+            .ctx("shard")?;
+    }
+    Ok(out)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GroupState {
+    Freed,
+    Gathered,
+}
+
+pub struct ShardState {
+    pub layout: Layout,
+    rank: usize,
+    world: usize,
+    /// The model's parameter tensors (shared with its layers).
+    live: Vec<Tensor>,
+    compute: Kind,
+    device: Device,
+    empty: Tensor,
+    /// Per group, this rank's fp32 master block `[shard]`.
+    pub masters: Vec<Tensor>,
+    /// Per group, this rank's fp32 gradient accumulator block `[shard]` (on the device).
+    pub accum: Vec<Tensor>,
+    refs: Vec<usize>,
+    state: Vec<GroupState>,
+    grads_seen: Vec<bool>,
+    pub offload: Offload,
+    reshard_after_forward: bool,
+    gathered_bytes: usize,
+    peak_gathered: usize,
+}
+
+impl ShardState {
+    /// Shards `model` (every rank holds the same full model: rank 0's weights are broadcast
+    /// first, like FSDP's `sync_module_states`) and frees the model's parameters.
+    pub fn new(
+        model: &Transformer,
+        dp: &Dp,
+        master: Kind,
+        offload: Offload,
+        reshard_after_forward: bool,
+    ) -> Result<ShardState> {
+        let layout = Layout::of(model);
+        let device = model.device();
+        let compute = model.dtype();
+        let live: Vec<Tensor> = model
+            .named_parameters()
+            .iter()
+            .map(|(_, p)| p.shallow_clone())
+            .collect();
+        let (world, rank) = (dp.size, dp.rank);
+        let master_device = if offload.params { Device::Cpu } else { device };
+        let mut masters = Vec::with_capacity(layout.groups.len());
+        let mut accum = Vec::with_capacity(layout.groups.len());
+        tch::no_grad(|| -> Result<()> {
+            for g in &layout.groups {
+                let mut flat = Tensor::f_cat(
+                    &g.params
+                        .iter()
+                        .map(|&i| live[i].f_detach()?.f_reshape([-1]))
+                        .collect::<std::result::Result<Vec<_>, _>>()
+                        .ctx("flatten parameters")?,
+                    0,
+                )
+                .ctx("flatten parameters")?;
+                dp.broadcast(&mut flat, 0)?;
+                let flat = flat.f_to_kind(master).ctx("master weights")?;
+                let shard = g.shard_len(world);
+                masters.push(
+                    slice_shard(&flat, g.numel, shard, rank)?
+                        .f_to_device(master_device)
+                        .ctx("master shard")?,
+                );
+                accum.push(
+                    Tensor::f_zeros([shard as i64], (Kind::Float, device))
+                        .ctx("gradient accumulator")?,
+                );
+            }
+            Ok(())
+        })?;
+        let empty = Tensor::f_empty([0], (compute, device)).ctx("empty parameter")?;
+        let n = layout.groups.len();
+        let mut s = ShardState {
+            layout,
+            rank,
+            world,
+            live,
+            compute,
+            device,
+            empty,
+            masters,
+            accum,
+            refs: vec![0; n],
+            state: vec![GroupState::Gathered; n],
+            grads_seen: vec![false; n],
+            offload,
+            reshard_after_forward,
+            gathered_bytes: 0,
+            peak_gathered: 0,
+        };
+        s.gathered_bytes = s.live.iter().map(bytes).sum();
+        for g in 0..n {
+            s.free(g)?;
+        }
+        s.peak_gathered = 0;
+        Ok(s)
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Makes group `g`'s parameters hold their full values (all-gather of the master blocks in
+    /// the compute dtype), counting references.
+    pub fn acquire(&mut self, dp: &Dp, g: usize) -> Result<()> {
+        if self.state[g] == GroupState::Freed {
+            let group = &self.layout.groups[g];
+            let shard = group.shard_len(self.world);
+            let input = self.masters[g]
+                .f_to_device(self.device)
+                .and_then(|m| m.f_to_kind(self.compute))
+                .ctx("master shard to compute dtype")?;
+            let mut full =
+                Tensor::f_empty([(shard * self.world) as i64], (self.compute, self.device))
+                    .ctx("gather buffer")?;
+            dp.all_gather_into(&mut full, &input)?;
+            for (k, &i) in group.params.iter().enumerate() {
+                let view = full
+                    .f_narrow(0, group.offsets[k] as i64, group.numels[k] as i64)
+                    .and_then(|v| v.f_view(group.shapes[k].as_slice()))
+                    .ctx("gathered parameter")?;
+                self.live[i]
+                    .shallow_clone()
+                    .f_set_data(&view)
+                    .ctx("publish gathered parameter")?;
+            }
+            self.state[g] = GroupState::Gathered;
+            self.gathered_bytes += bytes(&full);
+            self.peak_gathered = self.peak_gathered.max(self.gathered_bytes);
+        }
+        self.refs[g] += 1;
+        Ok(())
+    }
+
+    /// Drops a reference to group `g`; frees it when none is left (with
+    /// `reshard_after_forward: false`, only once its gradients went through).
+    pub fn release(&mut self, g: usize) -> Result<()> {
+        self.refs[g] = self.refs[g].saturating_sub(1);
+        if self.refs[g] == 0 && (self.reshard_after_forward || self.grads_seen[g]) {
+            self.free(g)?;
+        }
+        Ok(())
+    }
+
+    fn free(&mut self, g: usize) -> Result<()> {
+        if self.state[g] == GroupState::Freed {
+            return Ok(());
+        }
+        let group = &self.layout.groups[g];
+        let mut freed = 0;
+        for &i in &group.params {
+            freed += bytes(&self.live[i]);
+            self.live[i]
+                .shallow_clone()
+                .f_set_data(&self.empty)
+                .ctx("free gathered parameter")?;
+        }
+        self.gathered_bytes = self.gathered_bytes.saturating_sub(freed);
+        self.state[g] = GroupState::Freed;
+        self.grads_seen[g] = false;
+        Ok(())
+    }
+
+    /// Gathers every group (for a call that runs the whole model several times: generation,
+    /// log-probs, values, saving the HF folder).
+    pub fn acquire_all(&mut self, dp: &Dp) -> Result<()> {
+        for g in 0..self.layout.groups.len() {
+            self.acquire(dp, g)?;
+        }
+        Ok(())
+    }
+
+    /// Frees every group, whatever its reference count.
+    pub fn release_all(&mut self) -> Result<()> {
+        for g in 0..self.layout.groups.len() {
+            self.refs[g] = 0;
+            self.free(g)?;
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters (sum) the gradients of one backward through `unit` into the accumulators.
+    /// Every rank calls this for the same units in the same order; a parameter without gradient
+    /// contributes zeros, so the collectives match even when ranks route tokens differently.
+    pub fn reduce_gradients(
+        &mut self,
+        dp: &Dp,
+        unit: Unit,
+        grads: Vec<Option<Tensor>>,
+    ) -> Result<()> {
+        let slots = self.layout.slots.get(&unit).cloned().unwrap_or_default();
+        for g in self.layout.unit_groups(unit) {
+            let group = &self.layout.groups[g];
+            let shard = group.shard_len(self.world);
+            let flat = Tensor::f_zeros([(shard * self.world) as i64], (Kind::Float, self.device))
+                .ctx("gradient buffer")?;
+            for ((gg, k), grad) in slots.iter().zip(&grads) {
+                if *gg != g {
+                    continue;
+                }
+                if let Some(grad) = grad {
+                    flat.f_narrow(0, group.offsets[*k] as i64, group.numels[*k] as i64)
+                        .and_then(|mut dst| dst.f_copy_(&grad.f_reshape([-1])?))
+                        .ctx("flatten gradient")?;
+                }
+            }
+            let mut out = Tensor::f_zeros([shard as i64], (Kind::Float, self.device))
+                .ctx("gradient shard")?;
+            dp.reduce_scatter_sum(&mut out, &flat)?;
+            drop(flat);
+            let _ = self.accum[g]
+                .f_add_(&out)
+                .ctx("accumulate gradient shard")?;
+            self.grads_seen[g] = true;
+        }
+        Ok(())
+    }
+
+    pub fn zero_grad(&mut self) -> Result<()> {
+        for a in &mut self.accum {
+            let _ = a.f_zero_().ctx("zero gradient shards")?;
+        }
+        Ok(())
+    }
+
+    /// Σ of the squared gradient-shard elements on this rank (fp64).
+    pub fn local_grad_sq(&self) -> Result<f64> {
+        let mut sq = 0.0;
+        for a in &self.accum {
+            sq += a
+                .f_to_kind(Kind::Double)
+                .and_then(|x| x.f_square())
+                .and_then(|x| x.f_sum(Kind::Double))
+                .and_then(|x| x.f_double_value(&[]))
+                .ctx("gradient norm")?;
+        }
+        Ok(sq)
+    }
+
+    pub fn scale_grads(&mut self, coef: f64) -> Result<()> {
+        for a in &mut self.accum {
+            let _ = a.f_mul_scalar_(coef).ctx("clip gradient shards")?;
+        }
+        Ok(())
+    }
+
+    /// One AdamW step on this rank's blocks; offloaded blocks visit the device for it.
+    pub fn step(&mut self, optim: &mut AdamW, lr: f64) -> Result<()> {
+        let c = optim.begin_step(lr);
+        let dev = self.device;
+        let to_dev = |t: &Tensor| t.f_to_device(dev).ctx("shard to device");
+        for g in 0..self.masters.len() {
+            let p = to_dev(&self.masters[g])?;
+            let m = to_dev(&optim.exp_avg[g])?;
+            let v = to_dev(&optim.exp_avg_sq[g])?;
+            optim.update(&c, &p, &self.accum[g], &m, &v)?;
+            if self.masters[g].device() != dev {
+                self.masters[g].f_copy_(&p).ctx("master shard to host")?;
+            }
+            if optim.exp_avg[g].device() != dev {
+                optim.exp_avg[g]
+                    .f_copy_(&m)
+                    .ctx("optimizer shard to host")?;
+                optim.exp_avg_sq[g]
+                    .f_copy_(&v)
+                    .ctx("optimizer shard to host")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The device optimizer state should live on.
+    pub fn optimizer_device(&self) -> Device {
+        if self.offload.optimizer {
+            Device::Cpu
+        } else {
+            self.device
+        }
+    }
+
+    pub fn memory(&self, optim: &AdamW) -> MemoryStats {
+        MemoryStats {
+            params: self.masters.iter().map(bytes).sum::<usize>() + self.gathered_bytes,
+            grads: self.accum.iter().map(bytes).sum(),
+            optimizer: optim
+                .exp_avg
+                .iter()
+                .chain(&optim.exp_avg_sq)
+                .map(bytes)
+                .sum(),
+            peak_gathered: self.peak_gathered,
+        }
+    }
+
+    pub fn reset_peak(&mut self) {
+        self.peak_gathered = self.gathered_bytes;
+    }
+
+    /// File names of rank `rank`'s shards in a checkpoint of `world` ranks.
+    pub fn shard_files(rank: usize, world: usize) -> (String, String) {
+        (
+            format!("master.rank{rank}-of-{world}.safetensors"),
+            format!("optim.rank{rank}-of-{world}.safetensors"),
+        )
+    }
+
+    /// Writes this rank's master and optimizer blocks into `dir`.
+    pub fn save_shards(&self, dir: &Path, optim: &AdamW) -> Result<()> {
+        let (mf, of) = Self::shard_files(self.rank, self.world);
+        let host = |t: &Tensor| t.f_to_device(Device::Cpu).ctx("shard to host");
+        let masters: Vec<(String, Tensor)> = self
+            .layout
+            .groups
+            .iter()
+            .zip(&self.masters)
+            .map(|(g, t)| Ok((g.name.clone(), host(t)?)))
+            .collect::<Result<_>>()?;
+        Tensor::write_safetensors(&masters, dir.join(&mf)).ctx("write master shard")?;
+        let mut state: Vec<(String, Tensor)> = Vec::new();
+        for (i, g) in self.layout.groups.iter().enumerate() {
+            state.push((format!("exp_avg.{}", g.name), host(&optim.exp_avg[i])?));
+            state.push((
+                format!("exp_avg_sq.{}", g.name),
+                host(&optim.exp_avg_sq[i])?,
+            ));
+        }
+        Tensor::write_safetensors(&state, dir.join(&of)).ctx("write optimizer shard")
+    }
+
+    /// Restores this rank's blocks from a checkpoint written at any world size.
+    pub fn load_from(&mut self, src: &mut Source, optim: &mut AdamW) -> Result<()> {
+        let groups = self.layout.groups.clone();
+        tch::no_grad(|| -> Result<()> {
+            for (g, group) in groups.iter().enumerate() {
+                let shard = group.shard_len(self.world);
+                for (what, dst) in [
+                    (What::Master, &mut self.masters[g]),
+                    (What::ExpAvg, &mut optim.exp_avg[g]),
+                    (What::ExpAvgSq, &mut optim.exp_avg_sq[g]),
+                ] {
+                    let flat = src.group_flat(group, what)?;
+                    let block = slice_shard(&flat, group.numel, shard, self.rank)?;
+                    dst.f_copy_(&block).ctx("restore shard")?;
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// What a checkpoint tensor holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum What {
+    Master,
+    ExpAvg,
+    ExpAvgSq,
+}
+
+impl What {
+    fn prefix(self) -> &'static str {
+        match self {
+            What::Master => "",
+            What::ExpAvg => "exp_avg.",
+            What::ExpAvgSq => "exp_avg_sq.",
+        }
+    }
+}
+
+/// A checkpoint being restored, read as one flat fp32 vector per group whatever the world size it
+/// was written at.
+pub enum Source {
+    /// A one-rank checkpoint: full tensors by parameter name.
+    Full {
+        dir: PathBuf,
+        /// `master.safetensors` (mixed precision), else the HF folder holds the masters.
+        masters: Option<HashMap<String, Tensor>>,
+        model: Checkpoint,
+        optim: HashMap<String, Tensor>,
+        optim_path: PathBuf,
+    },
+    /// Shards of `world` ranks, each file read on first use.
+    Sharded {
+        dir: PathBuf,
+        world: usize,
+        /// Group name → (elements, shard elements) as saved.
+        groups: HashMap<String, (usize, usize)>,
+        files: HashMap<String, HashMap<String, Tensor>>,
+    },
+}
+
+pub(crate) fn read_named(path: &Path) -> Result<HashMap<String, Tensor>> {
+    if !path.is_file() {
+        return Err(FsdpError::Checkpoint {
+            path: path.to_path_buf(),
+            message: "file missing".into(),
+        });
+    }
+    Ok(Tensor::read_safetensors(path)
+        .ctx(&format!("read {}", path.display()))?
+        .into_iter()
+        .collect())
+}
+
+impl Source {
+    /// `state` is the checkpoint's parsed `state.json`.
+    pub fn open(dir: &Path, state: &serde_json::Value) -> Result<Source> {
+        let world = state
+            .get("world_size")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(1) as usize;
+        if world <= 1 {
+            let mp = dir.join(crate::train::MASTER_FILE);
+            let masters = if mp.is_file() {
+                Some(read_named(&mp)?)
+            } else {
+                None
+            };
+            let optim_path = dir.join(crate::train::OPTIM_FILE);
+            return Ok(Source::Full {
+                dir: dir.to_path_buf(),
+                masters,
+                model: Checkpoint::open(dir.join(crate::train::MODEL_DIR))?,
+                optim: read_named(&optim_path)?,
+                optim_path,
+            });
+        }
+        let bad = |message: String| FsdpError::Checkpoint {
+            path: dir.join(crate::train::STATE_FILE),
+            message,
+        };
+        let layout = state
+            .get("layout")
+            .and_then(|v| v.as_array())
+            .ok_or_else(|| {
+                bad(format!(
+                    "`layout` should list the flat groups of a {world}-rank checkpoint, found {}",
+                    state.get("layout").cloned().unwrap_or_default()
+                ))
+            })?;
+        let mut groups = HashMap::new();
+        for g in layout {
+            let name = g.get("name").and_then(|v| v.as_str());
+            let numel = g.get("numel").and_then(|v| v.as_u64());
+            let shard = g.get("shard_numel").and_then(|v| v.as_u64());
+            match (name, numel, shard) {
+                (Some(n), Some(e), Some(s)) => {
+                    groups.insert(n.to_string(), (e as usize, s as usize));
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "layout entry should have name, numel and shard_numel, found {g}"
+                    )))
+                }
+            }
+        }
+        Ok(Source::Sharded {
+            dir: dir.to_path_buf(),
+            world,
+            groups,
+            files: HashMap::new(),
+        })
+    }
+
+    /// The group's full flat contents (`[group.numel]`, fp32, CPU).
+    pub fn group_flat(&mut self, group: &Group, what: What) -> Result<Tensor> {
+        match self {
+            Source::Full {
+                dir,
+                masters,
+                model,
+                optim,
+                optim_path,
+            } => {
+                let mut parts = Vec::with_capacity(group.params.len());
+                for (name, shape) in group.names.iter().zip(&group.shapes) {
+                    let (t, path) = match what {
+                        What::Master => match masters {
+                            Some(m) => (
+                                m.get(name).map(|t| t.shallow_clone()),
+                                dir.join(crate::train::MASTER_FILE),
+                            ),
+                            None => (
+                                Some(model.tensor(name)?),
+                                model.file_of(name)?.to_path_buf(),
+                            ),
+                        },
+                        _ => (
+                            optim
+                                .get(&format!("{}{name}", what.prefix()))
+                                .map(|t| t.shallow_clone()),
+                            optim_path.clone(),
+                        ),
+                    };
+                    let key = format!("{}{name}", what.prefix());
+                    let t = t.ok_or_else(|| FsdpError::Checkpoint {
+                        path: path.clone(),
+                        message: format!("tensor `{key}` missing"),
+                    })?;
+                    if &t.size() != shape {
+                        return Err(FsdpError::Checkpoint {
+                            path,
+                            message: format!(
+                                "tensor `{key}` has shape {:?}, expected {shape:?}",
+                                t.size()
+                            ),
+                        });
+                    }
+                    parts.push(
+                        t.f_reshape([-1])
+                            .and_then(|x| x.f_to_kind(Kind::Float))
+                            .ctx("checkpoint tensor")?,
+                    );
+                }
+                Tensor::f_cat(&parts, 0).ctx("flatten checkpoint group")
+            }
+            Source::Sharded {
+                dir,
+                world,
+                groups,
+                files,
+            } => {
+                let state_path = dir.join(crate::train::STATE_FILE);
+                let &(numel, shard) =
+                    groups
+                        .get(&group.name)
+                        .ok_or_else(|| FsdpError::Checkpoint {
+                            path: state_path.clone(),
+                            message: format!("layout lacks group `{}`", group.name),
+                        })?;
+                if numel != group.numel {
+                    return Err(FsdpError::Checkpoint {
+                        path: state_path,
+                        message: format!(
+                            "group `{}` holds {numel} elements, this model's {} (a different model?)",
+                            group.name, group.numel
+                        ),
+                    });
+                }
+                let mut parts = Vec::with_capacity(*world);
+                for r in 0..*world {
+                    let (mf, of) = ShardState::shard_files(r, *world);
+                    let file = if what == What::Master { mf } else { of };
+                    if !files.contains_key(&file) {
+                        let named = read_named(&dir.join(&file))?;
+                        files.insert(file.clone(), named);
+                    }
+                    let key = format!("{}{}", what.prefix(), group.name);
+                    let t = files[&file]
+                        .get(&key)
+                        .ok_or_else(|| FsdpError::Checkpoint {
+                            path: dir.join(&file),
+                            message: format!("tensor `{key}` missing"),
+                        })?;
+                    if t.size() != [shard as i64] {
+                        return Err(FsdpError::Checkpoint {
+                            path: dir.join(&file),
+                            message: format!(
+                                "tensor `{key}` has shape {:?}, expected [{shard}]",
+                                t.size()
+                            ),
+                        });
+                    }
+                    parts.push(t.f_to_kind(Kind::Float).ctx("checkpoint shard")?);
+                }
+                Tensor::f_cat(&parts, 0)
+                    .and_then(|t| t.f_narrow(0, 0, numel as i64))
+                    .ctx("join checkpoint shards")
+            }
+        }
+    }
+}
+
+/// The [`ParamGate`] of one sharded forward-backward: gathers, frees and reduce-scatters through
+/// `dp`. The first error is kept in `error` (the model only sees [`NnError::Gate`]).
+pub struct Gate<'a> {
+    pub state: &'a mut ShardState,
+    pub dp: &'a Dp,
+    pub error: Option<FsdpError>,
+}
+
+impl Gate<'_> {
+    fn keep(&mut self, unit: Unit, e: FsdpError) -> NnError {
+        let message = e.to_string();
+        if self.error.is_none() {
+            self.error = Some(e);
+        }
+        NnError::Gate {
+            unit: unit.to_string(),
+            message,
+        }
+    }
+}
+
+impl ParamGate for Gate<'_> {
+    fn acquire(&mut self, unit: Unit) -> verl_nn::Result<()> {
+        for g in self.state.layout.unit_groups(unit) {
+            if let Err(e) = self.state.acquire(self.dp, g) {
+                return Err(self.keep(unit, e));
+            }
+        }
+        Ok(())
+    }
+    fn release(&mut self, unit: Unit) -> verl_nn::Result<()> {
+        for g in self.state.layout.unit_groups(unit) {
+            if let Err(e) = self.state.release(g) {
+                return Err(self.keep(unit, e));
+            }
+        }
+        Ok(())
+    }
+    fn gradients(&mut self, unit: Unit, grads: Vec<Option<Tensor>>) -> verl_nn::Result<()> {
+        match self.state.reduce_gradients(self.dp, unit, grads) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.keep(unit, e)),
+        }
+    }
+}
+
+/// Bytes of tensors, for the one-rank [`MemoryStats`].
+pub(crate) fn sum_bytes<'a>(ts: impl IntoIterator<Item = &'a Tensor>) -> usize {
+    ts.into_iter().map(bytes).sum()
+}

@@ -2,8 +2,10 @@
 //! environment doctor, and the command implementations. It must never link libtorch: tensors
 //! live in plugins, the host sees token ids, masks and per-token floats in `Batch`es.
 
+pub mod dist;
 pub mod doctor;
 pub mod generate_cmd;
+pub mod launch;
 pub mod loader;
 pub mod reward_cmd;
 pub mod torchlib;

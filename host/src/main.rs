@@ -2,14 +2,20 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{CommandFactory, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 use verl_config::{validate_batches, Config, Layout};
 use verl_host::doctor::{self, Status};
+use verl_host::launch::{self, EnvSource, LaunchMode};
 use verl_host::{LoadError, LoadedPlugin, Loader};
 use verl_plugin_api::{PluginKind, Role};
+
+mod init_model;
+mod sft_cmd;
 
 #[derive(Parser)]
 #[command(
@@ -64,6 +70,14 @@ enum Command {
         /// Output file (`.png` or `.svg`); default `<run>/metrics.png`.
         #[arg(long, short = 'o')]
         out: Option<PathBuf>,
+    },
+    /// Build a tiny HF model folder for the data: a byte-level BPE tokenizer trained on its text, a
+    /// ChatML template, a Qwen2 config and random weights.
+    InitModel(InitModelArgs),
+    /// Supervised fine-tuning with verl's SFT trainer keys: `verl sft JOB.yaml [key=value ...]`.
+    Sft {
+        job: PathBuf,
+        overrides: Vec<String>,
     },
     /// Print a shell completion script: `verl completions bash > /etc/bash_completion.d/verl`.
     Completions { shell: clap_complete::Shell },
@@ -126,6 +140,55 @@ enum DataCmd {
     /// Turn GSM8K's raw `train.jsonl`/`test.jsonl` into verl-format parquet (the rows verl's
     /// `examples/data_preprocess/gsm8k.py` writes).
     Gsm8k { raw_dir: PathBuf, out_dir: PathBuf },
+    /// Generate seeded arithmetic word problems as verl GSM8K-format parquet (train.parquet,
+    /// val.parquet; data_source openai/gsm8k) plus SFT pairs (sft_train/sft_val.parquet).
+    Arith {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 2000)]
+        train: usize,
+        #[arg(long, default_value_t = 128)]
+        val: usize,
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Fewest operations per problem.
+        #[arg(long, default_value_t = 1)]
+        min_ops: usize,
+        /// Most operations per problem.
+        #[arg(long, default_value_t = 2)]
+        max_ops: usize,
+        /// Operands are drawn from 1..=max_operand.
+        #[arg(long, default_value_t = 9)]
+        max_operand: u32,
+    },
+}
+
+#[derive(clap::Args)]
+struct InitModelArgs {
+    /// The HF folder to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Data files whose text trains the tokenizer (repeatable).
+    #[arg(long, required = true)]
+    data: Vec<PathBuf>,
+    #[arg(long, default_value_t = 512)]
+    vocab: usize,
+    #[arg(long, default_value_t = 128)]
+    hidden: usize,
+    #[arg(long, default_value_t = 256)]
+    intermediate: usize,
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    #[arg(long, default_value_t = 256)]
+    max_positions: usize,
+    #[arg(long, default_value_t = 0.02)]
+    init_std: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(Subcommand)]
@@ -203,6 +266,52 @@ fn dispatch(cli: &Cli) -> anyhow::Result<ExitCode> {
             println!("{} ({} rows)", out.test.display(), out.test_rows);
             Ok(ExitCode::SUCCESS)
         }
+        Command::Data(DataCmd::Arith {
+            out,
+            train,
+            val,
+            seed,
+            min_ops,
+            max_ops,
+            max_operand,
+        }) => {
+            let cfg = verl_data::ArithConfig {
+                train: *train,
+                val: *val,
+                seed: *seed,
+                min_ops: *min_ops,
+                max_ops: *max_ops,
+                max_operand: *max_operand,
+            };
+            let o = verl_data::arith_write(out, &cfg)?;
+            println!("{} ({} rows)", o.train.display(), o.train_rows);
+            println!("{} ({} rows)", o.val.display(), o.val_rows);
+            println!("{} ({} rows)", o.sft_train.display(), o.train_rows);
+            println!("{} ({} rows)", o.sft_val.display(), o.val_rows);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::InitModel(a) => {
+            let spec = init_model::ModelSpec {
+                vocab: a.vocab,
+                hidden: a.hidden,
+                intermediate: a.intermediate,
+                layers: a.layers,
+                heads: a.heads,
+                kv_heads: a.kv_heads,
+                max_positions: a.max_positions,
+                init_std: a.init_std,
+                seed: a.seed,
+            };
+            let o = init_model::init_model(&a.out, &a.data, &spec)?;
+            println!(
+                "{} (vocab {}, {} parameters)",
+                o.dir.display(),
+                o.vocab,
+                o.parameters
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Sft { job, overrides } => sft(cli, job, overrides),
         Command::Plot { run, metrics, out } => {
             let out = out.clone().unwrap_or_else(|| {
                 if run.is_dir() {
@@ -413,18 +522,36 @@ fn run(
 ) -> anyhow::Result<ExitCode> {
     let cfg = Config::load(job, overrides)?;
     let layout = Layout::from_config(&cfg)?;
+    let mode = launch::detect(
+        |k| std::env::var(k).ok(),
+        cfg.trainer.nnodes,
+        cfg.trainer.n_gpus_per_node,
+    )?;
+    if matches!(mode, LaunchMode::Launcher { .. }) && cfg.trainer.device.starts_with("cuda") {
+        // One GPU per local rank, checked before anything is loaded or spawned.
+        launch::check_gpus(cfg.trainer.n_gpus_per_node)?;
+    }
+    // Under our launcher the launcher reports; under torchrun/SLURM rank 0 does.
+    let quiet = matches!(&mode, LaunchMode::Rank { env, source } if env.rank != 0 || *source == EnvSource::Verl);
+    let mut out = String::new();
+    macro_rules! outln {
+        ($($arg:tt)*) => {{
+            use std::fmt::Write as _;
+            let _ = writeln!(out, $($arg)*);
+        }};
+    }
     let plan = validate_batches(&cfg, layout)?;
     let search: Vec<PathBuf> = cfg.plugins.search_path.iter().map(PathBuf::from).collect();
     let mut loader = Loader::new(&search);
     let plugins = load_job_plugins(&mut loader, cli, &cfg)?;
 
-    println!(
+    outln!(
         "config        {} ({} override(s)) ✓",
         job.display(),
         overrides.len()
     );
     let b = &plugins.backend.header;
-    println!(
+    outln!(
         "backend       {} {} ({}) ✓",
         b.name,
         b.version,
@@ -440,7 +567,7 @@ fn run(
     let mut missing = Vec::new();
     for role in &needed {
         if b.provides(*role) {
-            println!("  {:<11} ✓", role.as_str());
+            outln!("  {:<11} ✓", role.as_str());
         } else {
             let note = b
                 .capabilities
@@ -448,7 +575,7 @@ fn run(
                 .find(|c| c.role == *role)
                 .map(|c| c.note.clone())
                 .unwrap_or_default();
-            println!(
+            outln!(
                 "  {:<11} ! not implemented by {} {note}",
                 role.as_str(),
                 b.name
@@ -457,14 +584,14 @@ fn run(
         }
     }
     for (name, p) in &plugins.rewards {
-        println!(
+        outln!(
             "reward        {name}: {} {} ({}) ✓",
             p.header.name,
             p.header.version,
             p.path.display()
         );
     }
-    println!(
+    outln!(
         "batch         {} prompts × n={} = {} responses per step over {} rank(s) ({} per rank)",
         plan.prompts_per_step,
         plan.rollout_n,
@@ -472,7 +599,7 @@ fn run(
         plan.layout.world_size,
         plan.responses_per_rank
     );
-    println!(
+    outln!(
         "  actor       mini-batch {} prompts = {} responses ({} per rank), {} mini-batch(es) × {} epoch(s) = {} optimizer step(s) per step{}",
         plan.actor.mini_batch_prompts,
         plan.actor.mini_batch_responses,
@@ -490,24 +617,49 @@ fn run(
         }
     );
     if let Some(c) = &plan.critic {
-        println!(
+        outln!(
             "  critic      mini-batch {} responses, {} optimizer step(s) per step",
-            c.mini_batch_responses, c.optimizer_steps_per_step
+            c.mini_batch_responses,
+            c.optimizer_steps_per_step
         );
     }
     for w in &plan.warnings {
-        println!("  ! {w}");
+        outln!("  ! {w}");
+    }
+    match &mode {
+        LaunchMode::Single => outln!("launch        1 process on {}", cfg.trainer.device),
+        LaunchMode::Launcher { world } => outln!(
+            "launch        {world} local rank(s) on {} (trainer.n_gpus_per_node={}), spawned by this verl run",
+            cfg.trainer.device,
+            cfg.trainer.n_gpus_per_node
+        ),
+        LaunchMode::Rank { env, source } => outln!(
+            "launch        rank {} of {} (local rank {}) from the {} environment, store {}:{}",
+            env.rank,
+            env.world_size,
+            env.local_rank,
+            source.name(),
+            env.master_addr,
+            env.master_port
+        ),
+    }
+    if !quiet {
+        print!("{out}");
+        out.clear();
     }
     if dry_run {
         if missing.is_empty() {
-            println!("dry run       ok: nothing trained");
+            outln!("dry run       ok: nothing trained");
         } else {
             let roles: Vec<&str> = missing.iter().map(|r| r.as_str()).collect();
-            println!(
+            outln!(
                 "dry run       ok, but a real run would stop: {} does not implement {} yet",
                 b.name,
                 roles.join(", ")
             );
+        }
+        if !quiet {
+            print!("{out}");
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -520,12 +672,46 @@ fn run(
             plugins.backend.path.display()
         );
     }
-    let job_plugins = verl_host::trainer::JobPlugins::new(plugins.backend, plugins.rewards);
-    let opts = verl_host::trainer::FitOptions {
-        progress: true,
-        ..Default::default()
+    let (rank_env, quiet) = match mode {
+        LaunchMode::Single => (None, false),
+        LaunchMode::Launcher { world } => {
+            // The children load their own plugins; the launcher only supervises.
+            drop(plugins);
+            let master_port =
+                match std::env::var("MASTER_PORT") {
+                    Ok(p) => Some(p.trim().parse::<u16>().with_context(|| {
+                        format!("MASTER_PORT={p}: expected a TCP port (0-65535)")
+                    })?),
+                    Err(_) => None,
+                };
+            let code = launch::launch(&launch::LaunchOptions {
+                world,
+                args: std::env::args_os().skip(1).collect(),
+                verbose: cli.verbose > 0,
+                master_port,
+            })?;
+            return Ok(ExitCode::from(code.clamp(0, 255) as u8));
+        }
+        LaunchMode::Rank { env, .. } => {
+            // Rank 0 reports the result, also under our launcher (its stdout is the job's).
+            let quiet = env.rank != 0;
+            (Some(env), quiet)
+        }
     };
-    let summary = verl_host::trainer::fit(&cfg, &job_plugins, &opts)?;
+    let job_plugins = verl_host::trainer::JobPlugins::new(plugins.backend, plugins.rewards);
+    let summary = match rank_env {
+        None => {
+            let opts = verl_host::trainer::FitOptions {
+                progress: true,
+                ..Default::default()
+            };
+            verl_host::trainer::fit(&cfg, &job_plugins, &opts)?
+        }
+        Some(env) => fit_as_rank(&cfg, &job_plugins, &env)?,
+    };
+    if quiet {
+        return Ok(ExitCode::SUCCESS);
+    }
     println!(
         "done          {} step(s) of {}{}",
         summary.global_step,
@@ -546,6 +732,118 @@ fn run(
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One rank of an SPMD job: meet the others at the store, train this rank's slice, and leave
+/// together. A failure is posted to the store first, so every other rank stops at once.
+fn fit_as_rank(
+    cfg: &Config,
+    plugins: &verl_host::trainer::JobPlugins,
+    env: &verl_store::DistEnv,
+) -> anyhow::Result<verl_host::trainer::FitSummary> {
+    let (rank, world) = (env.rank, env.world_size);
+    let who = format!("rank {rank} of {world}");
+    let timeout = launch::rendezvous_timeout()?;
+    let store = format!("{}:{}", env.master_addr, env.master_port);
+    // Rank 0 may host the store (torchrun, SLURM): it must outlive the job.
+    let (_server, client) = env
+        .join(timeout)
+        .with_context(|| format!("{who}: joining the rendezvous store at {store}"))?;
+    let client = Arc::new(client);
+    client
+        .barrier("verl/start", rank, world, timeout)
+        .with_context(|| format!("{who}: waiting for all ranks at {store}"))?;
+    watch_for_failures(&client, rank, world);
+    let group = Arc::new(verl_host::dist::HostGroup::new(
+        client.clone(),
+        rank,
+        world,
+        timeout.max(Duration::from_secs(1800)),
+    ));
+    let opts = verl_host::trainer::FitOptions {
+        rank: rank as u32,
+        world_size: world as u32,
+        local_rank: env.local_rank as u32,
+        rendezvous: Some(verl_plugin_api::Rendezvous {
+            master_addr: env.master_addr.clone(),
+            master_port: env.master_port,
+            timeout_s: timeout.as_secs().max(1),
+        }),
+        group: Some(group.clone()),
+        progress: true,
+        logger: None,
+    };
+    let result = verl_host::trainer::fit(cfg, plugins, &opts).and_then(|summary| {
+        group.barrier("done")?;
+        leave_together(&client, rank, world, _server.is_some())?;
+        Ok(summary)
+    });
+    result.map_err(|e| {
+        let _ = client.set_error(rank, &format!("{e:#}"));
+        e.context(who)
+    })
+}
+
+/// After the last barrier: a rank that hosts the store keeps it up until every other rank has
+/// read its reply and said it is leaving, so none of them sees the store vanish mid-request.
+fn leave_together(
+    client: &verl_store::StoreClient,
+    rank: usize,
+    world: usize,
+    hosts_store: bool,
+) -> anyhow::Result<()> {
+    const LEFT: &str = "verl/left";
+    if !hosts_store {
+        client.add(LEFT, 1)?;
+        return Ok(());
+    }
+    let others = (world - 1) as i64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
+        let left = client
+            .try_get(LEFT)?
+            .and_then(|v| String::from_utf8(v).ok()?.parse::<i64>().ok())
+            .unwrap_or(0);
+        if left >= others {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    tracing::warn!(
+        rank,
+        "not every rank said goodbye within 30s; stopping the store anyway"
+    );
+    Ok(())
+}
+
+/// Ends this rank soon after another one fails, even while it computes and so cannot see the
+/// failure at a collective (SLURM and hand-started ranks have no launcher to kill them).
+fn watch_for_failures(client: &verl_store::StoreClient, rank: usize, world: usize) {
+    let Ok(watcher) = client.duplicate(Duration::from_secs(10)) else {
+        return;
+    };
+    let _ = std::thread::Builder::new()
+        .name("verl-failure-watch".into())
+        .spawn(move || loop {
+            match watcher.wait_error(Duration::from_secs(3600)) {
+                Ok(()) => continue,
+                Err(verl_store::StoreError::RankFailed { rank: failed, message }) => {
+                    if failed == rank {
+                        return;
+                    }
+                    // The main thread reports the failure itself when it is in a collective.
+                    std::thread::sleep(Duration::from_secs(5));
+                    eprintln!(
+                        "error: rank {rank} of {world}: stopping because rank {failed} failed: {message}"
+                    );
+                    // SAFETY: ending the process without unwinding or atexit handlers, which
+                    // could block on a backend's device state.
+                    unsafe { libc::_exit(1) };
+                }
+                // The store is gone: the job is over.
+                Err(_) => return,
+            }
+        });
 }
 
 fn reward_score(
@@ -646,5 +944,35 @@ fn generate(cli: &Cli, a: &GenerateArgs) -> anyhow::Result<ExitCode> {
             println!("(finish: {r}, {} tokens)", g.token_ids.len());
         }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn sft(cli: &Cli, job: &std::path::Path, overrides: &[String]) -> anyhow::Result<ExitCode> {
+    let cfg = sft_cmd::SftConfig::load(job, overrides)?;
+    let mut loader = Loader::new(&[]);
+    let spec = match cli.plugins.as_slice() {
+        [] => cfg.model.strategy.replace("fsdp2", "fsdp"),
+        [one] => one.clone(),
+        _ => bail!("`verl sft` takes one backend --plugin"),
+    };
+    let backend = loader
+        .load(&spec)
+        .with_context(|| format!("loading backend `{spec}` (model.strategy / --plugin)"))?;
+    let s = sft_cmd::run_sft(&backend, &cfg)?;
+    println!(
+        "done          {} SFT step(s) in {:.1}s, train/loss {}, val/loss {}",
+        s.steps,
+        s.seconds,
+        s.last_train_loss
+            .map(|l| format!("{l:.4}"))
+            .unwrap_or_else(|| "-".into()),
+        s.val_loss
+            .map(|l| format!("{l:.4}"))
+            .unwrap_or_else(|| "-".into())
+    );
+    if let Some(p) = &s.metrics_file {
+        println!("metrics       {}", p.display());
+    }
+    println!("model         {}", s.final_model.display());
     Ok(ExitCode::SUCCESS)
 }

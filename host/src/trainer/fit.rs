@@ -1,5 +1,13 @@
 //! The loop itself: verl's `RayPPOTrainer.fit`, `_validate`, `_save_checkpoint` and
 //! `_load_checkpoint`, on one data-parallel rank.
+//!
+//! Across ranks (`FitOptions::group`), what verl computes on its driver over the whole batch is
+//! computed over the whole batch here too, through the host's collectives: data metrics (the
+//! ranks' rows gathered in rank order, so they equal a 1-rank run's), whitening and the KL
+//! controller's input (sums over ranks), validation (rows gathered before the per-source
+//! reduction). Plugin metrics that differ between ranks are averaged (`*/max` and `*/min` take
+//! the max and min); identical ones are kept. Timings are the slowest rank's per phase, which is
+//! what verl's driver measures while it waits for its workers.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -8,8 +16,8 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use verl_algos::{
-    apply_kl_penalty, compute_advantage, masked_mean, AdvantageEstimator, AdvantageInputs,
-    AdvantageParams, Grid, Groups, KlController, KlPenalty,
+    apply_kl_penalty_across, compute_advantage_across, masked_mean, AdvantageEstimator,
+    AdvantageInputs, AdvantageParams, Grid, Groups, KlController, KlPenalty,
 };
 use verl_checkpoint::{
     CheckpointManager, KeepPolicy, ResumeDecision, ResumeMode, Role as CkptRole, RoleWriter,
@@ -18,9 +26,9 @@ use verl_checkpoint::{
 use verl_config::{validate_batches, BatchPlan, Config, Layout};
 use verl_data::{DataLoader, DataLoaderState, Dataset, LoaderOptions, Sample, Split};
 use verl_metrics::{
-    compute_data_metrics, compute_throughput_metrics, compute_timing_metrics,
-    process_validation_metrics, validation_metrics, InfoColumn, LoggerOptions, MetricsLogger,
-    StepData, Timings, BOOTSTRAP_SEED,
+    compute_throughput_metrics, compute_timing_metrics, process_validation_metrics,
+    validation_metrics, InfoColumn, LoggerOptions, MetricsLogger, StepData, Timings,
+    BOOTSTRAP_SEED,
 };
 use verl_plugin_api::client::{ActorClient, CriticClient};
 use verl_plugin_api::{
@@ -32,6 +40,11 @@ use super::error::TrainerError;
 use super::plugins::JobPlugins;
 use super::prompts::{tokenizer_dir, PromptEncoder};
 use super::reward::{RewardInput, RewardOutput, RewardRouter};
+use crate::dist::{HostGroup, ReduceOp};
+use verl_algos::{CrossRankSum, LocalOnly, MASKED_MEAN_EPS};
+use verl_checkpoint::{DATA_STATE_FILE, TRAINER_STATE_FILE};
+use verl_metrics::StepSummary;
+use verl_plugin_api::Rendezvous;
 
 /// How this process takes part in the job.
 #[derive(Debug, Clone)]
@@ -39,6 +52,12 @@ pub struct FitOptions {
     /// Data-parallel rank of this process; it trains on its slice of whole prompt groups.
     pub rank: u32,
     pub world_size: u32,
+    /// The GPU index of this rank on its node (torchrun's `LOCAL_RANK`).
+    pub local_rank: u32,
+    /// Where the backend's communicator meets its peers (world > 1).
+    pub rendezvous: Option<Rendezvous>,
+    /// The job's ranks, for the host-side collectives; required when `world_size > 1`.
+    pub group: Option<Arc<HostGroup>>,
     /// Where metrics go; `None`: `trainer.logger` with verl's file locations. Only rank 0 logs.
     pub logger: Option<LoggerOptions>,
     /// One progress line per step on stderr.
@@ -50,6 +69,9 @@ impl Default for FitOptions {
         FitOptions {
             rank: 0,
             world_size: 1,
+            local_rank: 0,
+            rendezvous: None,
+            group: None,
             logger: None,
             progress: true,
         }
@@ -87,11 +109,13 @@ struct TrainerState {
     kl_coef_bits: u64,
 }
 
-/// The seed of one generation call: a function of the job seed, the step and the rank only, so
-/// a resumed run samples exactly what the uninterrupted one did.
-fn call_seed(seed: u64, step: u64, rank: u32, salt: u64) -> u64 {
+/// The seed of one generation call: a function of the job seed and the step only, so a resumed
+/// run samples exactly what the uninterrupted one did. It must not depend on the rank: with
+/// `GenerateOptions::row_offset` every prompt samples by its global index, so a batch split over
+/// ranks generates exactly what one rank would.
+fn call_seed(seed: u64, step: u64, salt: u64) -> u64 {
     let mut x = seed ^ 0xD1B5_4A32_D192_ED03;
-    for v in [step, rank as u64, salt] {
+    for v in [step, salt] {
         x = (x ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         x ^= x >> 29;
     }
@@ -236,6 +260,32 @@ fn generate_options(cfg: &Config, enc: &PromptEncoder, seed: u64) -> GenerateOpt
 pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Result<FitSummary> {
     let t = &cfg.trainer;
     let (rank, world) = (opts.rank, opts.world_size.max(1));
+    let group = opts.group.as_deref();
+    match group {
+        Some(g) if g.rank() != rank as usize || g.world_size() != world as usize => {
+            return Err(TrainerError::Rank {
+                rank,
+                world_size: world,
+                message: format!(
+                    "FitOptions says rank {rank} of {world} but its group is rank {} of {}",
+                    g.rank(),
+                    g.world_size()
+                ),
+            }
+            .into())
+        }
+        None if world > 1 => {
+            return Err(TrainerError::Rank {
+                rank,
+                world_size: world,
+                message:
+                    "a multi-rank fit needs FitOptions::group (the job's store) for its collectives"
+                        .into(),
+            }
+            .into())
+        }
+        _ => {}
+    }
     let plan = validate_batches(cfg, Layout::data_parallel(world as u64))?;
     let estimator: AdvantageEstimator = cfg.algorithm.adv_estimator.parse()?;
     if estimator.needs_values() && !cfg.need_critic() {
@@ -295,7 +345,8 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
     let init = |role: Role| InitArgs {
         rank,
         world_size: world,
-        local_rank: rank,
+        local_rank: opts.local_rank,
+        rendezvous: opts.rendezvous.clone(),
         ..InitArgs::new(role, config_json.clone())
     };
     let backend = &plugins.backend;
@@ -337,13 +388,18 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
     };
 
     // Resume.
-    let ckpt = CheckpointManager::new(
+    let mut ckpt = CheckpointManager::new(
         &t.default_local_dir,
         KeepPolicy::from_verl(
             t.max_actor_ckpt_to_keep.map(|v| v as i64),
             t.max_critic_ckpt_to_keep.map(|v| v as i64),
         ),
     );
+    if world > 1 {
+        // Every rank writes its shard into the same pending folder, so they must agree on its
+        // name; a non-numeric tag also lets the next run clean up after a crashed one.
+        ckpt = ckpt.with_temp_tag("spmd");
+    }
     let mode = ResumeMode::from_verl(&t.resume_mode, t.resume_from_path.as_deref())?;
     let mut global_step = 0u64;
     let mut loader_state: Option<DataLoaderState> = None;
@@ -441,6 +497,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         enc: &enc,
         rank,
         world,
+        group,
     };
     if let Some(ds) = &val_ds {
         if t.val_before_train || t.val_only {
@@ -463,11 +520,14 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         let mut timings = Timings::new();
         let slice = rank_slice(data.samples.len(), rank, world)?;
         let samples: Vec<&Sample> = data.samples[slice.clone()].iter().collect();
-        let indices = &data.indices[slice];
+        let indices = &data.indices[slice.clone()];
         let mut metrics: Vec<(String, f64)> = Vec::new();
 
         // Rollout + reward.
-        let gen = generate_options(cfg, &enc, call_seed(t.seed, global_step, rank, SALT_TRAIN));
+        let gen = GenerateOptions {
+            row_offset: slice.start as u64,
+            ..generate_options(cfg, &enc, call_seed(t.seed, global_step, SALT_TRAIN))
+        };
         let t0 = Instant::now();
         let prompts = enc.encode(&samples, indices)?;
         let mut batch = roles.actor.generate(&prompts, &gen)?;
@@ -478,7 +538,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
             let greedy = GenerateOptions {
                 n: 1,
                 do_sample: false,
-                seed: Some(call_seed(t.seed, global_step, rank, SALT_GREEDY)),
+                seed: Some(call_seed(t.seed, global_step, SALT_GREEDY)),
                 ..gen.clone()
             };
             let base = generate_and_score(cfg, &mut roles, &enc, &samples, indices, &greedy)?;
@@ -513,13 +573,14 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         let actor_call = format!("{}.actor.compute_log_prob", roles.actor.plugin());
         let old_lp = tensor_f32(&old, col::LOG_PROBS, &actor_call)?;
         let entropy = tensor_f32(&old, col::ENTROPY, &actor_call)?;
-        metrics.push((
-            "actor/entropy".into(),
-            masked_mean(&grid_f64(&entropy)?, &mask)?,
-        ));
+        let entropy_mean = match group {
+            None => masked_mean(&grid_f64(&entropy)?, &mask)?,
+            Some(g) => global_masked_mean(&grid_f64(&entropy)?, &mask, g)?,
+        };
+        metrics.push(("actor/entropy".into(), entropy_mean));
         if batch.contains(col::ROLLOUT_LOG_PROBS) {
             let rl = tensor_f32(&batch, col::ROLLOUT_LOG_PROBS, "rollout")?;
-            metrics.extend(rollout_probs_diff(&rl.data, &old_lp.data, &mask));
+            metrics.extend(rollout_probs_diff(&rl.data, &old_lp.data, &mask, group)?);
         }
         batch.insert_tensor(col::OLD_LOG_PROBS, &[rows, width], &old_lp.data);
 
@@ -555,14 +616,18 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         let scores = Grid::new(rows, width, rollout.reward.token_level_scores.clone())?;
         let token_rewards = match (&ref_lp, cfg.algorithm.use_kl_in_reward) {
             (Some(ref_lp), true) => {
-                let out = apply_kl_penalty(
-                    &scores,
-                    &grid_f64(&old_lp)?,
-                    &grid_f64(ref_lp)?,
-                    &mask,
-                    &mut kl_ctrl,
-                    kl_penalty,
-                )?;
+                let (old_g, ref_g) = (grid_f64(&old_lp)?, grid_f64(ref_lp)?);
+                let out = with_reducer(group, |reducer| {
+                    apply_kl_penalty_across(
+                        &scores,
+                        &old_g,
+                        &ref_g,
+                        &mask,
+                        &mut kl_ctrl,
+                        kl_penalty,
+                        reducer,
+                    )
+                })?;
                 metrics.extend(out.metrics.to_named().map(|(k, v)| (k.to_string(), v)));
                 out.token_level_rewards
             }
@@ -579,7 +644,9 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         if let Some(b) = &row_baselines {
             inputs = inputs.with_reward_baselines(b);
         }
-        let adv = compute_advantage(estimator, &inputs, &adv_params)?;
+        let adv = with_reducer(group, |reducer| {
+            compute_advantage_across(estimator, &inputs, &adv_params, reducer)
+        })?;
         batch.insert_tensor(
             col::ADVANTAGES,
             &[rows, width],
@@ -603,13 +670,13 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
             let t0 = Instant::now();
             let m = critic.update(&batch, &update)?;
             timings.add("update_critic", t0.elapsed().as_secs_f64());
-            metrics.extend(m);
+            metrics.extend(combine_rank_metrics(group, m)?);
         }
         if t.critic_warmup <= global_step {
             let t0 = Instant::now();
             let m = roles.actor.update(&batch, &update)?;
             timings.add("update_actor", t0.elapsed().as_secs_f64());
-            metrics.extend(m);
+            metrics.extend(combine_rank_metrics(group, m)?);
         }
 
         let is_last = global_step >= total_steps;
@@ -630,7 +697,17 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
                 kl_coef: kl_ctrl.value(),
                 kl_coef_bits: kl_ctrl.value().to_bits(),
             };
-            save_checkpoint(&ckpt, &mut roles, global_step, &loader.state(), &state)?;
+            match group {
+                None => save_checkpoint(&ckpt, &mut roles, global_step, &loader.state(), &state)?,
+                Some(g) => save_checkpoint_spmd(
+                    &ckpt,
+                    &mut roles,
+                    global_step,
+                    &loader.state(),
+                    &state,
+                    g,
+                )?,
+            }
             timings.add("save_checkpoint", t0.elapsed().as_secs_f64());
             summary.checkpoints.push(global_step);
         }
@@ -666,13 +743,28 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
             num_turns: None,
             tool_call_counts: None,
         };
+        let summary_here = StepSummary::from_step(&step_data)?;
+        let step_summary = match group {
+            None => summary_here,
+            Some(g) => {
+                let parts = g.all_gather_f64(&summary_here.to_f64s())?;
+                let parts = parts
+                    .iter()
+                    .map(|p| StepSummary::from_f64s(p))
+                    .collect::<Result<Vec<_>, _>>()?;
+                StepSummary::concat(parts)?
+            }
+        };
+        if let Some(g) = group {
+            timings = slowest_timings(&timings, g)?;
+        }
         let mut all = vec![
             ("training/global_step".to_string(), global_step as f64),
             ("training/epoch".to_string(), data.epoch as f64),
         ];
         merge(&mut all, metrics);
-        merge(&mut all, compute_data_metrics(&step_data)?);
-        let tokens = step_data.token_counts();
+        merge(&mut all, step_summary.metrics()?);
+        let tokens = step_summary.token_counts();
         merge(&mut all, compute_timing_metrics(&timings, tokens));
         merge(
             &mut all,
@@ -723,8 +815,14 @@ fn token_rewards_rowsum(g: &Grid<f64>) -> Vec<f64> {
 }
 
 /// verl's `training/rollout_probs_diff_*`: how far the sampler's token probabilities are from
-/// the trainer's recomputation.
-fn rollout_probs_diff(rollout: &[f32], old: &[f32], mask: &Grid<f64>) -> Vec<(String, f64)> {
+/// the trainer's recomputation, over the whole batch (every rank takes part in the reductions,
+/// even one without a valid token).
+fn rollout_probs_diff(
+    rollout: &[f32],
+    old: &[f32],
+    mask: &Grid<f64>,
+    group: Option<&HostGroup>,
+) -> anyhow::Result<Vec<(String, f64)>> {
     let diffs: Vec<f64> = rollout
         .iter()
         .zip(old)
@@ -732,24 +830,108 @@ fn rollout_probs_diff(rollout: &[f32], old: &[f32], mask: &Grid<f64>) -> Vec<(St
         .filter(|(_, &m)| m != 0.0)
         .map(|((&a, &b), _)| ((a as f64).exp() - (b as f64).exp()).abs())
         .collect();
-    if diffs.is_empty() {
-        return Vec::new();
+    let mut first = [diffs.iter().sum::<f64>(), diffs.len() as f64];
+    let mut max = [diffs.iter().cloned().fold(0.0, f64::max)];
+    if let Some(g) = group {
+        g.all_reduce_f64(&mut first, ReduceOp::Sum)?;
+        g.all_reduce_f64(&mut max, ReduceOp::Max)?;
     }
-    let n = diffs.len() as f64;
-    let mean = diffs.iter().sum::<f64>() / n;
-    let var = if n > 1.0 {
-        diffs.iter().map(|d| (d - mean).powi(2)).sum::<f64>() / (n - 1.0)
-    } else {
-        0.0
-    };
-    vec![
-        (
-            "training/rollout_probs_diff_max".into(),
-            diffs.iter().cloned().fold(0.0, f64::max),
-        ),
+    let [sum, n] = first;
+    let mean = sum / n.max(1.0);
+    // Centred on the batch-wide mean, as a single-process two-pass variance is.
+    let mut centred = [diffs.iter().map(|d| (d - mean).powi(2)).sum::<f64>()];
+    if let Some(g) = group {
+        g.all_reduce_f64(&mut centred, ReduceOp::Sum)?;
+    }
+    if n == 0.0 {
+        return Ok(Vec::new());
+    }
+    let var = if n > 1.0 { centred[0] / (n - 1.0) } else { 0.0 };
+    Ok(vec![
+        ("training/rollout_probs_diff_max".into(), max[0]),
         ("training/rollout_probs_diff_mean".into(), mean),
         ("training/rollout_probs_diff_std".into(), var.sqrt()),
-    ]
+    ])
+}
+
+/// Runs `f` with the reducer that makes `verl_algos`' batch statistics span every rank.
+fn with_reducer<T>(group: Option<&HostGroup>, f: impl FnOnce(&mut dyn CrossRankSum) -> T) -> T {
+    match group {
+        None => f(&mut LocalOnly),
+        Some(g) => {
+            let mut g = g;
+            f(&mut g)
+        }
+    }
+}
+
+/// verl's `masked_mean` over the whole batch of a multi-rank job.
+fn global_masked_mean(
+    values: &Grid<f64>,
+    mask: &Grid<f64>,
+    group: &HostGroup,
+) -> anyhow::Result<f64> {
+    let mut sums = [
+        verl_algos::masked_sum(values, mask)?,
+        mask.as_slice().iter().sum::<f64>(),
+    ];
+    group.all_reduce_f64(&mut sums, ReduceOp::Sum)?;
+    Ok(sums[0] / (sums[1] + MASKED_MEAN_EPS))
+}
+
+/// A plugin's per-rank metrics as one set: values every rank agrees on stay as they are (the
+/// learning rate, a grad norm the backend already reduced, counts), others are averaged over
+/// ranks, or take the max/min for `*/max`/`*/min`. Names in rank 0's order; a name only some
+/// ranks report is reduced over those.
+fn combine_rank_metrics(
+    group: Option<&HostGroup>,
+    mine: Vec<(String, f64)>,
+) -> anyhow::Result<Vec<(String, f64)>> {
+    let Some(g) = group else {
+        return Ok(mine);
+    };
+    // Bits, not JSON numbers: a value must come back exactly to compare equal across ranks.
+    let bits: Vec<(String, u64)> = mine.iter().map(|(k, v)| (k.clone(), v.to_bits())).collect();
+    let all = g.all_gather_json(&bits)?;
+    let mut names: Vec<&String> = Vec::new();
+    for part in &all {
+        for (k, _) in part {
+            if !names.contains(&k) {
+                names.push(k);
+            }
+        }
+    }
+    Ok(names
+        .into_iter()
+        .map(|k| {
+            let vals: Vec<f64> = all
+                .iter()
+                .filter_map(|p| p.iter().find(|(n, _)| n == k))
+                .map(|(_, b)| f64::from_bits(*b))
+                .collect();
+            let v = if vals.iter().all(|v| v.to_bits() == vals[0].to_bits()) {
+                vals[0]
+            } else if k.ends_with("/max") {
+                vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max)
+            } else if k.ends_with("/min") {
+                vals.iter().cloned().fold(f64::INFINITY, f64::min)
+            } else {
+                vals.iter().sum::<f64>() / vals.len() as f64
+            };
+            (k.clone(), v)
+        })
+        .collect())
+}
+
+/// Each phase's time on the slowest rank (every rank records the same phases in the same order).
+fn slowest_timings(timings: &Timings, group: &HostGroup) -> anyhow::Result<Timings> {
+    let mut secs: Vec<f64> = timings.iter().map(|(_, s)| s).collect();
+    group.all_reduce_f64(&mut secs, ReduceOp::Max)?;
+    let mut out = Timings::new();
+    for ((name, _), s) in timings.iter().zip(secs) {
+        out.add(name, s);
+    }
+    Ok(out)
 }
 
 /// Decode and score an already generated batch.
@@ -811,6 +993,17 @@ struct Ctx<'a> {
     enc: &'a PromptEncoder,
     rank: u32,
     world: u32,
+    group: Option<&'a HostGroup>,
+}
+
+/// One validation batch's scored rows on one rank, as sent to the others (floats as bits, so
+/// the gathered table is exactly the one a single rank would build).
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct ValRows {
+    sources: Vec<String>,
+    uids: Vec<String>,
+    scores: Vec<u64>,
+    extra: Vec<(String, Vec<u64>)>,
 }
 
 /// verl's `_validate`: generate with `rollout.val_kwargs` over the whole validation set, score,
@@ -823,22 +1016,21 @@ fn validate(
 ) -> anyhow::Result<Vec<(String, f64)>> {
     let cfg = ctx.cfg;
     let vk = &cfg.actor_rollout_ref.rollout.val_kwargs;
-    if ctx.world > 1 {
-        // Per-rank validation would need its table gathered before reduction.
-        return Err(TrainerError::Rank {
-            rank: ctx.rank,
-            world_size: ctx.world,
-            message: "validation across several ranks is not wired yet".into(),
-        }
-        .into());
-    }
+    let world = ctx.world.max(1) as usize;
     let mut loader =
         DataLoader::with_options(ds.clone(), LoaderOptions::validation(dcfg, ds.len()), None)?;
     let (mut sources, mut uids, mut scores) = (Vec::new(), Vec::new(), Vec::new());
     let mut extra: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let mut batch_no = 0u64;
     while let Some(b) = loader.next_batch() {
-        let samples: Vec<&Sample> = b.samples.iter().collect();
+        let real = b.samples.len();
+        // verl pads a validation batch to a multiple of the world size by repeating its first
+        // prompts, and drops what the padding generated.
+        let padded = real.div_ceil(world) * world;
+        let all: Vec<&Sample> = (0..padded).map(|i| &b.samples[i % real]).collect();
+        let all_indices: Vec<usize> = (0..padded).map(|i| b.indices[i % real]).collect();
+        let slice = rank_slice(padded, ctx.rank, ctx.world)?;
+        let samples = &all[slice.clone()];
         let gen = GenerateOptions {
             n: vk.n as u32,
             temperature: vk.temperature,
@@ -846,23 +1038,64 @@ fn validate(
             top_k: vk.top_k,
             do_sample: vk.do_sample,
             validate: true,
+            row_offset: slice.start as u64,
             ..generate_options(
                 cfg,
                 ctx.enc,
-                call_seed(cfg.trainer.seed, batch_no, ctx.rank, SALT_VAL),
+                call_seed(cfg.trainer.seed, batch_no, SALT_VAL),
             )
         };
-        let r = generate_and_score(cfg, roles, ctx.enc, &samples, &b.indices, &gen)?;
-        let before = scores.len();
-        for (row, &p) in r.prompt_index.iter().enumerate() {
-            sources.push(samples[p].data_source.clone());
-            uids.push(b.indices[p].to_string());
-            scores.push(r.reward.scores[row]);
-        }
-        for (k, v) in r.reward.extra {
-            let col = extra.entry(k).or_insert_with(|| vec![f64::NAN; before]);
-            col.resize(before, f64::NAN);
-            col.extend(v);
+        let r = generate_and_score(
+            cfg,
+            roles,
+            ctx.enc,
+            samples,
+            &all_indices[slice.clone()],
+            &gen,
+        )?;
+        let keep: Vec<usize> = (0..r.prompt_index.len())
+            .filter(|&row| slice.start + r.prompt_index[row] < real)
+            .collect();
+        let mine = ValRows {
+            sources: keep
+                .iter()
+                .map(|&row| samples[r.prompt_index[row]].data_source.clone())
+                .collect(),
+            uids: keep
+                .iter()
+                .map(|&row| all_indices[slice.start + r.prompt_index[row]].to_string())
+                .collect(),
+            scores: keep
+                .iter()
+                .map(|&row| r.reward.scores[row].to_bits())
+                .collect(),
+            extra: r
+                .reward
+                .extra
+                .iter()
+                .map(|(k, v)| {
+                    let col = keep
+                        .iter()
+                        .map(|&row| v.get(row).copied().unwrap_or(f64::NAN).to_bits())
+                        .collect();
+                    (k.clone(), col)
+                })
+                .collect(),
+        };
+        let parts = match ctx.group {
+            None => vec![mine],
+            Some(g) => g.all_gather_json(&mine)?,
+        };
+        for part in parts {
+            let before = scores.len();
+            sources.extend(part.sources);
+            uids.extend(part.uids);
+            scores.extend(part.scores.into_iter().map(f64::from_bits));
+            for (k, v) in part.extra {
+                let col = extra.entry(k).or_insert_with(|| vec![f64::NAN; before]);
+                col.resize(before, f64::NAN);
+                col.extend(v.into_iter().map(f64::from_bits));
+            }
         }
         batch_no += 1;
     }
@@ -906,22 +1139,86 @@ fn save_checkpoint(
     Ok(())
 }
 
+/// [`save_checkpoint`] for a multi-rank job: rank 0 opens the pending step folder, every rank's
+/// roles write their shards into it, then rank 0 alone writes the host state and commits (the
+/// atomic rename and tracker update) once every shard is written. No rank goes on before the
+/// commit, so a later failure never finds a half-published step.
+fn save_checkpoint_spmd(
+    ckpt: &CheckpointManager,
+    roles: &mut Roles,
+    step: u64,
+    loader: &DataLoaderState,
+    state: &TrainerState,
+    group: &HostGroup,
+) -> anyhow::Result<()> {
+    let context = || format!("saving the checkpoint of step {step}");
+    let mut role_dirs = vec![CkptRole::Actor];
+    if roles.critic.is_some() {
+        role_dirs.push(CkptRole::Critic);
+    }
+    if group.rank() == 0 {
+        let mut pending = ckpt.begin(step).with_context(context)?;
+        for role in &role_dirs {
+            let dir = pending.role_dir(*role);
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        group.barrier("checkpoint-begin")?;
+        let actor = &mut roles.actor;
+        pending
+            .write_role(CkptRole::Actor, |dir: &Path| {
+                actor.save(dir).map_err(|e| Box::new(e) as WriterError)
+            })
+            .with_context(context)?;
+        if let Some(critic) = roles.critic.as_mut() {
+            pending
+                .write_role(CkptRole::Critic, |dir: &Path| {
+                    critic.save(dir).map_err(|e| Box::new(e) as WriterError)
+                })
+                .with_context(context)?;
+        }
+        group.barrier("checkpoint-written")?;
+        pending
+            .write_json(DATA_STATE_FILE, &serde_json::to_value(loader)?)
+            .with_context(context)?;
+        pending
+            .write_json(TRAINER_STATE_FILE, &serde_json::to_value(state)?)
+            .with_context(context)?;
+        let saved = pending.commit().with_context(context)?;
+        tracing::info!(step, dir = %saved.dir.display(), "checkpoint saved");
+        group.barrier("checkpoint-committed")?;
+    } else {
+        group.barrier("checkpoint-begin")?;
+        let tmp = ckpt.temp_dir(step);
+        let dir = tmp.join(CkptRole::Actor.dir_name());
+        roles
+            .actor
+            .save(&dir)
+            .with_context(|| format!("saving the actor's shard into {}", dir.display()))?;
+        if let Some(critic) = roles.critic.as_mut() {
+            let dir = tmp.join(CkptRole::Critic.dir_name());
+            critic
+                .save(&dir)
+                .with_context(|| format!("saving the critic's shard into {}", dir.display()))?;
+        }
+        group.barrier("checkpoint-written")?;
+        group.barrier("checkpoint-committed")?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn call_seeds_depend_on_step_rank_and_purpose_only() {
-        assert_eq!(
-            call_seed(42, 3, 0, SALT_TRAIN),
-            call_seed(42, 3, 0, SALT_TRAIN)
-        );
+    fn call_seeds_depend_on_step_and_purpose_only() {
+        assert_eq!(call_seed(42, 3, SALT_TRAIN), call_seed(42, 3, SALT_TRAIN));
         let all = [
-            call_seed(42, 3, 0, SALT_TRAIN),
-            call_seed(42, 4, 0, SALT_TRAIN),
-            call_seed(42, 3, 1, SALT_TRAIN),
-            call_seed(42, 3, 0, SALT_VAL),
-            call_seed(43, 3, 0, SALT_TRAIN),
+            call_seed(42, 3, SALT_TRAIN),
+            call_seed(42, 4, SALT_TRAIN),
+            call_seed(42, 3, SALT_GREEDY),
+            call_seed(42, 3, SALT_VAL),
+            call_seed(43, 3, SALT_TRAIN),
         ];
         for i in 0..all.len() {
             for j in i + 1..all.len() {
@@ -955,7 +1252,7 @@ mod tests {
     #[test]
     fn probs_diff_ignores_padding() {
         let mask = Grid::new(1, 3, vec![1.0, 1.0, 0.0]).unwrap();
-        let m = rollout_probs_diff(&[0.0, -1.0, -5.0], &[0.0, -1.0, 0.0], &mask);
+        let m = rollout_probs_diff(&[0.0, -1.0, -5.0], &[0.0, -1.0, 0.0], &mask, None).unwrap();
         assert_eq!(m[0], ("training/rollout_probs_diff_max".to_string(), 0.0));
     }
 }

@@ -5,7 +5,8 @@
 //! It owns the order of calls and the host-side maths wiring (it calls `verl_algos`,
 //! `verl_metrics`, `verl_checkpoint`, `verl_data`, `verl_chat`); tensors and weights stay in the
 //! plugins. One process runs one data-parallel rank (`FitOptions::rank`) on its slice of whole
-//! prompt groups; cross-rank statistics and validation gathering are not wired yet.
+//! prompt groups; batch-wide statistics, metrics and validation span all ranks through the host's
+//! collectives (`crate::dist::HostGroup`).
 
 mod error;
 mod fit;

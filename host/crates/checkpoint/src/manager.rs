@@ -100,6 +100,12 @@ impl CheckpointManager {
         self.root.join(step_dir_name(step))
     }
 
+    /// The pending folder [`CheckpointManager::begin`] creates for `step` (with this manager's temp
+    /// tag): where the other ranks of a job write their shards while one rank owns the save.
+    pub fn temp_dir(&self, step: u64) -> PathBuf {
+        self.root.join(temp_dir_name(step, &self.tag))
+    }
+
     /// `root/latest_checkpointed_iteration.txt`.
     pub fn tracker_path(&self) -> PathBuf {
         self.root.join(TRACKER_FILE)
@@ -274,7 +280,8 @@ impl PendingCheckpoint<'_> {
         self.check_usable()?;
         self.claim(role.dir_name())?;
         let dir = self.role_dir(role);
-        fs::create_dir(&dir).map_err(io("create", &dir))?;
+        // Other ranks of a job may have created it already, to write their shards beside ours.
+        fs::create_dir_all(&dir).map_err(io("create", &dir))?;
         let outcome = catch_unwind(AssertUnwindSafe(|| writer(&dir)));
         let err = match outcome {
             Ok(Ok(())) => return Ok(()),

@@ -172,99 +172,301 @@ fn nonempty(op: &'static str, what: &str, v: &[f64]) -> Result<()> {
 /// Scores and rewards are taken over non-aborted rows (response length > 0); advantages, returns and values
 /// over tokens under `response_mask`.
 pub fn compute_data_metrics(data: &StepData<'_>) -> Result<Metrics> {
-    const OP: &str = "compute_data_metrics";
-    data.check()?;
-    let rows = data.rows();
-    let width = data.max_response_length;
-    if rows == 0 {
-        return Err(MetricsError::Empty {
-            op: OP,
-            what: "rows".into(),
-        });
-    }
+    StepSummary::from_step(data)?.metrics()
+}
 
-    let non_aborted: Vec<usize> = (0..rows)
-        .filter(|&r| data.response_lengths[r] > 0)
-        .collect();
-    if non_aborted.is_empty() {
-        return Err(MetricsError::AllAborted { rows });
-    }
-    let scores: Vec<f64> = non_aborted
-        .iter()
-        .map(|&r| data.sequence_scores[r])
-        .collect();
-    let rewards: Vec<f64> = non_aborted
-        .iter()
-        .map(|&r| {
-            data.token_level_rewards[r * width..(r + 1) * width]
-                .iter()
-                .sum()
+/// What [`compute_data_metrics`] needs of a step, and nothing more: per-row values and the
+/// tokens under the response mask. A data-parallel rank holds a slice of the batch; the ranks'
+/// summaries, concatenated in rank order, give exactly the metrics of the whole batch, which is
+/// what verl's driver reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepSummary {
+    /// See [`StepData::max_response_length`].
+    pub max_response_length: usize,
+    /// See [`StepData::max_prompt_length`].
+    pub max_prompt_length: usize,
+    /// Per row.
+    pub sequence_scores: Vec<f64>,
+    /// Per row: the summed token-level rewards.
+    pub rewards: Vec<f64>,
+    /// Per row.
+    pub prompt_lengths: Vec<usize>,
+    /// Per row.
+    pub response_lengths: Vec<usize>,
+    /// Tokens under the response mask, row-major.
+    pub advantages: Vec<f64>,
+    /// Tokens under the response mask, row-major.
+    pub returns: Vec<f64>,
+    /// Tokens under the response mask, row-major.
+    pub values: Option<Vec<f64>>,
+    /// Per row.
+    pub num_turns: Option<Vec<f64>>,
+    /// Per row.
+    pub tool_call_counts: Option<Vec<f64>>,
+}
+
+/// First word of [`StepSummary::to_f64s`], so a peer running another version fails loudly.
+const SUMMARY_FORMAT: f64 = 1.0;
+const SUMMARY_HEADER: usize = 8;
+
+impl StepSummary {
+    /// Checks `data` (as [`compute_data_metrics`] does) and keeps what the metrics need.
+    pub fn from_step(data: &StepData<'_>) -> Result<Self> {
+        data.check()?;
+        let width = data.max_response_length;
+        let masked = |v: &[f64]| -> Vec<f64> {
+            v.iter()
+                .zip(data.response_mask)
+                .filter(|(_, &m)| m != 0.0)
+                .map(|(&x, _)| x)
+                .collect()
+        };
+        Ok(StepSummary {
+            max_response_length: width,
+            max_prompt_length: data.max_prompt_length,
+            sequence_scores: data.sequence_scores.to_vec(),
+            rewards: (0..data.rows())
+                .map(|r| {
+                    data.token_level_rewards[r * width..(r + 1) * width]
+                        .iter()
+                        .sum()
+                })
+                .collect(),
+            prompt_lengths: data.prompt_lengths.to_vec(),
+            response_lengths: data.response_lengths.to_vec(),
+            advantages: masked(data.advantages),
+            returns: masked(data.returns),
+            values: data.values.map(masked),
+            num_turns: data.num_turns.map(<[f64]>::to_vec),
+            tool_call_counts: data.tool_call_counts.map(<[f64]>::to_vec),
         })
-        .collect();
-
-    let masked = |v: &[f64]| -> Vec<f64> {
-        v.iter()
-            .zip(data.response_mask)
-            .filter(|(_, &m)| m != 0.0)
-            .map(|(&x, _)| x)
-            .collect()
-    };
-    let adv = masked(data.advantages);
-    let ret = masked(data.returns);
-    nonempty(OP, "tokens under response_mask", &adv)?;
-
-    let mut out = Metrics::new();
-    push_mean_max_min(&mut out, "critic/score", &scores);
-    push_mean_max_min(&mut out, "critic/rewards", &rewards);
-    push_mean_max_min(&mut out, "critic/advantages", &adv);
-    push_mean_max_min(&mut out, "critic/returns", &ret);
-    if let Some(values) = data.values {
-        let val = masked(values);
-        push_mean_max_min(&mut out, "critic/values", &val);
-        let diff: Vec<f64> = ret.iter().zip(&val).map(|(r, v)| r - v).collect();
-        let explained = 1.0 - var_unbiased(&diff) / (var_unbiased(&ret) + 1e-5);
-        out.push(("critic/vf_explained_var".into(), explained));
     }
 
-    let resp_len: Vec<f64> = data.response_lengths.iter().map(|&n| n as f64).collect();
-    let clip_ratio = |lens: &[f64], limit: usize| {
-        lens.iter().filter(|&&n| n == limit as f64).count() as f64 / lens.len() as f64
-    };
-    push_mean_max_min(&mut out, "response_length", &resp_len);
-    out.push((
-        "response_length/clip_ratio".into(),
-        clip_ratio(&resp_len, width),
-    ));
-    let kept: Vec<f64> = non_aborted.iter().map(|&r| resp_len[r]).collect();
-    push_mean_max_min(&mut out, "response_length_non_aborted", &kept);
-    out.push((
-        "response_length_non_aborted/clip_ratio".into(),
-        clip_ratio(&kept, width),
-    ));
-    out.push((
-        "response/aborted_ratio".into(),
-        (rows - non_aborted.len()) as f64 / rows as f64,
-    ));
+    /// Number of responses.
+    pub fn rows(&self) -> usize {
+        self.response_lengths.len()
+    }
 
-    let prompt_len: Vec<f64> = data.prompt_lengths.iter().map(|&n| n as f64).collect();
-    push_mean_max_min(&mut out, "prompt_length", &prompt_len);
-    out.push((
-        "prompt_length/clip_ratio".into(),
-        clip_ratio(&prompt_len, data.max_prompt_length),
-    ));
-
-    // verl's order for these two is min, max, mean.
-    for (name, v) in [
-        ("num_turns", data.num_turns),
-        ("tool_call_counts", data.tool_call_counts),
-    ] {
-        if let Some(v) = v {
-            out.push((format!("{name}/min"), min(v)));
-            out.push((format!("{name}/max"), max(v)));
-            out.push((format!("{name}/mean"), mean(v)));
+    /// Prompt and response tokens, for timing and throughput metrics.
+    pub fn token_counts(&self) -> TokenCounts {
+        TokenCounts {
+            prompt: self.prompt_lengths.iter().map(|&n| n as u64).sum(),
+            response: self.response_lengths.iter().map(|&n| n as u64).sum(),
         }
     }
-    Ok(out)
+
+    /// The rows of `parts` one after the other (the ranks' slices in rank order). Widths are the
+    /// widest part's: a rank whose responses were padded less still counts against the limit.
+    pub fn concat(parts: Vec<StepSummary>) -> Result<Self> {
+        const OP: &str = "StepSummary::concat";
+        let mut it = parts.into_iter();
+        let Some(mut out) = it.next() else {
+            return Err(MetricsError::Empty {
+                op: OP,
+                what: "step summaries".into(),
+            });
+        };
+        for (i, p) in it.enumerate() {
+            let optional = [
+                ("values", out.values.is_some(), p.values.is_some()),
+                ("num_turns", out.num_turns.is_some(), p.num_turns.is_some()),
+                (
+                    "tool_call_counts",
+                    out.tool_call_counts.is_some(),
+                    p.tool_call_counts.is_some(),
+                ),
+            ];
+            for (input, first, this) in optional {
+                if first != this {
+                    return Err(MetricsError::Length {
+                        op: OP,
+                        input,
+                        expected: first as usize,
+                        found: this as usize,
+                        why: if i == 0 {
+                            "every part must have it or none (part 1 differs from part 0)"
+                        } else {
+                            "every part must have it or none"
+                        },
+                    });
+                }
+            }
+            out.max_response_length = out.max_response_length.max(p.max_response_length);
+            out.max_prompt_length = out.max_prompt_length.max(p.max_prompt_length);
+            out.sequence_scores.extend(p.sequence_scores);
+            out.rewards.extend(p.rewards);
+            out.prompt_lengths.extend(p.prompt_lengths);
+            out.response_lengths.extend(p.response_lengths);
+            out.advantages.extend(p.advantages);
+            out.returns.extend(p.returns);
+            if let (Some(a), Some(b)) = (out.values.as_mut(), p.values) {
+                a.extend(b);
+            }
+            if let (Some(a), Some(b)) = (out.num_turns.as_mut(), p.num_turns) {
+                a.extend(b);
+            }
+            if let (Some(a), Some(b)) = (out.tool_call_counts.as_mut(), p.tool_call_counts) {
+                a.extend(b);
+            }
+        }
+        Ok(out)
+    }
+
+    /// A flat, bit-exact encoding for sending a summary between processes.
+    pub fn to_f64s(&self) -> Vec<f64> {
+        let flag = |b: bool| b as u8 as f64;
+        let mut out = vec![
+            SUMMARY_FORMAT,
+            self.max_response_length as f64,
+            self.max_prompt_length as f64,
+            self.rows() as f64,
+            self.advantages.len() as f64,
+            flag(self.values.is_some()),
+            flag(self.num_turns.is_some()),
+            flag(self.tool_call_counts.is_some()),
+        ];
+        out.extend(&self.sequence_scores);
+        out.extend(&self.rewards);
+        out.extend(self.prompt_lengths.iter().map(|&n| n as f64));
+        out.extend(self.response_lengths.iter().map(|&n| n as f64));
+        out.extend(&self.advantages);
+        out.extend(&self.returns);
+        for v in [&self.values, &self.num_turns, &self.tool_call_counts]
+            .into_iter()
+            .flatten()
+        {
+            out.extend(v);
+        }
+        out
+    }
+
+    /// Decodes [`StepSummary::to_f64s`].
+    pub fn from_f64s(v: &[f64]) -> Result<Self> {
+        const OP: &str = "StepSummary::from_f64s";
+        let bad = |expected: usize, why: &'static str| MetricsError::Length {
+            op: OP,
+            input: "encoded summary",
+            expected,
+            found: v.len(),
+            why,
+        };
+        if v.len() < SUMMARY_HEADER || v[0] != SUMMARY_FORMAT {
+            return Err(bad(
+                SUMMARY_HEADER,
+                "a header of format 1 (same verl version on every rank)",
+            ));
+        }
+        let n = |x: f64| x as usize;
+        let (rows, tokens) = (n(v[3]), n(v[4]));
+        let (has_values, has_turns, has_tools) = (v[5] != 0.0, v[6] != 0.0, v[7] != 0.0);
+        let expected = SUMMARY_HEADER
+            + 4 * rows
+            + (2 + has_values as usize) * tokens
+            + (has_turns as usize + has_tools as usize) * rows;
+        if v.len() != expected {
+            return Err(bad(expected, "header + its rows and tokens"));
+        }
+        let mut at = SUMMARY_HEADER;
+        let mut take = |len: usize| {
+            let s = v[at..at + len].to_vec();
+            at += len;
+            s
+        };
+        let lens = |s: Vec<f64>| s.into_iter().map(n).collect::<Vec<usize>>();
+        Ok(StepSummary {
+            max_response_length: n(v[1]),
+            max_prompt_length: n(v[2]),
+            sequence_scores: take(rows),
+            rewards: take(rows),
+            prompt_lengths: lens(take(rows)),
+            response_lengths: lens(take(rows)),
+            advantages: take(tokens),
+            returns: take(tokens),
+            values: has_values.then(|| take(tokens)),
+            num_turns: has_turns.then(|| take(rows)),
+            tool_call_counts: has_tools.then(|| take(rows)),
+        })
+    }
+
+    /// verl's `compute_data_metrics` over these rows.
+    pub fn metrics(&self) -> Result<Metrics> {
+        const OP: &str = "compute_data_metrics";
+        let rows = self.rows();
+        let width = self.max_response_length;
+        if rows == 0 {
+            return Err(MetricsError::Empty {
+                op: OP,
+                what: "rows".into(),
+            });
+        }
+
+        let non_aborted: Vec<usize> = (0..rows)
+            .filter(|&r| self.response_lengths[r] > 0)
+            .collect();
+        if non_aborted.is_empty() {
+            return Err(MetricsError::AllAborted { rows });
+        }
+        let scores: Vec<f64> = non_aborted
+            .iter()
+            .map(|&r| self.sequence_scores[r])
+            .collect();
+        let rewards: Vec<f64> = non_aborted.iter().map(|&r| self.rewards[r]).collect();
+        let adv = &self.advantages;
+        let ret = &self.returns;
+        nonempty(OP, "tokens under response_mask", adv)?;
+
+        let mut out = Metrics::new();
+        push_mean_max_min(&mut out, "critic/score", &scores);
+        push_mean_max_min(&mut out, "critic/rewards", &rewards);
+        push_mean_max_min(&mut out, "critic/advantages", adv);
+        push_mean_max_min(&mut out, "critic/returns", ret);
+        if let Some(val) = &self.values {
+            push_mean_max_min(&mut out, "critic/values", val);
+            let diff: Vec<f64> = ret.iter().zip(val).map(|(r, v)| r - v).collect();
+            let explained = 1.0 - var_unbiased(&diff) / (var_unbiased(ret) + 1e-5);
+            out.push(("critic/vf_explained_var".into(), explained));
+        }
+
+        let resp_len: Vec<f64> = self.response_lengths.iter().map(|&n| n as f64).collect();
+        let clip_ratio = |lens: &[f64], limit: usize| {
+            lens.iter().filter(|&&n| n == limit as f64).count() as f64 / lens.len() as f64
+        };
+        push_mean_max_min(&mut out, "response_length", &resp_len);
+        out.push((
+            "response_length/clip_ratio".into(),
+            clip_ratio(&resp_len, width),
+        ));
+        let kept: Vec<f64> = non_aborted.iter().map(|&r| resp_len[r]).collect();
+        push_mean_max_min(&mut out, "response_length_non_aborted", &kept);
+        out.push((
+            "response_length_non_aborted/clip_ratio".into(),
+            clip_ratio(&kept, width),
+        ));
+        out.push((
+            "response/aborted_ratio".into(),
+            (rows - non_aborted.len()) as f64 / rows as f64,
+        ));
+
+        let prompt_len: Vec<f64> = self.prompt_lengths.iter().map(|&n| n as f64).collect();
+        push_mean_max_min(&mut out, "prompt_length", &prompt_len);
+        out.push((
+            "prompt_length/clip_ratio".into(),
+            clip_ratio(&prompt_len, self.max_prompt_length),
+        ));
+
+        // verl's order for these two is min, max, mean.
+        for (name, v) in [
+            ("num_turns", &self.num_turns),
+            ("tool_call_counts", &self.tool_call_counts),
+        ] {
+            if let Some(v) = v {
+                out.push((format!("{name}/min"), min(v)));
+                out.push((format!("{name}/max"), max(v)));
+                out.push((format!("{name}/mean"), mean(v)));
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// Seconds spent per phase of a step, accumulated like verl's `marked_timer` (a phase timed twice adds up).
@@ -398,5 +600,70 @@ impl MetricLists {
     /// [`reduce_metrics`] of the lists.
     pub fn reduce(&self) -> BTreeMap<String, f64> {
         reduce_metrics(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod summary_tests {
+    use super::*;
+
+    /// Three rows of width 3 with a critic; rows 0..split and split.. as two "ranks".
+    fn step(rows: std::ops::Range<usize>) -> StepSummary {
+        let all_mask = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0];
+        let adv = [0.3, -0.1, 9.0, 1.5, 9.0, 9.0, -2.0, 0.25, 0.5];
+        let ret = [1.0, 2.0, 9.0, -1.0, 9.0, 9.0, 0.5, 0.5, 3.0];
+        let val = [0.1, 0.7, 9.0, 0.2, 9.0, 9.0, -0.3, 0.9, 1.1];
+        let rew = [0.0, 1.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.25];
+        let (a, b) = (rows.start * 3, rows.end * 3);
+        let scores = [1.0, 0.5, 0.25];
+        let plen = [4usize, 7, 7];
+        let rlen = [2usize, 1, 3];
+        StepSummary::from_step(&StepData {
+            max_response_length: 3,
+            max_prompt_length: 7,
+            sequence_scores: &scores[rows.clone()],
+            token_level_rewards: &rew[a..b],
+            advantages: &adv[a..b],
+            returns: &ret[a..b],
+            values: Some(&val[a..b]),
+            response_mask: &all_mask[a..b],
+            prompt_lengths: &plen[rows.clone()],
+            response_lengths: &rlen[rows],
+            num_turns: None,
+            tool_call_counts: None,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn concatenated_rank_slices_give_the_whole_batch_metrics_bit_for_bit() {
+        let whole = step(0..3).metrics().unwrap();
+        let parts = StepSummary::concat(vec![step(0..1), step(1..3)]).unwrap();
+        assert_eq!(parts.metrics().unwrap(), whole);
+        let get = |k: &str| whole.iter().find(|(n, _)| n == k).unwrap().1;
+        assert_eq!(get("response_length/clip_ratio"), 1.0 / 3.0);
+        assert_eq!(get("critic/advantages/max"), 1.5);
+    }
+
+    #[test]
+    fn the_flat_encoding_round_trips_and_rejects_truncation() {
+        let s = step(0..3);
+        let v = s.to_f64s();
+        assert_eq!(StepSummary::from_f64s(&v).unwrap(), s);
+        let err = StepSummary::from_f64s(&v[..v.len() - 1])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("encoded summary"), "{err}");
+        assert!(StepSummary::from_f64s(&[]).is_err());
+    }
+
+    #[test]
+    fn concat_refuses_parts_with_and_without_values() {
+        let mut b = step(1..3);
+        b.values = None;
+        let err = StepSummary::concat(vec![step(0..1), b])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`values`"), "{err}");
     }
 }

@@ -44,7 +44,7 @@ mod validation;
 
 pub use compute::{
     compute_data_metrics, compute_throughput_metrics, compute_timing_metrics, reduce_metrics,
-    MetricLists, Metrics, StepData, Timings, TokenCounts,
+    MetricLists, Metrics, StepData, StepSummary, Timings, TokenCounts,
 };
 pub use error::{MetricsError, Result};
 pub use logger::{

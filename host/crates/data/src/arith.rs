@@ -1,0 +1,337 @@
+//! A task the project generates itself: seeded multi-step integer arithmetic word problems in short
+//! sentences ("Mia has 7 apples. She buys 5 more. She gives away 3. How many apples does Mia have
+//! now?"), written as verl's GSM8K parquet (`data_source = openai/gsm8k`, so the stock gsm8k rule
+//! reward scores it) plus (question, worked answer) pairs for supervised fine-tuning.
+//!
+//! Difficulty is two knobs: how many operations a problem chains and how large the operands are;
+//! the quickstart keeps both small so a model of a few hundred thousand parameters can learn it on
+//! a CPU in minutes.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arrow_array::{RecordBatch, StringArray};
+use arrow_schema::{DataType, Field, Schema};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::{DataError, Result};
+use crate::gsm8k::{gsm8k_record_batch, Gsm8kRow};
+use crate::write::write_parquet;
+
+/// What to generate. `Default` is the quickstart's task.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArithConfig {
+    pub train: usize,
+    pub val: usize,
+    pub seed: u64,
+    /// Operations per problem, drawn uniformly from `min_ops..=max_ops`.
+    pub min_ops: usize,
+    pub max_ops: usize,
+    /// Operands (the start amount and every change) are drawn from `1..=max_operand`.
+    pub max_operand: u32,
+}
+
+impl Default for ArithConfig {
+    fn default() -> Self {
+        ArithConfig {
+            train: 2000,
+            val: 128,
+            seed: 7,
+            min_ops: 1,
+            max_ops: 2,
+            max_operand: 9,
+        }
+    }
+}
+
+/// One generated problem.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArithProblem {
+    pub question: String,
+    /// The worked solution, one equation per operation, ending in `#### N`.
+    pub answer: String,
+    pub result: i64,
+}
+
+const NAMES: &[(&str, &str)] = &[
+    ("Mia", "She"),
+    ("Tom", "He"),
+    ("Ana", "She"),
+    ("Ben", "He"),
+    ("Zoe", "She"),
+    ("Sam", "He"),
+    ("Ivy", "She"),
+    ("Leo", "He"),
+];
+const ITEMS: &[&str] = &["apples", "books", "coins", "cards", "pens", "shells"];
+const GAINS: &[&str] = &["buys {n} more", "finds {n} more", "gets {n} more"];
+const LOSSES: &[&str] = &["gives away {n}", "loses {n}", "sells {n}"];
+
+/// Draws one problem. Amounts never go negative: a loss is drawn only up to the current amount.
+pub fn arith_problem(rng: &mut impl Rng, cfg: &ArithConfig) -> ArithProblem {
+    let max = cfg.max_operand.max(1) as i64;
+    let (name, pronoun) = NAMES[rng.gen_range(0..NAMES.len())];
+    let item = ITEMS[rng.gen_range(0..ITEMS.len())];
+    let ops = rng.gen_range(cfg.min_ops.max(1)..=cfg.max_ops.max(cfg.min_ops.max(1)));
+    let mut value = rng.gen_range(1..=max);
+    let mut question = format!("{name} has {value} {item}.");
+    let mut answer = String::new();
+    for _ in 0..ops {
+        let lose = value > 1 && rng.gen_bool(0.5);
+        let (n, next, template, sign) = if lose {
+            let n = rng.gen_range(1..=max.min(value - 1));
+            (n, value - n, LOSSES[rng.gen_range(0..LOSSES.len())], '-')
+        } else {
+            let n = rng.gen_range(1..=max);
+            (n, value + n, GAINS[rng.gen_range(0..GAINS.len())], '+')
+        };
+        question.push_str(&format!(
+            " {pronoun} {}.",
+            template.replace("{n}", &n.to_string())
+        ));
+        answer.push_str(&format!("{value} {sign} {n} = {next}. "));
+        value = next;
+    }
+    question.push_str(&format!(" How many {item} does {name} have now?"));
+    answer.push_str(&format!("#### {value}"));
+    ArithProblem {
+        question,
+        answer,
+        result: value,
+    }
+}
+
+/// `cfg.train` and `cfg.val` problems with no question in both splits (validation measures
+/// generalisation, not recall).
+pub fn arith_splits(cfg: &ArithConfig) -> Result<(Vec<ArithProblem>, Vec<ArithProblem>)> {
+    if cfg.min_ops == 0 || cfg.max_ops < cfg.min_ops {
+        return Err(DataError::InvalidConfig {
+            key: "arith ops".into(),
+            expected: "1 <= min_ops <= max_ops".into(),
+            found: format!("min_ops={} max_ops={}", cfg.min_ops, cfg.max_ops),
+        });
+    }
+    if cfg.max_operand == 0 {
+        return Err(DataError::InvalidConfig {
+            key: "arith max_operand".into(),
+            expected: "at least 1".into(),
+            found: "0".into(),
+        });
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    let mut seen = HashSet::new();
+    let wanted = cfg.train + cfg.val;
+    let mut out = Vec::with_capacity(wanted);
+    // Small settings have few distinct problems; give up rather than loop forever.
+    let budget = wanted.saturating_mul(50).max(1000);
+    for _ in 0..budget {
+        if out.len() == wanted {
+            break;
+        }
+        let p = arith_problem(&mut rng, cfg);
+        if seen.insert(p.question.clone()) {
+            out.push(p);
+        }
+    }
+    if out.len() < wanted {
+        return Err(DataError::InvalidConfig {
+            key: "arith train/val".into(),
+            expected: format!(
+                "at most {} distinct problems for max_ops={} max_operand={}",
+                out.len(),
+                cfg.max_ops,
+                cfg.max_operand
+            ),
+            found: format!("train={} val={}", cfg.train, cfg.val),
+        });
+    }
+    let val = out.split_off(cfg.train);
+    Ok((out, val))
+}
+
+/// Files written by [`arith_write`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArithOutput {
+    /// RL prompts in verl's GSM8K schema.
+    pub train: PathBuf,
+    pub val: PathBuf,
+    /// SFT pairs: `question` (the same user message as the RL prompt) and `answer` (the worked
+    /// solution), verl's SFT trainer's default `prompt_key`/`response_key`.
+    pub sft_train: PathBuf,
+    pub sft_val: PathBuf,
+    pub train_rows: usize,
+    pub val_rows: usize,
+}
+
+fn rows(problems: &[ArithProblem], split: &str) -> Vec<Gsm8kRow> {
+    problems
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Gsm8kRow {
+            split: split.to_string(),
+            index: i as i64,
+            question: p.question.clone(),
+            answer: p.answer.clone(),
+            solution: p.result.to_string(),
+        })
+        .collect()
+}
+
+fn sft_batch(rows: &[Gsm8kRow]) -> Result<RecordBatch> {
+    let schema = Schema::new(vec![
+        Field::new("question", DataType::Utf8, true),
+        Field::new("answer", DataType::Utf8, true),
+    ]);
+    RecordBatch::try_new(
+        Arc::new(schema),
+        vec![
+            Arc::new(StringArray::from_iter_values(
+                rows.iter().map(|r| r.prompt_content()),
+            )),
+            Arc::new(StringArray::from_iter_values(
+                rows.iter().map(|r| r.answer.clone()),
+            )),
+        ],
+    )
+    .map_err(|source| DataError::Arrow {
+        path: PathBuf::from("<arith sft record batch>"),
+        source,
+    })
+}
+
+/// Writes `train.parquet`, `val.parquet`, `sft_train.parquet` and `sft_val.parquet` into `out_dir`.
+pub fn arith_write(out_dir: &Path, cfg: &ArithConfig) -> Result<ArithOutput> {
+    std::fs::create_dir_all(out_dir).map_err(|source| DataError::Write {
+        path: out_dir.to_path_buf(),
+        source,
+    })?;
+    let (train, val) = arith_splits(cfg)?;
+    let (train, val) = (rows(&train, "train"), rows(&val, "test"));
+    let out = ArithOutput {
+        train: out_dir.join("train.parquet"),
+        val: out_dir.join("val.parquet"),
+        sft_train: out_dir.join("sft_train.parquet"),
+        sft_val: out_dir.join("sft_val.parquet"),
+        train_rows: train.len(),
+        val_rows: val.len(),
+    };
+    write_parquet(&out.train, &[gsm8k_record_batch(&train)?])?;
+    write_parquet(&out.val, &[gsm8k_record_batch(&val)?])?;
+    write_parquet(&out.sft_train, &[sft_batch(&train)?])?;
+    write_parquet(&out.sft_val, &[sft_batch(&val)?])?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gsm8k::extract_solution;
+
+    /// Re-does the worked solution's arithmetic from the question text alone.
+    fn solve(question: &str) -> i64 {
+        let nums: Vec<i64> = question
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse().unwrap())
+            .collect();
+        let mut v = nums[0];
+        let sentences: Vec<&str> = question.split(". ").skip(1).collect();
+        for (s, n) in sentences.iter().zip(&nums[1..]) {
+            if LOSSES
+                .iter()
+                .any(|t| s.contains(t.split(' ').next().unwrap()))
+            {
+                v -= n;
+            } else {
+                v += n;
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn problems_are_correct_seeded_and_in_gsm8k_answer_form() {
+        let cfg = ArithConfig {
+            train: 300,
+            val: 50,
+            seed: 3,
+            min_ops: 1,
+            max_ops: 3,
+            max_operand: 12,
+        };
+        let (train, val) = arith_splits(&cfg).unwrap();
+        assert_eq!((train.len(), val.len()), (300, 50));
+        for p in train.iter().chain(&val) {
+            assert_eq!(solve(&p.question), p.result, "{p:?}");
+            assert!(p.result >= 1, "{p:?}");
+            assert_eq!(extract_solution(&p.answer), Some(p.result.to_string()));
+            let steps = p.answer.matches(" = ").count();
+            assert!((1..=3).contains(&steps), "{p:?}");
+        }
+        let train_q: HashSet<_> = train.iter().map(|p| &p.question).collect();
+        assert!(val.iter().all(|p| !train_q.contains(&p.question)));
+        assert_eq!(arith_splits(&cfg).unwrap(), (train, val));
+        let other = arith_splits(&ArithConfig { seed: 4, ..cfg }).unwrap();
+        assert_ne!(other.0[0], arith_splits(&cfg).unwrap().0[0]);
+    }
+
+    #[test]
+    fn impossible_sizes_and_bad_knobs_are_named() {
+        let tiny = ArithConfig {
+            train: 100_000,
+            val: 1,
+            seed: 0,
+            min_ops: 1,
+            max_ops: 1,
+            max_operand: 2,
+        };
+        let e = arith_splits(&tiny).unwrap_err().to_string();
+        assert!(
+            e.contains("distinct problems") && e.contains("train=100000"),
+            "{e}"
+        );
+        let bad = ArithConfig {
+            min_ops: 3,
+            max_ops: 2,
+            ..ArithConfig::default()
+        };
+        assert!(arith_splits(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("min_ops=3"));
+    }
+
+    #[test]
+    fn writes_rl_and_sft_parquet_that_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = ArithConfig {
+            train: 20,
+            val: 5,
+            ..ArithConfig::default()
+        };
+        let out = arith_write(dir.path(), &cfg).unwrap();
+        let rl = crate::read::read_table(&out.train).unwrap();
+        assert_eq!(rl.rows.len(), 20);
+        let r = &rl.rows[0];
+        assert_eq!(r["data_source"], "openai/gsm8k");
+        let content = r["prompt"][0]["content"].as_str().unwrap();
+        assert!(
+            content.ends_with(crate::gsm8k::GSM8K_INSTRUCTION),
+            "{content}"
+        );
+        let gt = r["reward_model"]["ground_truth"].as_str().unwrap();
+        assert!(r["extra_info"]["answer"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("#### {gt}")));
+        let sft = crate::read::read_table(&out.sft_val).unwrap();
+        assert_eq!(sft.rows.len(), 5);
+        assert!(sft.rows[0]["answer"].as_str().unwrap().contains("#### "));
+        assert!(sft.rows[0]["question"]
+            .as_str()
+            .unwrap()
+            .contains("How many"));
+    }
+}

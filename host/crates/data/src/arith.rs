@@ -6,6 +6,12 @@
 //! Difficulty is two knobs: how many operations a problem chains and how large the operands are;
 //! the quickstart keeps both small so a model of a few hundred thousand parameters can learn it on
 //! a CPU in minutes.
+//!
+//! A third knob makes a deliberately *noisy teacher* for SFT: `sft_noise` is the fraction of the SFT
+//! training answers whose final `#### N` is written one too high (the worked steps stay right). A
+//! model fine-tuned on that is able to solve the task but unreliable at the last token; RL with the
+//! rule reward, which always scores against the correct answer, removes the slips. The RL train and
+//! validation ground truth and the SFT validation answers are never noisy.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -21,7 +27,7 @@ use crate::gsm8k::{gsm8k_record_batch, Gsm8kRow};
 use crate::write::write_parquet;
 
 /// What to generate. `Default` is the quickstart's task.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ArithConfig {
     pub train: usize,
     pub val: usize,
@@ -31,6 +37,10 @@ pub struct ArithConfig {
     pub max_ops: usize,
     /// Operands (the start amount and every change) are drawn from `1..=max_operand`.
     pub max_operand: u32,
+    /// Fraction (0..=1) of the SFT training answers written with a slip: the final `#### N` one
+    /// higher than the worked result. Drawn from its own seeded stream, so the problems themselves
+    /// do not depend on it.
+    pub sft_noise: f64,
 }
 
 impl Default for ArithConfig {
@@ -42,6 +52,7 @@ impl Default for ArithConfig {
             min_ops: 1,
             max_ops: 2,
             max_operand: 9,
+            sft_noise: 0.0,
         }
     }
 }
@@ -113,6 +124,13 @@ pub fn arith_splits(cfg: &ArithConfig) -> Result<(Vec<ArithProblem>, Vec<ArithPr
             found: format!("min_ops={} max_ops={}", cfg.min_ops, cfg.max_ops),
         });
     }
+    if !(0.0..=1.0).contains(&cfg.sft_noise) {
+        return Err(DataError::InvalidConfig {
+            key: "arith sft_noise".into(),
+            expected: "a fraction in 0..=1".into(),
+            found: cfg.sft_noise.to_string(),
+        });
+    }
     if cfg.max_operand == 0 {
         return Err(DataError::InvalidConfig {
             key: "arith max_operand".into(),
@@ -179,6 +197,25 @@ fn rows(problems: &[ArithProblem], split: &str) -> Vec<Gsm8kRow> {
         .collect()
 }
 
+/// The SFT answer with a slip: the worked steps as they are, the final answer one too high.
+pub fn slipped_answer(p: &ArithProblem) -> String {
+    let steps = p.answer.rsplit_once("#### ").map_or("", |(s, _)| s);
+    format!("{steps}#### {}", p.result + 1)
+}
+
+/// The SFT training rows: each answer slipped with probability `noise`, from a stream seeded
+/// apart from the problems'.
+fn noisy_sft_rows(problems: &[ArithProblem], noise: f64, seed: u64) -> Vec<Gsm8kRow> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5f7_0015e);
+    let mut out = rows(problems, "train");
+    for (row, p) in out.iter_mut().zip(problems) {
+        if rng.gen_bool(noise) {
+            row.answer = slipped_answer(p);
+        }
+    }
+    out
+}
+
 fn sft_batch(rows: &[Gsm8kRow]) -> Result<RecordBatch> {
     let schema = Schema::new(vec![
         Field::new("question", DataType::Utf8, true),
@@ -207,8 +244,9 @@ pub fn arith_write(out_dir: &Path, cfg: &ArithConfig) -> Result<ArithOutput> {
         path: out_dir.to_path_buf(),
         source,
     })?;
-    let (train, val) = arith_splits(cfg)?;
-    let (train, val) = (rows(&train, "train"), rows(&val, "test"));
+    let (train_p, val_p) = arith_splits(cfg)?;
+    let sft_train = noisy_sft_rows(&train_p, cfg.sft_noise, cfg.seed);
+    let (train, val) = (rows(&train_p, "train"), rows(&val_p, "test"));
     let out = ArithOutput {
         train: out_dir.join("train.parquet"),
         val: out_dir.join("val.parquet"),
@@ -219,7 +257,7 @@ pub fn arith_write(out_dir: &Path, cfg: &ArithConfig) -> Result<ArithOutput> {
     };
     write_parquet(&out.train, &[gsm8k_record_batch(&train)?])?;
     write_parquet(&out.val, &[gsm8k_record_batch(&val)?])?;
-    write_parquet(&out.sft_train, &[sft_batch(&train)?])?;
+    write_parquet(&out.sft_train, &[sft_batch(&sft_train)?])?;
     write_parquet(&out.sft_val, &[sft_batch(&val)?])?;
     Ok(out)
 }
@@ -260,6 +298,7 @@ mod tests {
             min_ops: 1,
             max_ops: 3,
             max_operand: 12,
+            sft_noise: 0.0,
         };
         let (train, val) = arith_splits(&cfg).unwrap();
         assert_eq!((train.len(), val.len()), (300, 50));
@@ -286,6 +325,7 @@ mod tests {
             min_ops: 1,
             max_ops: 1,
             max_operand: 2,
+            sft_noise: 0.0,
         };
         let e = arith_splits(&tiny).unwrap_err().to_string();
         assert!(
@@ -301,6 +341,67 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("min_ops=3"));
+        let noisy = ArithConfig {
+            sft_noise: 1.5,
+            ..ArithConfig::default()
+        };
+        assert!(arith_splits(&noisy)
+            .unwrap_err()
+            .to_string()
+            .contains("sft_noise"));
+    }
+
+    #[test]
+    fn sft_noise_slips_only_the_sft_training_answers() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = ArithConfig {
+            train: 400,
+            val: 40,
+            sft_noise: 0.5,
+            ..ArithConfig::default()
+        };
+        let out = arith_write(dir.path(), &cfg).unwrap();
+        let (train, val) = arith_splits(&cfg).unwrap();
+        // The problems do not depend on the noise.
+        assert_eq!(
+            (train.clone(), val.clone()),
+            arith_splits(&ArithConfig {
+                sft_noise: 0.0,
+                ..cfg.clone()
+            })
+            .unwrap()
+        );
+        let sft = crate::read::read_table(&out.sft_train).unwrap();
+        let mut slipped = 0;
+        for (row, p) in sft.rows.iter().zip(&train) {
+            let a = row["answer"].as_str().unwrap();
+            if a == p.answer {
+                continue;
+            }
+            assert_eq!(a, slipped_answer(p));
+            assert_eq!(extract_solution(a), Some((p.result + 1).to_string()));
+            slipped += 1;
+        }
+        assert!((150..=250).contains(&slipped), "{slipped} of 400 slipped");
+        // RL ground truth and SFT validation stay correct.
+        let rl = crate::read::read_table(&out.train).unwrap();
+        for (row, p) in rl.rows.iter().zip(&train) {
+            assert_eq!(
+                row["reward_model"]["ground_truth"].as_str().unwrap(),
+                p.result.to_string()
+            );
+        }
+        let sv = crate::read::read_table(&out.sft_val).unwrap();
+        for (row, p) in sv.rows.iter().zip(&val) {
+            assert_eq!(row["answer"].as_str().unwrap(), p.answer);
+        }
+        // Seeded: the same slips again.
+        let dir2 = tempfile::tempdir().unwrap();
+        let out2 = arith_write(dir2.path(), &cfg).unwrap();
+        assert_eq!(
+            std::fs::read(&out.sft_train).unwrap(),
+            std::fs::read(&out2.sft_train).unwrap()
+        );
     }
 
     #[test]

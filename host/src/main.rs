@@ -14,6 +14,7 @@ use verl_host::launch::{self, EnvSource, LaunchMode};
 use verl_host::{LoadError, LoadedPlugin, Loader};
 use verl_plugin_api::{PluginKind, Role};
 
+mod bench_cmd;
 mod init_model;
 mod sft_cmd;
 
@@ -81,6 +82,9 @@ enum Command {
     },
     /// Print a shell completion script: `verl completions bash > /etc/bash_completion.d/verl`.
     Completions { shell: clap_complete::Shell },
+    /// Benchmarks: `verl bench grpo --arch qwen2.5-0.5b --ignore-eos --json`.
+    #[command(subcommand)]
+    Bench(bench_cmd::BenchCmd),
 }
 
 #[derive(Subcommand)]
@@ -160,6 +164,10 @@ enum DataCmd {
         /// Operands are drawn from 1..=max_operand.
         #[arg(long, default_value_t = 9)]
         max_operand: u32,
+        /// A deliberately noisy SFT teacher: this fraction of the SFT training answers ends in a
+        /// final `#### N` one too high (RL/validation ground truth always correct).
+        #[arg(long, default_value_t = 0.0)]
+        sft_noise: f64,
     },
 }
 
@@ -274,6 +282,7 @@ fn dispatch(cli: &Cli) -> anyhow::Result<ExitCode> {
             min_ops,
             max_ops,
             max_operand,
+            sft_noise,
         }) => {
             let cfg = verl_data::ArithConfig {
                 train: *train,
@@ -282,6 +291,7 @@ fn dispatch(cli: &Cli) -> anyhow::Result<ExitCode> {
                 min_ops: *min_ops,
                 max_ops: *max_ops,
                 max_operand: *max_operand,
+                sft_noise: *sft_noise,
             };
             let o = verl_data::arith_write(out, &cfg)?;
             println!("{} ({} rows)", o.train.display(), o.train_rows);
@@ -328,6 +338,10 @@ fn dispatch(cli: &Cli) -> anyhow::Result<ExitCode> {
                 plotted.len(),
                 plotted.join(", ")
             );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench(bench_cmd::BenchCmd::Grpo(a)) => {
+            bench_cmd::run(&cli.plugins, a)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Completions { shell } => {

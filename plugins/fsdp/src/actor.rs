@@ -79,9 +79,51 @@ pub(crate) fn load_model(
     )?)
 }
 
+/// `InitArgs.extra.random_init.seed` (`verl bench`): build the model from the folder's config.json
+/// with fresh weights instead of loading safetensors.
+fn random_init_seed(init: &InitArgs) -> Result<Option<u64>> {
+    let Some(r) = init.extra.get("random_init") else {
+        return Ok(None);
+    };
+    match r.get("seed") {
+        None => Ok(Some(0)),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            FsdpError::config("InitArgs.extra.random_init.seed", "an unsigned integer", v)
+        }),
+    }
+}
+
+/// The role's model: from the checkpoint, or (with `random_init`) freshly initialised from the
+/// folder's config.json with the global generator seeded, so roles built with one seed (actor and
+/// reference) get identical weights.
+fn role_model(
+    dir: &Path,
+    device: Device,
+    dtype: Kind,
+    seed: u64,
+    random_init: Option<u64>,
+) -> Result<Transformer> {
+    match random_init {
+        None => load_model(dir, device, dtype, HeadKind::CausalLm, seed),
+        Some(s) => {
+            let cfg = verl_nn::ModelConfig::from_dir(dir)?;
+            tch::manual_seed(s as i64);
+            Ok(Transformer::new(
+                cfg,
+                &ModelOptions {
+                    device,
+                    dtype,
+                    head: HeadKind::CausalLm,
+                },
+            )?)
+        }
+    }
+}
+
 impl FsdpActor {
     pub fn create(init: &InitArgs, reference: bool) -> Result<FsdpActor> {
         let cfg = &init.config;
+        let random_init = random_init_seed(init)?;
         let trainer: TrainerSection = section(cfg, "trainer")?;
         let device = config::device(&trainer, init.local_rank)?;
         let dp = Dp::join(init, if reference { "reference" } else { "actor" }, device)?;
@@ -103,12 +145,12 @@ impl FsdpActor {
                 .clone()
                 .unwrap_or_else(|| actor.fsdp_config.clone());
             let precision = fsdp.precision("actor_rollout_ref.ref.fsdp_config")?;
-            let mut model = load_model(
+            let mut model = role_model(
                 &model_dir,
                 device,
                 precision.compute,
-                HeadKind::CausalLm,
                 fsdp.seed,
+                random_init,
             )?;
             model.set_requires_grad(false)?;
             return Ok(FsdpActor {
@@ -136,12 +178,12 @@ impl FsdpActor {
         let precision = actor
             .fsdp_config
             .precision("actor_rollout_ref.actor.fsdp_config")?;
-        let mut model = load_model(
+        let mut model = role_model(
             &model_dir,
             device,
             precision.compute,
-            HeadKind::CausalLm,
             actor.fsdp_config.seed,
+            random_init,
         )?;
         model.set_activation_checkpointing(model_cfg.enable_gradient_checkpointing);
         let n = actor.rollout_n.or(rollout.n).unwrap_or(1).max(1);
@@ -726,9 +768,11 @@ impl Actor for FsdpActor {
             (crate::sft::SFT_EVAL, Weights::Train(t)) => {
                 crate::sft::eval(t, &self.dp, self.device, batch, options)
             }
+            (crate::bench::CALIBRATE, _) => crate::bench::calibrate(self.device, options),
+            (crate::bench::MEMORY, _) => crate::bench::memory(self.device, self.memory().total()),
             _ => {
                 return Err(ApiError::not_implemented(format!(
-                    "{} call `{method}` (the actor role answers `sft_update` and `sft_eval`)",
+                    "{} call `{method}` (the actor role answers `sft_update`, `sft_eval`, `calibrate` and `memory`; the reference `calibrate` and `memory`)",
                     self.role
                 )))
             }

@@ -12,6 +12,7 @@
 //! keeps a full copy per rank.
 
 pub mod actor;
+pub mod bench;
 pub mod config;
 pub mod critic;
 pub mod data;

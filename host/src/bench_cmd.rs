@@ -1,0 +1,794 @@
+//! `verl bench grpo`: one GRPO step's phases (generate, old log-prob, reference log-prob, update)
+//! on a random-init real architecture through a backend plugin, timed per ABI call, with FLOP and
+//! byte models for MFU and the decode HBM roofline. `--json` prints one line with the keys of
+//! `bench/trl_grpo.py` so `bench/ratio_table.py` can set the two side by side.
+//!
+//! Timing: every phase is one ABI call whose outputs cross into host memory (so the device has
+//! finished), followed by the plugin's `memory` call, which synchronises the device first (the
+//! update returns only metrics). Its cost (microseconds) is inside the phase's time.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+use verl_config::Config;
+use verl_host::Loader;
+use verl_plugin_api::{
+    col, contract, Batch, GenerateOptions, InitArgs, LogProbOptions, Role, UpdateOptions,
+};
+
+/// Benchmarks.
+#[derive(clap::Subcommand)]
+pub enum BenchCmd {
+    /// One GRPO step's phases on a random-init architecture: time, tokens/s, MFU, decode
+    /// HBM-roofline fraction, peak memory.
+    #[command(args_override_self = true)]
+    Grpo(GrpoArgs),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct GrpoArgs {
+    /// Architecture (shapes of the public config.json; random weights, nothing downloaded):
+    /// tiny, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, llama3-8b.
+    #[arg(long, default_value = "qwen2.5-0.5b")]
+    pub arch: String,
+    #[arg(long, default_value_t = 64)]
+    pub prompts: usize,
+    /// Samples per prompt.
+    #[arg(long, default_value_t = 8)]
+    pub n: usize,
+    #[arg(long, default_value_t = 256)]
+    pub prompt_len: usize,
+    #[arg(long, default_value_t = 512)]
+    pub response_len: usize,
+    /// Generate exactly --response-len tokens (EOS does not stop a sequence).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// `cuda` or `cpu`.
+    #[arg(long, default_value = "cuda")]
+    pub device: String,
+    /// GRPO steps; the last one is reported (the first warms kernels and the allocator up).
+    #[arg(long, default_value_t = 2)]
+    pub steps: usize,
+    /// Rows per update micro-batch (`actor.ppo_micro_batch_size_per_gpu`).
+    #[arg(long, default_value_t = 16)]
+    pub micro_batch: usize,
+    /// Rows per log-prob micro-batch (`rollout/ref.log_prob_micro_batch_size_per_gpu`).
+    #[arg(long, default_value_t = 32)]
+    pub logprob_micro_batch: usize,
+    /// Seed of the weights (actor and reference alike), prompts and advantages.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Square size of the calibration matmul (default: the plugin's, 8192 on CUDA).
+    #[arg(long)]
+    pub calibrate_n: Option<usize>,
+    /// Print one JSON line on stdout (the table goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Extra verl config overrides, e.g. `actor_rollout_ref.actor.fsdp_config.model_dtype=fp32`.
+    #[arg(long = "set")]
+    pub overrides: Vec<String>,
+}
+
+/// The shapes of one architecture (from its public config.json).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    pub name: &'static str,
+    pub model_type: &'static str,
+    pub vocab: u64,
+    pub hidden: u64,
+    pub intermediate: u64,
+    pub layers: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub max_positions: u64,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub tie_embeddings: bool,
+}
+
+/// The same numbers as `bench/trl_grpo.py`'s ARCHS.
+pub const ARCHS: &[Shape] = &[
+    Shape {
+        name: "tiny",
+        model_type: "qwen2",
+        vocab: 1024,
+        hidden: 64,
+        intermediate: 128,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        max_positions: 4096,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-6,
+        tie_embeddings: false,
+    },
+    Shape {
+        name: "qwen2.5-0.5b",
+        model_type: "qwen2",
+        vocab: 151936,
+        hidden: 896,
+        intermediate: 4864,
+        layers: 24,
+        heads: 14,
+        kv_heads: 2,
+        max_positions: 32768,
+        rope_theta: 1000000.0,
+        rms_norm_eps: 1e-6,
+        tie_embeddings: true,
+    },
+    Shape {
+        name: "qwen2.5-1.5b",
+        model_type: "qwen2",
+        vocab: 151936,
+        hidden: 1536,
+        intermediate: 8960,
+        layers: 28,
+        heads: 12,
+        kv_heads: 2,
+        max_positions: 32768,
+        rope_theta: 1000000.0,
+        rms_norm_eps: 1e-6,
+        tie_embeddings: true,
+    },
+    Shape {
+        name: "qwen2.5-7b",
+        model_type: "qwen2",
+        vocab: 152064,
+        hidden: 3584,
+        intermediate: 18944,
+        layers: 28,
+        heads: 28,
+        kv_heads: 4,
+        max_positions: 32768,
+        rope_theta: 1000000.0,
+        rms_norm_eps: 1e-6,
+        tie_embeddings: false,
+    },
+    Shape {
+        name: "llama3-8b",
+        model_type: "llama",
+        vocab: 128256,
+        hidden: 4096,
+        intermediate: 14336,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        max_positions: 8192,
+        rope_theta: 500000.0,
+        rms_norm_eps: 1e-5,
+        tie_embeddings: false,
+    },
+];
+
+pub fn shape(name: &str) -> anyhow::Result<Shape> {
+    ARCHS
+        .iter()
+        .copied()
+        .find(|s| s.name == name)
+        .with_context(|| {
+            let names: Vec<&str> = ARCHS.iter().map(|s| s.name).collect();
+            format!("--arch {name:?}: expected one of {}", names.join(", "))
+        })
+}
+
+/// bf16: two bytes per parameter and per cached K/V element.
+const BF16_BYTES: u64 = 2;
+
+impl Shape {
+    pub fn head_dim(&self) -> u64 {
+        self.hidden / self.heads
+    }
+    /// Width of the attention (heads × head_dim).
+    pub fn attn_dim(&self) -> u64 {
+        self.heads * self.head_dim()
+    }
+    fn kv_dim(&self) -> u64 {
+        self.kv_heads * self.head_dim()
+    }
+    fn qkv_bias(&self) -> bool {
+        self.model_type == "qwen2"
+    }
+    /// Weights of the matmuls one token goes through: every decoder layer's projections plus the
+    /// LM head (tied or not: the head matmul runs either way). The embedding lookup is no matmul.
+    pub fn matmul_params(&self) -> u64 {
+        let (h, a, kv, i) = (
+            self.hidden,
+            self.attn_dim(),
+            self.kv_dim(),
+            self.intermediate,
+        );
+        let layer = h * a + 2 * h * kv + a * h + 3 * h * i;
+        self.layers * layer + self.vocab * h
+    }
+    /// Every parameter, each once (what `sum(p.numel() for p in model.parameters())` counts).
+    pub fn n_params(&self) -> u64 {
+        let (h, a, kv) = (self.hidden, self.attn_dim(), self.kv_dim());
+        let bias = if self.qkv_bias() { a + 2 * kv } else { 0 };
+        let norms = 2 * h;
+        let head = if self.tie_embeddings {
+            0
+        } else {
+            self.vocab * h
+        };
+        self.vocab * h + self.layers * (self.matmul_params_per_layer() + bias + norms) + h + head
+    }
+    fn matmul_params_per_layer(&self) -> u64 {
+        (self.matmul_params() - self.vocab * self.hidden) / self.layers
+    }
+    /// Bytes of K and V cached per token (all layers).
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        2 * self.layers * self.kv_dim() * BF16_BYTES
+    }
+
+    /// HF `config.json` of this architecture (EOS = pad = the last id, like `bench/trl_grpo.py`).
+    pub fn config_json(&self) -> Value {
+        let class = match self.model_type {
+            "llama" => "LlamaForCausalLM",
+            _ => "Qwen2ForCausalLM",
+        };
+        let mut c = json!({
+            "architectures": [class],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "max_position_embeddings": self.max_positions,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "torch_dtype": "bfloat16",
+            "eos_token_id": self.vocab - 1,
+            "pad_token_id": self.vocab - 1,
+            "use_cache": true,
+        });
+        if self.model_type == "llama" {
+            c["attention_bias"] = json!(false);
+            c["mlp_bias"] = json!(false);
+        }
+        c
+    }
+}
+
+/// FLOPs of one forward pass over `seqs` sequences of `len` tokens:
+/// `2·N·tokens` (N = [`Shape::matmul_params`]) plus attention `4·layers·attn_dim·len²` per sequence
+/// (Q·Kᵀ and P·V, the full square counted, causal masking not halved — the PaLM/Megatron convention).
+pub fn forward_flops(s: &Shape, seqs: u64, len: u64) -> f64 {
+    let linear = 2.0 * s.matmul_params() as f64 * (seqs * len) as f64;
+    let attn = 4.0 * (s.layers * s.attn_dim()) as f64 * (len * len) as f64 * seqs as f64;
+    linear + attn
+}
+
+/// FLOPs of a training pass (forward + backward = 3 × forward): `6·N·tokens +
+/// 12·layers·attn_dim·len²` per sequence. Activation recompute is not counted.
+pub fn train_flops(s: &Shape, seqs: u64, len: u64) -> f64 {
+    3.0 * forward_flops(s, seqs, len)
+}
+
+/// FLOPs of generating `resp` tokens for each of `seqs` sequences after a `prompt`-token prefill:
+/// the prefill ([`forward_flops`] over the prompt) yields the first token; each of the `resp − 1`
+/// decode steps runs one token through the matmuls (`2·N`) and attends over its context
+/// (`4·layers·attn_dim·ctx`, ctx = prompt + k for step k = 1..resp−1).
+pub fn generate_flops(s: &Shape, seqs: u64, prompt: u64, resp: u64) -> f64 {
+    let steps = resp.saturating_sub(1);
+    let ctx_sum = (steps * prompt + steps * (steps + 1) / 2) as f64;
+    forward_flops(s, seqs, prompt)
+        + seqs as f64
+            * (2.0 * s.matmul_params() as f64 * steps as f64
+                + 4.0 * (s.layers * s.attn_dim()) as f64 * ctx_sum)
+}
+
+/// Bytes a decode step must read from device memory at least: every matmul weight once (bf16)
+/// plus the K/V cache of `seqs` sequences at context `ctx`.
+pub fn decode_step_bytes(s: &Shape, seqs: u64, ctx: f64) -> f64 {
+    (s.matmul_params() * BF16_BYTES) as f64 + seqs as f64 * ctx * s.kv_bytes_per_token() as f64
+}
+
+/// The decode steps' memory-roofline time: `(resp − 1)` steps × [`decode_step_bytes`] at the mean
+/// context of those steps (prompt + resp/2) over the bandwidth `gbps` (1e9 B/s).
+pub fn decode_roofline_s(s: &Shape, seqs: u64, prompt: u64, resp: u64, gbps: f64) -> f64 {
+    let steps = resp.saturating_sub(1);
+    let mean_ctx = prompt as f64 + resp as f64 / 2.0;
+    steps as f64 * decode_step_bytes(s, seqs, mean_ctx) / (gbps * 1e9)
+}
+
+/// splitmix64: prompts and advantages without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+const PHASES: [&str; 4] = ["gen", "old_log_prob", "ref", "update"];
+
+#[derive(Debug, Clone, Default)]
+struct StepTimes {
+    gen: f64,
+    old_log_prob: f64,
+    reference: f64,
+    other: f64,
+    update: f64,
+    step: f64,
+}
+
+impl StepTimes {
+    fn phase(&self, name: &str) -> f64 {
+        match name {
+            "gen" => self.gen,
+            "old_log_prob" => self.old_log_prob,
+            "ref" => self.reference,
+            "update" => self.update,
+            "other" => self.other,
+            _ => self.step,
+        }
+    }
+    fn to_json(&self) -> Value {
+        json!({
+            "gen": round4(self.gen), "old_log_prob": round4(self.old_log_prob),
+            "ref": round4(self.reference), "other": round4(self.other),
+            "update": round4(self.update), "step": round4(self.step),
+        })
+    }
+}
+
+/// Three significant digits at least, one decimal for large values.
+fn sig(x: f64) -> String {
+    if x.abs() >= 100.0 {
+        format!("{x:.1}")
+    } else {
+        format!("{x:.3}")
+    }
+}
+
+fn round4(x: f64) -> f64 {
+    (x * 1e4).round() / 1e4
+}
+
+fn meta_f64(b: &Batch, key: &str) -> Option<f64> {
+    b.meta().get(key).and_then(Value::as_f64)
+}
+
+/// Runs the benchmark; `plugins` is the CLI's `--plugin` list (default `fsdp`).
+pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
+    let s = shape(&a.arch)?;
+    if a.prompts == 0 || a.n == 0 || a.prompt_len == 0 || a.response_len == 0 || a.steps == 0 {
+        bail!("--prompts, --n, --prompt-len, --response-len and --steps must be at least 1");
+    }
+    if !a.ignore_eos {
+        tracing::warn!(
+            "without --ignore-eos responses may stop early; the FLOP/byte models assume full length"
+        );
+    }
+    let spec = match plugins {
+        [] => "fsdp".to_string(),
+        [one] => one.clone(),
+        _ => bail!("`verl bench grpo` takes one backend --plugin"),
+    };
+    let mut loader = Loader::new(&[]);
+    let backend = loader.load(&spec)?;
+
+    let dir = tempfile_dir()?;
+    let cfg_path = dir.join("config.json");
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(&s.config_json())?)
+        .with_context(|| format!("writing {}", cfg_path.display()))?;
+
+    let rows = a.prompts * a.n;
+    let mut overrides = vec![
+        format!("actor_rollout_ref.model.path={}", dir.display()),
+        format!("trainer.device={}", a.device),
+        format!("trainer.total_training_steps={}", a.steps),
+        format!("actor_rollout_ref.rollout.n={}", a.n),
+        "actor_rollout_ref.rollout.temperature=1.0".into(),
+        // One mini-batch = one optimizer step per rollout, as TRL's default.
+        format!("actor_rollout_ref.actor.ppo_mini_batch_size={}", a.prompts),
+        format!(
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={}",
+            a.micro_batch.min(rows)
+        ),
+        format!(
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={}",
+            a.logprob_micro_batch.min(rows)
+        ),
+        format!(
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={}",
+            a.logprob_micro_batch.min(rows)
+        ),
+        "actor_rollout_ref.actor.use_kl_loss=true".into(),
+        "actor_rollout_ref.actor.kl_loss_coef=0.001".into(),
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl".into(),
+        "actor_rollout_ref.actor.optim.lr=1e-6".into(),
+        // bf16 parameters (and AdamW on them), as the Python reference.
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16".into(),
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false".into(),
+    ];
+    overrides.extend(a.overrides.iter().cloned());
+    let cfg = Config::from_overrides(&overrides)?;
+    let cfg_json = serde_json::to_value(&cfg)?;
+    let extra = json!({"random_init": {"seed": a.seed}});
+    let mut init = InitArgs::new(Role::Actor, cfg_json.clone());
+    init.extra = extra.clone();
+    let t = Instant::now();
+    let mut actor = backend.create_actor(&init)?;
+    let mut init = InitArgs::new(Role::Reference, cfg_json);
+    init.extra = extra;
+    let mut reference = backend.create_reference(&init)?;
+    eprintln!(
+        "[bench] {} ({} M params) built on {} in {:.1}s; calibrating",
+        s.name,
+        sig(s.n_params() as f64 / 1e6),
+        a.device,
+        t.elapsed().as_secs_f64()
+    );
+
+    let mut calib_opts = json!({});
+    if let Some(n) = a.calibrate_n {
+        calib_opts["matmul_n"] = json!(n);
+    }
+    let calib = actor.call("calibrate", &Batch::new(), &calib_opts)?;
+    let peak_tflops = meta_f64(&calib, "peak_tflops").context("calibrate: no peak_tflops")?;
+    let hbm_gbps = meta_f64(&calib, "hbm_gbps").context("calibrate: no hbm_gbps")?;
+    eprintln!(
+        "[bench] measured peak {} TFLOP/s (bf16 matmul), {} GB/s (device copy)",
+        sig(peak_tflops),
+        sig(hbm_gbps)
+    );
+
+    let mut peak_mem: f64 = 0.0;
+    let mut mem_source = String::new();
+    let mut probe = |actor: &mut verl_plugin_api::client::ActorClient| -> anyhow::Result<()> {
+        let m = actor.call("memory", &Batch::new(), &json!({}))?;
+        let used = meta_f64(&m, "peak_gb").or_else(|| meta_f64(&m, "used_gb"));
+        if let Some(u) = used {
+            peak_mem = peak_mem.max(u);
+        }
+        if let Some(src) = m.meta().get("source").and_then(Value::as_str) {
+            mem_source = src.to_string();
+        }
+        Ok(())
+    };
+    probe(&mut actor)?;
+
+    let mut rng = Rng(a.seed ^ 0x5EED);
+    let (pad, eos) = ((s.vocab - 1) as i64, (s.vocab - 1) as i64);
+    let mut per_step = Vec::new();
+    for step in 0..a.steps {
+        let t_step = Instant::now();
+        let mut other = 0.0;
+        let t = Instant::now();
+        let prompts: Vec<Vec<i64>> = (0..a.prompts)
+            .map(|_| {
+                (0..a.prompt_len)
+                    .map(|_| 1 + (rng.next() % (s.vocab - 2)) as i64)
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[i64]> = prompts.iter().map(Vec::as_slice).collect();
+        let batch = contract::prompt_batch(&refs, pad);
+        other += t.elapsed().as_secs_f64();
+
+        let opts = GenerateOptions {
+            n: a.n as u32,
+            max_new_tokens: a.response_len as u32,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            do_sample: true,
+            seed: Some(a.seed.wrapping_add(step as u64)),
+            eos_token_ids: vec![eos],
+            pad_token_id: pad,
+            ignore_eos: a.ignore_eos,
+            return_log_probs: false,
+            ..Default::default()
+        };
+        let t = Instant::now();
+        let gen = actor.generate(&batch, &opts)?;
+        probe(&mut actor)?;
+        let t_gen = t.elapsed().as_secs_f64();
+
+        let lp_opts = LogProbOptions {
+            temperature: 1.0,
+            with_entropy: false,
+        };
+        let t = Instant::now();
+        let old = actor.compute_log_prob(&gen, &lp_opts)?;
+        probe(&mut actor)?;
+        let t_old = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let rf = reference.compute_log_prob(&gen, &lp_opts)?;
+        probe(&mut actor)?;
+        let t_ref = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let upd = update_batch(&gen, &old, &rf, a.n, &mut rng)?;
+        other += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let metrics = actor.update(
+            &upd,
+            &UpdateOptions {
+                global_step: step as u64 + 1,
+                temperature: Some(1.0),
+                extra: json!({}),
+            },
+        )?;
+        probe(&mut actor)?;
+        let t_upd = t.elapsed().as_secs_f64();
+        let times = StepTimes {
+            gen: t_gen,
+            old_log_prob: t_old,
+            reference: t_ref,
+            other,
+            update: t_upd,
+            step: t_step.elapsed().as_secs_f64(),
+        };
+        let loss: Vec<String> = metrics
+            .iter()
+            .filter(|(k, _)| k == "actor/pg_loss" || k == "actor/kl_loss")
+            .map(|(k, v)| format!("{k}={v:.4}"))
+            .collect();
+        eprintln!(
+            "[bench] step {}/{}: gen {:.3}s old {:.3}s ref {:.3}s update {:.3}s step {:.3}s {}",
+            step + 1,
+            a.steps,
+            times.gen,
+            times.old_log_prob,
+            times.reference,
+            times.update,
+            times.step,
+            loss.join(" ")
+        );
+        per_step.push(times);
+    }
+
+    let last = per_step.last().cloned().unwrap_or_default();
+    let report = Report::new(&s, a, &last, peak_tflops, hbm_gbps);
+    let mut out = report.json(&s, a, peak_mem, &mem_source);
+    out["per_step"] = Value::Array(per_step.iter().map(StepTimes::to_json).collect());
+    let table = report.table(peak_mem, &mem_source);
+    if a.json {
+        eprint!("{table}");
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        print!("{table}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// The update's input: the rollout plus old/ref log-probs and a GRPO-like advantage per row
+/// (random, centred within each prompt's group of n), broadcast over the response tokens.
+fn update_batch(
+    gen: &Batch,
+    old: &Batch,
+    rf: &Batch,
+    n: usize,
+    rng: &mut Rng,
+) -> anyhow::Result<Batch> {
+    let mut b = gen.clone();
+    let old_lp = old.tensor::<f32>(col::LOG_PROBS)?;
+    let ref_lp = rf.tensor::<f32>(col::LOG_PROBS)?;
+    let (rows, rl) = (old_lp.rows(), old_lp.cols());
+    let shape = [rows, rl];
+    b.insert_tensor(col::OLD_LOG_PROBS, &shape, &old_lp.data);
+    b.insert_tensor(col::REF_LOG_PROBS, &shape, &ref_lp.data);
+    let mut per_row: Vec<f64> = (0..rows).map(|_| rng.unit() * 2.0 - 1.0).collect();
+    for g in per_row.chunks_mut(n.max(1)) {
+        let mean = g.iter().sum::<f64>() / g.len() as f64;
+        g.iter_mut().for_each(|x| *x -= mean);
+    }
+    let adv: Vec<f32> = per_row
+        .iter()
+        .flat_map(|&x| std::iter::repeat_n(x as f32, rl))
+        .collect();
+    b.insert_tensor(col::ADVANTAGES, &shape, &adv);
+    Ok(b)
+}
+
+/// FLOPs, throughput and utilisation of one step.
+struct Report {
+    times: StepTimes,
+    flops: [f64; 4],
+    tokens: [u64; 4],
+    peak_tflops: f64,
+    hbm_gbps: f64,
+    roofline_s: f64,
+}
+
+impl Report {
+    fn new(s: &Shape, a: &GrpoArgs, t: &StepTimes, peak_tflops: f64, hbm_gbps: f64) -> Report {
+        let rows = (a.prompts * a.n) as u64;
+        let (p, r) = (a.prompt_len as u64, a.response_len as u64);
+        let seq = p + r;
+        let fwd = forward_flops(s, rows, seq);
+        Report {
+            times: t.clone(),
+            flops: [
+                generate_flops(s, rows, p, r),
+                fwd,
+                fwd,
+                train_flops(s, rows, seq),
+            ],
+            tokens: [rows * r, rows * seq, rows * seq, rows * seq],
+            peak_tflops,
+            hbm_gbps,
+            roofline_s: decode_roofline_s(s, rows, p, r, hbm_gbps),
+        }
+    }
+    fn mfu(&self, flops: f64, secs: f64) -> f64 {
+        if secs > 0.0 {
+            flops / secs / (self.peak_tflops * 1e12)
+        } else {
+            0.0
+        }
+    }
+    fn decode_fraction(&self) -> f64 {
+        if self.times.gen > 0.0 {
+            self.roofline_s / self.times.gen
+        } else {
+            0.0
+        }
+    }
+    fn table(&self, peak_mem: f64, mem_source: &str) -> String {
+        let mut o = format!(
+            "{:<13} {:>9} {:>12} {:>7} {:>9}\n",
+            "phase", "seconds", "tokens/s", "MFU", "HBM roof"
+        );
+        for (i, name) in PHASES.iter().enumerate() {
+            let secs = self.times.phase(name);
+            let roof = if i == 0 {
+                format!("{:.1}%", 100.0 * self.decode_fraction())
+            } else {
+                "-".into()
+            };
+            o.push_str(&format!(
+                "{:<13} {:>9.3} {:>12.0} {:>6.1}% {:>9}\n",
+                name,
+                secs,
+                self.tokens[i] as f64 / secs.max(1e-12),
+                100.0 * self.mfu(self.flops[i], secs),
+                roof
+            ));
+        }
+        let total: f64 = self.flops.iter().sum();
+        o.push_str(&format!(
+            "{:<13} {:>9.3} {:>12.0} {:>6.1}% {:>9}\n",
+            "step",
+            self.times.step,
+            self.tokens[3] as f64 / self.times.step.max(1e-12),
+            100.0 * self.mfu(total, self.times.step),
+            "-"
+        ));
+        o.push_str(&format!(
+            "peak: {} TFLOP/s bf16 matmul, {} GB/s copy (measured); peak memory {:.2} GiB ({mem_source}, sampled after each phase)\n",
+            sig(self.peak_tflops), sig(self.hbm_gbps), peak_mem
+        ));
+        o.push_str(
+            "FLOPs: forward 2·N·tokens + 4·layers·attn_dim·len² per sequence; update 3× forward; gen = prefill forward + decode 2·N + 4·layers·attn_dim·ctx per token (N = matmul weights incl. LM head). HBM roof: decode steps × (weight bytes + KV bytes at mean context) / bandwidth, over the whole gen time (prefill included).\n",
+        );
+        o
+    }
+    fn json(&self, s: &Shape, a: &GrpoArgs, peak_mem: f64, mem_source: &str) -> Value {
+        let rows = (a.prompts * a.n) as u64;
+        let t = &self.times;
+        let total: f64 = self.flops.iter().sum();
+        let tokens = rows * (a.prompt_len + a.response_len) as u64;
+        let resp = rows * a.response_len as u64;
+        json!({
+            "system": "verl-rs",
+            "arch": a.arch,
+            "device": a.device,
+            "dtype": "bf16",
+            "prompts": a.prompts,
+            "n": a.n,
+            "prompt_len": a.prompt_len,
+            "response_len": a.response_len,
+            "ignore_eos": a.ignore_eos,
+            "micro_batch": a.micro_batch,
+            "logprob_micro_batch": a.logprob_micro_batch,
+            "steps": a.steps,
+            "n_params": s.n_params(),
+            "gen": round4(t.gen),
+            "old_log_prob": round4(t.old_log_prob),
+            "ref": round4(t.reference),
+            "other": round4(t.other),
+            "update": round4(t.update),
+            "step": round4(t.step),
+            "tokens": tokens,
+            "response_tokens": resp,
+            "tokens_per_s": (tokens as f64 / t.step.max(1e-12) * 10.0).round() / 10.0,
+            "gen_tokens_per_s": (resp as f64 / t.gen.max(1e-12) * 10.0).round() / 10.0,
+            "peak_mem_gb": (peak_mem * 1000.0).round() / 1000.0,
+            "peak_mem_source": format!("{mem_source}, max over samples after each phase"),
+            "mfu_gen": self.mfu(self.flops[0], t.gen),
+            "mfu_old_log_prob": self.mfu(self.flops[1], t.old_log_prob),
+            "mfu_ref": self.mfu(self.flops[2], t.reference),
+            "mfu_update": self.mfu(self.flops[3], t.update),
+            "mfu_step": self.mfu(total, t.step),
+            "decode_hbm_fraction": self.decode_fraction(),
+            "decode_roofline_s": self.roofline_s,
+            "peak_tflops": self.peak_tflops,
+            "hbm_gbps": self.hbm_gbps,
+            "flops": {"gen": self.flops[0], "old_log_prob": self.flops[1], "ref": self.flops[2], "update": self.flops[3]},
+        })
+    }
+}
+
+fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
+    let base = std::env::temp_dir().join(format!("verl-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
+    Ok(base)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn toy() -> Shape {
+        // hidden 4, 2 heads (head_dim 2), 1 kv head, intermediate 8, 1 layer, vocab 10, llama.
+        Shape {
+            name: "toy",
+            model_type: "llama",
+            vocab: 10,
+            hidden: 4,
+            intermediate: 8,
+            layers: 1,
+            heads: 2,
+            kv_heads: 1,
+            max_positions: 64,
+            rope_theta: 1e4,
+            rms_norm_eps: 1e-6,
+            tie_embeddings: false,
+        }
+    }
+
+    #[test]
+    fn parameter_counts_by_hand() {
+        let s = toy();
+        // q 4·4 + k 4·2 + v 4·2 + o 4·4 = 48; mlp 3·4·8 = 96; head 10·4 = 40.
+        assert_eq!(s.matmul_params(), 48 + 96 + 40);
+        // + embedding 40 + 2 layer norms 8 + final norm 4.
+        assert_eq!(s.n_params(), 184 + 40 + 8 + 4);
+        // k and v: 2 · 1 layer · 2 (kv dim) · 2 bytes.
+        assert_eq!(s.kv_bytes_per_token(), 8);
+        // Qwen2.5-0.5B: 494,032,768 parameters (the published count).
+        assert_eq!(shape("qwen2.5-0.5b").unwrap().n_params(), 494_032_768);
+        // Llama-3-8B: 8,030,261,248.
+        assert_eq!(shape("llama3-8b").unwrap().n_params(), 8_030_261_248);
+    }
+
+    #[test]
+    fn flop_and_byte_formulas_by_hand() {
+        let s = toy();
+        // 2 sequences of 3 tokens: 2·184·6 = 2208 linear; attention 4·1·4·9·2 = 288.
+        assert_eq!(forward_flops(&s, 2, 3), 2208.0 + 288.0);
+        assert_eq!(train_flops(&s, 2, 3), 3.0 * 2496.0);
+        // prompt 3, 3 new tokens, 1 sequence: prefill 2·184·3 + 4·4·9 = 1248;
+        // 2 decode steps at ctx 4 and 5: 2·(2·184) + 4·4·(4+5) = 736 + 144.
+        assert_eq!(generate_flops(&s, 1, 3, 3), 1248.0 + 736.0 + 144.0);
+        // Decode step bytes: weights 184·2 = 368 + 2 seqs · ctx 4 · 8 B = 64.
+        assert_eq!(decode_step_bytes(&s, 2, 4.0), 432.0);
+        // 2 steps at mean ctx 3 + 3/2 = 4.5: 2·(368 + 2·4.5·8) = 880 bytes at 1e-9 GB/s → 880 s.
+        assert!((decode_roofline_s(&s, 2, 3, 3, 1e-9) - 880.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn configs_match_the_python_reference_shapes() {
+        let c = shape("qwen2.5-1.5b").unwrap().config_json();
+        assert_eq!(c["hidden_size"], 1536);
+        assert_eq!(c["tie_word_embeddings"], true);
+        assert!(shape("gpt2").is_err());
+    }
+}

@@ -1,0 +1,78 @@
+//! `verl bench grpo` end to end on the CPU: the real binary, the real fsdp plugin, the `tiny`
+//! architecture (random init), one JSON line with the keys `bench/ratio_table.py` reads.
+
+use verl_e2e::*;
+
+#[test]
+fn bench_grpo_tiny_on_cpu_prints_one_json_line() {
+    let verl = verl_bin();
+    let fsdp = plugin("libverl_fsdp.so");
+    let o = run(
+        &verl,
+        &[
+            "bench",
+            "grpo",
+            "--plugin",
+            fsdp.to_str().unwrap(),
+            "--arch",
+            "tiny",
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--prompt-len",
+            "16",
+            "--response-len",
+            "8",
+            "--ignore-eos",
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--calibrate-n",
+            "64",
+            "--json",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one JSON line on stdout, got:\n{out}");
+    let v: serde_json::Value = serde_json::from_str(lines[0]).expect("JSON");
+    assert_eq!(v["system"], "verl-rs");
+    assert_eq!(v["arch"], "tiny");
+    assert_eq!(v["tokens"], 2 * 2 * (16 + 8));
+    assert_eq!(v["response_tokens"], 2 * 2 * 8);
+    for k in [
+        "gen",
+        "old_log_prob",
+        "ref",
+        "update",
+        "step",
+        "tokens_per_s",
+        "gen_tokens_per_s",
+        "peak_tflops",
+        "hbm_gbps",
+        "mfu_gen",
+        "mfu_update",
+        "mfu_step",
+        "decode_hbm_fraction",
+        "peak_mem_gb",
+    ] {
+        let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+        assert!(x > 0.0 && x.is_finite(), "{k} = {x}");
+    }
+    assert_eq!(v["per_step"].as_array().map(Vec::len), Some(2), "{v}");
+    // The table goes to stderr with --json.
+    let err = stderr(&o);
+    assert!(err.contains("decode") || err.contains("HBM roof"), "{err}");
+}
+
+#[test]
+fn bench_grpo_rejects_an_unknown_arch() {
+    let o = run(
+        &verl_bin(),
+        &["bench", "grpo", "--arch", "gpt9", "--device", "cpu"],
+    );
+    assert_one_line_error(&o, &["--arch", "gpt9", "qwen2.5-0.5b"]);
+}

@@ -131,11 +131,11 @@ fn dry_run_of_the_quickstart_checks_config_plugins_and_batches() {
         "{out}"
     );
     assert!(
-        out.contains("16 prompts × n=4 = 64 responses per step over 1 rank(s)"),
+        out.contains("16 prompts × n=8 = 128 responses per step over 1 rank(s)"),
         "{out}"
     );
     assert!(
-        out.contains("2 mini-batch(es) × 1 epoch(s) = 2 optimizer step(s) per step"),
+        out.contains("4 mini-batch(es) × 1 epoch(s) = 4 optimizer step(s) per step"),
         "{out}"
     );
     assert!(out.contains("dry run       ok"), "{out}");
@@ -150,14 +150,14 @@ fn overrides_change_the_dry_run_arithmetic() {
             "run",
             &quickstart_job(),
             "data.train_batch_size=32",
-            "actor_rollout_ref.rollout.n=8",
+            "actor_rollout_ref.rollout.n=16",
             "--dry-run",
         ],
     );
     let out = stdout(&o);
     assert!(o.status.success(), "{out}\n{}", stderr(&o));
-    assert!(out.contains("32 prompts × n=8 = 256 responses"), "{out}");
-    assert!(out.contains("4 mini-batch(es)"), "{out}");
+    assert!(out.contains("32 prompts × n=16 = 512 responses"), "{out}");
+    assert!(out.contains("8 mini-batch(es)"), "{out}");
 }
 
 #[test]

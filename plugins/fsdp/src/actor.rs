@@ -1,12 +1,11 @@
 //! The Actor role (policy: generate, log-probs, PPO update, checkpoints, HF export) and the Reference
 //! role (the same model class, frozen: log-probs only).
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use tch::{Device, Kind, Tensor};
 use verl_losses::{ActorInputs, ActorLoss, ActorLossConfig, LossScale, MaskCounts, Normaliser};
-use verl_nn::{HeadKind, ModelOptions, NnError, SaveOptions, Transformer};
+use verl_nn::{HeadKind, ModelOptions, SaveOptions, Transformer};
 use verl_plugin_api::{
     col, Actor, Batch, DataParallel, Error as ApiError, GenerateOptions, InitArgs, LogProbOptions,
     Metrics, Result as ApiResult, UpdateOptions,
@@ -472,75 +471,49 @@ impl FsdpActor {
                     let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
                     let (old, a) = (pick(&old_lp)?, pick(&adv)?);
                     let r = ref_lp.as_ref().map(pick).transpose()?;
-                    let mut captured: Option<
-                        std::result::Result<BTreeMap<String, f64>, FsdpError>,
-                    > = None;
-                    let loss = train.forward_backward(
+                    let res = train.forward_backward_with(
                         dp,
                         &sub.input_ids,
                         Some(&sub.attention_mask),
                         Some(&sub.position_ids),
+                        "actor loss",
                         |out| {
-                            let res = (|| -> Result<(Tensor, BTreeMap<String, f64>)> {
-                                let logits = response_logits(&sub, out, temperature)?;
-                                let lp =
-                                    verl_losses::logprobs_from_logits(&logits, &sub.responses)?;
-                                let ent = if need_entropy {
-                                    Some(verl_losses::entropy_from_logits(&logits)?)
-                                } else {
-                                    None
-                                };
-                                let old_used = if on_policy {
-                                    lp.f_detach().ctx("detach")?
-                                } else {
-                                    old.shallow_clone()
-                                };
-                                let out = plan.loss.compute(
-                                    &ActorInputs {
-                                        old_log_prob: &old_used,
-                                        log_prob: &lp,
-                                        advantages: &a,
-                                        response_mask: &sub.response_mask,
-                                        entropy: ent.as_ref(),
-                                        ref_log_prob: r.as_ref(),
-                                        rollout_is_weights: None,
-                                    },
-                                    &norm,
-                                )?;
-                                Ok((out.loss, out.metrics))
-                            })();
-                            match res {
-                                Ok((loss, m)) => {
-                                    captured = Some(Ok(m));
-                                    if dummy {
-                                        return Ok(loss.f_mul_scalar(0.0)?);
-                                    }
-                                    Ok(loss)
-                                }
-                                Err(e) => {
-                                    captured = Some(Err(e));
-                                    Err(NnError::InvalidInput {
-                                        what: "actor loss".into(),
-                                        expected: "a loss".into(),
-                                        found: "an error (reported separately)".into(),
-                                    })
-                                }
-                            }
+                            let logits = response_logits(&sub, out, temperature)?;
+                            let lp = verl_losses::logprobs_from_logits(&logits, &sub.responses)?;
+                            let ent = if need_entropy {
+                                Some(verl_losses::entropy_from_logits(&logits)?)
+                            } else {
+                                None
+                            };
+                            let old_used = if on_policy {
+                                lp.f_detach().ctx("detach")?
+                            } else {
+                                old.shallow_clone()
+                            };
+                            let out = plan.loss.compute(
+                                &ActorInputs {
+                                    old_log_prob: &old_used,
+                                    log_prob: &lp,
+                                    advantages: &a,
+                                    response_mask: &sub.response_mask,
+                                    entropy: ent.as_ref(),
+                                    ref_log_prob: r.as_ref(),
+                                    rollout_is_weights: None,
+                                },
+                                &norm,
+                            )?;
+                            let loss = if dummy {
+                                out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
+                            } else {
+                                out.loss
+                            };
+                            Ok((loss, out.metrics))
                         },
                     );
-                    let metrics =
-                        match (loss, captured) {
-                            (_, Some(Err(e))) => return Err(fail(train, e)),
-                            (Err(e), _) => return Err(fail(train, e)),
-                            (Ok(l), Some(Ok(m))) => (l, m),
-                            (Ok(_), None) => return Err(fail(
-                                train,
-                                FsdpError::Api(verl_plugin_api::Error::failed(
-                                    "the model returned a loss without running the loss function",
-                                )),
-                            )),
-                        };
-                    let (loss, m) = metrics;
+                    let (loss, m) = match res {
+                        Ok(v) => v,
+                        Err(e) => return Err(fail(train, e)),
+                    };
                     if dummy {
                         continue;
                     }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use tch::{Device, Tensor};
 use verl_losses::{CriticLoss, CriticLossConfig, LossScale, MaskCounts, Normaliser, ValueInputs};
-use verl_nn::{HeadKind, NnError};
+use verl_nn::HeadKind;
 use verl_plugin_api::{
     col, Batch, Critic, DataParallel, InitArgs, Metrics, Result as ApiResult, UpdateOptions,
     ValueOptions,
@@ -202,59 +202,38 @@ impl FsdpCritic {
                     let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
                     let (v_old, ret) = (pick(&old_values)?, pick(&returns)?);
                     let loss_fn = &self.loss;
-                    let mut captured = None;
-                    let res = train.forward_backward(
+                    let res = train.forward_backward_with(
                         dp,
                         &sub.input_ids,
                         Some(&sub.attention_mask),
                         Some(&sub.position_ids),
+                        "critic loss",
                         |out| {
-                            let r = (|| -> Result<_> {
-                                let vpreds = sub
-                                    .response_slice(out)?
-                                    .f_to_kind(tch::Kind::Float)
-                                    .ctx("values to fp32")?;
-                                Ok(loss_fn.compute(
-                                    &ValueInputs {
-                                        vpreds: &vpreds,
-                                        returns: &ret,
-                                        values: &v_old,
-                                        response_mask: &sub.response_mask,
-                                    },
-                                    &norm,
-                                )?)
-                            })();
-                            match r {
-                                Ok(out) => {
-                                    captured = Some(Ok(out.metrics));
-                                    if dummy {
-                                        return Ok(out.loss.f_mul_scalar(0.0)?);
-                                    }
-                                    Ok(out.loss)
-                                }
-                                Err(e) => {
-                                    captured = Some(Err(e));
-                                    Err(NnError::InvalidInput {
-                                        what: "critic loss".into(),
-                                        expected: "a loss".into(),
-                                        found: "an error (reported separately)".into(),
-                                    })
-                                }
-                            }
+                            let vpreds = sub
+                                .response_slice(out)?
+                                .f_to_kind(tch::Kind::Float)
+                                .ctx("values to fp32")?;
+                            let out = loss_fn.compute(
+                                &ValueInputs {
+                                    vpreds: &vpreds,
+                                    returns: &ret,
+                                    values: &v_old,
+                                    response_mask: &sub.response_mask,
+                                },
+                                &norm,
+                            )?;
+                            let loss = if dummy {
+                                out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
+                            } else {
+                                out.loss
+                            };
+                            Ok((loss, out.metrics))
                         },
                     );
-                    let m =
-                        match (res, captured) {
-                            (_, Some(Err(e))) => return Err(fail(train, e)),
-                            (Err(e), _) => return Err(fail(train, e)),
-                            (Ok(_), Some(Ok(m))) => m,
-                            (Ok(_), None) => return Err(fail(
-                                train,
-                                FsdpError::Api(verl_plugin_api::Error::failed(
-                                    "the model returned a loss without running the loss function",
-                                )),
-                            )),
-                        };
+                    let m = match res {
+                        Ok((_, m)) => m,
+                        Err(e) => return Err(fail(train, e)),
+                    };
                     if dummy {
                         continue;
                     }

@@ -11,7 +11,6 @@
 use serde::Deserialize;
 use tch::{Device, Tensor};
 use verl_losses::{AggSpec, LossAggMode, LossScale, MaskCounts, Normaliser};
-use verl_nn::NnError;
 use verl_plugin_api::Batch;
 
 use crate::config::MicroBatching;
@@ -154,27 +153,15 @@ pub fn update(
         let run = |train: &mut TrainableModel| -> Result<f64> {
             let idx = index_tensor(part, device)?;
             let sub = seqs.select(&idx)?;
-            let mut captured: Option<FsdpError> = None;
-            let loss = train.forward_backward(
+            let (loss, ()) = train.forward_backward_with(
                 dp,
                 &sub.input_ids,
                 Some(&sub.attention_mask),
                 Some(&sub.position_ids),
-                |out| {
-                    response_nll(&sub, out, &norm).map_err(|e| {
-                        captured = Some(e);
-                        NnError::InvalidInput {
-                            what: "SFT loss".into(),
-                            expected: "a loss".into(),
-                            found: "an error (reported separately)".into(),
-                        }
-                    })
-                },
-            );
-            if let Some(e) = captured {
-                return Err(e);
-            }
-            let v = loss?.f_double_value(&[]).ctx("SFT loss value")?;
+                "SFT loss",
+                |out| Ok((response_nll(&sub, out, &norm)?, ())),
+            )?;
+            let v = loss.f_double_value(&[]).ctx("SFT loss value")?;
             if !v.is_finite() {
                 return Err(FsdpError::NonFinite {
                     role: "actor",

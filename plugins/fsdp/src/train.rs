@@ -15,7 +15,7 @@
 use std::path::Path;
 
 use tch::{Kind, Tensor};
-use verl_nn::{Checkpoint, SaveOptions, Transformer};
+use verl_nn::{Checkpoint, NnError, SaveOptions, Transformer};
 
 use crate::config::{OptimSection, Precision};
 use crate::dp::Dp;
@@ -224,6 +224,50 @@ impl TrainableModel {
                 released?;
                 Ok(loss)
             }
+        }
+    }
+
+    /// [`TrainableModel::forward_backward`] for a loss function that fails with this crate's error and
+    /// returns side values (its metrics) next to the loss. The model only sees a loss, so the error and
+    /// the side values are carried around it here, once for every role; `what` names the loss if the
+    /// model fails instead.
+    pub fn forward_backward_with<T>(
+        &mut self,
+        dp: &Dp,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        what: &'static str,
+        loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<(Tensor, T)> {
+        let mut captured: Option<Result<T>> = None;
+        let loss =
+            self.forward_backward(
+                dp,
+                input_ids,
+                attention_mask,
+                position_ids,
+                |out| match loss_fn(out) {
+                    Ok((loss, side)) => {
+                        captured = Some(Ok(side));
+                        Ok(loss)
+                    }
+                    Err(e) => {
+                        captured = Some(Err(e));
+                        Err(NnError::InvalidInput {
+                            what: what.into(),
+                            expected: "a loss".into(),
+                            found: "an error (reported separately)".into(),
+                        })
+                    }
+                },
+            );
+        match (loss, captured) {
+            (_, Some(Err(e))) | (Err(e), _) => Err(e),
+            (Ok(loss), Some(Ok(side))) => Ok((loss, side)),
+            (Ok(_), None) => Err(FsdpError::Api(verl_plugin_api::Error::failed(
+                "the model returned a loss without running the loss function",
+            ))),
         }
     }
 

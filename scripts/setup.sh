@@ -13,7 +13,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if ! "$venv/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.split('+')[0]=='$torch_version' else 1)" 2>/dev/null; then
   echo "[setup] installing torch==$torch_version into $venv (one time, ~1 min)"
-  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version"
+  "$venv/bin/pip" install -q --no-cache-dir --disable-pip-version-check "torch==$torch_version"
 fi
 req="$root/scripts/requirements-test.txt"
 stamp="$venv/.verl-requirements.sha256"

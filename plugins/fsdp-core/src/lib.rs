@@ -1,0 +1,106 @@
+//! verl-fsdp-core: the FSDP backend behind the `fsdp` plugin (`plugins/fsdp` only exports it) — Actor (generate on the live training weights, log-probs, PPO
+//! update with AdamW on fp32 master weights, checkpoints, HF export), Reference (frozen log-probs) and
+//! Critic (values, clipped value-loss update, checkpoints) on libtorch.
+//!
+//! It owns the training mechanics of a role: micro/mini-batching with verl's keys, gradient
+//! accumulation under verl-losses' global normaliser, mixed precision, clipping, LR schedules and
+//! the backend's checkpoint files. It must not contain RL-loop logic (advantages, rewards, KL
+//! control, step scheduling: the host drives those), tokenize, or let a panic or tch exception cross
+//! the ABI. A role runs on one rank or, data-parallel, on several ([`dp::Dp`], one communicator per
+//! role instance): the actor and critic then shard their fp32 masters, gradients and AdamW state
+//! ZeRO-3 style ([`shard`]), gathering each unit's parameters around its use; the frozen reference
+//! keeps a full copy per rank.
+
+pub mod actor;
+pub mod bench;
+pub mod config;
+pub mod critic;
+pub mod data;
+pub mod dp;
+pub mod error;
+pub mod forward;
+pub mod metrics;
+pub mod optim;
+pub mod sft;
+pub mod shard;
+pub mod train;
+
+use verl_plugin_api::{
+    Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Role,
+};
+
+pub use actor::FsdpActor;
+pub use critic::FsdpCritic;
+pub use error::FsdpError;
+
+pub struct FsdpPlugin;
+
+const PARALLELISM: &str =
+    "one rank or data-parallel ZeRO-3 (params/grads/optimizer sharded; CPU or NCCL collectives)";
+
+impl BackendPlugin for FsdpPlugin {
+    fn info() -> PluginInfo {
+        PluginInfo {
+            name: "fsdp".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            description: format!(
+                "FSDP backend: actor (hybrid-engine generation, PPO update), reference and critic ({PARALLELISM})"
+            ),
+            capabilities: vec![
+                ready(Role::Actor),
+                ready(Role::Reference),
+                ready(Role::Critic),
+            ],
+            build: BuildInfo {
+                libtorch: Some(env!("VERL_LIBTORCH_VERSION").into()),
+                device: env!("VERL_LIBTORCH_DEVICE").into(),
+                ..BuildInfo::plain()
+            },
+        }
+    }
+    fn create_actor(init: &InitArgs) -> Result<Box<dyn Actor>> {
+        Ok(Box::new(FsdpActor::create(init, false)?))
+    }
+    fn create_reference(init: &InitArgs) -> Result<Box<dyn Actor>> {
+        Ok(Box::new(FsdpActor::create(init, true)?))
+    }
+    fn create_critic(init: &InitArgs) -> Result<Box<dyn Critic>> {
+        Ok(Box::new(FsdpCritic::create(init)?))
+    }
+}
+
+fn ready(role: Role) -> Capability {
+    Capability {
+        note: PARALLELISM.into(),
+        ..Capability::ready(role)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use verl_plugin_api::testing;
+
+    #[test]
+    fn header_lists_ready_roles_and_libtorch() {
+        let h = testing::backend_header::<FsdpPlugin>().unwrap();
+        assert_eq!(h.name, "fsdp");
+        assert!(h.provides(Role::Actor));
+        assert!(h.provides(Role::Reference));
+        assert!(h.provides(Role::Critic));
+        assert!(h.build.libtorch.as_deref().unwrap().starts_with("2.11"));
+    }
+
+    #[test]
+    fn missing_model_path_names_the_key() {
+        let init = InitArgs::new(
+            Role::Actor,
+            serde_json::json!({"trainer": {"device": "cpu"}}),
+        );
+        let e = testing::actor::<FsdpPlugin>(&init).err().unwrap();
+        assert!(
+            e.to_string().contains("actor_rollout_ref.model.path"),
+            "{e}"
+        );
+    }
+}

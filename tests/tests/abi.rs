@@ -84,15 +84,21 @@ fn a_backend_plugin_is_refused_where_a_reward_plugin_is_needed() {
         .err()
         .unwrap();
     assert!(format!("{err:#}").contains("trainer.device"), "{err:#}");
-    // Declared-but-unbuilt roles answer "not implemented" through the ABI.
+    // The second backend answers through the same ABI, naming what its config lacks.
     let megatron = loader
         .load(plugin("libverl_megatron.so").to_str().unwrap())
         .unwrap();
     let err = megatron
-        .create_actor(&InitArgs::new(Role::Actor, serde_json::json!({})))
+        .create_actor(&InitArgs::new(
+            Role::Actor,
+            serde_json::json!({"trainer": {"device": "cpu"}}),
+        ))
         .err()
         .unwrap();
-    assert!(format!("{err:#}").contains("not implemented"), "{err:#}");
+    assert!(
+        format!("{err:#}").contains("actor_rollout_ref.model.path"),
+        "{err:#}"
+    );
 }
 
 #[test]

@@ -39,12 +39,7 @@ fn inspect_describes_each_real_plugin() {
 
     for (file, name, actor) in [
         ("libverl_fsdp.so", "fsdp", "actor      ready"),
-        // Skeleton roles must say so rather than pretend.
-        (
-            "libverl_megatron.so",
-            "megatron",
-            "actor      not implemented",
-        ),
+        ("libverl_megatron.so", "megatron", "actor      ready"),
     ] {
         let o = run(
             &verl,
@@ -99,7 +94,7 @@ fn doctor_reports_libtorch_and_plugins() {
         "{out}"
     );
     assert!(
-        out.contains("✓ plugin    megatron 0.1.0 (backend plugin: actor (not implemented)"),
+        out.contains("✓ plugin    megatron 0.1.0 (backend plugin: actor, reference, critic)"),
         "{out}"
     );
     assert!(out.contains("CUDA"), "{out}");
@@ -135,7 +130,7 @@ fn dry_run_of_the_quickstart_checks_config_plugins_and_batches() {
         "{out}"
     );
     assert!(
-        out.contains("4 mini-batch(es) × 1 epoch(s) = 4 optimizer step(s) per step"),
+        out.contains("1 mini-batch(es) × 1 epoch(s) = 1 optimizer step(s) per step"),
         "{out}"
     );
     assert!(out.contains("dry run       ok"), "{out}");
@@ -157,7 +152,7 @@ fn overrides_change_the_dry_run_arithmetic() {
     let out = stdout(&o);
     assert!(o.status.success(), "{out}\n{}", stderr(&o));
     assert!(out.contains("32 prompts × n=16 = 512 responses"), "{out}");
-    assert!(out.contains("8 mini-batch(es)"), "{out}");
+    assert!(out.contains("2 mini-batch(es)"), "{out}");
 }
 
 #[test]

@@ -1,35 +1,49 @@
-//! verl-megatron: the Megatron backend plugin (Actor, Reference, Critic on libtorch with TP/PP/EP over
-//! the communicator). It must not contain RL-loop logic: the host drives the steps.
+//! verl-megatron: the Megatron backend plugin — Actor, Reference and Critic with tensor parallelism
+//! (vocab-parallel embedding and log-probs, column/row-parallel projections) and data parallelism
+//! (optionally with Megatron's distributed optimizer) over the remaining ranks, in Megatron's rank
+//! order and with verl's `*.megatron.*` keys.
 //!
-//! This build declares its roles and links libtorch; the roles themselves land with the Megatron
-//! issue and answer "not implemented" until then (and say so in `verl plugin inspect`).
+//! It owns a role's parallel layout ([`layout`]), its groups ([`parallel`]), the tensor-parallel
+//! model ([`tp`]), its training mechanics ([`train`]) and layout-independent checkpoints
+//! ([`ckpt`]). It must not contain RL-loop logic (advantages, rewards, KL control, step
+//! scheduling: the host drives those), tokenize, or let a panic or tch exception cross the ABI.
+//! Generation runs on a TP=1 copy gathered from the training shards (the `verl_rollout` engine).
+
+pub mod actor;
+pub mod ckpt;
+pub mod common;
+pub mod critic;
+pub mod error;
+pub mod layout;
+pub mod parallel;
+pub mod tp;
+pub mod train;
 
 use verl_plugin_api::{
-    Actor, BackendPlugin, BuildInfo, Capability, Critic, Error, InitArgs, PluginInfo, Result, Role,
+    Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Role,
 };
+
+pub use actor::MegatronActor;
+pub use critic::MegatronCritic;
+pub use error::MegatronError;
 
 pub struct MegatronPlugin;
 
-const PENDING: &str = "arrives with the Megatron backend issue";
-
-fn unavailable(role: &str) -> Error {
-    Error::not_implemented(format!(
-        "the {role} role of the megatron backend {PENDING} (libtorch {} linked, CUDA available: {})",
-        env!("VERL_LIBTORCH_VERSION"),
-        tch::Cuda::is_available()
-    ))
-}
+const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP) × data parallel (distributed optimizer optional); generation on a gathered TP=1 copy; checkpoints reshard across TP/DP sizes";
+const PLANNED: &str = "planned: pipeline parallelism (1F1B), sequence-parallel activation sharding, context and expert parallelism (MoE models)";
 
 impl BackendPlugin for MegatronPlugin {
     fn info() -> PluginInfo {
         PluginInfo {
             name: "megatron".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            description: "Megatron backend: actor, reference and critic with tensor, pipeline and expert parallelism".into(),
+            description: format!(
+                "Megatron backend: actor (PPO update, generation), reference and critic — {PARALLELISM}; {PLANNED}"
+            ),
             capabilities: vec![
-                Capability::planned(Role::Actor, PENDING),
-                Capability::planned(Role::Reference, PENDING),
-                Capability::planned(Role::Critic, PENDING),
+                ready(Role::Actor),
+                ready(Role::Reference),
+                ready(Role::Critic),
             ],
             build: BuildInfo {
                 libtorch: Some(env!("VERL_LIBTORCH_VERSION").into()),
@@ -38,14 +52,21 @@ impl BackendPlugin for MegatronPlugin {
             },
         }
     }
-    fn create_actor(_: &InitArgs) -> Result<Box<dyn Actor>> {
-        Err(unavailable("actor"))
+    fn create_actor(init: &InitArgs) -> Result<Box<dyn Actor>> {
+        Ok(Box::new(MegatronActor::create(init, false)?))
     }
-    fn create_reference(_: &InitArgs) -> Result<Box<dyn Actor>> {
-        Err(unavailable("reference"))
+    fn create_reference(init: &InitArgs) -> Result<Box<dyn Actor>> {
+        Ok(Box::new(MegatronActor::create(init, true)?))
     }
-    fn create_critic(_: &InitArgs) -> Result<Box<dyn Critic>> {
-        Err(unavailable("critic"))
+    fn create_critic(init: &InitArgs) -> Result<Box<dyn Critic>> {
+        Ok(Box::new(MegatronCritic::create(init)?))
+    }
+}
+
+fn ready(role: Role) -> Capability {
+    Capability {
+        note: format!("{PARALLELISM}; {PLANNED}"),
+        ..Capability::ready(role)
     }
 }
 
@@ -57,20 +78,25 @@ mod tests {
     use verl_plugin_api::testing;
 
     #[test]
-    fn header_lists_planned_roles_and_libtorch() {
+    fn header_lists_ready_roles_and_planned_parallelism() {
         let h = testing::backend_header::<MegatronPlugin>().unwrap();
         assert_eq!(h.name, "megatron");
-        assert!(!h.provides(Role::Actor));
+        assert!(h.provides(Role::Actor));
+        assert!(h.provides(Role::Reference));
+        assert!(h.provides(Role::Critic));
+        assert!(h.description.contains("pipeline"), "{}", h.description);
         assert!(h.build.libtorch.as_deref().unwrap().starts_with("2.11"));
     }
 
     #[test]
-    fn roles_answer_not_implemented() {
-        let init = InitArgs::new(Role::Actor, serde_json::json!({}));
+    fn missing_model_path_names_the_key() {
+        let init = InitArgs::new(
+            Role::Actor,
+            serde_json::json!({"trainer": {"device": "cpu"}}),
+        );
         let e = testing::actor::<MegatronPlugin>(&init).err().unwrap();
-        assert_eq!(e.kind(), verl_plugin_api::ErrorKind::NotImplemented);
         assert!(
-            e.to_string().contains("plugin `megatron` create_actor"),
+            e.to_string().contains("actor_rollout_ref.model.path"),
             "{e}"
         );
     }

@@ -1,0 +1,612 @@
+//! The Actor role (policy: generate, log-probs, PPO update, checkpoints, HF export) and the Reference
+//! role (the same model, frozen: log-probs only) on the tensor-parallel model.
+//!
+//! Generation reshards: every rank gathers the full weights over its tensor-parallel group into a
+//! plain `verl_nn::Transformer` and runs the `verl_rollout` engine on it (rollout TP = 1, whatever
+//! the training TP). The gathered copy is kept between calls and refreshed after each update.
+
+use std::path::{Path, PathBuf};
+
+use tch::{Device, Tensor};
+use verl_fsdp_core::config::{
+    self, micro_batching, section, ActorSection, LogProbSection, MicroBatching, ModelSection,
+    TrainerSection,
+};
+use verl_fsdp_core::data::{
+    chunks, column, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences,
+};
+use verl_fsdp_core::metrics::MetricAcc;
+use verl_losses::{ActorInputs, ActorLoss, ActorLossConfig, LossScale, MaskCounts, Normaliser};
+use verl_nn::{HeadKind, ModelConfig, SaveOptions, Transformer};
+use verl_plugin_api::{
+    col, Actor, Batch, DataParallel, Error as ApiError, GenerateOptions, InitArgs, LogProbOptions,
+    Metrics, Result as ApiResult, UpdateOptions,
+};
+
+use crate::common::{
+    self, assemble, check_temperature, compute_dtype, copy_tokenizer_files, gather_live, i64_vec,
+    megatron_section, per_micro_batch, same_micro_batch_count, same_rows_on_every_rank,
+};
+use crate::error::{MegatronError, Result, TorchContext};
+use crate::parallel::Parallel;
+use crate::tp::TpModel;
+use crate::train::TpTrainer;
+
+enum Weights {
+    Train(Box<TpTrainer>),
+    Frozen(Box<TpModel>),
+}
+
+/// Settings of the PPO update, resolved from `actor_rollout_ref.actor`.
+struct UpdatePlan {
+    /// Rows per mini-batch on this rank: `ppo_mini_batch_size × rollout.n / dp_size`.
+    mini_batch_rows: usize,
+    epochs: usize,
+    micro: MicroBatching,
+    calculate_entropy: bool,
+    loss: ActorLoss,
+}
+
+pub struct MegatronActor {
+    role: &'static str,
+    weights: Weights,
+    par: Parallel,
+    device: Device,
+    model_dir: PathBuf,
+    tokenizer_dir: PathBuf,
+    log_prob_micro: MicroBatching,
+    log_prob_key: &'static str,
+    default_temperature: f64,
+    update: Option<UpdatePlan>,
+    trainer_total_steps: Option<i64>,
+    seed: u64,
+    generate_calls: u64,
+    /// The gathered TP=1 copy generation runs on; `None` when stale.
+    rollout_model: Option<Transformer>,
+}
+
+impl MegatronActor {
+    pub fn create(init: &InitArgs, reference: bool) -> Result<MegatronActor> {
+        let cfg = &init.config;
+        let random_init = common::random_init_seed(init)?;
+        let trainer: TrainerSection = section(cfg, "trainer")?;
+        let device = config::device(&trainer, init.local_rank)?;
+        let model_sec: ModelSection = section(cfg, "actor_rollout_ref.model")?;
+        let model_dir = config::model_dir("actor_rollout_ref.model.path", &model_sec.path)?;
+        let tokenizer_dir = model_sec
+            .tokenizer_path
+            .as_deref()
+            .map(config::expand_home)
+            .unwrap_or_else(|| model_dir.clone());
+        let model_cfg = ModelConfig::from_dir(&model_dir)?;
+        let actor: ActorSection = section(cfg, "actor_rollout_ref.actor")?;
+        let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
+        let (prefix, mg) = if reference {
+            let p = "actor_rollout_ref.ref.megatron";
+            (
+                p,
+                megatron_section(cfg, p, Some("actor_rollout_ref.actor.megatron"))?,
+            )
+        } else {
+            let p = "actor_rollout_ref.actor.megatron";
+            (p, megatron_section(cfg, p, None)?)
+        };
+        let layout = common::role_layout(&mg, prefix, init, &model_cfg)?;
+        let dtype = compute_dtype(&mg, prefix)?;
+        let role = if reference { "reference" } else { "actor" };
+        let par = common::join(init, role, layout, device)?;
+        let dp_size = par.dp.size;
+        let mut model = common::build_model(
+            &model_dir,
+            model_cfg,
+            HeadKind::CausalLm,
+            dtype,
+            &par,
+            mg.seed,
+            random_init,
+        )?;
+        let default_temperature = rollout.temperature.unwrap_or(1.0);
+        if reference {
+            let r: LogProbSection = section(cfg, "actor_rollout_ref.ref")?;
+            model.set_requires_grad(false)?;
+            return Ok(MegatronActor {
+                role,
+                weights: Weights::Frozen(Box::new(model)),
+                par,
+                device,
+                model_dir,
+                tokenizer_dir,
+                log_prob_micro: micro_batching(
+                    r.log_prob_use_dynamic_bsz,
+                    r.log_prob_max_token_len_per_gpu,
+                    r.log_prob_micro_batch_size_per_gpu,
+                    r.log_prob_micro_batch_size,
+                    dp_size,
+                ),
+                log_prob_key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                default_temperature,
+                update: None,
+                trainer_total_steps: trainer.total_training_steps,
+                seed: mg.seed,
+                generate_calls: 0,
+                rollout_model: None,
+            });
+        }
+        let n = actor.rollout_n.or(rollout.n).unwrap_or(1).max(1);
+        let mini = (actor.ppo_mini_batch_size * n) as usize / dp_size;
+        if mini == 0 {
+            return Err(MegatronError::config(
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+                format!(
+                    "at least one row per data-parallel rank (× rollout.n {n} / dp size {dp_size})"
+                ),
+                actor.ppo_mini_batch_size,
+            ));
+        }
+        if actor.ppo_epochs == 0 {
+            return Err(MegatronError::config(
+                "actor_rollout_ref.actor.ppo_epochs",
+                "at least 1",
+                0,
+            ));
+        }
+        let loss_cfg: ActorLossConfig = section(cfg, "actor_rollout_ref.actor")?;
+        let loss = ActorLoss::from_config(&loss_cfg)?;
+        let train = TpTrainer::new(
+            model,
+            actor.optim.clone(),
+            "actor_rollout_ref.actor.optim",
+            actor.grad_clip,
+            &par,
+        )?;
+        Ok(MegatronActor {
+            role,
+            weights: Weights::Train(Box::new(train)),
+            par,
+            device,
+            model_dir,
+            tokenizer_dir,
+            log_prob_micro: micro_batching(
+                rollout.log_prob_use_dynamic_bsz,
+                rollout.log_prob_max_token_len_per_gpu,
+                rollout.log_prob_micro_batch_size_per_gpu,
+                rollout.log_prob_micro_batch_size,
+                dp_size,
+            ),
+            log_prob_key: "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            default_temperature,
+            update: Some(UpdatePlan {
+                mini_batch_rows: mini,
+                epochs: actor.ppo_epochs as usize,
+                micro: micro_batching(
+                    actor.use_dynamic_bsz,
+                    actor.ppo_max_token_len_per_gpu,
+                    actor.ppo_micro_batch_size_per_gpu,
+                    actor.ppo_micro_batch_size,
+                    dp_size,
+                ),
+                calculate_entropy: actor.calculate_entropy,
+                loss,
+            }),
+            trainer_total_steps: trainer.total_training_steps,
+            seed: mg.seed,
+            generate_calls: 0,
+            rollout_model: None,
+        })
+    }
+
+    pub fn model(&self) -> &TpModel {
+        match &self.weights {
+            Weights::Train(t) => &t.model,
+            Weights::Frozen(m) => m,
+        }
+    }
+
+    /// The parallel groups of this role instance.
+    pub fn parallel(&self) -> &Parallel {
+        &self.par
+    }
+
+    /// Bytes of this rank's training state (masters, gradients, AdamW moments) plus live weights.
+    pub fn memory_bytes(&self) -> usize {
+        let live: usize = self
+            .model()
+            .params
+            .iter()
+            .map(|p| p.local.numel() * p.local.kind().elt_size_in_bytes())
+            .sum();
+        match &self.weights {
+            Weights::Train(t) => live + t.memory_bytes(),
+            Weights::Frozen(_) => live,
+        }
+    }
+
+    fn spmd<T>(&self, r: Result<T>) -> Result<T> {
+        r.map_err(|e| self.par.fail(e))
+    }
+
+    /// The gathered TP=1 model (refreshed when the weights changed since the last gather).
+    fn rollout_model(&mut self) -> Result<&Transformer> {
+        if self.rollout_model.is_none() {
+            let m = self.model();
+            let weights = gather_live(m)?;
+            let full = assemble(
+                m.config(),
+                HeadKind::CausalLm,
+                m.dtype(),
+                self.device,
+                &weights,
+            )?;
+            self.rollout_model = Some(full);
+        }
+        self.rollout_model.as_ref().ok_or_else(|| {
+            MegatronError::Api(ApiError::failed("internal: rollout model not built"))
+        })
+    }
+
+    fn do_generate(&mut self, prompts: &Batch, o: &GenerateOptions) -> Result<Batch> {
+        const CALL: &str = "Actor.generate";
+        let ids = column::<i64>(prompts, CALL, col::PROMPTS, self.device)?;
+        let mask = column::<i64>(prompts, CALL, col::PROMPT_MASK, self.device)?;
+        let seed = o
+            .seed
+            .unwrap_or_else(|| derive_seed(self.seed, self.generate_calls));
+        self.generate_calls += 1;
+        let eos = if o.eos_token_ids.is_empty() {
+            self.model().config().eos_token_ids.clone()
+        } else {
+            o.eos_token_ids.clone()
+        };
+        let params = verl_rollout::SamplingParams {
+            n: o.n.max(1) as usize,
+            max_new_tokens: o.max_new_tokens as usize,
+            temperature: o.temperature,
+            top_p: o.top_p,
+            top_k: o.top_k,
+            do_sample: o.do_sample,
+            seed: Some(seed),
+            row_offset: o.row_offset,
+            eos_token_ids: eos,
+            pad_token_id: o.pad_token_id,
+            ignore_eos: o.ignore_eos,
+            return_log_probs: o.return_log_probs,
+        };
+        let model = self.rollout_model()?;
+        let gen = tch::no_grad(|| verl_rollout::generate(model, &ids, &mask, &params))
+            .map_err(|e| MegatronError::Api(ApiError::failed(format!("generation: {e}"))))?;
+        let rows = gen.prompt_index.len();
+        let index = Tensor::f_from_slice(&gen.prompt_index)
+            .and_then(|t| t.f_to_device(self.device))
+            .ctx("prompt index")?;
+        let mut out = Batch::new();
+        let pl = ids.size()[1] as usize;
+        let rl = o.max_new_tokens as usize;
+        out.insert_tensor(
+            col::PROMPTS,
+            &[rows, pl],
+            &i64_vec(&ids.f_index_select(0, &index).ctx("repeat prompts")?)?,
+        );
+        out.insert_tensor(
+            col::PROMPT_MASK,
+            &[rows, pl],
+            &i64_vec(&mask.f_index_select(0, &index).ctx("repeat masks")?)?,
+        );
+        out.insert_tensor(col::RESPONSES, &[rows, rl], &i64_vec(&gen.responses)?);
+        out.insert_tensor(
+            col::RESPONSE_MASK,
+            &[rows, rl],
+            &i64_vec(&gen.response_mask)?,
+        );
+        out.insert_tensor(col::PROMPT_INDEX, &[rows], &gen.prompt_index);
+        if let Some(lp) = &gen.log_probs {
+            out.insert_tensor(
+                col::ROLLOUT_LOG_PROBS,
+                &[rows, rl],
+                &to_f32_vec(lp, "rollout log-probs")?,
+            );
+        }
+        let reasons: Vec<&str> = gen
+            .finish_reasons
+            .iter()
+            .map(|r| match r {
+                verl_rollout::FinishReason::Stop => "stop",
+                verl_rollout::FinishReason::Length => "length",
+            })
+            .collect();
+        out.insert_strings(col::FINISH_REASON, &reasons);
+        Ok(out)
+    }
+
+    fn do_log_prob(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {
+        let seqs = Sequences::from_batch(batch, "Actor.compute_log_prob", self.device)?;
+        check_temperature(o.temperature)?;
+        let outputs = if o.with_entropy { 2 } else { 1 };
+        let model = self.model();
+        let res = per_micro_batch(
+            &seqs,
+            self.log_prob_micro,
+            self.log_prob_key,
+            outputs,
+            |sub| {
+                let _guard = tch::no_grad_guard();
+                let hidden =
+                    model.forward_hidden(&sub.input_ids, &sub.attention_mask, &sub.position_ids)?;
+                let hidden = sub.response_slice(&hidden)?;
+                let (lp, ent) =
+                    model.token_stats(&hidden, &sub.responses, o.temperature, o.with_entropy)?;
+                Ok(std::iter::once(lp).chain(ent).collect())
+            },
+        )?;
+        let (rows, rl) = (seqs.rows(), seqs.response_len as usize);
+        let mut out = Batch::new();
+        out.insert_tensor(
+            col::LOG_PROBS,
+            &[rows, rl],
+            &to_f32_vec(&res[0], "log-probs")?,
+        );
+        if o.with_entropy {
+            out.insert_tensor(col::ENTROPY, &[rows, rl], &to_f32_vec(&res[1], "entropy")?);
+        }
+        Ok(out)
+    }
+
+    fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
+        const CALL: &str = "Actor.update";
+        let (Weights::Train(train), Some(plan)) = (&mut self.weights, &self.update) else {
+            return Err(MegatronError::Api(ApiError::not_implemented(
+                "the reference policy is frozen; only the actor role can be trained",
+            )));
+        };
+        let device = self.device;
+        let seqs = Sequences::from_batch(batch, CALL, device)?;
+        let old_lp = column::<f32>(batch, CALL, col::OLD_LOG_PROBS, device)?;
+        let adv = column::<f32>(batch, CALL, col::ADVANTAGES, device)?;
+        let ref_lp = match batch.contains(col::REF_LOG_PROBS) {
+            true => Some(column::<f32>(batch, CALL, col::REF_LOG_PROBS, device)?),
+            false => None,
+        };
+        let temperature = o.temperature.unwrap_or(self.default_temperature);
+        check_temperature(temperature)?;
+        let total = o
+            .extra
+            .get("total_training_steps")
+            .and_then(|v| v.as_i64())
+            .or(self.trainer_total_steps);
+        let lr = train.lr(total)?;
+        let par = &self.par;
+        let dp = &par.dp_meta;
+        same_rows_on_every_rank(dp, seqs.rows(), CALL)?;
+        let rows: Vec<usize> = (0..seqs.rows()).collect();
+        let lengths = seqs.row_lengths()?;
+        let minis = chunks(&rows, plan.mini_batch_rows);
+        // verl: with a single mini-batch and epoch the policy is still the one that produced
+        // old_log_probs, so the ratio is taken against the current log-probs (exactly 1).
+        let on_policy = minis.len() == 1 && plan.epochs == 1;
+        let need_entropy = plan.calculate_entropy || plan.loss.needs_entropy();
+        let mut acc = MetricAcc::default();
+        self.rollout_model = None;
+        for epoch in 0..plan.epochs {
+            for (mi, mini) in minis.iter().enumerate() {
+                let mini_idx = index_tensor(mini, device)?;
+                let counts = MaskCounts::of_mask(
+                    &seqs
+                        .response_mask
+                        .f_index_select(0, &mini_idx)
+                        .ctx("mini-batch mask")?,
+                )?;
+                let mut c = [counts.tokens, counts.seqs];
+                dp.all_reduce_sum(&mut c)?;
+                if c[0] == 0.0 {
+                    tracing::warn!(
+                        step = o.global_step,
+                        epoch,
+                        mini_batch = mi,
+                        "mini-batch has no response tokens; skipped"
+                    );
+                    continue;
+                }
+                // Gradients are summed over data-parallel ranks, so the loss is normalised by the
+                // global counts and not divided by the data-parallel size.
+                let norm = Normaliser::Global(LossScale::new(
+                    MaskCounts {
+                        tokens: c[0],
+                        seqs: c[1],
+                    },
+                    1,
+                ));
+                train.zero_grad()?;
+                let mut mini_entropy: Option<f64> = None;
+                let parts = micro_batches(
+                    mini,
+                    &lengths,
+                    plan.micro,
+                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                )?;
+                let parts = same_micro_batch_count(dp, parts)?;
+                for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
+                    let dummy = *dummy;
+                    let idx = index_tensor(part, device)?;
+                    let sub = seqs.select(&idx)?;
+                    let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
+                    let (old, a) = (pick(&old_lp)?, pick(&adv)?);
+                    let r = ref_lp.as_ref().map(pick).transpose()?;
+                    let res = train.forward_backward(
+                        &sub.input_ids,
+                        &sub.attention_mask,
+                        &sub.position_ids,
+                        |model, hidden| {
+                            let h = sub.response_slice(hidden)?;
+                            let (lp, ent) =
+                                model.token_stats(&h, &sub.responses, temperature, need_entropy)?;
+                            let old_used = if on_policy {
+                                lp.f_detach().ctx("detach")?
+                            } else {
+                                old.shallow_clone()
+                            };
+                            let out = plan.loss.compute(
+                                &ActorInputs {
+                                    old_log_prob: &old_used,
+                                    log_prob: &lp,
+                                    advantages: &a,
+                                    response_mask: &sub.response_mask,
+                                    entropy: ent.as_ref(),
+                                    ref_log_prob: r.as_ref(),
+                                    rollout_is_weights: None,
+                                },
+                                &norm,
+                            )?;
+                            let loss = if dummy {
+                                out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
+                            } else {
+                                out.loss
+                            };
+                            Ok((loss, out.metrics))
+                        },
+                    );
+                    let (loss, m) = match res {
+                        Ok(v) => v,
+                        Err(e) => {
+                            let _ = train.zero_grad();
+                            return Err(e);
+                        }
+                    };
+                    if dummy {
+                        continue;
+                    }
+                    let loss_value = loss.f_double_value(&[]).ctx("loss value")?;
+                    for (name, v) in m.iter().chain([(&"loss".to_string(), &loss_value)]) {
+                        if !v.is_finite() {
+                            let _ = train.zero_grad();
+                            return Err(MegatronError::NonFinite {
+                                role: "actor",
+                                step: o.global_step,
+                                epoch,
+                                mini_batch: mi,
+                                micro: format!(", micro-batch {ui}"),
+                                metric: name.clone(),
+                                value: *v,
+                            });
+                        }
+                    }
+                    for (name, v) in &m {
+                        match name.as_str() {
+                            "actor/pg_loss" | "actor/kl_loss" => acc.add(name, *v),
+                            "actor/entropy" => *mini_entropy.get_or_insert(0.0) += v,
+                            _ => acc.push(name, *v),
+                        }
+                    }
+                }
+                if let Some(e) = mini_entropy {
+                    let mut e = [e];
+                    dp.all_reduce_sum(&mut e)?;
+                    acc.push_global("actor/entropy", e[0]);
+                }
+                let grad_norm =
+                    train.finish_mini_batch(par, lr, "actor", o.global_step, epoch, mi)?;
+                acc.push_global("actor/grad_norm", grad_norm);
+            }
+        }
+        train.zero_grad()?;
+        train.updates += 1;
+        acc.push_global("actor/lr", lr);
+        verl_fsdp_core::metrics::push_gpu_memory(&mut acc, dp, device)?;
+        acc.reduce(dp)?;
+        Ok(acc.into_metrics())
+    }
+
+    fn do_save(&mut self, dir: &Path) -> Result<()> {
+        let extra = serde_json::json!({"seed": self.seed, "generate_calls": self.generate_calls});
+        match &self.weights {
+            Weights::Train(t) => crate::ckpt::save(t, &self.par, dir, self.role, extra),
+            Weights::Frozen(_) => Err(frozen()),
+        }
+    }
+
+    fn do_load(&mut self, dir: &Path) -> Result<()> {
+        let extra = match &mut self.weights {
+            Weights::Train(t) => crate::ckpt::load(t, &self.par, dir, self.role)?,
+            Weights::Frozen(_) => return Err(frozen()),
+        };
+        self.rollout_model = None;
+        if let Some(calls) = extra.get("generate_calls").and_then(|v| v.as_u64()) {
+            self.generate_calls = calls;
+        }
+        if let Some(seed) = extra.get("seed").and_then(|v| v.as_u64()) {
+            self.seed = seed;
+        }
+        Ok(())
+    }
+
+    /// Every rank takes part (the weights are gathered over the tensor-parallel group); rank 0
+    /// writes an HF folder transformers loads.
+    fn do_export(&mut self, dir: &Path) -> Result<()> {
+        let m = self.model();
+        let weights = gather_live(m)?;
+        if self.par.is_first() {
+            let full = assemble(
+                m.config(),
+                HeadKind::CausalLm,
+                m.dtype(),
+                Device::Cpu,
+                &weights,
+            )?;
+            full.save_pretrained(dir, &SaveOptions::default())?;
+            copy_tokenizer_files(&self.tokenizer_dir, dir)?;
+            if self.tokenizer_dir != self.model_dir {
+                copy_tokenizer_files(&self.model_dir, dir)?;
+            }
+        }
+        self.par.barrier("export barrier")
+    }
+}
+
+fn frozen() -> MegatronError {
+    MegatronError::Api(ApiError::not_implemented(
+        "the reference policy is frozen: it is rebuilt from the model path, not checkpointed",
+    ))
+}
+
+/// A per-call seed from the role's base seed and call counter (splitmix64 of both), so a resumed run
+/// samples what an uninterrupted one would.
+fn derive_seed(base: u64, call: u64) -> u64 {
+    let mut z = base
+        ^ call
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(0x632B_E59B_D9B4_E019);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Actor for MegatronActor {
+    fn generate(&mut self, prompts: &Batch, options: &GenerateOptions) -> ApiResult<Batch> {
+        let r = self.do_generate(prompts, options);
+        Ok(self.spmd(r)?)
+    }
+    fn compute_log_prob(&mut self, batch: &Batch, options: &LogProbOptions) -> ApiResult<Batch> {
+        let r = self.do_log_prob(batch, options);
+        Ok(self.spmd(r)?)
+    }
+    fn update(&mut self, batch: &Batch, options: &UpdateOptions) -> ApiResult<Metrics> {
+        let r = self.do_update(batch, options);
+        Ok(self.spmd(r)?)
+    }
+    fn save(&mut self, dir: &Path) -> ApiResult<()> {
+        let r = self.do_save(dir);
+        Ok(self.spmd(r)?)
+    }
+    fn load(&mut self, dir: &Path) -> ApiResult<()> {
+        let r = self.do_load(dir);
+        Ok(self.spmd(r)?)
+    }
+    fn export_hf(&mut self, dir: &Path) -> ApiResult<()> {
+        let r = self.do_export(dir);
+        Ok(self.spmd(r)?)
+    }
+    fn data_parallel(&self) -> DataParallel {
+        DataParallel {
+            rank: self.par.dp.rank as u32,
+            size: self.par.dp.size as u32,
+        }
+    }
+}

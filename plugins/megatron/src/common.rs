@@ -1,0 +1,300 @@
+//! What the roles share: config sections, joining the parallel groups, building the model, the
+//! micro-batch loop of forward passes, the full (TP=1) model for generation and HF export.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tch::{Device, Kind, Tensor};
+use verl_fsdp_core::config::{parse_dtype, section, MicroBatching};
+use verl_fsdp_core::data::{
+    equalize_micro_batches, index_tensor, micro_batches, MicroBatch, Sequences,
+};
+use verl_fsdp_core::dp::Dp;
+use verl_nn::{Checkpoint, HeadKind, ModelConfig, ModelOptions, Transformer};
+use verl_plugin_api::{col, InitArgs};
+
+use crate::error::{MegatronError, Result, TorchContext};
+use crate::layout::{Layout, MegatronSection};
+use crate::parallel::Parallel;
+use crate::tp::TpModel;
+
+/// Reads `<prefix>` as a [`MegatronSection`]; `fallback` (another role's section) when absent.
+pub fn megatron_section(
+    cfg: &serde_json::Value,
+    prefix: &str,
+    fallback: Option<&str>,
+) -> Result<MegatronSection> {
+    let present = prefix
+        .split('.')
+        .try_fold(cfg, |v, k| v.get(k))
+        .map(|v| !v.is_null())
+        .unwrap_or(false);
+    match (present, fallback) {
+        (false, Some(f)) => Ok(section(cfg, f)?),
+        _ => Ok(section(cfg, prefix)?),
+    }
+}
+
+/// The layout of a role, validated, with the parts this backend does not implement yet refused.
+pub fn role_layout(
+    sec: &MegatronSection,
+    prefix: &str,
+    init: &InitArgs,
+    model: &ModelConfig,
+) -> Result<Layout> {
+    let layout = Layout::validate(sec, prefix, init.world_size.max(1) as usize, model)?;
+    let unsupported = |k: &str, what: &str| MegatronError::Unsupported {
+        key: format!("{prefix}.{k}"),
+        what: what.into(),
+    };
+    if layout.pp > 1 {
+        return Err(unsupported(
+            "pipeline_model_parallel_size",
+            "pipeline parallelism (> 1 stage)",
+        ));
+    }
+    if layout.cp > 1 {
+        return Err(unsupported(
+            "context_parallel_size",
+            "context parallelism (> 1)",
+        ));
+    }
+    if layout.ep > 1 {
+        return Err(unsupported(
+            "expert_model_parallel_size",
+            "expert parallelism (> 1)",
+        ));
+    }
+    if layout.sequence_parallel {
+        // Sequence parallelism changes where activations live, not the numbers: the model runs
+        // with activations replicated over the tensor-parallel group instead.
+        tracing::info!(
+            "{prefix}.sequence_parallel=true: activations stay replicated over the tensor-parallel group (sequence-parallel sharding of the norm regions is not implemented yet)"
+        );
+    }
+    Ok(layout)
+}
+
+/// `*.megatron.dtype` → the compute dtype.
+pub fn compute_dtype(sec: &MegatronSection, prefix: &str) -> Result<Kind> {
+    Ok(parse_dtype(&format!("{prefix}.dtype"), &sec.dtype)?)
+}
+
+/// `InitArgs.extra.random_init.seed` (`verl bench`): fresh weights from the folder's config.json.
+pub fn random_init_seed(init: &InitArgs) -> Result<Option<u64>> {
+    let Some(r) = init.extra.get("random_init") else {
+        return Ok(None);
+    };
+    match r.get("seed") {
+        None => Ok(Some(0)),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            MegatronError::config("InitArgs.extra.random_init.seed", "an unsigned integer", v)
+        }),
+    }
+}
+
+/// Joins the role's groups.
+pub fn join(init: &InitArgs, role: &str, layout: Layout, device: Device) -> Result<Parallel> {
+    Parallel::join(init, role, layout, device)
+}
+
+/// This rank's slices of the model in `dir` (or, with `random_init`, of a freshly initialised one).
+/// The global generator is seeded with `seed` first, so a value head missing from the checkpoint is
+/// initialised identically on every rank (and as the FSDP backend does).
+#[allow(clippy::too_many_arguments)]
+pub fn build_model(
+    dir: &Path,
+    cfg: ModelConfig,
+    head: HeadKind,
+    dtype: Kind,
+    par: &Parallel,
+    seed: u64,
+    random_init: Option<u64>,
+) -> Result<TpModel> {
+    tch::manual_seed(seed as i64);
+    match random_init {
+        None => {
+            let mut ckpt = Checkpoint::open(dir)?;
+            TpModel::new(cfg, head, dtype, par.device, par.tp.clone(), &mut ckpt)
+        }
+        Some(s) => {
+            tch::manual_seed(s as i64);
+            let full = Transformer::new(
+                cfg.clone(),
+                &ModelOptions {
+                    device: Device::Cpu,
+                    dtype,
+                    head,
+                },
+            )?;
+            let mut named: HashMap<String, Tensor> = full
+                .named_parameters()
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect();
+            TpModel::new(cfg, head, dtype, par.device, par.tp.clone(), &mut named)
+        }
+    }
+}
+
+/// A plain (TP=1) `verl_nn::Transformer` on `device` holding `weights` (full tensors by HF name):
+/// what generation runs on, and what HF export writes.
+pub fn assemble(
+    cfg: &ModelConfig,
+    head: HeadKind,
+    dtype: Kind,
+    device: Device,
+    weights: &HashMap<String, Tensor>,
+) -> Result<Transformer> {
+    let mut model = Transformer::new(
+        cfg.clone(),
+        &ModelOptions {
+            device,
+            dtype,
+            head,
+        },
+    )?;
+    model.set_requires_grad(false)?;
+    tch::no_grad(|| -> Result<()> {
+        for (name, dst) in model.named_parameters() {
+            let src = weights.get(name).ok_or_else(|| {
+                MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                    "internal: no gathered tensor for `{name}`"
+                )))
+            })?;
+            dst.shallow_clone()
+                .f_copy_(src)
+                .ctx("assemble full model")?;
+        }
+        Ok(())
+    })?;
+    Ok(model)
+}
+
+/// The full live (compute-dtype) weights of `model`, gathered over its tensor-parallel group.
+pub fn gather_live(model: &TpModel) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for (i, p) in model.params.iter().enumerate() {
+        let local = p.local.f_detach().ctx("live weight")?;
+        out.insert(p.name.clone(), model.gather_full(i, &local)?);
+    }
+    Ok(out)
+}
+
+/// Runs `f` on every micro-batch of `seqs` and scatters its `[rows, R]` outputs back into batch
+/// order. `outputs` is how many tensors `f` returns.
+pub fn per_micro_batch(
+    seqs: &Sequences,
+    batching: MicroBatching,
+    budget_key: &str,
+    outputs: usize,
+    mut f: impl FnMut(&Sequences) -> Result<Vec<Tensor>>,
+) -> Result<Vec<Tensor>> {
+    let rows: Vec<usize> = (0..seqs.rows()).collect();
+    let lengths = seqs.row_lengths()?;
+    let parts = micro_batches(&rows, &lengths, batching, budget_key)?;
+    let device = seqs.input_ids.device();
+    let mut out: Vec<Tensor> = (0..outputs)
+        .map(|_| {
+            Tensor::f_zeros(
+                [seqs.rows() as i64, seqs.response_len],
+                (Kind::Float, device),
+            )
+            .ctx("output buffer")
+        })
+        .collect::<Result<_>>()?;
+    for part in parts {
+        let idx = index_tensor(&part, device)?;
+        let sub = seqs.select(&idx)?;
+        let res = f(&sub)?;
+        for (dst, src) in out.iter_mut().zip(res) {
+            let _ = dst
+                .f_index_copy_(0, &idx, &src.f_to_kind(Kind::Float).ctx("output")?)
+                .ctx("scatter micro-batch output")?;
+        }
+    }
+    Ok(out)
+}
+
+/// Fails unless every data-parallel rank got `rows` rows: ranks step through mini-batches (and their
+/// collectives) together.
+pub fn same_rows_on_every_rank(dp: &Dp, rows: usize, call: &'static str) -> Result<()> {
+    if !dp.is_sharded() {
+        return Ok(());
+    }
+    let mut v = [rows as f64, -(rows as f64)];
+    dp.all_reduce_max(&mut v)?;
+    if v[0] != rows as f64 || -v[1] != rows as f64 {
+        return Err(MegatronError::Input {
+            call,
+            column: col::RESPONSES.into(),
+            expected: "the same number of rows on every data-parallel rank".into(),
+            found: format!(
+                "{rows} rows on rank {}, between {} and {} across ranks",
+                dp.rank, -v[1], v[0]
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The micro-batches of one mini-batch, as many on every data-parallel rank.
+pub fn same_micro_batch_count(dp: &Dp, parts: Vec<Vec<usize>>) -> Result<Vec<MicroBatch>> {
+    let mut n = [parts.len() as f64];
+    dp.all_reduce_max(&mut n)?;
+    Ok(equalize_micro_batches(parts, n[0] as usize))
+}
+
+/// Files HF tokenizers and generation read next to the weights.
+fn is_tokenizer_file(name: &str) -> bool {
+    name.starts_with("tokenizer")
+        || name.starts_with("vocab.")
+        || name.starts_with("chat_template")
+        || name.ends_with(".tiktoken")
+        || matches!(
+            name,
+            "merges.txt"
+                | "special_tokens_map.json"
+                | "added_tokens.json"
+                | "generation_config.json"
+        )
+}
+
+pub fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<()> {
+    let entries = std::fs::read_dir(from).map_err(|source| MegatronError::Io {
+        path: from.to_path_buf(),
+        source,
+    })?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if entry.path().is_file() && is_tokenizer_file(&name) && !to.join(&name).exists() {
+            std::fs::copy(entry.path(), to.join(&name)).map_err(|source| MegatronError::Io {
+                path: entry.path(),
+                source,
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// `[rows, len]` int64 data of a tensor, row-major.
+pub fn i64_vec(t: &Tensor) -> Result<Vec<i64>> {
+    let flat = t
+        .f_to_device(Device::Cpu)
+        .and_then(|x| x.f_to_kind(Kind::Int64))
+        .and_then(|x| x.f_contiguous())
+        .and_then(|x| x.f_view([-1]))
+        .ctx("tensor to host")?;
+    Vec::<i64>::try_from(&flat).ctx("tensor to host")
+}
+
+pub fn check_temperature(temperature: f64) -> Result<()> {
+    if temperature.is_finite() && temperature > 0.0 {
+        return Ok(());
+    }
+    Err(MegatronError::config(
+        "actor_rollout_ref.rollout.temperature",
+        "a finite temperature > 0",
+        temperature,
+    ))
+}

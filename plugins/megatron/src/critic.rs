@@ -1,0 +1,314 @@
+//! The Critic role on the tensor-parallel model: a replicated value head on the tensor-parallel
+//! backbone (`critic.model.path`, default the actor's), values at the response positions, the
+//! clipped value-loss update, checkpoints.
+
+use std::path::Path;
+
+use tch::{Device, Kind, Tensor};
+use verl_fsdp_core::config::{
+    self, micro_batching, section, CriticSection, LogProbSection, MicroBatching, ModelSection,
+    TrainerSection,
+};
+use verl_fsdp_core::data::{
+    chunks, column, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences,
+};
+use verl_fsdp_core::metrics::MetricAcc;
+use verl_losses::{CriticLoss, CriticLossConfig, LossScale, MaskCounts, Normaliser, ValueInputs};
+use verl_nn::{HeadKind, ModelConfig};
+use verl_plugin_api::{
+    col, Batch, Critic, DataParallel, InitArgs, Metrics, Result as ApiResult, UpdateOptions,
+    ValueOptions,
+};
+
+use crate::common::{
+    self, compute_dtype, megatron_section, per_micro_batch, same_micro_batch_count,
+    same_rows_on_every_rank,
+};
+use crate::error::{MegatronError, Result, TorchContext};
+use crate::parallel::Parallel;
+use crate::train::TpTrainer;
+
+pub struct MegatronCritic {
+    train: TpTrainer,
+    par: Parallel,
+    device: Device,
+    forward_micro: MicroBatching,
+    update_micro: MicroBatching,
+    mini_batch_rows: usize,
+    epochs: usize,
+    loss: CriticLoss,
+    trainer_total_steps: Option<i64>,
+}
+
+impl MegatronCritic {
+    pub fn create(init: &InitArgs) -> Result<MegatronCritic> {
+        let cfg = &init.config;
+        let trainer: TrainerSection = section(cfg, "trainer")?;
+        let device = config::device(&trainer, init.local_rank)?;
+        let critic: CriticSection = section(cfg, "critic")?;
+        let actor_model: ModelSection = section(cfg, "actor_rollout_ref.model")?;
+        let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
+        let (key, path) = if critic.model.path.is_empty() {
+            ("actor_rollout_ref.model.path", actor_model.path.as_str())
+        } else {
+            ("critic.model.path", critic.model.path.as_str())
+        };
+        let dir = config::model_dir(key, path)?;
+        let model_cfg = ModelConfig::from_dir(&dir)?;
+        let prefix = "critic.megatron";
+        let mg = megatron_section(cfg, prefix, None)?;
+        let layout = common::role_layout(&mg, prefix, init, &model_cfg)?;
+        let dtype = compute_dtype(&mg, prefix)?;
+        let par = common::join(init, "critic", layout, device)?;
+        let dp_size = par.dp.size;
+        let model = common::build_model(
+            &dir,
+            model_cfg,
+            HeadKind::Value,
+            dtype,
+            &par,
+            mg.seed,
+            common::random_init_seed(init)?,
+        )?;
+        let n = critic.rollout_n.or(rollout.n).unwrap_or(1).max(1);
+        let mini = (critic.ppo_mini_batch_size * n) as usize / dp_size;
+        if mini == 0 {
+            return Err(MegatronError::config(
+                "critic.ppo_mini_batch_size",
+                format!(
+                    "at least one row per data-parallel rank (× rollout.n {n} / dp size {dp_size})"
+                ),
+                critic.ppo_mini_batch_size,
+            ));
+        }
+        if critic.ppo_epochs == 0 {
+            return Err(MegatronError::config("critic.ppo_epochs", "at least 1", 0));
+        }
+        let loss_cfg: CriticLossConfig = section(cfg, "critic")?;
+        let loss = CriticLoss::from_config(&loss_cfg)?;
+        let train = TpTrainer::new(
+            model,
+            critic.optim.clone(),
+            "critic.optim",
+            critic.grad_clip,
+            &par,
+        )?;
+        Ok(MegatronCritic {
+            train,
+            par,
+            device,
+            forward_micro: micro_batching(
+                critic.use_dynamic_bsz,
+                critic.forward_max_token_len_per_gpu,
+                critic.forward_micro_batch_size_per_gpu,
+                critic.forward_micro_batch_size,
+                dp_size,
+            ),
+            update_micro: micro_batching(
+                critic.use_dynamic_bsz,
+                critic.ppo_max_token_len_per_gpu,
+                critic.ppo_micro_batch_size_per_gpu,
+                critic.ppo_micro_batch_size,
+                dp_size,
+            ),
+            mini_batch_rows: mini,
+            epochs: critic.ppo_epochs as usize,
+            loss,
+            trainer_total_steps: trainer.total_training_steps,
+        })
+    }
+
+    pub fn parallel(&self) -> &Parallel {
+        &self.par
+    }
+
+    fn spmd<T>(&self, r: Result<T>) -> Result<T> {
+        r.map_err(|e| self.par.fail(e))
+    }
+
+    fn do_values(&mut self, batch: &Batch) -> Result<Batch> {
+        let seqs = Sequences::from_batch(batch, "Critic.compute_values", self.device)?;
+        let model = &self.train.model;
+        let res = per_micro_batch(
+            &seqs,
+            self.forward_micro,
+            "critic.forward_max_token_len_per_gpu",
+            1,
+            |sub| {
+                let _guard = tch::no_grad_guard();
+                let h =
+                    model.forward_hidden(&sub.input_ids, &sub.attention_mask, &sub.position_ids)?;
+                let v = model.values(&sub.response_slice(&h)?)?;
+                Ok(vec![v.f_to_kind(Kind::Float).ctx("values to fp32")?])
+            },
+        )?;
+        // verl: only action tokens have values.
+        let v = res[0].f_mul(&seqs.response_mask).ctx("mask values")?;
+        let mut out = Batch::new();
+        out.insert_tensor(
+            col::VALUES,
+            &[seqs.rows(), seqs.response_len as usize],
+            &to_f32_vec(&v, "values")?,
+        );
+        Ok(out)
+    }
+
+    fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
+        const CALL: &str = "Critic.update";
+        let device = self.device;
+        let seqs = Sequences::from_batch(batch, CALL, device)?;
+        let old_values = column::<f32>(batch, CALL, col::VALUES, device)?;
+        let returns = column::<f32>(batch, CALL, col::RETURNS, device)?;
+        let total = o
+            .extra
+            .get("total_training_steps")
+            .and_then(|v| v.as_i64())
+            .or(self.trainer_total_steps);
+        let lr = self.train.lr(total)?;
+        let par = &self.par;
+        let dp = &par.dp_meta;
+        same_rows_on_every_rank(dp, seqs.rows(), CALL)?;
+        let rows: Vec<usize> = (0..seqs.rows()).collect();
+        let lengths = seqs.row_lengths()?;
+        let mut acc = MetricAcc::default();
+        let train = &mut self.train;
+        for epoch in 0..self.epochs {
+            for (mi, mini) in chunks(&rows, self.mini_batch_rows).iter().enumerate() {
+                let mini_idx = index_tensor(mini, device)?;
+                let counts = MaskCounts::of_mask(
+                    &seqs
+                        .response_mask
+                        .f_index_select(0, &mini_idx)
+                        .ctx("mini-batch mask")?,
+                )?;
+                let mut c = [counts.tokens, counts.seqs];
+                dp.all_reduce_sum(&mut c)?;
+                if c[0] == 0.0 {
+                    tracing::warn!(
+                        step = o.global_step,
+                        epoch,
+                        mini_batch = mi,
+                        "mini-batch has no response tokens; skipped"
+                    );
+                    continue;
+                }
+                let norm = Normaliser::Global(LossScale::new(
+                    MaskCounts {
+                        tokens: c[0],
+                        seqs: c[1],
+                    },
+                    1,
+                ));
+                train.zero_grad()?;
+                let parts = micro_batches(
+                    mini,
+                    &lengths,
+                    self.update_micro,
+                    "critic.ppo_max_token_len_per_gpu",
+                )?;
+                let parts = same_micro_batch_count(dp, parts)?;
+                for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
+                    let dummy = *dummy;
+                    let idx = index_tensor(part, device)?;
+                    let sub = seqs.select(&idx)?;
+                    let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
+                    let (v_old, ret) = (pick(&old_values)?, pick(&returns)?);
+                    let loss_fn = &self.loss;
+                    let res = train.forward_backward(
+                        &sub.input_ids,
+                        &sub.attention_mask,
+                        &sub.position_ids,
+                        |model, hidden| {
+                            let vpreds = model
+                                .values(&sub.response_slice(hidden)?)?
+                                .f_to_kind(Kind::Float)
+                                .ctx("values to fp32")?;
+                            let out = loss_fn.compute(
+                                &ValueInputs {
+                                    vpreds: &vpreds,
+                                    returns: &ret,
+                                    values: &v_old,
+                                    response_mask: &sub.response_mask,
+                                },
+                                &norm,
+                            )?;
+                            let loss = if dummy {
+                                out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
+                            } else {
+                                out.loss
+                            };
+                            Ok((loss, out.metrics))
+                        },
+                    );
+                    let m = match res {
+                        Ok((_, m)) => m,
+                        Err(e) => {
+                            let _ = train.zero_grad();
+                            return Err(e);
+                        }
+                    };
+                    if dummy {
+                        continue;
+                    }
+                    for (name, v) in m.named() {
+                        if !v.is_finite() {
+                            let _ = train.zero_grad();
+                            return Err(MegatronError::NonFinite {
+                                role: "critic",
+                                step: o.global_step,
+                                epoch,
+                                mini_batch: mi,
+                                micro: format!(", micro-batch {ui}"),
+                                metric: name,
+                                value: v,
+                            });
+                        }
+                    }
+                    acc.add("critic/vf_loss", m.vf_loss);
+                    acc.push("critic/vf_clipfrac", m.vf_clipfrac);
+                    acc.push("critic/vpred_mean", m.vpred_mean);
+                }
+                let grad_norm =
+                    train.finish_mini_batch(par, lr, "critic", o.global_step, epoch, mi)?;
+                acc.push_global("critic/grad_norm", grad_norm);
+            }
+        }
+        train.zero_grad()?;
+        train.updates += 1;
+        acc.push_global("critic/lr", lr);
+        verl_fsdp_core::metrics::push_gpu_memory(&mut acc, dp, device)?;
+        acc.reduce(dp)?;
+        Ok(acc.into_metrics())
+    }
+}
+
+impl Critic for MegatronCritic {
+    fn compute_values(&mut self, batch: &Batch, _options: &ValueOptions) -> ApiResult<Batch> {
+        let r = self.do_values(batch);
+        Ok(self.spmd(r)?)
+    }
+    fn update(&mut self, batch: &Batch, options: &UpdateOptions) -> ApiResult<Metrics> {
+        let r = self.do_update(batch, options);
+        Ok(self.spmd(r)?)
+    }
+    fn save(&mut self, dir: &Path) -> ApiResult<()> {
+        let r = crate::ckpt::save(
+            &self.train,
+            &self.par,
+            dir,
+            "critic",
+            serde_json::Value::Null,
+        );
+        Ok(self.spmd(r)?)
+    }
+    fn load(&mut self, dir: &Path) -> ApiResult<()> {
+        let r = crate::ckpt::load(&mut self.train, &self.par, dir, "critic").map(|_| ());
+        Ok(self.spmd(r)?)
+    }
+    fn data_parallel(&self) -> DataParallel {
+        DataParallel {
+            rank: self.par.dp.rank as u32,
+            size: self.par.dp.size as u32,
+        }
+    }
+}

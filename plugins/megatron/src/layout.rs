@@ -1,0 +1,505 @@
+//! The parallel layout of a role: verl's `*.megatron.*` keys, checked against the world size and the
+//! model, and each rank's coordinates in it.
+//!
+//! Ranks are ordered like Megatron-core's default `tp-cp-ep-dp-pp`: the tensor-parallel index varies
+//! fastest, then context-parallel, then data-parallel, and the pipeline stage slowest, so the ranks of
+//! one tensor-parallel group are neighbours (one node, the fastest links).
+
+use serde::Deserialize;
+use verl_nn::ModelConfig;
+
+use crate::error::{MegatronError, Result};
+
+/// `actor_rollout_ref.actor.megatron` / `actor_rollout_ref.ref.megatron` / `critic.megatron`, with
+/// verl's defaults (`ppo_megatron_trainer.yaml`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct MegatronSection {
+    pub tensor_model_parallel_size: u64,
+    pub pipeline_model_parallel_size: u64,
+    pub virtual_pipeline_model_parallel_size: Option<u64>,
+    pub expert_model_parallel_size: u64,
+    pub expert_tensor_parallel_size: Option<u64>,
+    pub context_parallel_size: u64,
+    pub sequence_parallel: bool,
+    pub use_distributed_optimizer: bool,
+    pub param_offload: bool,
+    pub grad_offload: bool,
+    pub optimizer_offload: bool,
+    pub seed: u64,
+    /// Compute dtype of forward/backward (the optimizer always keeps fp32 master weights, as
+    /// Megatron's mixed-precision optimizer does).
+    pub dtype: String,
+}
+
+impl Default for MegatronSection {
+    fn default() -> Self {
+        MegatronSection {
+            tensor_model_parallel_size: 1,
+            pipeline_model_parallel_size: 1,
+            virtual_pipeline_model_parallel_size: None,
+            expert_model_parallel_size: 1,
+            expert_tensor_parallel_size: None,
+            context_parallel_size: 1,
+            sequence_parallel: true,
+            use_distributed_optimizer: true,
+            param_offload: false,
+            grad_offload: false,
+            optimizer_offload: false,
+            seed: 42,
+            dtype: "bfloat16".into(),
+        }
+    }
+}
+
+/// A validated layout: the sizes of every parallel dimension (their product is the world size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub tp: usize,
+    pub cp: usize,
+    pub dp: usize,
+    pub pp: usize,
+    /// Model chunks per pipeline stage (1 without virtual pipelining).
+    pub vpp: usize,
+    pub ep: usize,
+    pub etp: usize,
+    /// Megatron's sequence parallelism (only meaningful with `tp > 1`).
+    pub sequence_parallel: bool,
+    pub distributed_optimizer: bool,
+}
+
+/// Where one rank sits in a [`Layout`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Coords {
+    pub tp: usize,
+    pub cp: usize,
+    pub dp: usize,
+    pub pp: usize,
+}
+
+/// The divisors of `n`, ascending (for "valid values" hints).
+pub fn divisors(n: u64) -> Vec<u64> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+fn list(v: &[u64]) -> String {
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Layout {
+    /// Checks `section` (found at `prefix`, e.g. `actor_rollout_ref.actor.megatron`) against a
+    /// job of `world` ranks and the model `model`. Every error names the key, shows the arithmetic
+    /// and lists values that would work.
+    pub fn validate(
+        section: &MegatronSection,
+        prefix: &str,
+        world: usize,
+        model: &ModelConfig,
+    ) -> Result<Layout> {
+        let key = |k: &str| format!("{prefix}.{k}");
+        let positive = |k: &str, v: u64| -> Result<usize> {
+            if v == 0 {
+                return Err(MegatronError::config(key(k), "a positive integer", 0));
+            }
+            Ok(v as usize)
+        };
+        let tp = positive(
+            "tensor_model_parallel_size",
+            section.tensor_model_parallel_size,
+        )?;
+        let pp = positive(
+            "pipeline_model_parallel_size",
+            section.pipeline_model_parallel_size,
+        )?;
+        let cp = positive("context_parallel_size", section.context_parallel_size)?;
+        let ep = positive(
+            "expert_model_parallel_size",
+            section.expert_model_parallel_size,
+        )?;
+        let vpp = match section.virtual_pipeline_model_parallel_size {
+            None => 1,
+            Some(v) => positive("virtual_pipeline_model_parallel_size", v)?,
+        };
+        let etp = match section.expert_tensor_parallel_size {
+            None => tp,
+            Some(v) => positive("expert_tensor_parallel_size", v)?,
+        };
+        let world64 = world as u64;
+        let mp = tp * pp * cp;
+        if !world.is_multiple_of(mp) {
+            let rest = (pp * cp) as u64;
+            let valid: Vec<u64> = if world64.is_multiple_of(rest) {
+                divisors(world64 / rest)
+            } else {
+                vec![]
+            };
+            return Err(MegatronError::Layout {
+                key: key("tensor_model_parallel_size"),
+                message: format!(
+                    "world size {world} is not a multiple of tensor_model_parallel_size={tp} × pipeline_model_parallel_size={pp} × context_parallel_size={cp} = {mp}; {}",
+                    if valid.is_empty() {
+                        format!("pipeline_model_parallel_size × context_parallel_size = {rest} does not divide {world} either")
+                    } else {
+                        format!("valid tensor_model_parallel_size with these pipeline/context sizes: {}", list(&valid))
+                    }
+                ),
+            });
+        }
+        let dp = world / mp;
+        let divides = |k: &str, size: usize, what: &str, n: i64, extra: &str| -> Result<()> {
+            if n % size as i64 == 0 {
+                return Ok(());
+            }
+            Err(MegatronError::Layout {
+                key: key(k),
+                message: format!(
+                    "{k}={size} does not divide {what}={n}{extra}; valid: {}",
+                    list(&divisors(n as u64))
+                ),
+            })
+        };
+        let tp_key = "tensor_model_parallel_size";
+        divides(
+            tp_key,
+            tp,
+            "num_attention_heads",
+            model.num_attention_heads,
+            "",
+        )?;
+        divides(
+            tp_key,
+            tp,
+            "num_key_value_heads",
+            model.num_key_value_heads,
+            " (each rank holds whole key/value heads)",
+        )?;
+        divides(
+            tp_key,
+            tp,
+            "intermediate_size",
+            model.intermediate_size,
+            " (gate/up are split by columns)",
+        )?;
+        divides(
+            tp_key,
+            tp,
+            "vocab_size",
+            model.vocab_size,
+            " (the embedding and LM head are split by vocabulary rows; this backend does not pad the vocabulary)",
+        )?;
+        if let Some(moe) = &model.moe {
+            divides(
+                tp_key,
+                tp,
+                "moe_intermediate_size",
+                moe.expert_intermediate_size,
+                "",
+            )?;
+        }
+        let layers = model.num_hidden_layers;
+        let chunks = (pp * vpp) as i64;
+        if layers % chunks != 0 {
+            let valid: Vec<u64> = divisors(layers as u64)
+                .into_iter()
+                .filter(|d| {
+                    (d * vpp as u64) as i64 <= layers && layers % (d * vpp as u64) as i64 == 0
+                })
+                .collect();
+            return Err(MegatronError::Layout {
+                key: key("pipeline_model_parallel_size"),
+                message: format!(
+                    "num_hidden_layers={layers} cannot be split into pipeline_model_parallel_size={pp} × virtual_pipeline_model_parallel_size={vpp} = {chunks} equal chunks; valid pipeline_model_parallel_size with this virtual size: {}",
+                    list(&valid)
+                ),
+            });
+        }
+        if vpp > 1 && pp == 1 {
+            return Err(MegatronError::config(
+                key("virtual_pipeline_model_parallel_size"),
+                "null unless pipeline_model_parallel_size > 1 (virtual stages interleave real ones)",
+                vpp,
+            ));
+        }
+        match &model.moe {
+            Some(moe) => {
+                let experts = moe.num_experts;
+                if experts % ep as i64 != 0 {
+                    return Err(MegatronError::Layout {
+                        key: key("expert_model_parallel_size"),
+                        message: format!(
+                            "expert_model_parallel_size={ep} does not divide num_experts={experts}; valid: {}",
+                            list(&divisors(experts as u64))
+                        ),
+                    });
+                }
+                let expert_world = etp * ep * pp;
+                if !world.is_multiple_of(expert_world) {
+                    return Err(MegatronError::Layout {
+                        key: key("expert_model_parallel_size"),
+                        message: format!(
+                            "world size {world} is not a multiple of expert_tensor_parallel_size={etp} × expert_model_parallel_size={ep} × pipeline_model_parallel_size={pp} = {expert_world}"
+                        ),
+                    });
+                }
+            }
+            None if ep > 1 => {
+                return Err(MegatronError::config(
+                    key("expert_model_parallel_size"),
+                    format!(
+                        "1 for a dense model ({} has no experts)",
+                        model.arch.model_type()
+                    ),
+                    ep,
+                ))
+            }
+            None => {}
+        }
+        Ok(Layout {
+            tp,
+            cp,
+            dp,
+            pp,
+            vpp,
+            ep,
+            etp,
+            sequence_parallel: section.sequence_parallel && tp > 1,
+            distributed_optimizer: section.use_distributed_optimizer,
+        })
+    }
+
+    /// A one-rank layout.
+    pub fn single() -> Layout {
+        Layout {
+            tp: 1,
+            cp: 1,
+            dp: 1,
+            pp: 1,
+            vpp: 1,
+            ep: 1,
+            etp: 1,
+            sequence_parallel: false,
+            distributed_optimizer: false,
+        }
+    }
+
+    pub fn world(&self) -> usize {
+        self.tp * self.cp * self.dp * self.pp
+    }
+
+    /// The coordinates of global rank `rank` (tensor-parallel fastest, pipeline slowest).
+    pub fn coords(&self, rank: usize) -> Coords {
+        Coords {
+            tp: rank % self.tp,
+            cp: (rank / self.tp) % self.cp,
+            dp: (rank / (self.tp * self.cp)) % self.dp,
+            pp: rank / (self.tp * self.cp * self.dp),
+        }
+    }
+
+    /// The global rank at `c`.
+    pub fn rank_of(&self, c: Coords) -> usize {
+        c.tp + self.tp * (c.cp + self.cp * (c.dp + self.dp * c.pp))
+    }
+
+    /// Every tensor-parallel group (ranks in group-rank order), in a fixed order.
+    pub fn tp_groups(&self) -> Vec<Vec<usize>> {
+        self.groups(|c, i| Coords { tp: i, ..c }, self.tp, |c| c.tp == 0)
+    }
+
+    /// Every data-parallel group: the ranks that hold the same model shard.
+    pub fn dp_groups(&self) -> Vec<Vec<usize>> {
+        self.groups(|c, i| Coords { dp: i, ..c }, self.dp, |c| c.dp == 0)
+    }
+
+    /// Every pipeline group: the stages of one model replica shard.
+    pub fn pp_groups(&self) -> Vec<Vec<usize>> {
+        self.groups(|c, i| Coords { pp: i, ..c }, self.pp, |c| c.pp == 0)
+    }
+
+    fn groups(
+        &self,
+        member: impl Fn(Coords, usize) -> Coords,
+        size: usize,
+        first: impl Fn(Coords) -> bool,
+    ) -> Vec<Vec<usize>> {
+        (0..self.world())
+            .map(|r| self.coords(r))
+            .filter(|c| first(*c))
+            .map(|c| (0..size).map(|i| self.rank_of(member(c, i))).collect())
+            .collect()
+    }
+
+    /// A short description for logs and `state.json`.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp,
+            "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+            "data_parallel_size": self.dp,
+            "sequence_parallel": self.sequence_parallel,
+            "use_distributed_optimizer": self.distributed_optimizer,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(heads: i64, kv: i64, layers: i64) -> ModelConfig {
+        ModelConfig::from_value(
+            serde_json::json!({
+                "model_type": "qwen2", "vocab_size": 64, "hidden_size": heads * 8,
+                "intermediate_size": 56, "num_hidden_layers": layers,
+                "num_attention_heads": heads, "num_key_value_heads": kv,
+            }),
+            "test/config.json",
+        )
+        .unwrap()
+    }
+
+    fn section(tp: u64, pp: u64) -> MegatronSection {
+        MegatronSection {
+            tensor_model_parallel_size: tp,
+            pipeline_model_parallel_size: pp,
+            ..MegatronSection::default()
+        }
+    }
+
+    const P: &str = "actor_rollout_ref.actor.megatron";
+
+    #[test]
+    fn heads_not_divisible_lists_valid_sizes() {
+        let e = Layout::validate(&section(3, 1), P, 6, &model(14, 2, 4)).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            s.contains("actor_rollout_ref.actor.megatron.tensor_model_parallel_size"),
+            "{s}"
+        );
+        assert!(
+            s.contains("tensor_model_parallel_size=3 does not divide num_attention_heads=14; valid: 1, 2, 7, 14"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn kv_heads_and_world_size_are_checked() {
+        let e = Layout::validate(&section(4, 1), P, 4, &model(8, 2, 4)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("does not divide num_key_value_heads=2"),
+            "{e}"
+        );
+        let e = Layout::validate(&section(4, 1), P, 6, &model(8, 4, 4)).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("world size 6 is not a multiple of tensor_model_parallel_size=4 × pipeline_model_parallel_size=1 × context_parallel_size=1 = 4"), "{s}");
+        assert!(s.contains("valid tensor_model_parallel_size"), "{s}");
+        assert!(s.contains("1, 2, 3, 6"), "{s}");
+    }
+
+    #[test]
+    fn layers_must_split_into_pipeline_chunks() {
+        let mut s = section(1, 2);
+        s.virtual_pipeline_model_parallel_size = Some(2);
+        let e = Layout::validate(&s, P, 2, &model(4, 2, 6)).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("num_hidden_layers=6 cannot be split into pipeline_model_parallel_size=2 × virtual_pipeline_model_parallel_size=2 = 4"), "{msg}");
+        assert!(
+            msg.contains("valid pipeline_model_parallel_size with this virtual size: 1, 3"),
+            "{msg}"
+        );
+        assert!(Layout::validate(&section(1, 3), P, 3, &model(4, 2, 6)).is_ok());
+    }
+
+    #[test]
+    fn zero_and_expert_sizes_are_rejected_for_dense_models() {
+        let e = Layout::validate(&section(0, 1), P, 1, &model(4, 2, 2)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("tensor_model_parallel_size`: expected a positive integer, found 0"),
+            "{e}"
+        );
+        let mut s = section(1, 1);
+        s.expert_model_parallel_size = 2;
+        let e = Layout::validate(&s, P, 2, &model(4, 2, 2)).unwrap_err();
+        assert!(e.to_string().contains("expert_model_parallel_size"), "{e}");
+        assert!(e.to_string().contains("has no experts"), "{e}");
+    }
+
+    #[test]
+    fn data_parallel_size_is_what_remains() {
+        let l = Layout::validate(&section(2, 2), P, 8, &model(4, 2, 4)).unwrap();
+        assert_eq!((l.tp, l.pp, l.cp, l.dp), (2, 2, 1, 2));
+        assert!(
+            l.sequence_parallel,
+            "verl's default sequence_parallel=true holds with tp > 1"
+        );
+        let l = Layout::validate(&section(1, 1), P, 3, &model(4, 2, 4)).unwrap();
+        assert!(
+            !l.sequence_parallel,
+            "sequence parallelism means nothing at tp = 1"
+        );
+        assert_eq!(l.dp, 3);
+    }
+
+    #[test]
+    fn ranks_are_ordered_tensor_parallel_fastest() {
+        let l = Layout::validate(&section(2, 2), P, 8, &model(4, 2, 4)).unwrap();
+        assert_eq!(
+            l.coords(0),
+            Coords {
+                tp: 0,
+                cp: 0,
+                dp: 0,
+                pp: 0
+            }
+        );
+        assert_eq!(
+            l.coords(1),
+            Coords {
+                tp: 1,
+                cp: 0,
+                dp: 0,
+                pp: 0
+            }
+        );
+        assert_eq!(
+            l.coords(2),
+            Coords {
+                tp: 0,
+                cp: 0,
+                dp: 1,
+                pp: 0
+            }
+        );
+        assert_eq!(
+            l.coords(5),
+            Coords {
+                tp: 1,
+                cp: 0,
+                dp: 0,
+                pp: 1
+            }
+        );
+        for r in 0..8 {
+            assert_eq!(l.rank_of(l.coords(r)), r);
+        }
+        assert_eq!(
+            l.tp_groups(),
+            vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]
+        );
+        assert_eq!(
+            l.dp_groups(),
+            vec![vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]
+        );
+        assert_eq!(
+            l.pp_groups(),
+            vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+        );
+    }
+}

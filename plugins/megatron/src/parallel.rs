@@ -1,0 +1,333 @@
+//! The communicators of a role: the world group it joins through `InitArgs.rendezvous`, and the
+//! tensor-parallel and data-parallel groups cut out of it along the [`Layout`].
+//!
+//! Every role instance joins on its own (own store connection, own rendezvous prefix
+//! `verl-megatron/<role>/<n>`), so ranks may be threads of one process (the tests) or processes.
+//! With one rank no communicator exists and every collective is the identity.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tch::{Device, Tensor};
+use verl_comm::{
+    CommError, Communicator, CpuCommunicator, CpuOptions, NcclCommunicator, NcclOptions, ReduceOp,
+    StoreClient,
+};
+use verl_fsdp_core::dp::Dp;
+use verl_plugin_api::InitArgs;
+
+use crate::error::{MegatronError, Result, TorchContext};
+use crate::layout::{Coords, Layout};
+
+/// One process group (or none, for a group of one rank).
+pub struct Group {
+    pub name: &'static str,
+    pub rank: usize,
+    pub size: usize,
+    comm: Option<Box<dyn Communicator>>,
+    /// Where scalar reduction buffers live (NCCL reduces on its GPU only).
+    device: Device,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group")
+            .field("name", &self.name)
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl Group {
+    pub fn single(name: &'static str) -> Group {
+        Group {
+            name,
+            rank: 0,
+            size: 1,
+            comm: None,
+            device: Device::Cpu,
+        }
+    }
+
+    fn new(name: &'static str, comm: Box<dyn Communicator>, device: Device) -> Group {
+        Group {
+            name,
+            rank: comm.rank(),
+            size: comm.world_size(),
+            comm: if comm.world_size() > 1 {
+                Some(comm)
+            } else {
+                None
+            },
+            device,
+        }
+    }
+
+    fn err(&self, op: &'static str) -> impl Fn(CommError) -> MegatronError + '_ {
+        move |source| MegatronError::Comm {
+            group: self.name,
+            op,
+            source: Box::new(source),
+        }
+    }
+
+    /// Reduces `t` in place over the group.
+    pub fn all_reduce(&self, t: &mut Tensor, op: ReduceOp, what: &'static str) -> Result<()> {
+        match &self.comm {
+            Some(c) => c.all_reduce(t, op).map_err(self.err(what)),
+            None => Ok(()),
+        }
+    }
+
+    /// Every member's `t` (same shape everywhere), in group-rank order.
+    pub fn all_gather(&self, t: &Tensor, what: &'static str) -> Result<Vec<Tensor>> {
+        match &self.comm {
+            Some(c) => {
+                let t = t.f_contiguous().ctx("gather input")?;
+                c.all_gather(&t).map_err(self.err(what))
+            }
+            None => Ok(vec![t.shallow_clone()]),
+        }
+    }
+
+    /// Flat all-gather: `out` holds `size × input.numel()` elements, rank-major.
+    pub fn all_gather_into(
+        &self,
+        out: &mut Tensor,
+        input: &Tensor,
+        what: &'static str,
+    ) -> Result<()> {
+        match &self.comm {
+            Some(c) => c.all_gather_into(out, input).map_err(self.err(what)),
+            None => out.f_copy_(input).ctx(what),
+        }
+    }
+
+    /// Sums `input` (`size × out.numel()` elements) over the group and leaves this rank's block in
+    /// `out`.
+    pub fn reduce_scatter_sum(
+        &self,
+        out: &mut Tensor,
+        input: &Tensor,
+        what: &'static str,
+    ) -> Result<()> {
+        match &self.comm {
+            Some(c) => c
+                .reduce_scatter(out, input, ReduceOp::Sum)
+                .map_err(self.err(what)),
+            None => out.f_copy_(input).ctx(what),
+        }
+    }
+
+    /// Reduces plain numbers over the group.
+    pub fn all_reduce_f64(&self, v: &mut [f64], op: ReduceOp, what: &'static str) -> Result<()> {
+        let Some(c) = &self.comm else {
+            return Ok(());
+        };
+        if v.is_empty() {
+            return Ok(());
+        }
+        let mut t = Tensor::f_from_slice(v)
+            .and_then(|t| t.f_to_device(self.device))
+            .ctx("reduction buffer")?;
+        c.all_reduce(&mut t, op).map_err(self.err(what))?;
+        let host = Vec::<f64>::try_from(&t.f_to_device(Device::Cpu).ctx("reduction result")?)
+            .ctx("reduction result")?;
+        v.copy_from_slice(&host);
+        Ok(())
+    }
+
+    pub fn barrier(&self, what: &'static str) -> Result<()> {
+        match &self.comm {
+            Some(c) => c.barrier().map_err(self.err(what)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// All groups of one role instance on this rank.
+pub struct Parallel {
+    pub layout: Layout,
+    pub coords: Coords,
+    pub rank: usize,
+    pub device: Device,
+    pub tp: Arc<Group>,
+    /// Data-parallel group for tensors (gradients, optimizer shards).
+    pub dp: Group,
+    /// The same data-parallel ranks as the FSDP helpers see them (counts, metrics, batching).
+    pub dp_meta: Dp,
+    world: Option<Box<dyn Communicator>>,
+}
+
+impl std::fmt::Debug for Parallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parallel")
+            .field("layout", &self.layout)
+            .field("coords", &self.coords)
+            .finish()
+    }
+}
+
+impl Parallel {
+    /// One rank, no communicators.
+    pub fn single(device: Device) -> Parallel {
+        Parallel {
+            layout: Layout::single(),
+            coords: Coords {
+                tp: 0,
+                cp: 0,
+                dp: 0,
+                pp: 0,
+            },
+            rank: 0,
+            device,
+            tp: Arc::new(Group::single("tensor-parallel")),
+            dp: Group::single("data-parallel"),
+            dp_meta: Dp::single(),
+            world: None,
+        }
+    }
+
+    /// Joins the job of `init` as `role` and builds this rank's groups along `layout`.
+    pub fn join(init: &InitArgs, role: &str, layout: Layout, device: Device) -> Result<Parallel> {
+        if init.world_size <= 1 {
+            return Ok(Parallel {
+                layout,
+                ..Parallel::single(device)
+            });
+        }
+        let (rank, world) = (init.rank as usize, init.world_size as usize);
+        if rank >= world {
+            return Err(MegatronError::config(
+                "InitArgs.rank",
+                format!("a rank below the world size {world}"),
+                rank,
+            ));
+        }
+        let rdv = init.rendezvous.as_ref().ok_or_else(|| {
+            MegatronError::config(
+                "InitArgs.rendezvous",
+                format!("the job's store (master_addr, master_port) for a world of {world} ranks"),
+                "none",
+            )
+        })?;
+        let timeout = Duration::from_secs(rdv.timeout_s.max(1));
+        let addr = format!("{}:{}", rdv.master_addr, rdv.master_port);
+        let comm_err = |op: &'static str| {
+            move |source: CommError| MegatronError::Comm {
+                group: "world",
+                op,
+                source: Box::new(source),
+            }
+        };
+        let store = StoreClient::connect_as(addr.as_str(), rank, timeout)
+            .map_err(|e| comm_err("connect to the rendezvous store")(e.into()))?;
+        let instance = store
+            .add(&format!("verl-megatron/{role}/instances/rank{rank}"), 1)
+            .map_err(|e| comm_err("rendezvous")(e.into()))?;
+        let prefix = format!("verl-megatron/{role}/{instance}");
+        let store = Arc::new(store);
+        let world_comm: Box<dyn Communicator> = match device {
+            Device::Cpu => Box::new(
+                CpuCommunicator::with_prefix(
+                    store,
+                    &prefix,
+                    rank,
+                    world,
+                    CpuOptions {
+                        timeout,
+                        ..CpuOptions::default()
+                    },
+                )
+                .map_err(comm_err("rendezvous (cpu communicator)"))?,
+            ),
+            Device::Cuda(gpu) => Box::new(
+                NcclCommunicator::with_prefix(
+                    store,
+                    &prefix,
+                    rank,
+                    world,
+                    NcclOptions {
+                        device: gpu,
+                        timeout,
+                        ..NcclOptions::default()
+                    },
+                )
+                .map_err(comm_err("rendezvous (nccl communicator)"))?,
+            ),
+            other => {
+                return Err(MegatronError::config(
+                    "trainer.device",
+                    "cpu or cuda for a multi-rank job",
+                    format!("{other:?}"),
+                ))
+            }
+        };
+        let coords = layout.coords(rank);
+        // Every member creates its groups in the same global order, so the rendezvous of each
+        // group pairs the right ranks.
+        let mine = |groups: Vec<Vec<usize>>, name: &'static str| -> Result<Box<dyn Communicator>> {
+            let mut found = None;
+            for g in groups {
+                if let Some(c) = world_comm
+                    .new_group(&g)
+                    .map_err(comm_err("create a sub-group"))?
+                {
+                    found = Some(c);
+                }
+            }
+            found.ok_or_else(|| MegatronError::Layout {
+                key: "InitArgs.rank".into(),
+                message: format!("rank {rank} belongs to no {name} group of the layout"),
+            })
+        };
+        let tp = Group::new(
+            "tensor-parallel",
+            mine(layout.tp_groups(), "tensor-parallel")?,
+            device,
+        );
+        let dp = Group::new(
+            "data-parallel",
+            mine(layout.dp_groups(), "data-parallel")?,
+            device,
+        );
+        let dp_meta = Dp::with_communicator(mine(layout.dp_groups(), "data-parallel")?, device);
+        Ok(Parallel {
+            layout,
+            coords,
+            rank,
+            device,
+            tp: Arc::new(tp),
+            dp,
+            dp_meta,
+            world: Some(world_comm),
+        })
+    }
+
+    /// Declares this rank failed so every peer's collectives stop naming it; returns `error`.
+    pub fn fail(&self, error: MegatronError) -> MegatronError {
+        if let Some(w) = &self.world {
+            if !error.is_peer_failure() {
+                w.abort(&error.to_string());
+            }
+        }
+        error
+    }
+
+    pub fn barrier(&self, what: &'static str) -> Result<()> {
+        match &self.world {
+            Some(w) => w.barrier().map_err(|source| MegatronError::Comm {
+                group: "world",
+                op: what,
+                source: Box::new(source),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Rank 0 of the whole job (it writes checkpoints and exports).
+    pub fn is_first(&self) -> bool {
+        self.rank == 0
+    }
+}

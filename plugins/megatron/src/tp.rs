@@ -1,0 +1,1037 @@
+//! The tensor-parallel decoder (Llama / Mistral / Qwen2 / Qwen3 families, dense MLP), built from the
+//! same HF checkpoint folder as `verl_nn::Transformer`: every rank of a tensor-parallel group holds a
+//! slice of each matrix and the ranks combine partial results with collectives.
+//!
+//! * q/k/v and gate/up are column-parallel (`ColumnParallelLinear`): each rank owns whole attention
+//!   heads, whole key/value heads and a block of MLP columns, so attention and SwiGLU run locally.
+//! * o_proj and down_proj are row-parallel (`RowParallelLinear`): each rank's product is a partial
+//!   sum, all-reduced; their bias (if any) is added once, after the reduction.
+//! * The embedding and the LM head are vocab-parallel: out-of-shard token ids are masked and the
+//!   partial embeddings all-reduced; log-probabilities and entropy are computed from the local
+//!   `[.., vocab / tp]` logits with all-reduces of the maximum, the sum of exponentials and the target
+//!   logit, so no rank ever holds the full-vocabulary logits.
+//! * Norms, biases of row-parallel layers and a value head are replicated.
+//!
+//! Autograd through collectives: tch has no custom autograd functions. Megatron's `g` (all-reduce
+//! forward, identity backward) is written inside the graph as `s + (x - x.detach())` with `s` the
+//! reduced value. Megatron's `f` (identity forward, all-reduce backward) is where the graph is cut:
+//! the input of every column-parallel block is a fresh leaf, the backward is chained by hand one
+//! segment at a time (like `verl_nn::Transformer::forward_backward_gated`) and the leaf's gradient
+//! is all-reduced before it flows on. Each layer is recomputed in the backward (activation
+//! checkpointing), so only the layer inputs are kept between forward and backward.
+
+use std::sync::Arc;
+
+use tch::{Device, Kind, Tensor};
+use verl_comm::ReduceOp;
+use verl_nn::{Checkpoint, HeadKind, ModelConfig, RopeScaling};
+
+use crate::error::{MegatronError, Result, TorchContext};
+use crate::parallel::Group;
+
+/// How a parameter is divided over the tensor-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds the whole tensor (norms, row-parallel biases, a value head).
+    Replicated,
+    /// Rank `r` holds block `r` of dim 0 (column-parallel outputs, vocabulary rows).
+    Rows,
+    /// Rank `r` holds block `r` of dim 1 (row-parallel inputs).
+    Cols,
+}
+
+impl Split {
+    fn dim(self) -> Option<i64> {
+        match self {
+            Split::Replicated => None,
+            Split::Rows => Some(0),
+            Split::Cols => Some(1),
+        }
+    }
+}
+
+/// One parameter: its HF name, the full shape, and this rank's slice (an autograd leaf).
+#[derive(Debug)]
+pub struct TpParam {
+    pub name: String,
+    pub full_shape: Vec<i64>,
+    pub split: Split,
+    pub local: Tensor,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Lin {
+    w: usize,
+    b: Option<usize>,
+}
+
+#[derive(Debug)]
+struct Layer {
+    in_norm: usize,
+    q: Lin,
+    k: Lin,
+    v: Lin,
+    o: Lin,
+    q_norm: Option<usize>,
+    k_norm: Option<usize>,
+    post_norm: usize,
+    gate: Lin,
+    up: Lin,
+    down: Lin,
+    window: Option<i64>,
+}
+
+impl Layer {
+    fn attention_params(&self) -> Vec<usize> {
+        let mut v = vec![];
+        for l in [self.q, self.k, self.v, self.o] {
+            v.push(l.w);
+            v.extend(l.b);
+        }
+        v.extend(self.q_norm);
+        v.extend(self.k_norm);
+        v
+    }
+    fn mlp_params(&self) -> Vec<usize> {
+        let mut v = vec![];
+        for l in [self.gate, self.up, self.down] {
+            v.push(l.w);
+            v.extend(l.b);
+        }
+        v
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Head {
+    /// Vocab-parallel LM head (the embedding shard when tied).
+    Lm(usize),
+    /// Replicated value head `score` (`[1, H]` + bias).
+    Value { w: usize, b: usize },
+}
+
+/// Where full (unsplit) parameter values come from when a model is built or reloaded.
+pub trait FullSource {
+    /// The full tensor `name`, or `None` when the source lacks it.
+    fn full(&mut self, name: &str) -> Result<Option<Tensor>>;
+}
+
+impl FullSource for Checkpoint {
+    fn full(&mut self, name: &str) -> Result<Option<Tensor>> {
+        if !self.contains(name) {
+            return Ok(None);
+        }
+        Ok(Some(self.tensor(name)?))
+    }
+}
+
+impl FullSource for std::collections::HashMap<String, Tensor> {
+    fn full(&mut self, name: &str) -> Result<Option<Tensor>> {
+        Ok(self.get(name).map(|t| t.shallow_clone()))
+    }
+}
+
+/// Per-forward inputs shared by all layers: RoPE tables and attention masks.
+struct Ctx {
+    cos: Tensor,
+    sin: Tensor,
+    masks: Vec<(Option<i64>, Tensor)>,
+}
+
+impl Ctx {
+    fn mask(&self, window: Option<i64>) -> Result<&Tensor> {
+        self.masks
+            .iter()
+            .find(|(w, _)| *w == window)
+            .map(|(_, m)| m)
+            .ok_or_else(|| {
+                MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                    "no attention mask built for window {window:?}"
+                )))
+            })
+    }
+}
+
+/// What one layer's recomputation keeps for the hand-chained backward.
+struct Trace {
+    x1: Tensor,
+    x1c: Tensor,
+    h2: Tensor,
+    x2: Tensor,
+    x2c: Tensor,
+    out: Tensor,
+}
+
+/// The tensor-parallel model of one rank.
+pub struct TpModel {
+    cfg: ModelConfig,
+    head_kind: HeadKind,
+    dtype: Kind,
+    device: Device,
+    pub params: Vec<TpParam>,
+    embed: usize,
+    layers: Vec<Layer>,
+    norm: usize,
+    head: Head,
+    tp: Arc<Group>,
+    heads_local: i64,
+    kv_local: i64,
+    vocab_start: i64,
+    vocab_local: i64,
+    /// `pad_token_id` as a row of this rank's embedding shard, or -1.
+    padding_local: i64,
+    inv_freq: Tensor,
+}
+
+impl std::fmt::Debug for TpModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TpModel")
+            .field("arch", &self.cfg.arch)
+            .field("head", &self.head_kind)
+            .field("tp", &(self.tp.rank, self.tp.size))
+            .field("dtype", &self.dtype)
+            .finish()
+    }
+}
+
+/// The parameters of a model, in a fixed order, with their full shapes and splits.
+fn param_specs(cfg: &ModelConfig, head: HeadKind) -> Result<Vec<(String, Vec<i64>, Split)>> {
+    if cfg.moe.is_some() {
+        return Err(MegatronError::Unsupported {
+            key: "actor_rollout_ref.model.path".into(),
+            what: format!(
+                "the mixture-of-experts family {} (expert parallelism is planned)",
+                cfg.arch
+            ),
+        });
+    }
+    if head == HeadKind::SequenceClassification {
+        return Err(MegatronError::Unsupported {
+            key: "reward_model".into(),
+            what: "a sequence-classification head".into(),
+        });
+    }
+    let (h, nh, nkv, hd, inter, v) = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    );
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![v, h],
+        Split::Rows,
+    )];
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        let mut push = |n: String, s: Vec<i64>, sp: Split| out.push((n, s, sp));
+        push(
+            format!("{p}.input_layernorm.weight"),
+            vec![h],
+            Split::Replicated,
+        );
+        for (n, rows) in [
+            ("q_proj", nh * hd),
+            ("k_proj", nkv * hd),
+            ("v_proj", nkv * hd),
+        ] {
+            push(
+                format!("{p}.self_attn.{n}.weight"),
+                vec![rows, h],
+                Split::Rows,
+            );
+            if cfg.qkv_bias {
+                push(format!("{p}.self_attn.{n}.bias"), vec![rows], Split::Rows);
+            }
+        }
+        push(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, nh * hd],
+            Split::Cols,
+        );
+        if cfg.o_bias {
+            push(
+                format!("{p}.self_attn.o_proj.bias"),
+                vec![h],
+                Split::Replicated,
+            );
+        }
+        if cfg.qk_norm {
+            push(
+                format!("{p}.self_attn.q_norm.weight"),
+                vec![hd],
+                Split::Replicated,
+            );
+            push(
+                format!("{p}.self_attn.k_norm.weight"),
+                vec![hd],
+                Split::Replicated,
+            );
+        }
+        push(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            Split::Replicated,
+        );
+        for n in ["gate_proj", "up_proj"] {
+            push(format!("{p}.mlp.{n}.weight"), vec![inter, h], Split::Rows);
+            if cfg.mlp_bias {
+                push(format!("{p}.mlp.{n}.bias"), vec![inter], Split::Rows);
+            }
+        }
+        push(
+            format!("{p}.mlp.down_proj.weight"),
+            vec![h, inter],
+            Split::Cols,
+        );
+        if cfg.mlp_bias {
+            push(
+                format!("{p}.mlp.down_proj.bias"),
+                vec![h],
+                Split::Replicated,
+            );
+        }
+    }
+    out.push(("model.norm.weight".into(), vec![h], Split::Replicated));
+    match head {
+        HeadKind::CausalLm if cfg.tie_word_embeddings => {}
+        HeadKind::CausalLm => out.push(("lm_head.weight".into(), vec![v, h], Split::Rows)),
+        _ => {
+            out.push(("score.weight".into(), vec![1, h], Split::Replicated));
+            out.push(("score.bias".into(), vec![1], Split::Replicated));
+        }
+    }
+    Ok(out)
+}
+
+/// Rank `rank`'s block of `full` (of `size` blocks) under `split`.
+pub fn shard_of(full: &Tensor, split: Split, rank: usize, size: usize) -> Result<Tensor> {
+    match split.dim() {
+        None => Ok(full.shallow_clone()),
+        Some(d) => {
+            let n = full.size()[d as usize] / size as i64;
+            full.f_narrow(d, rank as i64 * n, n)
+                .ctx("tensor-parallel shard")
+        }
+    }
+}
+
+impl TpModel {
+    /// Builds this rank's slices of the model described by `cfg`, reading full tensors from
+    /// `source`. A value head the source lacks (a critic started from a policy checkpoint) is
+    /// initialised like HF's `_init_weights`, from the global generator: seed it identically on
+    /// every rank first.
+    pub fn new(
+        cfg: ModelConfig,
+        head_kind: HeadKind,
+        dtype: Kind,
+        device: Device,
+        tp: Arc<Group>,
+        source: &mut dyn FullSource,
+    ) -> Result<TpModel> {
+        let specs = param_specs(&cfg, head_kind)?;
+        let (rank, size) = (tp.rank, tp.size);
+        let mut params = Vec::with_capacity(specs.len());
+        for (name, shape, split) in specs {
+            let full = match source.full(&name)? {
+                Some(t) => t,
+                None if name.starts_with("score.") => {
+                    let t = Tensor::f_zeros(shape.as_slice(), (dtype, device)).ctx("value head")?;
+                    if name.ends_with(".weight") {
+                        let mut t2 = t.shallow_clone();
+                        let _ = tch::no_grad(|| t2.f_normal_(0.0, cfg.initializer_range))
+                            .ctx("initialise value head")?;
+                    }
+                    tracing::warn!("{name} is not in the checkpoint: freshly initialised");
+                    t
+                }
+                None => {
+                    return Err(MegatronError::Model(verl_nn::NnError::MissingTensor {
+                        dir: std::path::PathBuf::from("<model source>"),
+                        name,
+                        arch: cfg.arch.to_string(),
+                    }))
+                }
+            };
+            if full.size() != shape {
+                return Err(MegatronError::Model(verl_nn::NnError::ShapeMismatch {
+                    path: std::path::PathBuf::from("<model source>"),
+                    name,
+                    expected: shape,
+                    found: full.size(),
+                }));
+            }
+            let local = shard_of(&full, split, rank, size)?
+                .f_to_kind(dtype)
+                .and_then(|t| t.f_to_device(device))
+                .and_then(|t| t.f_contiguous())
+                .and_then(|t| t.f_detach_copy())
+                .ctx(&format!("load `{name}`"))?;
+            params.push(TpParam {
+                name,
+                full_shape: shape,
+                split,
+                local,
+            });
+        }
+        let index = |n: &str| -> Option<usize> { params.iter().position(|p| p.name == n) };
+        let need = |n: String| -> Result<usize> {
+            index(&n).ok_or_else(|| {
+                MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                    "internal: parameter `{n}` was not built"
+                )))
+            })
+        };
+        let lin = |p: String| -> Result<Lin> {
+            Ok(Lin {
+                w: need(format!("{p}.weight"))?,
+                b: index(&format!("{p}.bias")),
+            })
+        };
+        let mut layers = Vec::new();
+        for i in 0..cfg.num_hidden_layers as usize {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                in_norm: need(format!("{p}.input_layernorm.weight"))?,
+                q: lin(format!("{p}.self_attn.q_proj"))?,
+                k: lin(format!("{p}.self_attn.k_proj"))?,
+                v: lin(format!("{p}.self_attn.v_proj"))?,
+                o: lin(format!("{p}.self_attn.o_proj"))?,
+                q_norm: index(&format!("{p}.self_attn.q_norm.weight")),
+                k_norm: index(&format!("{p}.self_attn.k_norm.weight")),
+                post_norm: need(format!("{p}.post_attention_layernorm.weight"))?,
+                gate: lin(format!("{p}.mlp.gate_proj"))?,
+                up: lin(format!("{p}.mlp.up_proj"))?,
+                down: lin(format!("{p}.mlp.down_proj"))?,
+                window: cfg.layer_windows.get(i).copied().flatten(),
+            });
+        }
+        let embed = need("model.embed_tokens.weight".into())?;
+        let head = match head_kind {
+            HeadKind::CausalLm => Head::Lm(index("lm_head.weight").unwrap_or(embed)),
+            _ => Head::Value {
+                w: need("score.weight".into())?,
+                b: need("score.bias".into())?,
+            },
+        };
+        let tp_size = size as i64;
+        let vocab_local = cfg.vocab_size / tp_size;
+        let vocab_start = rank as i64 * vocab_local;
+        let padding_local = cfg
+            .pad_token_id
+            .filter(|&p| p >= vocab_start && p < vocab_start + vocab_local)
+            .map(|p| p - vocab_start)
+            .unwrap_or(-1);
+        let inv_freq = inv_freq(&cfg, device)?;
+        Ok(TpModel {
+            heads_local: cfg.num_attention_heads / tp_size,
+            kv_local: cfg.num_key_value_heads / tp_size,
+            vocab_start,
+            vocab_local,
+            padding_local,
+            norm: need("model.norm.weight".into())?,
+            embed,
+            layers,
+            head,
+            head_kind,
+            dtype,
+            device,
+            tp,
+            inv_freq,
+            params,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    pub fn head_kind(&self) -> HeadKind {
+        self.head_kind
+    }
+    pub fn dtype(&self) -> Kind {
+        self.dtype
+    }
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    pub fn tp(&self) -> &Group {
+        &self.tp
+    }
+
+    pub fn set_requires_grad(&mut self, on: bool) -> Result<()> {
+        for p in &self.params {
+            let _ = p.local.f_set_requires_grad(on).ctx("requires_grad")?;
+        }
+        Ok(())
+    }
+
+    fn p(&self, i: usize) -> &Tensor {
+        &self.params[i].local
+    }
+
+    /// Megatron's `g`: all-reduce (sum) over the tensor-parallel group in the forward, identity in
+    /// the backward. The reduced value enters the graph as `s + (x - x.detach())`, exactly `s`.
+    fn reduce(&self, x: Tensor) -> Result<Tensor> {
+        if self.tp.size == 1 {
+            return Ok(x);
+        }
+        let mut s = tch::no_grad(|| x.f_detach_copy()).ctx("reduce buffer")?;
+        self.tp
+            .all_reduce(&mut s, ReduceOp::Sum, "all_reduce (row-parallel output)")?;
+        if !x.requires_grad() {
+            return Ok(s);
+        }
+        let zero = x
+            .f_sub(&x.f_detach().ctx("detach")?)
+            .ctx("identity backward")?;
+        s.f_add(&zero).ctx("identity backward")
+    }
+
+    /// All-reduces a gradient that arrived at the input of a column-parallel block (Megatron's
+    /// `f` in the backward).
+    fn reduce_grad(&self, g: Tensor) -> Result<Tensor> {
+        if self.tp.size == 1 {
+            return Ok(g);
+        }
+        let mut g = g.f_contiguous().ctx("gradient")?;
+        self.tp
+            .all_reduce(&mut g, ReduceOp::Sum, "all_reduce (input gradient)")?;
+        Ok(g)
+    }
+
+    fn rms(&self, x: &Tensor, w: usize) -> Result<Tensor> {
+        let kind = x.kind();
+        let xf = x.f_to_kind(Kind::Float).ctx("rms norm")?;
+        let var = xf
+            .f_pow_tensor_scalar(2)
+            .and_then(|v| v.f_mean_dim([-1i64].as_slice(), true, None::<Kind>))
+            .ctx("rms norm")?;
+        let normed = var
+            .f_add_scalar(self.cfg.rms_norm_eps)
+            .and_then(|v| v.f_rsqrt())
+            .and_then(|r| xf.f_mul(&r))
+            .and_then(|n| n.f_to_kind(kind))
+            .ctx("rms norm")?;
+        self.p(w).f_mul(&normed).ctx("rms norm")
+    }
+
+    fn linear(&self, x: &Tensor, l: Lin, with_bias: bool) -> Result<Tensor> {
+        let b = if with_bias {
+            l.b.map(|b| self.p(b))
+        } else {
+            None
+        };
+        x.f_linear(self.p(l.w), b).ctx("linear")
+    }
+
+    /// The vocab-parallel embedding: this rank's rows, out-of-shard ids masked, partial sums reduced.
+    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let w = self.p(self.embed);
+        if self.tp.size == 1 {
+            return Tensor::f_embedding(w, ids, self.padding_local, false, false).ctx("embedding");
+        }
+        let in_range = ids
+            .f_ge(self.vocab_start)
+            .and_then(|a| a.f_logical_and(&ids.f_lt(self.vocab_start + self.vocab_local)?))
+            .ctx("embedding range")?;
+        let local = ids
+            .f_sub_scalar(self.vocab_start)
+            .and_then(|x| x.f_mul(&in_range.f_to_kind(Kind::Int64)?))
+            .ctx("embedding ids")?;
+        let e = Tensor::f_embedding(w, &local, self.padding_local, false, false)
+            .and_then(|e| e.f_mul(&in_range.f_unsqueeze(-1)?.f_to_kind(e.kind())?))
+            .ctx("embedding")?;
+        self.reduce(e)
+    }
+
+    fn attention(&self, l: &Layer, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let (b, t) = (x.size()[0], x.size()[1]);
+        let hd = self.cfg.head_dim;
+        let heads = |lin: Lin, n: i64, norm: Option<usize>| -> Result<Tensor> {
+            let y = self
+                .linear(x, lin, true)?
+                .f_view([b, t, n, hd])
+                .ctx("split heads")?;
+            let y = match norm {
+                Some(w) => self.rms(&y, w)?,
+                None => y,
+            };
+            y.f_transpose(1, 2).ctx("heads first")
+        };
+        let q = rope(&heads(l.q, self.heads_local, l.q_norm)?, &ctx.cos, &ctx.sin)?;
+        let k = rope(&heads(l.k, self.kv_local, l.k_norm)?, &ctx.cos, &ctx.sin)?;
+        let v = heads(l.v, self.kv_local, None)?;
+        let groups = self.heads_local / self.kv_local;
+        let (k, v) = (repeat_kv(&k, groups)?, repeat_kv(&v, groups)?);
+        let out = Tensor::f_scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            Some(ctx.mask(l.window)?),
+            0.0,
+            false,
+            None::<f64>,
+            false,
+        )
+        .and_then(|o| o.f_transpose(1, 2))
+        .and_then(|o| o.f_contiguous())
+        .and_then(|o| o.f_view([b, t, self.heads_local * hd]))
+        .ctx("attention")?;
+        self.linear(&out, l.o, false)
+    }
+
+    fn mlp(&self, l: &Layer, x: &Tensor) -> Result<Tensor> {
+        let g = self.linear(x, l.gate, true)?.f_silu().ctx("silu")?;
+        let u = self.linear(x, l.up, true)?;
+        self.linear(&g.f_mul(&u).ctx("swiglu")?, l.down, false)
+    }
+
+    fn add_bias(&self, x: Tensor, b: Option<usize>) -> Result<Tensor> {
+        match b {
+            Some(b) => x.f_add(self.p(b)).ctx("bias"),
+            None => Ok(x),
+        }
+    }
+
+    /// One decoder layer. With `cut`, the inputs of the two column-parallel blocks become fresh
+    /// leaves (the points where the backward all-reduces).
+    fn layer(&self, l: &Layer, h: &Tensor, ctx: &Ctx, cut: bool) -> Result<Trace> {
+        let leaf = |x: &Tensor| -> Result<Tensor> {
+            if cut {
+                x.f_detach()
+                    .and_then(|d| d.f_set_requires_grad(true))
+                    .ctx("cut")
+            } else {
+                Ok(x.shallow_clone())
+            }
+        };
+        let x1 = self.rms(h, l.in_norm)?;
+        let x1c = leaf(&x1)?;
+        let a = self.reduce(self.attention(l, &x1c, ctx)?)?;
+        let a = self.add_bias(a, l.o.b)?;
+        let h2 = h.f_add(&a).ctx("residual")?;
+        let x2 = self.rms(&h2, l.post_norm)?;
+        let x2c = leaf(&x2)?;
+        let m = self.reduce(self.mlp(l, &x2c)?)?;
+        let m = self.add_bias(m, l.down.b)?;
+        let out = h2.f_add(&m).ctx("residual")?;
+        Ok(Trace {
+            x1,
+            x1c,
+            h2,
+            x2,
+            x2c,
+            out,
+        })
+    }
+
+    /// Masks and RoPE tables for one forward (no KV cache: training and scoring only).
+    fn prepare(&self, ids: &Tensor, mask: &Tensor, positions: &Tensor) -> Result<Ctx> {
+        let s = ids.size();
+        if s.len() != 2 || ids.kind() != Kind::Int64 {
+            return Err(MegatronError::config(
+                "input_ids",
+                "int64 [B, T]",
+                format!("{:?} {:?}", ids.kind(), s),
+            ));
+        }
+        let (t, device) = (s[1], ids.device());
+        let new_mask = mask.f_ne(0).ctx("mask")?;
+        let (cos, sin) = cos_sin(&self.inv_freq, positions, self.dtype)?;
+        // Same rule as verl-nn: causal, real keys only, sliding windows; a padding query attends to
+        // itself so that SDPA never sees an all-false row (NaN in the gradients).
+        let build = || -> std::result::Result<Vec<(Option<i64>, Tensor)>, tch::TchError> {
+            let q_idx = Tensor::f_arange(t, (Kind::Int64, device))?.f_unsqueeze(1)?;
+            let k_idx = Tensor::f_arange(t, (Kind::Int64, device))?.f_unsqueeze(0)?;
+            let causal = k_idx.f_le_tensor(&q_idx)?;
+            let key_ok = new_mask.f_unsqueeze(1)?;
+            let pad_self = k_idx
+                .f_eq_tensor(&q_idx)?
+                .f_unsqueeze(0)?
+                .f_logical_and(&new_mask.f_logical_not()?.f_unsqueeze(2)?)?;
+            let mut windows: Vec<Option<i64>> = self.layers.iter().map(|l| l.window).collect();
+            windows.sort();
+            windows.dedup();
+            let mut masks = Vec::new();
+            for w in windows {
+                let mut allowed = causal.shallow_clone();
+                if let Some(w) = w {
+                    allowed =
+                        allowed.f_logical_and(&k_idx.f_gt_tensor(&q_idx.f_sub_scalar(w)?)?)?;
+                }
+                let m = allowed
+                    .f_unsqueeze(0)?
+                    .f_logical_and(&key_ok)?
+                    .f_logical_or(&pad_self)?
+                    .f_unsqueeze(1)?;
+                masks.push((w, m));
+            }
+            Ok(masks)
+        };
+        Ok(Ctx {
+            cos: cos.f_unsqueeze(1).ctx("rope")?,
+            sin: sin.f_unsqueeze(1).ctx("rope")?,
+            masks: build().ctx("attention masks")?,
+        })
+    }
+
+    /// Final hidden states `[B, T, H]` (after the final norm), replicated on every tensor-parallel
+    /// rank. No autograd.
+    pub fn forward_hidden(
+        &self,
+        ids: &Tensor,
+        mask: &Tensor,
+        positions: &Tensor,
+    ) -> Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        let ctx = self.prepare(ids, mask, positions)?;
+        let mut h = self.embed(ids)?;
+        for l in &self.layers {
+            h = self.layer(l, &h, &ctx, false)?.out;
+        }
+        self.rms(&h, self.norm)
+    }
+
+    /// Log-probabilities of `targets` (`[..]`) and optionally the entropy, from hidden states
+    /// `[.., H]`: vocab-parallel, fp32, logits divided by `temperature`. Differentiable.
+    pub fn token_stats(
+        &self,
+        hidden: &Tensor,
+        targets: &Tensor,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let Head::Lm(w) = self.head else {
+            return Err(MegatronError::Api(verl_plugin_api::Error::failed(
+                "log-probabilities need an LM head; this model has a value head",
+            )));
+        };
+        let logits = hidden
+            .f_linear(self.p(w), None::<&Tensor>)
+            .and_then(|l| l.f_to_kind(Kind::Float))
+            .and_then(|l| l.f_div_scalar(temperature))
+            .ctx("local logits")?;
+        if self.tp.size == 1 {
+            let lp = verl_losses::logprobs_from_logits(&logits, targets)?;
+            let ent = match with_entropy {
+                true => Some(verl_losses::entropy_from_logits(&logits)?),
+                false => None,
+            };
+            return Ok((lp, ent));
+        }
+        // The maximum only stabilises the exponentials (log Z does not depend on it): no gradient.
+        let mut m = logits
+            .f_detach()
+            .and_then(|l| l.f_amax([-1i64].as_slice(), true))
+            .ctx("local max")?;
+        self.tp
+            .all_reduce(&mut m, ReduceOp::Max, "all_reduce (logit max)")?;
+        let shifted = logits.f_sub(&m).ctx("shift logits")?;
+        let sum_exp = shifted
+            .f_exp()
+            .and_then(|e| e.f_sum_dim_intlist([-1i64].as_slice(), false, None::<Kind>))
+            .ctx("sum of exponentials")?;
+        // log Z - m; the maximum cancels in every quantity below.
+        let sum_total = self.reduce(sum_exp)?;
+        let log_z = sum_total.f_log().ctx("log partition")?;
+        let in_range = targets
+            .f_ge(self.vocab_start)
+            .and_then(|a| a.f_logical_and(&targets.f_lt(self.vocab_start + self.vocab_local)?))
+            .ctx("target range")?;
+        let local_t = targets
+            .f_sub_scalar(self.vocab_start)
+            .and_then(|x| x.f_mul(&in_range.f_to_kind(Kind::Int64)?))
+            .and_then(|x| x.f_unsqueeze(-1))
+            .ctx("local targets")?;
+        let picked = shifted
+            .f_gather(-1, &local_t, false)
+            .and_then(|p| p.f_squeeze_dim(-1))
+            .and_then(|p| p.f_mul(&in_range.f_to_kind(Kind::Float)?))
+            .ctx("target logit")?;
+        let lp = self.reduce(picked)?.f_sub(&log_z).ctx("log-prob")?;
+        let ent = if with_entropy {
+            // H = log S - W / S with W = Σ exp(l - m)·(l - m). Every all-reduced sum must be of
+            // terms that depend on this rank's logits only: the identity backward of the reduction
+            // drops the other ranks' dependence on ours (Σ p·(l - m) would depend on every rank's
+            // logits through p's normaliser, and its gradient would come out wrong).
+            let w = shifted
+                .f_exp()
+                .and_then(|e| e.f_mul(&shifted))
+                .and_then(|x| x.f_sum_dim_intlist([-1i64].as_slice(), false, None::<Kind>))
+                .ctx("expected logit")?;
+            let w = self.reduce(w)?;
+            let mean = w.f_div(&sum_total).ctx("entropy")?;
+            Some(log_z.f_sub(&mean).ctx("entropy")?)
+        } else {
+            None
+        };
+        Ok((lp, ent))
+    }
+
+    /// Values `[..]` from hidden states `[.., H]` (value head; replicated). Differentiable.
+    pub fn values(&self, hidden: &Tensor) -> Result<Tensor> {
+        let Head::Value { w, b } = self.head else {
+            return Err(MegatronError::Api(verl_plugin_api::Error::failed(
+                "values need a value head; this model has an LM head",
+            )));
+        };
+        hidden
+            .f_linear(self.p(w), Some(self.p(b)))
+            .and_then(|v| v.f_squeeze_dim(-1))
+            .ctx("value head")
+    }
+
+    fn head_params(&self) -> Vec<usize> {
+        match self.head {
+            Head::Lm(w) => vec![w],
+            Head::Value { w, b } => vec![w, b],
+        }
+    }
+
+    /// Differentiates `root` w.r.t. `inputs` (leaves or graph tensors) and the parameters `params`;
+    /// hands each parameter gradient to `sink` and returns the inputs' gradients (zeros when
+    /// unreachable).
+    fn backward(
+        &self,
+        root: &Tensor,
+        inputs: &[&Tensor],
+        params: &[usize],
+        keep_graph: bool,
+        sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<Vec<Tensor>> {
+        let mut wrt: Vec<&Tensor> = inputs.to_vec();
+        wrt.extend(params.iter().map(|&i| self.p(i)));
+        let grads = Tensor::f_run_backward(&[root], &wrt, keep_graph, false).ctx("backward")?;
+        let mut out = Vec::with_capacity(inputs.len());
+        for (k, g) in grads.iter().enumerate() {
+            if k < inputs.len() {
+                out.push(if g.defined() {
+                    g.shallow_clone()
+                } else {
+                    inputs[k].f_zeros_like().ctx("zero gradient")?
+                });
+            } else if g.defined() {
+                sink(params[k - inputs.len()], g)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Forward, `loss_fn` on the final hidden states (a leaf: call [`TpModel::token_stats`] or
+    /// [`TpModel::values`] on it), and the hand-chained backward. Parameter gradients (this rank's
+    /// slices, in the parameter dtype) go to `sink(param_index, grad)`; nothing accumulates in
+    /// `.grad`. Returns the detached loss and the loss function's side values.
+    pub fn forward_backward<T>(
+        &self,
+        ids: &Tensor,
+        mask: &Tensor,
+        positions: &Tensor,
+        sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+        loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<(Tensor, T)> {
+        let ctx = self.prepare(ids, mask, positions)?;
+        let mut inputs: Vec<Tensor> = Vec::with_capacity(self.layers.len());
+        let mut h = tch::no_grad(|| self.embed(ids))?;
+        for l in &self.layers {
+            let next = tch::no_grad(|| self.layer(l, &h, &ctx, false))?.out;
+            inputs.push(std::mem::replace(&mut h, next));
+        }
+        let leaf = |x: &Tensor| {
+            x.f_detach()
+                .and_then(|d| d.f_set_requires_grad(true))
+                .ctx("leaf")
+        };
+        // Head: the final norm's output is cut because a vocab-parallel head consumes it.
+        let hl = leaf(&h)?;
+        drop(h);
+        let hf = self.rms(&hl, self.norm)?;
+        let hc = leaf(&hf)?;
+        let (loss, side) = loss_fn(&hc)?;
+        if loss.numel() != 1 {
+            return Err(MegatronError::config(
+                "loss",
+                "a scalar tensor",
+                format!("shape {:?}", loss.size()),
+            ));
+        }
+        let g = self.backward(&loss, &[&hc], &self.head_params(), false, sink)?;
+        let ghc = match self.head {
+            Head::Lm(_) => self.reduce_grad(g[0].shallow_clone())?,
+            Head::Value { .. } => g[0].shallow_clone(),
+        };
+        let root = surrogate(&hf, &ghc)?;
+        let mut grad = self.backward(&root, &[&hl], &[self.norm], false, sink)?[0].shallow_clone();
+        let loss = loss.f_detach().ctx("loss")?;
+        for (l, saved) in self.layers.iter().zip(inputs).rev() {
+            grad = self.layer_backward(l, &saved, &grad, &ctx, sink)?;
+        }
+        let e = self.embed(ids)?;
+        if e.requires_grad() {
+            let root = surrogate(&e, &grad)?;
+            self.backward(&root, &[], &[self.embed], false, sink)?;
+        }
+        Ok((loss, side))
+    }
+
+    /// Recomputes layer `l` from its saved input and chains its backward in three segments: the
+    /// MLP block (its input gradient all-reduced), the attention block plus the residual path, and
+    /// the input norm (its output gradient all-reduced). Returns the gradient of the layer input.
+    fn layer_backward(
+        &self,
+        l: &Layer,
+        saved: &Tensor,
+        grad_out: &Tensor,
+        ctx: &Ctx,
+        sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        let h = saved
+            .f_detach()
+            .and_then(|d| d.f_set_requires_grad(true))
+            .ctx("layer input")?;
+        let tr = self.layer(l, &h, ctx, true)?;
+        let root = surrogate(&tr.out, grad_out)?;
+        let g = self.backward(&root, &[&tr.x2c], &l.mlp_params(), true, sink)?;
+        let gx2 = self.reduce_grad(g[0].shallow_clone())?;
+        let root = surrogate(&tr.x2, &gx2)?
+            .f_add(&surrogate(&tr.h2, grad_out)?)
+            .ctx("surrogate")?;
+        let mut params = vec![l.post_norm];
+        params.extend(l.attention_params());
+        let g = self.backward(&root, &[&tr.x1c, &h], &params, true, sink)?;
+        let gx1 = self.reduce_grad(g[0].shallow_clone())?;
+        let through_residual = g[1].shallow_clone();
+        let root = surrogate(&tr.x1, &gx1)?;
+        let g = self.backward(&root, &[&h], &[l.in_norm], false, sink)?;
+        through_residual.f_add(&g[0]).ctx("input gradient")
+    }
+
+    /// The full tensor of parameter `i` from this rank's slice `local` (which may be the slice of
+    /// another tensor of the same layout, e.g. an optimizer moment). Every rank of the
+    /// tensor-parallel group must call this together.
+    pub fn gather_full(&self, i: usize, local: &Tensor) -> Result<Tensor> {
+        let Some(d) = self.params[i].split.dim() else {
+            return Ok(local.shallow_clone());
+        };
+        let parts = self.tp.all_gather(local, "all_gather (full parameter)")?;
+        Tensor::f_cat(&parts, d).ctx("join tensor-parallel shards")
+    }
+
+    /// This rank's slice of a full tensor shaped like parameter `i`.
+    pub fn local_of(&self, i: usize, full: &Tensor) -> Result<Tensor> {
+        let p = &self.params[i];
+        if full.size() != p.full_shape {
+            return Err(MegatronError::Model(verl_nn::NnError::ShapeMismatch {
+                path: std::path::PathBuf::from("<full tensor>"),
+                name: p.name.clone(),
+                expected: p.full_shape.clone(),
+                found: full.size(),
+            }));
+        }
+        shard_of(full, p.split, self.tp.rank, self.tp.size)
+    }
+
+    /// Whether parameter `i` is divided over the tensor-parallel ranks (its gradient norm is then
+    /// summed over them; a replicated one counts once).
+    pub fn is_split(&self, i: usize) -> bool {
+        self.params[i].split != Split::Replicated
+    }
+}
+
+/// `(y · g).sum()`: its gradient w.r.t. `y` is exactly `g`.
+fn surrogate(y: &Tensor, g: &Tensor) -> Result<Tensor> {
+    y.f_mul(g)
+        .and_then(|x| x.f_sum(Kind::Float))
+        .ctx("surrogate loss")
+}
+
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let d = x.size().last().copied().unwrap_or(0);
+    let r = || -> std::result::Result<Tensor, tch::TchError> {
+        let x1 = x.f_narrow(-1, 0, d / 2)?;
+        let x2 = x.f_narrow(-1, d / 2, d / 2)?;
+        Tensor::f_cat(&[&x2.f_neg()?, &x1], -1)
+    };
+    r().ctx("rotate half")
+}
+
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let r = rotate_half(x)?;
+    x.f_mul(cos)
+        .and_then(|a| a.f_add(&r.f_mul(sin)?))
+        .ctx("rope")
+}
+
+/// `[B, n_kv, L, D]` → `[B, n_kv · groups, L, D]`.
+fn repeat_kv(x: &Tensor, groups: i64) -> Result<Tensor> {
+    if groups == 1 {
+        return Ok(x.shallow_clone());
+    }
+    let s = x.size();
+    x.f_unsqueeze(2)
+        .and_then(|y| y.f_expand([s[0], s[1], groups, s[2], s[3]], false))
+        .and_then(|y| y.f_reshape([s[0], s[1] * groups, s[2], s[3]]))
+        .ctx("repeat kv heads")
+}
+
+/// RoPE inverse frequencies (fp32), as verl-nn computes them (same operation order, so the tables
+/// are bit-identical and one-rank parity holds).
+fn inv_freq(cfg: &ModelConfig, device: Device) -> Result<Tensor> {
+    let f = || -> std::result::Result<Tensor, tch::TchError> {
+        let dim = cfg.head_dim;
+        let exponent = Tensor::f_arange_start_step(0, dim, 2, (Kind::Int64, Device::Cpu))?
+            .f_to_kind(Kind::Float)?
+            .f_div_scalar(dim as f64)?;
+        let mut inv = Tensor::f_pow_scalar(cfg.rope_theta, &exponent)?.f_reciprocal()?;
+        match cfg.rope_scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => inv = inv.f_div_scalar(factor)?,
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old_ctx,
+            }) => {
+                let low_wavelen = old_ctx / low_freq_factor;
+                let high_wavelen = old_ctx / high_freq_factor;
+                let wavelen = inv
+                    .f_reciprocal()?
+                    .f_mul_scalar(2.0 * std::f64::consts::PI)?;
+                let is_low = wavelen.f_gt(low_wavelen)?;
+                let scaled = inv.f_div_scalar(factor)?.f_where_self(&is_low, &inv)?;
+                let smooth = wavelen
+                    .f_reciprocal()?
+                    .f_mul_scalar(old_ctx)?
+                    .f_sub_scalar(low_freq_factor)?
+                    .f_div_scalar(high_freq_factor - low_freq_factor)?;
+                let smoothed = smooth
+                    .f_neg()?
+                    .f_add_scalar(1.0)?
+                    .f_mul(&scaled)?
+                    .f_div_scalar(factor)?
+                    .f_add(&smooth.f_mul(&scaled)?)?;
+                let is_medium = wavelen
+                    .f_lt(high_wavelen)?
+                    .f_logical_not()?
+                    .f_logical_and(&is_low.f_logical_not()?)?;
+                inv = smoothed.f_where_self(&is_medium, &scaled)?;
+            }
+        }
+        inv.f_to_device(device)
+    };
+    f().ctx("rope frequencies")
+}
+
+fn cos_sin(inv: &Tensor, positions: &Tensor, kind: Kind) -> Result<(Tensor, Tensor)> {
+    let f = || -> std::result::Result<(Tensor, Tensor), tch::TchError> {
+        let freqs = positions
+            .f_to_kind(Kind::Float)?
+            .f_unsqueeze(-1)?
+            .f_mul(&inv.f_to_device(positions.device())?)?;
+        let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
+        Ok((emb.f_cos()?.f_to_kind(kind)?, emb.f_sin()?.f_to_kind(kind)?))
+    };
+    f().ctx("rope tables")
+}

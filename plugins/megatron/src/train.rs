@@ -1,0 +1,438 @@
+//! A tensor-parallel model being trained: fp32 gradient accumulators, fp32 master weights and their
+//! AdamW state, data-parallel gradient reduction, clipping with the norm of the whole (unsplit)
+//! model, the LR schedule.
+//!
+//! This rank's parameter slices are laid out in two flat fp32 vectors: the tensor-parallel-split
+//! parameters and the replicated ones (their squared gradients count once across the
+//! tensor-parallel group, not once per rank). Gradients are summed over the data-parallel ranks
+//! (never averaged: the loss uses verl-losses' global normaliser over the whole mini-batch, so the
+//! per-rank shares add up to the one-rank loss). With `use_distributed_optimizer` the flats are
+//! padded to a multiple of the data-parallel size, gradients are reduce-scattered, and each rank
+//! keeps and steps only its block of the masters and AdamW moments (ZeRO-1, Megatron's distributed
+//! optimizer), then all-gathers the updated masters; without it every rank all-reduces and steps
+//! everything.
+
+use std::collections::HashMap;
+
+use tch::{Kind, Tensor};
+use verl_comm::ReduceOp;
+use verl_fsdp_core::config::OptimSection;
+use verl_fsdp_core::optim::{AdamW, LrSchedule};
+
+use crate::error::{MegatronError, Result, TorchContext};
+use crate::parallel::Parallel;
+use crate::tp::TpModel;
+
+/// One flat vector of parameter slices.
+#[derive(Debug, Clone)]
+struct Flat {
+    params: Vec<usize>,
+    offsets: Vec<usize>,
+    numels: Vec<usize>,
+    numel: usize,
+    /// `numel` rounded up to a multiple of the data-parallel size (distributed optimizer).
+    padded: usize,
+}
+
+/// What an optimizer-side tensor holds (for checkpoints).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum What {
+    Master,
+    ExpAvg,
+    ExpAvgSq,
+}
+
+impl What {
+    pub const ALL: [What; 3] = [What::Master, What::ExpAvg, What::ExpAvgSq];
+}
+
+pub struct TpTrainer {
+    pub model: TpModel,
+    flats: Vec<Flat>,
+    /// Per parameter: (flat, offset, numel).
+    slot: Vec<(usize, usize, usize)>,
+    /// Per flat: fp32 gradient accumulator `[padded]`.
+    grads: Vec<Tensor>,
+    /// Per flat: fp32 masters, this rank's block `[padded / dp]` or everything `[numel]`.
+    masters: Vec<Tensor>,
+    optim: AdamW,
+    distributed: bool,
+    dp_rank: usize,
+    dp_size: usize,
+    optim_cfg: OptimSection,
+    optim_key: String,
+    schedule: Option<LrSchedule>,
+    /// `update` calls completed (the scheduler's step).
+    pub updates: u64,
+    pub grad_clip: f64,
+}
+
+impl TpTrainer {
+    /// Every rank of the data-parallel group must build the same model (same checkpoint).
+    pub fn new(
+        mut model: TpModel,
+        optim_cfg: OptimSection,
+        optim_key: &str,
+        grad_clip: f64,
+        par: &Parallel,
+    ) -> Result<TpTrainer> {
+        model.set_requires_grad(true)?;
+        let distributed = par.layout.distributed_optimizer && par.dp.size > 1;
+        let dp_size = par.dp.size;
+        let mut flats = Vec::new();
+        let mut slot = vec![(0, 0, 0); model.params.len()];
+        for split in [true, false] {
+            let mut f = Flat {
+                params: vec![],
+                offsets: vec![],
+                numels: vec![],
+                numel: 0,
+                padded: 0,
+            };
+            for (i, p) in model.params.iter().enumerate() {
+                if model.is_split(i) != split {
+                    continue;
+                }
+                let n = p.local.numel();
+                slot[i] = (flats.len(), f.numel, n);
+                f.params.push(i);
+                f.offsets.push(f.numel);
+                f.numels.push(n);
+                f.numel += n;
+            }
+            f.padded = if distributed {
+                f.numel.div_ceil(dp_size).max(1) * dp_size
+            } else {
+                f.numel
+            };
+            flats.push(f);
+        }
+        let device = model.device();
+        let mut grads = Vec::new();
+        let mut masters = Vec::new();
+        for f in &flats {
+            grads.push(
+                Tensor::f_zeros([f.padded as i64], (Kind::Float, device))
+                    .ctx("gradient accumulator")?,
+            );
+            let full = flatten(&model, f)?;
+            masters.push(if distributed {
+                block(&full, f, par.dp.rank, dp_size)?
+            } else {
+                full
+            });
+        }
+        let optim = AdamW::new(&optim_cfg, optim_key, &masters)?;
+        Ok(TpTrainer {
+            model,
+            flats,
+            slot,
+            grads,
+            masters,
+            optim,
+            distributed,
+            dp_rank: par.dp.rank,
+            dp_size,
+            optim_cfg,
+            optim_key: optim_key.to_string(),
+            schedule: None,
+            updates: 0,
+            grad_clip,
+        })
+    }
+
+    pub fn distributed(&self) -> bool {
+        self.distributed
+    }
+
+    /// The LR schedule, built on first use so the host can pass the total step count with the first
+    /// update (`UpdateOptions.extra.total_training_steps`).
+    pub fn lr(&mut self, fallback_total: Option<i64>) -> Result<f64> {
+        if self.schedule.is_none() {
+            self.schedule = Some(LrSchedule::from_config(
+                &self.optim_cfg,
+                &self.optim_key,
+                fallback_total,
+            )?);
+        }
+        Ok(self
+            .schedule
+            .as_ref()
+            .map(|s| s.lr(self.updates))
+            .unwrap_or(0.0))
+    }
+
+    pub fn zero_grad(&mut self) -> Result<()> {
+        for g in &mut self.grads {
+            let _ = g.f_zero_().ctx("zero gradients")?;
+        }
+        Ok(())
+    }
+
+    /// Forward, loss and backward of one micro-batch; this rank's parameter gradients are added
+    /// into the fp32 accumulators.
+    pub fn forward_backward<T>(
+        &mut self,
+        ids: &Tensor,
+        mask: &Tensor,
+        positions: &Tensor,
+        loss_fn: impl FnOnce(&TpModel, &Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<(Tensor, T)> {
+        let (grads, slot) = (&self.grads, &self.slot);
+        let mut sink = |i: usize, g: &Tensor| -> Result<()> {
+            let (f, off, n) = slot[i];
+            let g = g
+                .f_to_kind(Kind::Float)
+                .and_then(|g| g.f_reshape([-1]))
+                .ctx("gradient to fp32")?;
+            let _ = grads[f]
+                .f_narrow(0, off as i64, n as i64)
+                .and_then(|mut dst| dst.f_add_(&g))
+                .ctx("accumulate gradient")?;
+            Ok(())
+        };
+        let model = &self.model;
+        model.forward_backward(ids, mask, positions, &mut sink, |hc| loss_fn(model, hc))
+    }
+
+    /// The end of a mini-batch: gradients summed over the data-parallel ranks, the global norm
+    /// (of the whole model), clipping, and — if the norm is finite — the AdamW step and the new
+    /// weights published into the model. A non-finite norm clears the gradients, leaves the weights
+    /// untouched and fails naming `role`, step, epoch, mini-batch and `<role>/grad_norm`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn finish_mini_batch(
+        &mut self,
+        par: &Parallel,
+        lr: f64,
+        role: &'static str,
+        step: u64,
+        epoch: usize,
+        mini_batch: usize,
+    ) -> Result<f64> {
+        let mut reduced = Vec::with_capacity(self.grads.len());
+        for (f, g) in self.flats.iter().zip(&self.grads) {
+            if self.distributed {
+                let mut out = Tensor::f_zeros(
+                    [(f.padded / self.dp_size) as i64],
+                    (Kind::Float, g.device()),
+                )
+                .ctx("gradient shard")?;
+                par.dp
+                    .reduce_scatter_sum(&mut out, g, "reduce_scatter (gradients)")?;
+                reduced.push(out);
+            } else {
+                let mut g = g.shallow_clone();
+                par.dp
+                    .all_reduce(&mut g, ReduceOp::Sum, "all_reduce (gradients)")?;
+                reduced.push(g);
+            }
+        }
+        let mut sq = [sum_sq(&reduced[0])?, sum_sq(&reduced[1])?];
+        if self.distributed {
+            par.dp
+                .all_reduce_f64(&mut sq, ReduceOp::Sum, "all_reduce (gradient norm)")?;
+        }
+        let mut split = [sq[0]];
+        par.tp
+            .all_reduce_f64(&mut split, ReduceOp::Sum, "all_reduce (gradient norm)")?;
+        let norm = (split[0] + sq[1]).sqrt();
+        if !norm.is_finite() {
+            self.zero_grad()?;
+            return Err(MegatronError::NonFinite {
+                role,
+                step,
+                epoch,
+                mini_batch,
+                micro: String::new(),
+                metric: format!("{role}/grad_norm"),
+                value: norm,
+            });
+        }
+        if self.grad_clip > 0.0 {
+            let coef = self.grad_clip / (norm + 1e-6);
+            if coef < 1.0 {
+                for g in &mut reduced {
+                    let _ = g.f_mul_scalar_(coef).ctx("clip gradients")?;
+                }
+            }
+        }
+        self.optim.step(&self.masters, &reduced, lr)?;
+        self.publish(par)?;
+        Ok(norm)
+    }
+
+    /// Copies the masters (gathered over the data-parallel ranks when sharded) into the model.
+    fn publish(&mut self, par: &Parallel) -> Result<()> {
+        for fi in 0..self.flats.len() {
+            let full = self.full_flat(par, fi, What::Master)?;
+            self.write_flat(fi, &full)?;
+        }
+        Ok(())
+    }
+
+    fn write_flat(&self, fi: usize, full: &Tensor) -> Result<()> {
+        let f = &self.flats[fi];
+        tch::no_grad(|| -> Result<()> {
+            for (k, &i) in f.params.iter().enumerate() {
+                let p = &self.model.params[i].local;
+                let src = full
+                    .f_narrow(0, f.offsets[k] as i64, f.numels[k] as i64)
+                    .and_then(|x| x.f_view(p.size().as_slice()))
+                    .ctx("master slice")?;
+                p.shallow_clone().f_copy_(&src).ctx("masters → model")?;
+            }
+            Ok(())
+        })
+    }
+
+    fn state(&self, what: What, fi: usize) -> &Tensor {
+        match what {
+            What::Master => &self.masters[fi],
+            What::ExpAvg => &self.optim.exp_avg[fi],
+            What::ExpAvgSq => &self.optim.exp_avg_sq[fi],
+        }
+    }
+
+    /// This rank's whole flat `[numel]` of `what` (gathered over data-parallel ranks when sharded).
+    /// Every data-parallel rank must call it together.
+    fn full_flat(&self, par: &Parallel, fi: usize, what: What) -> Result<Tensor> {
+        let f = &self.flats[fi];
+        let t = self.state(what, fi);
+        if !self.distributed {
+            return Ok(t.shallow_clone());
+        }
+        let mut out =
+            Tensor::f_zeros([f.padded as i64], (Kind::Float, t.device())).ctx("gather buffer")?;
+        par.dp
+            .all_gather_into(&mut out, t, "all_gather (optimizer shards)")?;
+        out.f_narrow(0, 0, f.numel as i64).ctx("unpad")
+    }
+
+    /// The full (unsplit, fp32) tensor of every parameter for `what`, by HF name. Every rank takes
+    /// part; the tensors are complete on every rank.
+    pub fn gather_state(&self, par: &Parallel, what: What) -> Result<HashMap<String, Tensor>> {
+        let mut out = HashMap::new();
+        for fi in 0..self.flats.len() {
+            let full = self.full_flat(par, fi, what)?;
+            let f = &self.flats[fi];
+            for (k, &i) in f.params.iter().enumerate() {
+                let p = &self.model.params[i];
+                let local = full
+                    .f_narrow(0, f.offsets[k] as i64, f.numels[k] as i64)
+                    .and_then(|x| x.f_view(p.local.size().as_slice()))
+                    .ctx("state slice")?;
+                let t = self.model.gather_full(i, &local)?;
+                out.insert(p.name.clone(), t);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Restores `what` from full tensors by HF name (any tensor-parallel or data-parallel size
+    /// wrote them); masters are then published into the model.
+    pub fn restore_state(
+        &mut self,
+        par: &Parallel,
+        what: What,
+        full: &HashMap<String, Tensor>,
+        file: &std::path::Path,
+    ) -> Result<()> {
+        for fi in 0..self.flats.len() {
+            let f = self.flats[fi].clone();
+            let device = self.masters[fi].device();
+            let flat =
+                Tensor::f_zeros([f.padded as i64], (Kind::Float, device)).ctx("restore buffer")?;
+            for (k, &i) in f.params.iter().enumerate() {
+                let name = &self.model.params[i].name;
+                let t = full.get(name).ok_or_else(|| {
+                    MegatronError::checkpoint(file, format!("tensor `{name}` missing"))
+                })?;
+                let local = self
+                    .model
+                    .local_of(i, t)?
+                    .f_to_kind(Kind::Float)
+                    .and_then(|x| x.f_to_device(device))
+                    .and_then(|x| x.f_reshape([-1]))
+                    .ctx("restore slice")?;
+                flat.f_narrow(0, f.offsets[k] as i64, f.numels[k] as i64)
+                    .and_then(|mut d| d.f_copy_(&local))
+                    .ctx("restore slice")?;
+            }
+            let src = if self.distributed {
+                block(&flat, &f, self.dp_rank, self.dp_size)?
+            } else {
+                flat
+            };
+            let dst = match what {
+                What::Master => &self.masters[fi],
+                What::ExpAvg => &self.optim.exp_avg[fi],
+                What::ExpAvgSq => &self.optim.exp_avg_sq[fi],
+            };
+            tch::no_grad(|| dst.shallow_clone().f_copy_(&src)).ctx("restore state")?;
+        }
+        if what == What::Master {
+            self.publish(par)?;
+        }
+        Ok(())
+    }
+
+    pub fn optimizer_step(&self) -> u64 {
+        self.optim.step
+    }
+
+    pub fn set_counters(&mut self, optimizer_step: u64, updates: u64) {
+        self.optim.step = optimizer_step;
+        self.updates = updates;
+    }
+
+    /// Bytes held in masters, gradient accumulators and optimizer state on this rank.
+    pub fn memory_bytes(&self) -> usize {
+        let b = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        self.masters.iter().map(b).sum::<usize>()
+            + self.grads.iter().map(b).sum::<usize>()
+            + self
+                .optim
+                .exp_avg
+                .iter()
+                .chain(&self.optim.exp_avg_sq)
+                .map(b)
+                .sum::<usize>()
+    }
+}
+
+/// The fp32 values of the model's slices of `f`, flat `[padded]`.
+fn flatten(model: &TpModel, f: &Flat) -> Result<Tensor> {
+    let out =
+        Tensor::f_zeros([f.padded as i64], (Kind::Float, model.device())).ctx("flat masters")?;
+    tch::no_grad(|| -> Result<()> {
+        for (k, &i) in f.params.iter().enumerate() {
+            let src = model.params[i]
+                .local
+                .f_detach()
+                .and_then(|x| x.f_to_kind(Kind::Float))
+                .and_then(|x| x.f_reshape([-1]))
+                .ctx("flatten")?;
+            out.f_narrow(0, f.offsets[k] as i64, f.numels[k] as i64)
+                .and_then(|mut d| d.f_copy_(&src))
+                .ctx("flatten")?;
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Block `rank` of `size` of a padded flat vector (a copy).
+fn block(flat: &Tensor, f: &Flat, rank: usize, size: usize) -> Result<Tensor> {
+    let n = (f.padded / size) as i64;
+    flat.f_narrow(0, rank as i64 * n, n)
+        .and_then(|x| x.f_detach_copy())
+        .ctx("optimizer shard")
+}
+
+fn sum_sq(t: &Tensor) -> Result<f64> {
+    t.f_to_kind(Kind::Double)
+        .and_then(|x| x.f_square())
+        .and_then(|x| x.f_sum(Kind::Double))
+        .and_then(|x| x.f_double_value(&[]))
+        .ctx("gradient norm")
+}

@@ -7,6 +7,7 @@ use tch::{nn, Device, Kind, Tensor};
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{NnError, Result};
+use crate::model::{AttentionBackend, AttentionCall};
 
 /// How freshly created parameters are filled.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -319,19 +320,7 @@ impl Attention {
     /// over the whole cached sequence.
     pub fn forward(&self, x: &Tensor, ctx: &LayerCtx, kv: Option<KvSlot<'_>>) -> Result<Tensor> {
         let (b, t) = (x.size()[0], x.size()[1]);
-        let heads = |proj: &Linear, n: i64, norm: &Option<RmsNorm>| -> Result<Tensor> {
-            let y = proj.forward(x)?.f_view([b, t, n, self.head_dim])?;
-            let y = match norm {
-                Some(nm) => nm.forward(&y)?,
-                None => y,
-            };
-            Ok(y.f_transpose(1, 2)?)
-        };
-        let q = heads(&self.q_proj, self.num_heads, &self.q_norm)?;
-        let k = heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?;
-        let v = heads(&self.v_proj, self.num_kv_heads, &None)?;
-        let q = apply_rope(&q, &ctx.cos, &ctx.sin)?;
-        let k = apply_rope(&k, &ctx.cos, &ctx.sin)?;
+        let (q, k, v) = self.qkv(x, &ctx.cos, &ctx.sin)?;
         let (k, v) = match kv {
             None => (k, v),
             Some(slot) => slot.append(k, v)?,
@@ -349,6 +338,59 @@ impl Attention {
             None::<f64>,
             false,
         )?;
+        self.project_out(&out, b, t)
+    }
+
+    /// Attention whose key/value storage and score computation belong to `backend` (a paged KV
+    /// cache of a generation engine); `cos`/`sin` are `[B, 1, T, D]`.
+    pub fn forward_with_backend(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        layer: usize,
+        backend: &mut dyn AttentionBackend,
+    ) -> Result<Tensor> {
+        let (b, t) = (x.size()[0], x.size()[1]);
+        let (q, k, v) = self.qkv(x, cos, sin)?;
+        let out = backend.attend(AttentionCall {
+            layer,
+            window: self.window,
+            q: &q,
+            k: &k,
+            v: &v,
+        })?;
+        if out.size() != q.size() {
+            return Err(NnError::input(
+                format!("attention backend output (layer {layer})"),
+                format!("shape {:?} (the queries')", q.size()),
+                format!("shape {:?}", out.size()),
+            ));
+        }
+        self.project_out(&out, b, t)
+    }
+
+    /// Queries `[B, heads, T, D]` and keys/values `[B, kv_heads, T, D]`, normed and rotated.
+    fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t) = (x.size()[0], x.size()[1]);
+        let heads = |proj: &Linear, n: i64, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = proj.forward(x)?.f_view([b, t, n, self.head_dim])?;
+            let y = match norm {
+                Some(nm) => nm.forward(&y)?,
+                None => y,
+            };
+            Ok(y.f_transpose(1, 2)?)
+        };
+        let q = heads(&self.q_proj, self.num_heads, &self.q_norm)?;
+        let k = heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?;
+        let v = heads(&self.v_proj, self.num_kv_heads, &None)?;
+        let q = apply_rope(&q, cos, sin)?;
+        let k = apply_rope(&k, cos, sin)?;
+        Ok((q, k, v))
+    }
+
+    /// `[B, heads, T, D]` attention output -> `o_proj` over `[B, T, heads * D]`.
+    fn project_out(&self, out: &Tensor, b: i64, t: i64) -> Result<Tensor> {
         let out = out.f_transpose(1, 2)?.f_contiguous()?.f_view([
             b,
             t,
@@ -572,7 +614,31 @@ impl DecoderLayer {
         let a = self
             .self_attn
             .forward(&self.input_layernorm.forward(h)?, ctx, kv)?;
-        let h = h.f_add(&a)?;
+        self.finish(h, &a)
+    }
+
+    /// [`DecoderLayer::forward`] with attention delegated to `backend`.
+    pub fn forward_with_backend(
+        &self,
+        h: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        layer: usize,
+        backend: &mut dyn AttentionBackend,
+    ) -> Result<Tensor> {
+        let a = self.self_attn.forward_with_backend(
+            &self.input_layernorm.forward(h)?,
+            cos,
+            sin,
+            layer,
+            backend,
+        )?;
+        self.finish(h, &a)
+    }
+
+    /// Residual add, post-attention norm, MLP, residual add.
+    fn finish(&self, h: &Tensor, a: &Tensor) -> Result<Tensor> {
+        let h = h.f_add(a)?;
         let x = self.post_attention_layernorm.forward(&h)?;
         let m = match &self.mlp {
             FeedForward::Dense(mlp) => mlp.forward(&x)?,

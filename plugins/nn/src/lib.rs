@@ -2,7 +2,8 @@
 //!
 //! Owns: parsing HF `config.json` into a typed [`ModelConfig`]; the Llama / Mistral / Qwen2 / Qwen3 /
 //! Mixtral / Qwen2-MoE / Qwen3-MoE decoder with an LM, value or sequence-classification head
-//! ([`Transformer`]); the KV cache for incremental decoding ([`KvCache`]); activation
+//! ([`Transformer`]); the KV cache for incremental decoding ([`KvCache`]) and the
+//! [`AttentionBackend`] hook through which a generation engine keeps its own (paged) one; activation
 //! checkpointing ([`Transformer::forward_backward`]); the [`ParamGate`] hook through which a sharding
 //! backend materialises each [`Unit`]'s parameters around its use; loading and saving HF safetensors
 //! folders.
@@ -21,4 +22,6 @@ pub mod model;
 pub use checkpoint::{Checkpoint, LoadReport, SaveOptions};
 pub use config::{Arch, ModelConfig, MoeConfig, RopeScaling};
 pub use error::{NnError, Result};
-pub use model::{HeadKind, KvCache, ModelOptions, ParamGate, Transformer, Unit};
+pub use model::{
+    AttentionBackend, AttentionCall, HeadKind, KvCache, ModelOptions, ParamGate, Transformer, Unit,
+};

@@ -139,6 +139,32 @@ impl KvCache {
     }
 }
 
+/// One layer's attention inputs handed to an [`AttentionBackend`].
+#[derive(Debug)]
+pub struct AttentionCall<'a> {
+    /// Decoder layer index.
+    pub layer: usize,
+    /// Sliding-window size of this layer (`None` = full causal attention): key `j` may be seen by
+    /// a query at position `p` only when `p - window < j <= p`.
+    pub window: Option<i64>,
+    /// `[B, num_attention_heads, T, head_dim]`, after q-norm and RoPE.
+    pub q: &'a Tensor,
+    /// `[B, num_key_value_heads, T, head_dim]`, after k-norm and RoPE, not expanded for GQA
+    /// (query head `h` reads kv head `h / (num_attention_heads / num_key_value_heads)`).
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+}
+
+/// Key/value storage and attention of [`Transformer::forward_hidden_with_backend`]: lets a
+/// generation engine keep its own cache layout (a paged block pool) while the model owns the
+/// projections, norms, RoPE and MLPs.
+pub trait AttentionBackend {
+    /// Stores this forward's keys/values and returns the attention output for the queries,
+    /// `[B, num_attention_heads, T, head_dim]` (softmax scale `1 / sqrt(head_dim)`), in the
+    /// queries' dtype.
+    fn attend(&mut self, call: AttentionCall<'_>) -> Result<Tensor>;
+}
+
 /// A group of parameters used together by the forward pass: the unit a sharding backend gathers
 /// right before its use and frees right after (FSDP's "wrapped module").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -450,6 +476,38 @@ impl Transformer {
                 }
                 cache.key_mask = Some(ctx.full_mask);
             }
+        }
+        self.norm.forward(&h)
+    }
+
+    /// Embedding + decoder layers + final norm with every layer's attention delegated to
+    /// `backend` (which owns the KV cache): hidden states `[B, T, H]` in the model dtype.
+    ///
+    /// * `input_ids`: int64 `[B, T]`; `position_ids`: int64 `[B, T]` (the RoPE positions; the
+    ///   backend decides which keys each query sees, so padding is the backend's business).
+    pub fn forward_hidden_with_backend(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        backend: &mut dyn AttentionBackend,
+    ) -> Result<Tensor> {
+        let (b, t) = ids_shape(input_ids)?;
+        let device = input_ids.device();
+        if device != self.device() {
+            return Err(NnError::input(
+                "input_ids device",
+                format!("{:?} (the model's)", self.device()),
+                format!("{device:?}"),
+            ));
+        }
+        check_shape("position_ids", position_ids, &[b, t])?;
+        let (cos, sin) = self
+            .rope
+            .cos_sin(&position_ids.f_to_device(device)?, self.dtype)?;
+        let (cos, sin) = (cos.f_unsqueeze(1)?, sin.f_unsqueeze(1)?);
+        let mut h = self.embed(input_ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward_with_backend(&h, &cos, &sin, i, backend)?;
         }
         self.norm.forward(&h)
     }

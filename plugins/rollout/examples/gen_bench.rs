@@ -1,18 +1,21 @@
-//! Prefill and decode throughput of the generation engine on a random model.
+//! Prefill and decode throughput of the generation engines on a random model: the paged engine
+//! (`v2`, what `generate` runs) against the dense-cache one (`v1`), with a ratio column.
 //!
 //! CPU, tiny model (default):
 //!   cargo run --release -p verl-rollout --example gen_bench
-//! Qwen2.5-0.5B-shaped model in bf16 on a GPU:
-//!   cargo run --release -p verl-rollout --example gen_bench -- --model qwen2.5-0.5b --device cuda --dtype bf16
+//! Qwen2.5-0.5B-shaped model in bf16 on a GPU, 64 prompts x 8 samples x 512 tokens:
+//!   gen_bench --model qwen2.5-0.5b --device cuda --dtype bf16 --batches 64 --n 8 --new-tokens 512
 //! Flags: --batches 1,8,64  --prompt-len N  --new-tokens N  --n N (samples per prompt)
 //!        --greedy  --iters N (timed runs per batch, after one warm-up)  --threads N (CPU intra-op)
+//!        --engines v1,v2  --block-size N  --kv-tokens N (paged KV budget; default: everything fits)
+//!        --max-seqs N  --eos-frac F (token ids below F * vocab end a response: uneven lengths)
 
 use std::process::ExitCode;
 
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 use verl_nn::{ModelConfig, ModelOptions, Transformer};
-use verl_rollout::{generate_with_stats, GenerationStats, SamplingParams};
+use verl_rollout::{generate_with_config, v1, EngineConfig, GenerationStats, SamplingParams};
 
 struct Args {
     model: String,
@@ -25,6 +28,9 @@ struct Args {
     greedy: bool,
     iters: usize,
     threads: Option<i32>,
+    engines: Vec<String>,
+    engine: EngineConfig,
+    eos_frac: f64,
 }
 
 fn parse() -> Result<Args, String> {
@@ -39,6 +45,9 @@ fn parse() -> Result<Args, String> {
         greedy: false,
         iters: 2,
         threads: None,
+        engines: vec!["v1".into(), "v2".into()],
+        engine: EngineConfig::default(),
+        eos_frac: 0.0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -72,9 +81,20 @@ fn parse() -> Result<Args, String> {
             "--iters" => a.iters = num::<usize>(&flag, &value()?)?.max(1),
             "--threads" => a.threads = Some(num(&flag, &value()?)?),
             "--greedy" => a.greedy = true,
+            "--engines" => {
+                a.engines = value()?.split(',').map(|s| s.trim().to_string()).collect();
+                if let Some(e) = a.engines.iter().find(|e| *e != "v1" && *e != "v2") {
+                    return Err(format!("--engines: expected v1 and/or v2, found {e}"));
+                }
+            }
+            "--block-size" => a.engine.block_size = num(&flag, &value()?)?,
+            "--kv-tokens" => a.engine.kv_cache_tokens = Some(num(&flag, &value()?)?),
+            "--max-seqs" => a.engine.max_num_seqs = Some(num(&flag, &value()?)?),
+            "--eos-frac" => a.eos_frac = num(&flag, &value()?)?,
             "-h" | "--help" => {
                 return Err("flags: --model tiny|qwen2.5-0.5b --device cpu|cuda --dtype f32|bf16|f16 \
-                     --batches 1,8,64 --prompt-len N --new-tokens N --n N --greedy --iters N --threads N"
+                     --batches 1,8,64 --prompt-len N --new-tokens N --n N --greedy --iters N --threads N \
+                     --engines v1,v2 --block-size N --kv-tokens N --max-seqs N --eos-frac F"
                     .into())
             }
             f => return Err(format!("unknown flag {f} (try --help)")),
@@ -151,44 +171,105 @@ fn run() -> Result<(), String> {
         if a.greedy { "greedy" } else { "sampling T=1" }
     );
     println!(
-        "{:>6} {:>8} {:>14} {:>10} {:>14} {:>12}",
-        "batch", "rows", "prefill tok/s", "TTFT ms", "decode tok/s", "step ms"
+        "{:>6} {:>6} {:>6} {:>9} {:>11} {:>10} {:>13} {:>9} {:>10} {:>8} {:>7} {:>10}",
+        "batch",
+        "rows",
+        "engine",
+        "total s",
+        "gen tok/s",
+        "TTFT ms",
+        "decode tok/s",
+        "step ms",
+        "peak blks",
+        "preempt",
+        "vs v1",
+        "same rows"
     );
+    let eos: Vec<i64> = (0..(a.eos_frac * vocab as f64) as i64).collect();
     let params = SamplingParams {
         n: a.n,
         max_new_tokens: m,
         do_sample: !a.greedy,
         seed: Some(0),
-        ignore_eos: true,
+        ignore_eos: eos.is_empty(),
+        eos_token_ids: eos,
         ..SamplingParams::default()
     };
     for &b in &a.batches {
         let ids =
             Tensor::f_randint(vocab, [b, p], (Kind::Int64, a.device)).map_err(|e| e.to_string())?;
         let mask = Tensor::f_ones([b, p], (Kind::Int64, a.device)).map_err(|e| e.to_string())?;
-        let mut runs: Vec<GenerationStats> = Vec::new();
-        for i in 0..=a.iters {
-            let (_, s) = generate_with_stats(&model, &ids, &mask, &params, None)
+        let mut v1_rate = None;
+        let mut v1_rows: Option<Vec<Vec<i64>>> = None;
+        for engine in &a.engines {
+            let mut runs: Vec<(f64, GenerationStats)> = Vec::new();
+            let mut responses = None;
+            for i in 0..=a.iters {
+                let t0 = std::time::Instant::now();
+                let (g, s) = if engine == "v1" {
+                    v1::generate_with_stats(&model, &ids, &mask, &params, None)
+                } else {
+                    generate_with_config(&model, &ids, &mask, &params, None, &a.engine)
+                }
                 .map_err(|e| e.to_string())?;
-            if i > 0 {
-                runs.push(s);
+                if let Device::Cuda(d) = a.device {
+                    tch::Cuda::synchronize(d as i64);
+                }
+                if i > 0 {
+                    runs.push((t0.elapsed().as_secs_f64(), s));
+                }
+                responses = Some(g.responses);
             }
+            // Greedy/sampled rows of the two engines agree token for token in fp32; in bf16 a
+            // near-tie can flip a token and the row diverges from there.
+            let got = match responses {
+                Some(r) => Vec::<Vec<i64>>::try_from(&r.to_device(Device::Cpu))
+                    .map_err(|e| e.to_string())?,
+                None => Vec::new(),
+            };
+            let same = match &v1_rows {
+                Some(want) => format!(
+                    "{}/{}",
+                    want.iter().zip(&got).filter(|(x, y)| x == y).count(),
+                    got.len()
+                ),
+                None => "-".to_string(),
+            };
+            if engine == "v1" {
+                v1_rows = Some(got);
+            }
+            let k = runs.len() as f64;
+            let mean =
+                |f: &dyn Fn(&(f64, GenerationStats)) -> f64| runs.iter().map(f).sum::<f64>() / k;
+            let total = mean(&|r| r.0);
+            let generated = mean(&|r| r.1.generated_tokens as f64);
+            let rate = generated / total;
+            let decode_secs = mean(&|r| r.1.decode_secs);
+            let steps = mean(&|r| r.1.decode_steps as f64);
+            let ratio = match (engine.as_str(), v1_rate) {
+                ("v1", _) => {
+                    v1_rate = Some(rate);
+                    "1.00x".to_string()
+                }
+                (_, Some(base)) => format!("{:.2}x", rate / base),
+                _ => "-".to_string(),
+            };
+            println!(
+                "{:>6} {:>6} {:>6} {:>9.3} {:>11.0} {:>10.2} {:>13.0} {:>9.3} {:>10.0} {:>8.0} {:>7} {:>10}",
+                b,
+                b as usize * a.n,
+                engine,
+                total,
+                rate,
+                mean(&|r| r.1.prefill_secs) * 1e3,
+                mean(&|r| r.1.decode_tokens as f64) / decode_secs.max(1e-9),
+                decode_secs * 1e3 / steps.max(1.0),
+                mean(&|r| r.1.peak_kv_blocks as f64),
+                mean(&|r| r.1.preemptions as f64),
+                ratio,
+                same,
+            );
         }
-        let k = runs.len() as f64;
-        let mean = |f: fn(&GenerationStats) -> f64| runs.iter().map(f).sum::<f64>() / k;
-        let prefill_secs = mean(|s| s.prefill_secs);
-        let decode_secs = mean(|s| s.decode_secs);
-        let decode_tokens = mean(|s| s.decode_tokens as f64);
-        let steps = mean(|s| s.decode_steps as f64);
-        println!(
-            "{:>6} {:>8} {:>14.0} {:>10.2} {:>14.0} {:>12.3}",
-            b,
-            b as usize * a.n,
-            (b * p) as f64 / prefill_secs,
-            prefill_secs * 1e3,
-            decode_tokens / decode_secs,
-            decode_secs * 1e3 / steps.max(1.0),
-        );
     }
     Ok(())
 }

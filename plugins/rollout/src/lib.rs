@@ -1,21 +1,28 @@
 //! `verl-rollout`: the generation engine (verl's rollout worker, minus the serving layer).
 //!
 //! Owns: turning left-padded prompt batches into `n` sampled responses each on a
-//! [`verl_nn::Transformer`] — one batched prefill shared by the `n` samples, KV-cached incremental
-//! decode with finished rows compacted away, temperature / top-k / top-p / greedy sampling with
-//! per-sequence counter-based seeds (a row's tokens never depend on its batch neighbours), EOS
+//! [`verl_nn::Transformer`] — a paged KV cache (a block pool sized by a token budget, per-sequence
+//! block tables, the `n` samples of a prompt sharing its blocks with copy-on-write), continuous
+//! batching (sequences are admitted as others finish, preempted and recomputed when the pool is
+//! full), temperature / top-k / top-p / greedy sampling on the device with per-sequence
+//! counter-based seeds (a row's tokens never depend on its batch neighbours or on scheduling), EOS
 //! handling, and the rollout log-probs PPO needs (`log_softmax(logits / temperature)`).
 //!
 //! Must not: tokenize, apply chat templates, compute rewards or advantages, shard models or move
-//! weights between engines (callers own those); panic (every libtorch call uses tch's fallible
-//! `f_*` API and surfaces as [`RolloutError`]). Device-generic: the same code runs on CPU and CUDA.
+//! weights between engines (callers own those); keep device memory after a call returns (the
+//! hybrid engine trains next); panic (every libtorch call uses tch's fallible `f_*` API and
+//! surfaces as [`RolloutError`]). Device-generic: the same code runs on CPU and CUDA.
 
+mod block_pool;
 mod engine;
 pub mod error;
+mod paged;
+mod paged_attn;
 mod params;
 mod rng;
 mod sampler;
+pub mod v1;
 
-pub use engine::{generate, generate_seeded, generate_with_stats};
+pub use engine::{generate, generate_seeded, generate_with_config, generate_with_stats};
 pub use error::{Result, RolloutError};
-pub use params::{FinishReason, Generation, GenerationStats, SamplingParams};
+pub use params::{EngineConfig, FinishReason, Generation, GenerationStats, SamplingParams};

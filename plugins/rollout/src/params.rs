@@ -94,13 +94,73 @@ pub struct GenerationStats {
     pub prefill_tokens: usize,
     /// Seconds from the start through the first sampled token being on the host.
     pub prefill_secs: f64,
-    /// Token positions run through the model after the first token (rows still in the batch,
-    /// finished-but-not-yet-compacted ones included).
+    /// Token positions run through the model by decode steps (rows still in the batch; the
+    /// dense engine also counts finished rows not yet compacted away).
     pub decode_tokens: usize,
-    /// Seconds of the decode loop after the first token.
+    /// Seconds after the first token (the paged engine's later admissions included).
     pub decode_secs: f64,
     /// Decode forward passes.
     pub decode_steps: usize,
     /// Response tokens kept (sum of `response_mask`).
     pub generated_tokens: usize,
+    /// KV blocks in the pool (each [`EngineConfig::block_size`] tokens); 0 for the dense engine.
+    pub kv_blocks: usize,
+    /// Most KV blocks in use at once.
+    pub peak_kv_blocks: usize,
+    /// Running sequences evicted to free KV blocks (their KV is recomputed on readmission).
+    pub preemptions: usize,
+    /// Positions run through the model again to rebuild the KV of readmitted sequences, and the
+    /// prompt tails of samples that rejoined a shared prompt.
+    pub recomputed_tokens: usize,
+    /// Prefill forwards (admission rounds).
+    pub prefill_steps: usize,
+    /// Most sequences decoding at once.
+    pub max_running: usize,
+}
+
+/// How the paged engine lays out its KV cache and schedules sequences. Outputs never depend on
+/// it; memory and speed do.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV capacity in tokens (rounded down to whole blocks). `None` = room for every sequence at
+    /// once (prompt + `max_new_tokens` each, shared prompts counted once). A GPU caller derives it
+    /// from free memory and `rollout.gpu_memory_utilization` with
+    /// [`EngineConfig::tokens_for_bytes`]. Must hold at least one longest prompt plus
+    /// `max_new_tokens`.
+    pub kv_cache_tokens: Option<usize>,
+    /// Most sequences decoding at once (`None` = no limit beyond the KV budget).
+    pub max_num_seqs: Option<usize>,
+    /// Most (padded) positions in one prefill forward; a single longer prompt still runs alone.
+    pub max_prefill_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            kv_cache_tokens: None,
+            max_num_seqs: None,
+            max_prefill_tokens: 16384,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Bytes one cached token takes in `model`'s KV pool (keys and values of every layer).
+    pub fn kv_bytes_per_token(model: &verl_nn::Transformer) -> usize {
+        let c = model.config();
+        let elem = match model.dtype() {
+            tch::Kind::Double => 8,
+            tch::Kind::Float => 4,
+            _ => 2,
+        };
+        2 * (c.num_hidden_layers * c.num_key_value_heads * c.head_dim) as usize * elem
+    }
+
+    /// The token budget that fits in `bytes` of KV memory for `model`.
+    pub fn tokens_for_bytes(model: &verl_nn::Transformer, bytes: usize) -> usize {
+        bytes / Self::kv_bytes_per_token(model).max(1)
+    }
 }

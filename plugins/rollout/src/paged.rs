@@ -1,0 +1,585 @@
+//! The paged engine: a block-pool KV cache, prompts shared by their samples, and a scheduler that
+//! keeps the decode batch full.
+//!
+//! Every sequence (prompt `i`, sample `j`) owns a block table. Admission prefills a prompt once;
+//! its other fresh samples fork the table (the prompt's blocks gain references) and draw their
+//! first token from the same logits. The partially filled last prompt block is copied by each
+//! sample before it writes there (copy-on-write); full prompt blocks are never written, so a
+//! sample readmitted later rejoins them while any sibling still holds them and recomputes only
+//! its own tail.
+//!
+//! Each decode step runs every running sequence one token; finished sequences release their
+//! blocks at once and waiting ones are admitted in their place (continuous batching), within the
+//! KV budget, `max_num_seqs` and `max_prefill_tokens`. When a step needs more blocks than are
+//! free, the most recently admitted sequences are preempted: their blocks are released and they
+//! go back to the front of the queue, to be recomputed (prompt + tokens so far) on readmission.
+//! A sequence's tokens depend only on its own stream `(key, step)`, so none of this changes
+//! outputs.
+//!
+//! Host/device traffic per forward: one non-blocking upload of the index data, one of the
+//! uniforms, and one blocking download of the sampled ids (+ log-probs) — the only sync, which
+//! the scheduler needs to see finished sequences.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use tch::{Device, Kind, Tensor};
+use verl_nn::Transformer;
+
+use crate::block_pool::{BlockPool, TRASH_BLOCK};
+use crate::engine::{Job, Outputs};
+use crate::error::{Result, RolloutError};
+use crate::paged_attn::{self, HostBatch, KvPool};
+use crate::params::{EngineConfig, FinishReason, Generation, GenerationStats};
+use crate::rng;
+
+pub(crate) fn run(
+    model: &Transformer,
+    job: &Job,
+    config: &EngineConfig,
+) -> Result<(Generation, GenerationStats)> {
+    check_config(config)?;
+    let mut stats = job.new_stats();
+    let mut out = job.outputs();
+    if job.params.max_new_tokens > 0 {
+        tch::no_grad(|| -> Result<()> {
+            let mut engine = Engine::new(model, job, config)?;
+            engine.run(&mut out, &mut stats)
+            // The engine (and with it the KV pool) is dropped here: nothing stays on the device.
+        })?;
+    }
+    job.finish(out, stats, model.device())
+}
+
+fn check_config(c: &EngineConfig) -> Result<()> {
+    if c.block_size == 0 {
+        return Err(RolloutError::input("EngineConfig.block_size", ">= 1", "0"));
+    }
+    if c.max_prefill_tokens == 0 {
+        return Err(RolloutError::input(
+            "EngineConfig.max_prefill_tokens",
+            ">= 1",
+            "0",
+        ));
+    }
+    if c.max_num_seqs == Some(0) {
+        return Err(RolloutError::input(
+            "EngineConfig.max_num_seqs",
+            ">= 1 (or None)",
+            "Some(0)",
+        ));
+    }
+    Ok(())
+}
+
+/// Downloads sampled tokens (and their log-probs) in one transfer.
+pub(crate) fn fetch_samples(
+    tokens: &Tensor,
+    lp: Option<&Tensor>,
+) -> Result<(Vec<i64>, Option<Vec<f32>>)> {
+    match lp {
+        None => Ok((
+            Vec::<i64>::try_from(&tokens.f_to_device(Device::Cpu)?)?,
+            None,
+        )),
+        Some(lp) => {
+            // Token ids (< 2^53) and fp32 log-probs are both exact in f64.
+            let both = Tensor::f_stack(
+                &[tokens.f_to_kind(Kind::Double)?, lp.f_to_kind(Kind::Double)?],
+                0,
+            )?
+            .f_to_device(Device::Cpu)?;
+            let v = Vec::<f64>::try_from(&both.f_flatten(0, -1)?)?;
+            let r = v.len() / 2;
+            Ok((
+                v[..r].iter().map(|&x| x as i64).collect(),
+                Some(v[r..].iter().map(|&x| x as f32).collect()),
+            ))
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Seq {
+    /// Output row (`group * per_prompt + sample`).
+    row: usize,
+    group: usize,
+    key: u64,
+    out: Vec<i64>,
+    table: Vec<u32>,
+    /// Positions whose keys/values are in the pool.
+    cached: usize,
+    /// Whether `table` starts with the group's shared full prompt blocks.
+    holds_prompt: bool,
+}
+
+#[derive(Debug)]
+struct Group {
+    tokens: Vec<i64>,
+    /// The full blocks of the prompt, valid while `holders > 0`.
+    prompt_blocks: Vec<u32>,
+    holders: usize,
+    /// The prompt went through the model at least once (later prefills are recomputation).
+    prefilled: bool,
+}
+
+/// How an admitted sequence gets its KV.
+#[derive(Debug, Clone, Copy)]
+enum Admit {
+    /// Computes positions `past..` (past = 0: from scratch; past > 0: after the group's shared
+    /// full prompt blocks).
+    Extend { past: usize },
+    /// Shares every block of `leader` (a fresh sample prefilled this round) and its logits.
+    Fork { leader: usize },
+}
+
+struct Engine<'a> {
+    model: &'a Transformer,
+    job: &'a Job,
+    bs: usize,
+    max_seqs: usize,
+    max_prefill: usize,
+    pool: BlockPool,
+    kv: KvPool,
+    seqs: Vec<Seq>,
+    groups: Vec<Group>,
+    waiting: VecDeque<usize>,
+    /// In admission order (the last one is preempted first).
+    running: Vec<usize>,
+    first_token_at: Option<Instant>,
+}
+
+impl<'a> Engine<'a> {
+    fn new(model: &'a Transformer, job: &'a Job, config: &EngineConfig) -> Result<Engine<'a>> {
+        let bs = config.block_size;
+        let m = job.params.max_new_tokens;
+        let ids = Vec::<i64>::try_from(&job.prompts.f_flatten(0, -1)?.f_to_device(Device::Cpu)?)?;
+        let mask = Vec::<i64>::try_from(&job.mask.f_flatten(0, -1)?.f_to_device(Device::Cpu)?)?;
+        let p = job.p as usize;
+        let groups: Vec<Group> = (0..job.b)
+            .map(|i| Group {
+                tokens: (0..p)
+                    .filter(|&k| mask[i * p + k] != 0)
+                    .map(|k| ids[i * p + k])
+                    .collect(),
+                prompt_blocks: Vec::new(),
+                holders: 0,
+                prefilled: false,
+            })
+            .collect();
+        let longest = groups.iter().map(|g| g.tokens.len()).max().unwrap_or(0);
+        let one_seq = (longest + m).div_ceil(bs);
+        let usable = match config.kv_cache_tokens {
+            Some(tokens) => {
+                let blocks = tokens / bs;
+                if blocks < one_seq {
+                    return Err(RolloutError::input(
+                        "EngineConfig.kv_cache_tokens",
+                        format!(
+                            "room for the longest prompt plus max_new_tokens ({longest} + {m} \
+                             tokens = {one_seq} blocks of {bs})"
+                        ),
+                        format!("{tokens} tokens ({blocks} blocks)"),
+                    ));
+                }
+                blocks
+            }
+            // Everything at once: shared full prompt blocks once per prompt, the rest per sample.
+            None => groups
+                .iter()
+                .map(|g| {
+                    let full = g.tokens.len() / bs;
+                    full + job.per_prompt * ((g.tokens.len() + m).div_ceil(bs) - full)
+                })
+                .sum(),
+        };
+        let seqs: Vec<Seq> = (0..job.rows())
+            .map(|r| Seq {
+                row: r,
+                group: r / job.per_prompt,
+                key: job.row_key(r),
+                out: Vec::with_capacity(m),
+                table: Vec::new(),
+                cached: 0,
+                holds_prompt: false,
+            })
+            .collect();
+        Ok(Engine {
+            model,
+            job,
+            bs,
+            max_seqs: config.max_num_seqs.unwrap_or(usize::MAX),
+            max_prefill: config.max_prefill_tokens,
+            pool: BlockPool::new(usable + 1),
+            kv: KvPool::new(model, usable + 1, bs)?,
+            waiting: (0..seqs.len()).collect(),
+            seqs,
+            groups,
+            running: Vec::new(),
+            first_token_at: None,
+        })
+    }
+
+    fn run(&mut self, out: &mut Outputs, stats: &mut GenerationStats) -> Result<()> {
+        stats.kv_blocks = self.pool.usable();
+        loop {
+            while !self.waiting.is_empty() && self.admit(out, stats)? {}
+            if self.running.is_empty() {
+                if let Some(&s) = self.waiting.front() {
+                    return Err(RolloutError::input(
+                        "paged scheduler",
+                        "room to admit a sequence into an empty batch",
+                        format!(
+                            "sequence {s} waiting with {} of {} KV blocks free",
+                            self.pool.num_free(),
+                            self.pool.usable()
+                        ),
+                    ));
+                }
+                break;
+            }
+            stats.max_running = stats.max_running.max(self.running.len());
+            self.decode_step(out, stats)?;
+        }
+        // Every table was released exactly once per reference: a leak or a double release
+        // would show here (and corrupt a longer run's sharing), so every call checks it.
+        let held = self.pool.used();
+        let holders: usize = self.groups.iter().map(|g| g.holders).sum();
+        if held != 0 || holders != 0 {
+            return Err(RolloutError::input(
+                "paged scheduler at the end of the call",
+                "every KV block released",
+                format!("{held} blocks still held, {holders} prompt holders"),
+            ));
+        }
+        stats.peak_kv_blocks = self.pool.peak_used();
+        if let Some(t) = self.first_token_at {
+            stats.decode_secs = t.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    fn seq_len(&self, s: usize) -> usize {
+        self.groups[self.seqs[s].group].tokens.len() + self.seqs[s].out.len()
+    }
+
+    /// Tokens of sequence `s` (prompt, then response) from absolute position `from` on.
+    fn token_range(&self, s: usize, from: usize) -> Vec<i64> {
+        let seq = &self.seqs[s];
+        let prompt = &self.groups[seq.group].tokens;
+        prompt
+            .iter()
+            .chain(seq.out.iter())
+            .skip(from)
+            .copied()
+            .collect()
+    }
+
+    /// Blocks the running sequences need for their next decode token (new blocks and copies of
+    /// shared blocks they are about to write), counting a shared block's last writer as owner.
+    fn decode_needs(&self) -> usize {
+        let mut refs: HashMap<u32, u32> = HashMap::new();
+        let mut need = 0;
+        for &s in &self.running {
+            let seq = &self.seqs[s];
+            let bi = seq.cached / self.bs;
+            match seq.table.get(bi) {
+                None => need += 1,
+                Some(&b) => {
+                    let r = refs.entry(b).or_insert_with(|| self.pool.refcount(b));
+                    if *r > 1 {
+                        *r -= 1;
+                        need += 1;
+                    }
+                }
+            }
+        }
+        need
+    }
+
+    /// One admission round: takes waiting sequences in order while they fit, computes their KV
+    /// in one forward and samples their next token. Returns whether anything was admitted.
+    fn admit(&mut self, out: &mut Outputs, stats: &mut GenerationStats) -> Result<bool> {
+        let bs = self.bs;
+        // Keep the running sequences' next step covered, so admission never forces a preemption.
+        let mut free = self.pool.num_free().saturating_sub(self.decode_needs());
+        let mut plan: Vec<(usize, Admit)> = Vec::new();
+        let mut leaders: HashMap<usize, (usize, bool)> = HashMap::new();
+        let (mut rows, mut width) = (0usize, 0usize);
+        for &s in &self.waiting {
+            if self.running.len() + plan.len() >= self.max_seqs {
+                break;
+            }
+            let seq = &self.seqs[s];
+            let group = &self.groups[seq.group];
+            let (p, gen) = (group.tokens.len(), seq.out.len());
+            let full = p / bs;
+            // A sibling already holds the prompt's full blocks, or computes them this round.
+            let shared = group.holders > 0 || leaders.contains_key(&seq.group);
+            // At least the last token is recomputed: its logits give the next token.
+            let reuse = if p + gen > full * bs {
+                full
+            } else {
+                full.saturating_sub(1)
+            };
+            let (admit, need, t) = match leaders.get(&seq.group) {
+                Some(&(leader, true)) if gen == 0 => (Admit::Fork { leader }, 1, 0),
+                _ if shared && reuse > 0 => (
+                    Admit::Extend { past: reuse * bs },
+                    (p + gen + 1).div_ceil(bs) - reuse,
+                    p + gen - reuse * bs,
+                ),
+                _ => (
+                    Admit::Extend { past: 0 },
+                    (p + gen + 1).div_ceil(bs),
+                    p + gen,
+                ),
+            };
+            if need > free {
+                break;
+            }
+            if t > 0 {
+                let w = width.max(t);
+                if rows > 0 && (rows + 1) * w > self.max_prefill {
+                    break;
+                }
+                rows += 1;
+                width = w;
+            }
+            free -= need;
+            if let Admit::Extend { past: 0 } = admit {
+                leaders.entry(seq.group).or_insert((s, gen == 0));
+            }
+            plan.push((s, admit));
+        }
+        if plan.is_empty() {
+            return Ok(false);
+        }
+        self.waiting.drain(..plan.len());
+
+        // Block tables for the sequences that compute, then one forward for all of them.
+        let mut extend: Vec<(usize, usize)> = Vec::new();
+        let mut extend_row: HashMap<usize, usize> = HashMap::new();
+        for &(s, admit) in &plan {
+            let Admit::Extend { past } = admit else {
+                continue;
+            };
+            let len = self.seq_len(s);
+            let g = self.seqs[s].group;
+            let mut table = Vec::with_capacity(len.div_ceil(bs) + 1);
+            if past > 0 {
+                let shared = self.groups[g]
+                    .prompt_blocks
+                    .get(..past / bs)
+                    .ok_or_else(|| {
+                        RolloutError::input(
+                            format!("paged scheduler, prompt {g}"),
+                            format!("{} shared prompt blocks", past / bs),
+                            format!("{}", self.groups[g].prompt_blocks.len()),
+                        )
+                    })?;
+                for &b in shared {
+                    self.pool.share(b);
+                    table.push(b);
+                }
+            }
+            while table.len() * bs < len {
+                table.push(self.pool.alloc()?);
+            }
+            let group = &mut self.groups[g];
+            if group.holders == 0 {
+                group.prompt_blocks = table[..group.tokens.len() / bs].to_vec();
+            }
+            group.holders += 1;
+            if group.prefilled || past > 0 || len > group.tokens.len() {
+                stats.recomputed_tokens += len - past;
+            }
+            group.prefilled = true;
+            let seq = &mut self.seqs[s];
+            seq.holds_prompt = true;
+            seq.table = table;
+            extend_row.insert(s, extend.len());
+            extend.push((s, past));
+        }
+        let nb = extend
+            .iter()
+            .map(|&(s, _)| self.seqs[s].table.len())
+            .max()
+            .unwrap_or(0);
+        debug_assert_eq!(rows, extend.len(), "planned prefill rows");
+        let mut batch = HostBatch::new(rows, width, nb);
+        batch.table.fill(TRASH_BLOCK as i64);
+        for (r, &(s, past)) in extend.iter().enumerate() {
+            let tokens = self.token_range(s, past);
+            batch.set_row(r, &tokens, past, &self.seqs[s].table, bs);
+            self.seqs[s].cached = self.seq_len(s);
+        }
+        let logits = paged_attn::forward(self.model, &self.kv, &batch)?;
+        stats.prefill_steps += 1;
+
+        // Forks share their leader's blocks and logits row.
+        let mut pick = Vec::with_capacity(plan.len());
+        for &(s, admit) in &plan {
+            match admit {
+                Admit::Extend { .. } => pick.push(extend_row[&s] as i64),
+                Admit::Fork { leader } => {
+                    let table = self.seqs[leader].table.clone();
+                    for &b in &table {
+                        self.pool.share(b);
+                    }
+                    let cached = self.seqs[leader].cached;
+                    let seq = &mut self.seqs[s];
+                    seq.table = table;
+                    seq.cached = cached;
+                    seq.holds_prompt = true;
+                    self.groups[seq.group].holders += 1;
+                    pick.push(extend_row[&leader] as i64);
+                }
+            }
+        }
+        let identity = pick.iter().enumerate().all(|(i, &r)| i as i64 == r);
+        let logits = if identity {
+            logits
+        } else {
+            logits.f_index_select(0, &paged_attn::upload_i64(&pick, self.model.device())?)?
+        };
+        let admitted: Vec<usize> = plan.iter().map(|&(s, _)| s).collect();
+        self.running.extend_from_slice(&admitted);
+        self.sample(&admitted, &logits, out)?;
+        if self.first_token_at.is_none() {
+            stats.prefill_secs = self.job.start.elapsed().as_secs_f64();
+            self.first_token_at = Some(Instant::now());
+        }
+        Ok(true)
+    }
+
+    /// Samples the next token of each of `seqs` (rows of `logits`), records it, and retires the
+    /// sequences that finished.
+    fn sample(&mut self, seqs: &[usize], logits: &Tensor, out: &mut Outputs) -> Result<()> {
+        let sampler = &self.job.sampler;
+        let uniforms = if sampler.is_greedy() {
+            None
+        } else {
+            let u: Vec<f32> = seqs
+                .iter()
+                .map(|&s| {
+                    let seq = &self.seqs[s];
+                    rng::uniform(seq.key, seq.out.len() as u64) as f32
+                })
+                .collect();
+            Some(paged_attn::upload_f32(&u, self.model.device())?)
+        };
+        let (tokens, lp) = sampler.sample(logits, uniforms.as_ref())?;
+        let (tokens, lps) = fetch_samples(&tokens, lp.as_ref())?;
+        let params = &self.job.params;
+        let m = params.max_new_tokens;
+        let mut done = Vec::new();
+        for (k, &s) in seqs.iter().enumerate() {
+            let seq = &mut self.seqs[s];
+            let tok = tokens[k];
+            let t = seq.out.len();
+            seq.out.push(tok);
+            out.tokens[seq.row * m + t] = tok;
+            if let Some(lps) = &lps {
+                out.log_probs[seq.row * m + t] = lps[k];
+            }
+            out.lengths[seq.row] = t + 1;
+            if !params.ignore_eos && params.eos_token_ids.contains(&tok) {
+                out.finish[seq.row] = FinishReason::Stop;
+                done.push(s);
+            } else if t + 1 == m {
+                out.finish[seq.row] = FinishReason::Length;
+                done.push(s);
+            }
+        }
+        if !done.is_empty() {
+            for &s in &done {
+                self.release(s);
+            }
+            self.running.retain(|s| !done.contains(s));
+        }
+        Ok(())
+    }
+
+    /// Returns a sequence's blocks to the pool.
+    fn release(&mut self, s: usize) {
+        let seq = &mut self.seqs[s];
+        for &b in &seq.table {
+            self.pool.release(b);
+        }
+        seq.table.clear();
+        seq.cached = 0;
+        if std::mem::take(&mut seq.holds_prompt) {
+            let g = &mut self.groups[seq.group];
+            g.holders -= 1;
+            if g.holders == 0 {
+                g.prompt_blocks.clear();
+            }
+        }
+    }
+
+    fn decode_step(&mut self, out: &mut Outputs, stats: &mut GenerationStats) -> Result<()> {
+        while self.decode_needs() > self.pool.num_free() {
+            let victim = self.running.pop().ok_or_else(|| {
+                RolloutError::input(
+                    "paged scheduler",
+                    "a running sequence to preempt",
+                    "none left",
+                )
+            })?;
+            self.release(victim);
+            self.waiting.push_front(victim);
+            stats.preemptions += 1;
+        }
+        if self.running.is_empty() {
+            return Ok(());
+        }
+        let bs = self.bs;
+        let (mut cow_src, mut cow_dst) = (Vec::new(), Vec::new());
+        for &s in &self.running {
+            let bi = self.seqs[s].cached / bs;
+            match self.seqs[s].table.get(bi).copied() {
+                None => {
+                    let b = self.pool.alloc()?;
+                    self.seqs[s].table.push(b);
+                }
+                Some(b) if self.pool.refcount(b) > 1 => {
+                    let fresh = self.pool.alloc()?;
+                    self.pool.release(b);
+                    self.seqs[s].table[bi] = fresh;
+                    cow_src.push(b);
+                    cow_dst.push(fresh);
+                }
+                Some(_) => {}
+            }
+        }
+        self.kv.copy_blocks(&cow_src, &cow_dst)?;
+        let nb = self
+            .running
+            .iter()
+            .map(|&s| self.seqs[s].table.len())
+            .max()
+            .unwrap_or(0);
+        let mut batch = HostBatch::new(self.running.len(), 1, nb);
+        batch.table.fill(TRASH_BLOCK as i64);
+        for (r, &s) in self.running.iter().enumerate() {
+            let seq = &self.seqs[s];
+            let last = *seq.out.last().ok_or_else(|| {
+                RolloutError::input(
+                    "paged scheduler",
+                    "a sampled token before decoding",
+                    format!("sequence {s} with none"),
+                )
+            })?;
+            batch.set_row(r, &[last], seq.cached, &seq.table, bs);
+        }
+        let logits = paged_attn::forward(self.model, &self.kv, &batch)?;
+        stats.decode_steps += 1;
+        stats.decode_tokens += self.running.len();
+        for &s in &self.running {
+            self.seqs[s].cached += 1;
+        }
+        let running = self.running.clone();
+        self.sample(&running, &logits, out)
+    }
+}

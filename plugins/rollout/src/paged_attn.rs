@@ -1,0 +1,397 @@
+//! The paged KV cache on the device and attention over it.
+//!
+//! One tensor holds every layer's keys and values, `[layers, 2, blocks, block_size, kv_heads,
+//! head_dim]`, so a copy-on-write of a block is one gather/scatter for all layers. A forward's
+//! new keys/values are scattered to their slots (`block * block_size + offset`); attention then
+//! gathers each sequence's blocks through its block table into a `[S, kv_heads, L, head_dim]`
+//! view and runs SDPA with an additive mask built once per forward. This torch formulation works
+//! on CPU and CUDA alike (no custom kernel), so CI exercises the GPU code path.
+//!
+//! GQA: the queries `[S, heads, T, D]` are viewed as `[S, kv_heads, groups * T, D]` (query head
+//! `h` belongs to kv head `h / groups`), so keys and values are read once per kv head instead of
+//! being expanded to every query head.
+
+use std::collections::HashMap;
+
+use tch::{Device, Kind, Tensor};
+use verl_nn::{AttentionBackend, AttentionCall, NnError, Transformer};
+
+use crate::error::{Result, RolloutError};
+
+/// Per-layer views into the pool storage.
+struct LayerViews {
+    /// `[blocks * block_size, kv_heads, head_dim]`: scatter target of new keys/values.
+    k_slots: Tensor,
+    v_slots: Tensor,
+    /// `[blocks, block_size, kv_heads, head_dim]`: gather source of block tables.
+    k_blocks: Tensor,
+    v_blocks: Tensor,
+}
+
+pub(crate) struct KvPool {
+    data: Tensor,
+    layers: Vec<LayerViews>,
+    block_size: i64,
+}
+
+impl KvPool {
+    /// Zero-filled, so positions no sequence wrote (gathered but masked) hold finite values: a
+    /// masked key still multiplies its value by weight 0, and `0 * NaN` would poison the output.
+    pub fn new(model: &Transformer, num_blocks: usize, block_size: usize) -> Result<KvPool> {
+        let c = model.config();
+        let (nl, nkv, hd) = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim);
+        let (nb, bs) = (num_blocks as i64, block_size as i64);
+        let data = Tensor::f_zeros([nl, 2, nb, bs, nkv, hd], (model.dtype(), model.device()))?;
+        let mut layers = Vec::with_capacity(nl as usize);
+        for l in 0..nl {
+            let kv = data.f_select(0, l)?;
+            let k_blocks = kv.f_select(0, 0)?;
+            let v_blocks = kv.f_select(0, 1)?;
+            layers.push(LayerViews {
+                k_slots: k_blocks.f_view([nb * bs, nkv, hd])?,
+                v_slots: v_blocks.f_view([nb * bs, nkv, hd])?,
+                k_blocks,
+                v_blocks,
+            });
+        }
+        Ok(KvPool {
+            data,
+            layers,
+            block_size: bs,
+        })
+    }
+
+    /// Copies blocks `src[i]` into `dst[i]` in every layer (copy-on-write of shared blocks).
+    pub fn copy_blocks(&self, src: &[u32], dst: &[u32]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let device = self.data.device();
+        let idx = |b: &[u32]| -> Result<Tensor> {
+            let v: Vec<i64> = b.iter().map(|&x| x as i64).collect();
+            upload_i64(&v, device)
+        };
+        let (src, dst) = (idx(src)?, idx(dst)?);
+        let rows = self.data.f_index_select(2, &src)?;
+        let mut data = self.data.shallow_clone();
+        let _ = data.f_index_copy_(2, &dst, &rows)?;
+        Ok(())
+    }
+}
+
+/// Host-to-device copy that does not synchronise the stream: a blocking one waits for every
+/// queued kernel, serialising the host's launches with the device's work. The source is pinned
+/// (libtorch's caching host allocator keeps the block until the copy has run), since a copy from
+/// pageable memory may synchronise anyway.
+pub(crate) fn upload_i64(v: &[i64], device: Device) -> Result<Tensor> {
+    upload(Tensor::f_from_slice(v)?, device, Kind::Int64)
+}
+
+pub(crate) fn upload_f32(v: &[f32], device: Device) -> Result<Tensor> {
+    upload(Tensor::f_from_slice(v)?, device, Kind::Float)
+}
+
+fn upload(host: Tensor, device: Device, kind: Kind) -> Result<Tensor> {
+    if device == Device::Cpu {
+        return Ok(host);
+    }
+    // `_pin_memory` rather than `pin_memory`: tch always passes a device, which the public op
+    // deprecates with a warning on every call. Pinning failing (no pinned allocator) is not
+    // fatal: a copy from pageable memory is still correct, only possibly synchronising.
+    let src = host.f_internal_pin_memory(device).unwrap_or(host);
+    Ok(src.f_to_device_(device, kind, true, false)?)
+}
+
+/// One forward's inputs, built on the host: `S` sequences of up to `T` new tokens each
+/// (right-padded), attending over their first `nb` blocks.
+#[derive(Debug, Default)]
+pub(crate) struct HostBatch {
+    pub s: usize,
+    pub t: usize,
+    pub nb: usize,
+    /// `[S*T]` token ids (padding: 0).
+    pub ids: Vec<i64>,
+    /// `[S*T]` absolute positions (padding: 0, which attends to key 0 only).
+    pub pos: Vec<i64>,
+    /// `[S*T]` pool slots the new keys/values go to (padding: the trash block).
+    pub slots: Vec<i64>,
+    /// `[S*nb]` block tables (unused entries: the trash block).
+    pub table: Vec<i64>,
+    /// `[S]` index of each sequence's last new token (its logits are sampled).
+    pub last: Vec<i64>,
+    /// No row has cached positions: attention needs only this forward's keys/values.
+    pub from_scratch: bool,
+}
+
+impl HostBatch {
+    pub fn new(s: usize, t: usize, nb: usize) -> HostBatch {
+        HostBatch {
+            s,
+            t,
+            nb,
+            ids: vec![0; s * t],
+            pos: vec![0; s * t],
+            slots: vec![0; s * t],
+            table: vec![0; s * nb],
+            last: vec![0; s],
+            from_scratch: true,
+        }
+    }
+
+    /// Fills row `r`: new tokens `tokens` at positions `past..`, block table `table`.
+    pub fn set_row(
+        &mut self,
+        r: usize,
+        tokens: &[i64],
+        past: usize,
+        table: &[u32],
+        block_size: usize,
+    ) {
+        self.from_scratch &= past == 0;
+        for (i, &tok) in tokens.iter().enumerate() {
+            let p = past + i;
+            let k = r * self.t + i;
+            self.ids[k] = tok;
+            self.pos[k] = p as i64;
+            self.slots[k] = (table[p / block_size] as usize * block_size + p % block_size) as i64;
+        }
+        for (j, &b) in table.iter().take(self.nb).enumerate() {
+            self.table[r * self.nb + j] = b as i64;
+        }
+        self.last[r] = tokens.len().saturating_sub(1) as i64;
+    }
+
+    /// All index data in one non-blocking upload.
+    fn upload(&self, device: Device) -> Result<DeviceBatch> {
+        let mut buf = Vec::with_capacity(3 * self.ids.len() + self.table.len() + self.last.len());
+        for part in [&self.ids, &self.pos, &self.slots, &self.table, &self.last] {
+            buf.extend_from_slice(part);
+        }
+        let all = upload_i64(&buf, device)?;
+        let (s, t, nb) = (self.s as i64, self.t as i64, self.nb as i64);
+        let st = s * t;
+        Ok(DeviceBatch {
+            ids: all.f_narrow(0, 0, st)?.f_view([s, t])?,
+            pos: all.f_narrow(0, st, st)?.f_view([s, t])?,
+            slots: all.f_narrow(0, 2 * st, st)?,
+            table: all.f_narrow(0, 3 * st, s * nb)?,
+            last: all.f_narrow(0, 3 * st + s * nb, s)?,
+            s,
+            t,
+            nb,
+            from_scratch: self.from_scratch,
+        })
+    }
+}
+
+struct DeviceBatch {
+    ids: Tensor,
+    pos: Tensor,
+    slots: Tensor,
+    table: Tensor,
+    last: Tensor,
+    s: i64,
+    t: i64,
+    nb: i64,
+    from_scratch: bool,
+}
+
+/// [`AttentionBackend`] over the pool for one forward.
+struct PagedAttention<'a> {
+    pool: &'a KvPool,
+    batch: &'a DeviceBatch,
+    /// Additive masks `[S, 1, groups*T or 1, L]` per sliding window, built on first use.
+    masks: HashMap<Option<i64>, Tensor>,
+}
+
+impl PagedAttention<'_> {
+    fn mask(
+        &mut self,
+        window: Option<i64>,
+        groups: i64,
+        kind: Kind,
+    ) -> Result<Tensor, tch::TchError> {
+        if let Some(m) = self.masks.get(&window) {
+            return Ok(m.shallow_clone());
+        }
+        let b = self.batch;
+        let l = b.nb * self.pool.block_size;
+        let keys = Tensor::f_arange(l, (Kind::Int64, b.pos.device()))?.f_view([1, 1, l])?;
+        let q = b.pos.f_unsqueeze(-1)?;
+        let mut allowed = keys.f_le_tensor(&q)?;
+        if let Some(w) = window {
+            allowed = allowed.f_logical_and(&keys.f_gt_tensor(&q.f_sub_scalar(w)?)?)?;
+        }
+        let mask = Tensor::f_zeros([b.s, b.t, l], (kind, b.pos.device()))?
+            .f_masked_fill(&allowed.f_logical_not()?, f64::NEG_INFINITY)?
+            .f_unsqueeze(1)?;
+        // One query per sequence broadcasts over the group axis; several are laid out like the
+        // grouped queries, group-major.
+        let mask = if b.t == 1 {
+            mask
+        } else {
+            mask.f_unsqueeze(2)?
+                .f_expand([b.s, 1, groups, b.t, l], false)?
+                .f_reshape([b.s, 1, groups * b.t, l])?
+        };
+        self.masks.insert(window, mask.shallow_clone());
+        Ok(mask)
+    }
+}
+
+impl AttentionBackend for PagedAttention<'_> {
+    fn attend(&mut self, call: AttentionCall<'_>) -> verl_nn::Result<Tensor> {
+        let views = self
+            .pool
+            .layers
+            .get(call.layer)
+            .ok_or_else(|| NnError::InvalidInput {
+                what: "paged attention layer".into(),
+                expected: format!("< {} layers in the KV pool", self.pool.layers.len()),
+                found: call.layer.to_string(),
+            })?;
+        let qs = call.q.size();
+        let (s, h, t, d) = (qs[0], qs[1], qs[2], qs[3]);
+        let nkv = call.k.size()[1];
+        let groups = h / nkv;
+        let b = self.batch;
+        let fresh = |x: &Tensor| x.f_transpose(1, 2)?.f_reshape([s * t, nkv, d]);
+        let mut k_slots = views.k_slots.shallow_clone();
+        let mut v_slots = views.v_slots.shallow_clone();
+        let _ = k_slots.f_index_copy_(0, &b.slots, &fresh(call.k)?)?;
+        let _ = v_slots.f_index_copy_(0, &b.slots, &fresh(call.v)?)?;
+        if b.from_scratch && t > 1 && call.window.is_none() {
+            // A prefill of right-padded prompts: each real query sees exactly the keys at or
+            // before it, all real and all computed in this forward, so plain causal attention
+            // over them needs neither the gather nor a mask (flash attention on CUDA). Padding
+            // queries see earlier padding; their outputs are never read.
+            return Ok(Tensor::f_scaled_dot_product_attention(
+                call.q,
+                call.k,
+                call.v,
+                None::<&Tensor>,
+                0.0,
+                true,
+                None::<f64>,
+                true,
+            )?);
+        }
+        let l = b.nb * self.pool.block_size;
+        let gather = |blocks: &Tensor| -> Result<Tensor, tch::TchError> {
+            blocks
+                .f_index_select(0, &b.table)?
+                .f_view([s, l, nkv, d])?
+                .f_transpose(1, 2)
+        };
+        let (keys, values) = (gather(&views.k_blocks)?, gather(&views.v_blocks)?);
+        let mask = self.mask(call.window, groups, call.q.kind())?;
+        let q = call.q.f_reshape([s, nkv, groups * t, d])?;
+        let out = Tensor::f_scaled_dot_product_attention(
+            &q,
+            &keys,
+            &values,
+            Some(&mask),
+            0.0,
+            false,
+            None::<f64>,
+            false,
+        )?;
+        Ok(out.f_reshape([s, h, t, d])?)
+    }
+}
+
+/// Runs `batch` through `model` against `pool` (storing the new keys/values) and returns the
+/// logits of each sequence's last new token, `[S, vocab]`.
+pub(crate) fn forward(model: &Transformer, pool: &KvPool, batch: &HostBatch) -> Result<Tensor> {
+    if batch.s == 0 || batch.t == 0 {
+        return Err(RolloutError::input(
+            "paged forward batch",
+            "at least one sequence and one token",
+            format!("{} sequences x {} tokens", batch.s, batch.t),
+        ));
+    }
+    let dev = batch.upload(model.device())?;
+    let mut backend = PagedAttention {
+        pool,
+        batch: &dev,
+        masks: HashMap::new(),
+    };
+    let hidden = model.forward_hidden_with_backend(&dev.ids, &dev.pos, &mut backend)?;
+    let last = if dev.t == 1 {
+        hidden
+    } else {
+        let hs = hidden.size()[2];
+        let idx = dev
+            .last
+            .f_view([dev.s, 1, 1])?
+            .f_expand([dev.s, 1, hs], false)?;
+        hidden.f_gather(1, &idx, false)?
+    };
+    Ok(model.apply_head(&last, None)?.f_squeeze_dim(1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use verl_nn::{ModelConfig, ModelOptions};
+
+    fn model() -> Transformer {
+        tch::manual_seed(5);
+        let cfg = ModelConfig::from_value(
+            serde_json::json!({
+                "model_type": "qwen2", "vocab_size": 97, "hidden_size": 32,
+                "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "initializer_range": 0.2, "tie_word_embeddings": false,
+            }),
+            "inline/config.json",
+        )
+        .unwrap();
+        Transformer::new(cfg, &ModelOptions::default()).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).abs().max().double_value(&[])
+    }
+
+    /// Logits of every position of `tokens` from a plain forward: `[T, vocab]`.
+    fn reference(m: &Transformer, tokens: &[i64]) -> Tensor {
+        let ids = Tensor::from_slice(tokens).unsqueeze(0);
+        tch::no_grad(|| m.forward(&ids, None, None, None))
+            .unwrap()
+            .squeeze_dim(0)
+    }
+
+    #[test]
+    fn chunked_and_batched_extends_match_a_plain_forward() {
+        let m = model();
+        let a: Vec<i64> = vec![5, 17, 33, 2, 90, 41, 8, 60, 12];
+        let b: Vec<i64> = vec![71, 3, 3, 44];
+        let (ra, rb) = (reference(&m, &a), reference(&m, &b));
+        let pool = KvPool::new(&m, 8, 3).unwrap();
+        // Blocks out of order on purpose; block 0 is the trash block.
+        let ta = [5u32, 2, 7];
+        let tb = [1u32, 4];
+        tch::no_grad(|| {
+            // Both sequences in one right-padded forward, `a` only partly (its first 4 tokens).
+            let mut batch = HostBatch::new(2, 4, 2);
+            batch.set_row(0, &a[..4], 0, &ta, 3);
+            batch.set_row(1, &b, 0, &tb, 3);
+            let logits = forward(&m, &pool, &batch).unwrap();
+            assert!(max_diff(&logits.get(0), &ra.get(3)) < 1e-5);
+            assert!(max_diff(&logits.get(1), &rb.get(3)) < 1e-5);
+            // Then the rest of `a` after its cached prefix, alone.
+            let mut batch = HostBatch::new(1, 5, 3);
+            batch.set_row(0, &a[4..], 4, &ta, 3);
+            let logits = forward(&m, &pool, &batch).unwrap();
+            assert!(max_diff(&logits.get(0), &ra.get(8)) < 1e-5);
+            // A copied block serves a second sequence that continues `b` differently.
+            pool.copy_blocks(&[4], &[6]).unwrap();
+            let mut batch = HostBatch::new(1, 1, 2);
+            batch.set_row(0, &[9], 4, &[1, 6], 3);
+            let logits = forward(&m, &pool, &batch).unwrap();
+            let mut b2 = b.clone();
+            b2.push(9);
+            assert!(max_diff(&logits.get(0), &reference(&m, &b2).get(4)) < 1e-5);
+        });
+    }
+}

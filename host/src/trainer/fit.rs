@@ -36,6 +36,7 @@ use verl_plugin_api::{
     ValueOptions,
 };
 
+use super::dump::{dump_generations, DumpRows};
 use super::error::TrainerError;
 use super::plugins::JobPlugins;
 use super::prompts::{tokenizer_dir, PromptEncoder};
@@ -213,6 +214,33 @@ struct Rollout {
     response_mask: Tensor<i64>,
     prompt_index: Vec<usize>,
     reward: RewardOutput,
+    prompt_text: Vec<String>,
+    response_text: Vec<String>,
+    ground_truth: Vec<serde_json::Value>,
+}
+
+impl Rollout {
+    /// Rows `keep` as verl's generation dump rows, `score(r)` giving row r's score.
+    fn dump_rows(
+        &self,
+        keep: impl IntoIterator<Item = usize>,
+        score: impl Fn(usize) -> f64,
+    ) -> DumpRows {
+        let mut rows = DumpRows::default();
+        for r in keep {
+            rows.push(
+                self.prompt_text[r].clone(),
+                self.response_text[r].clone(),
+                self.ground_truth[r].clone(),
+                score(r),
+                self.reward
+                    .extra
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.get(r).copied().unwrap_or(f64::NAN))),
+            );
+        }
+        rows
+    }
 }
 
 struct Roles {
@@ -501,7 +529,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
     };
     if let Some(ds) = &val_ds {
         if t.val_before_train || t.val_only {
-            let m = validate(&ctx, &mut roles, ds, &dcfg)?;
+            let m = validate(&ctx, &mut roles, ds, &dcfg, global_step)?;
             log(global_step, &m)?;
             summary.last_validation = Some(m);
             if t.val_only {
@@ -658,6 +686,17 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
             &to_f32(adv.returns.as_slice()),
         );
         timings.add("adv", t0.elapsed().as_secs_f64());
+        if let Some(dir) = &t.rollout_data_dir {
+            let t0 = Instant::now();
+            let seq = token_rewards_rowsum(&scores);
+            dump_generations(
+                dir,
+                global_step,
+                rollout.dump_rows(0..rows, |r| seq[r]),
+                group,
+            )?;
+            timings.add("dump_rollout_generations", t0.elapsed().as_secs_f64());
+        }
 
         // Updates.
         let update = UpdateOptions {
@@ -683,7 +722,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         if let Some(ds) = &val_ds {
             if t.test_freq > 0 && (is_last || global_step.is_multiple_of(t.test_freq as u64)) {
                 let t0 = Instant::now();
-                let m = validate(&ctx, &mut roles, ds, &dcfg)?;
+                let m = validate(&ctx, &mut roles, ds, &dcfg, global_step)?;
                 timings.add("testing", t0.elapsed().as_secs_f64());
                 metrics.extend(m.iter().cloned());
                 summary.last_validation = Some(m);
@@ -985,6 +1024,9 @@ fn score_rollout(
         response_mask,
         prompt_index,
         reward,
+        prompt_text,
+        response_text,
+        ground_truth,
     })
 }
 
@@ -1013,6 +1055,7 @@ fn validate(
     roles: &mut Roles,
     ds: &Arc<Dataset>,
     dcfg: &verl_data::DataConfig,
+    global_step: u64,
 ) -> anyhow::Result<Vec<(String, f64)>> {
     let cfg = ctx.cfg;
     let vk = &cfg.actor_rollout_ref.rollout.val_kwargs;
@@ -1022,6 +1065,7 @@ fn validate(
     let (mut sources, mut uids, mut scores) = (Vec::new(), Vec::new(), Vec::new());
     let mut extra: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let mut batch_no = 0u64;
+    let mut dump = DumpRows::default();
     while let Some(b) = loader.next_batch() {
         let real = b.samples.len();
         // verl pads a validation batch to a multiple of the world size by repeating its first
@@ -1082,6 +1126,18 @@ fn validate(
                 })
                 .collect(),
         };
+        if cfg.trainer.validation_data_dir.is_some() {
+            let part = r.dump_rows(keep.iter().copied(), |row| r.reward.scores[row]);
+            let mut parts = match ctx.group {
+                None => vec![part],
+                Some(g) => g.all_gather_json(&part)?,
+            };
+            if ctx.rank == 0 {
+                for p in parts.drain(..) {
+                    dump.append(p);
+                }
+            }
+        }
         let parts = match ctx.group {
             None => vec![mine],
             Some(g) => g.all_gather_json(&mine)?,
@@ -1104,6 +1160,12 @@ fn validate(
         v.resize(scores.len(), f64::NAN);
         if k != "reward" {
             infos.push((k, InfoColumn::Numbers(v)));
+        }
+    }
+    if let Some(dir) = &cfg.trainer.validation_data_dir {
+        // The rows were gathered batch by batch above; rank 0 holds them all.
+        if ctx.rank == 0 {
+            dump_generations(dir, global_step, dump, None)?;
         }
     }
     let table = process_validation_metrics(&sources, &uids, &infos, BOOTSTRAP_SEED)?;

@@ -8,6 +8,7 @@
 //! prompt groups; batch-wide statistics, metrics and validation span all ranks through the host's
 //! collectives (`crate::dist::HostGroup`).
 
+mod dump;
 mod error;
 mod fit;
 mod plugins;

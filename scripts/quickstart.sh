@@ -7,9 +7,9 @@
 # Environment: VERL (the binary, default target/release/verl), QS_DIR, QS_SFT_STEPS, QS_RL_STEPS,
 # QS_SEED, QS_SFT_NOISE. The plugins are found next to the binary.
 #
-# The SFT data is deliberately noisy (QS_SFT_NOISE, default 0.5: that fraction of the SFT answers
-# ends in a final answer one too high); the RL ground truth is always correct, so RL with the rule
-# reward has the slips to remove. See examples/quickstart/job.yaml.
+# The SFT data is deliberately noisy (QS_SFT_NOISE, default 0.6: that fraction of the SFT answers
+# ends in a final answer one too high, so the SFT model prefers the slip); the RL ground truth is
+# always correct, so RL with the rule reward has the slips to remove. See examples/quickstart/job.yaml.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -18,9 +18,9 @@ source scripts/env.sh
 
 VERL="${VERL:-$root/target/release/verl}"
 QS_DIR="${QS_DIR:-runs/quickstart}"
-SFT_STEPS="${QS_SFT_STEPS:-300}"
+SFT_STEPS="${QS_SFT_STEPS:-600}"
 RL_STEPS="${QS_RL_STEPS:-40}"
-SFT_NOISE="${QS_SFT_NOISE:-0.5}"
+SFT_NOISE="${QS_SFT_NOISE:-0.6}"
 SEED="${QS_SEED:-7}"
 [ -x "$VERL" ] || { echo "error: $VERL not found; build it with \`make build\`" >&2; exit 1; }
 

@@ -68,6 +68,9 @@ pub struct HostGroup {
     world_size: usize,
     timeout: Duration,
     round: AtomicU64,
+    /// Per rank: whether it holds its own slice of the data. Model-parallel peers (tensor or
+    /// pipeline ranks of one data-parallel replica) hold copies; only one of them counts.
+    data_ranks: std::sync::RwLock<Option<Vec<bool>>>,
 }
 
 impl std::fmt::Debug for HostGroup {
@@ -95,7 +98,42 @@ impl HostGroup {
             world_size: world_size.max(1),
             timeout,
             round: AtomicU64::new(0),
+            data_ranks: std::sync::RwLock::new(None),
         }
+    }
+
+    /// Declares which ranks hold distinct data (`mask[r]`), the others being model-parallel
+    /// copies of one of them. From then on every gather returns only those ranks' parts (in
+    /// rank order) and every reduction counts each data slice once, so batch-wide statistics
+    /// equal a pure data-parallel run's. Barriers still wait for every rank. Every rank must
+    /// declare the same mask, with at least one rank set.
+    pub fn set_data_ranks(&self, mask: Vec<bool>) -> Result<(), DistError> {
+        if mask.len() != self.world_size || !mask.iter().any(|&m| m) {
+            return Err(DistError::Payload {
+                rank: self.rank,
+                world_size: self.world_size,
+                op: "set_data_ranks",
+                round: self.round.load(Ordering::Relaxed),
+                from: self.rank,
+                expected: format!("{} flags with at least one set", self.world_size),
+                found: format!("{mask:?}"),
+            });
+        }
+        *self.data_ranks.write().unwrap_or_else(|e| e.into_inner()) = if mask.iter().all(|&m| m) {
+            None
+        } else {
+            Some(mask)
+        };
+        Ok(())
+    }
+
+    /// Whether this rank's data counts in gathers and reductions (see [`Self::set_data_ranks`]).
+    pub fn holds_data(&self) -> bool {
+        self.data_ranks
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_none_or(|m| m[self.rank])
     }
 
     pub fn rank(&self) -> usize {
@@ -170,6 +208,19 @@ impl HostGroup {
             self.client
                 .delete(&format!("{PREFIX}/{round}/done"))
                 .map_err(err(round))?;
+        }
+        if let Some(mask) = self
+            .data_ranks
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            out = out
+                .into_iter()
+                .zip(mask)
+                .filter(|(_, &m)| m)
+                .map(|(p, _)| p)
+                .collect();
         }
         Ok(out)
     }

@@ -454,3 +454,90 @@ fn grpo_on_two_and_four_cpu_ranks_equals_one_rank_and_resumes_across_world_sizes
         &comparable(&m[&3]),
     );
 }
+
+/// The Megatron backend through `verl run` on CPU ranks: tensor parallelism over 2 ranks, and
+/// TP=2 × DP=2 over 4, must train exactly like the FSDP backend on one rank — actor, reference
+/// and critic. The host gives the ranks of one tensor-parallel group the same prompts and counts
+/// their copies once in every batch-wide statistic (data metrics, whitening, validation). PPO
+/// with GAE, because the tiny random policy never earns a reward: GRPO's advantages would all be
+/// zero and the update pure rounding noise, while the critic's values make GAE's advantages real.
+#[test]
+fn megatron_tensor_parallel_ranks_train_like_one_fsdp_rank() {
+    let inst = install(&[
+        "libverl_fsdp.so",
+        "libverl_megatron.so",
+        "libverl_rewards.so",
+    ]);
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    write_model(&root.join("model"));
+    write_data(&root.join("train.jsonl"), 8, "train");
+    write_data(&root.join("val.jsonl"), 4, "test");
+    let run = |name: &str, extra: &[&str]| {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let job = write(&dir, "job.yaml", &job_yaml(root, name));
+        let critic_model = format!("critic.model.path={}", root.join("model").display());
+        let mut args = vec![
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+            "algorithm.adv_estimator=gae",
+            &critic_model,
+            "critic.ppo_mini_batch_size=4",
+            "critic.ppo_micro_batch_size_per_gpu=1",
+            "critic.forward_micro_batch_size_per_gpu=1",
+            "critic.optim.lr=1e-3",
+            "critic.model.fsdp_config.model_dtype=fp32",
+            "critic.model.fsdp_config.dtype=fp32",
+            // The reference computes in bf16 by default (verl's), which no two backends round alike.
+            "actor_rollout_ref.ref.fsdp_config.dtype=fp32",
+            "actor_rollout_ref.ref.megatron.dtype=float32",
+        ];
+        args.extend_from_slice(extra);
+        let o = verl_run(inst.path(), &dir, &job, &args);
+        assert!(
+            o.status.success(),
+            "{name}: stdout:\n{}\nstderr:\n{}",
+            stdout(&o),
+            stderr(&o)
+        );
+        dir
+    };
+    let base = metrics_by_step(&jsonl_of(&run("fsdp", &[])));
+    assert!(
+        base[&1]["critic/advantages/max"].as_f64().unwrap() > 1e-3,
+        "GAE advantages should be non-trivial: {:?}",
+        base[&1]
+    );
+    let megatron = [
+        "actor_rollout_ref.actor.strategy=megatron",
+        "actor_rollout_ref.actor.megatron.dtype=float32",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "critic.strategy=megatron",
+        "critic.megatron.dtype=float32",
+        "critic.megatron.tensor_model_parallel_size=2",
+    ];
+    for (name, world) in [("tp2", "2"), ("tp2_dp2", "4")] {
+        let gpus = format!("trainer.n_gpus_per_node={world}");
+        let mut extra = megatron.to_vec();
+        extra.push(&gpus);
+        let m = metrics_by_step(&jsonl_of(&run(name, &extra)));
+        let mut bad = Vec::new();
+        for step in 1..=3 {
+            let (a, b) = (comparable(&base[&step]), comparable(&m[&step]));
+            for (k, va) in &a {
+                match b.get(k) {
+                    None => bad.push(format!("step {step}: `{k}` missing")),
+                    // pg_loss is a mean of whitened advantages (≈ 0 ± 1e-8 of rounding): 1e-7 floor.
+                    Some(vb) if (va - vb).abs() > 1e-5 * va.abs().max(1e-2) => bad.push(format!(
+                        "step {step}: `{k}` is {vb}, one FSDP rank gave {va}"
+                    )),
+                    Some(_) => {}
+                }
+            }
+        }
+        assert!(bad.is_empty(), "{name}:\n{}", bad.join("\n"));
+    }
+}

@@ -314,7 +314,17 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         }
         _ => {}
     }
-    let plan = validate_batches(cfg, Layout::data_parallel(world as u64))?;
+    let dp = DataLayout::new(cfg, rank, world)?;
+    if let Some(g) = group {
+        g.set_data_ranks(dp.holds_data.clone())?;
+    }
+    let plan = validate_batches(
+        cfg,
+        Layout {
+            world_size: world as u64,
+            ..Layout::data_parallel(dp.dp_size as u64)
+        },
+    )?;
     let estimator: AdvantageEstimator = cfg.algorithm.adv_estimator.parse()?;
     if estimator.needs_values() && !cfg.need_critic() {
         return Err(TrainerError::Config {
@@ -524,7 +534,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         cfg,
         enc: &enc,
         rank,
-        world,
+        dp: &dp,
         group,
     };
     if let Some(ds) = &val_ds {
@@ -546,7 +556,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         };
         let step_start = Instant::now();
         let mut timings = Timings::new();
-        let slice = rank_slice(data.samples.len(), rank, world)?;
+        let slice = rank_slice(data.samples.len(), dp.dp_rank, dp.dp_size)?;
         let samples: Vec<&Sample> = data.samples[slice.clone()].iter().collect();
         let indices = &data.indices[slice.clone()];
         let mut metrics: Vec<(String, f64)> = Vec::new();
@@ -1034,8 +1044,82 @@ struct Ctx<'a> {
     cfg: &'a Config,
     enc: &'a PromptEncoder,
     rank: u32,
-    world: u32,
+    dp: &'a DataLayout,
     group: Option<&'a HostGroup>,
+}
+
+/// How the job's ranks split into data-parallel replicas. The FSDP backend is data-parallel
+/// only; the Megatron backend groups `tensor × context × pipeline` ranks into one replica that
+/// sees the same prompts (Megatron's rank order: tensor fastest, then context, data, pipeline).
+#[derive(Debug, Clone)]
+struct DataLayout {
+    dp_rank: u32,
+    dp_size: u32,
+    /// Per rank: the first rank of its replica (the one whose data counts in host statistics).
+    holds_data: Vec<bool>,
+}
+
+impl DataLayout {
+    fn new(cfg: &Config, rank: u32, world: u32) -> anyhow::Result<DataLayout> {
+        let sizes = |mg: &verl_config::MegatronConfig| {
+            (
+                mg.tensor_model_parallel_size.max(1),
+                mg.context_parallel_size.max(1),
+                mg.pipeline_model_parallel_size.max(1),
+            )
+        };
+        let arr = &cfg.actor_rollout_ref;
+        let (tp, cp, pp) = if arr.actor.strategy == "megatron" {
+            sizes(&arr.actor.megatron)
+        } else {
+            (1, 1, 1)
+        };
+        if cfg.need_critic() && cfg.critic.strategy == "megatron" {
+            let c = sizes(&cfg.critic.megatron);
+            if c != (tp, cp, pp) {
+                return Err(TrainerError::Config {
+                    key: "critic.megatron.tensor_model_parallel_size",
+                    value: format!("TP={} CP={} PP={}", c.0, c.1, c.2),
+                    message: format!(
+                        "the critic must split the ranks like the actor (TP={tp} CP={cp} PP={pp}): every rank's host feeds one prompt slice to all its roles"
+                    ),
+                }
+                .into());
+            }
+        }
+        let mp = (tp * cp * pp) as u32;
+        if !world.is_multiple_of(mp) {
+            return Err(TrainerError::Config {
+                key: "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+                value: format!("TP={tp} CP={cp} PP={pp}"),
+                message: format!(
+                    "{world} ranks do not split into model-parallel groups of {tp} × {cp} × {pp} = {mp}"
+                ),
+            }
+            .into());
+        }
+        let dp_size = world / mp;
+        let (tp, cp) = (tp as u32, cp as u32);
+        let coords = |r: u32| {
+            (
+                r % tp,
+                (r / tp) % cp,
+                (r / (tp * cp)) % dp_size,
+                r / (tp * cp * dp_size),
+            )
+        };
+        let holds_data = (0..world)
+            .map(|r| {
+                let (t, c, _, p) = coords(r);
+                t == 0 && c == 0 && p == 0
+            })
+            .collect();
+        Ok(DataLayout {
+            dp_rank: coords(rank).2,
+            dp_size,
+            holds_data,
+        })
+    }
 }
 
 /// One validation batch's scored rows on one rank, as sent to the others (floats as bits, so
@@ -1059,7 +1143,7 @@ fn validate(
 ) -> anyhow::Result<Vec<(String, f64)>> {
     let cfg = ctx.cfg;
     let vk = &cfg.actor_rollout_ref.rollout.val_kwargs;
-    let world = ctx.world.max(1) as usize;
+    let world = ctx.dp.dp_size.max(1) as usize;
     let mut loader =
         DataLoader::with_options(ds.clone(), LoaderOptions::validation(dcfg, ds.len()), None)?;
     let (mut sources, mut uids, mut scores) = (Vec::new(), Vec::new(), Vec::new());
@@ -1068,12 +1152,12 @@ fn validate(
     let mut dump = DumpRows::default();
     while let Some(b) = loader.next_batch() {
         let real = b.samples.len();
-        // verl pads a validation batch to a multiple of the world size by repeating its first
+        // verl pads a validation batch to a multiple of the data-parallel size by repeating its first
         // prompts, and drops what the padding generated.
         let padded = real.div_ceil(world) * world;
         let all: Vec<&Sample> = (0..padded).map(|i| &b.samples[i % real]).collect();
         let all_indices: Vec<usize> = (0..padded).map(|i| b.indices[i % real]).collect();
-        let slice = rank_slice(padded, ctx.rank, ctx.world)?;
+        let slice = rank_slice(padded, ctx.dp.dp_rank, ctx.dp.dp_size)?;
         let samples = &all[slice.clone()];
         let gen = GenerateOptions {
             n: vk.n as u32,

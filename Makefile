@@ -16,7 +16,7 @@ build-debug: setup
 	@$(ENV) cargo build --workspace
 
 run: build
-	@$(ENV) ./target/release/verl run examples/quickstart/job.yaml --dry-run
+	@bash scripts/quickstart.sh
 
 test: build-debug
 	@$(ENV) $(CARGO_TEST)

@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use tch::{Device, Kind, Tensor};
-use verl_losses::{ActorInputs, ActorLoss, ActorLossConfig, LossScale, MaskCounts, Normaliser};
+use verl_losses::{
+    ActorInputs, ActorLoss, ActorLossConfig, ChunkedLmHead, LossScale, MaskCounts, Normaliser,
+};
 use verl_nn::{HeadKind, ModelOptions, SaveOptions, Transformer};
 use verl_plugin_api::{
     col, Actor, Batch, DataParallel, Error as ApiError, GenerateOptions, InitArgs, LogProbOptions,
@@ -13,7 +15,7 @@ use verl_plugin_api::{
 
 use crate::config::{
     self, micro_batching, section, ActorSection, LogProbSection, MicroBatching, ModelSection,
-    TrainerSection,
+    RolloutEngineSection, TrainerSection,
 };
 use crate::data::{
     chunks, column, equalize_micro_batches, index_tensor, micro_batches, to_f32_vec, MicroBatch,
@@ -21,8 +23,9 @@ use crate::data::{
 };
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
-use crate::forward::{per_micro_batch, response_logits, token_stats};
+use crate::forward::{head_chunk_tokens, layout_token_stats, lm_head, per_micro_batch_layout};
 use crate::metrics::MetricAcc;
+use crate::packing::{Padding, RowLayout};
 use crate::shard::{MemoryStats, Offload};
 use crate::train::{Sharding, TrainableModel};
 
@@ -56,6 +59,12 @@ pub struct FsdpActor {
     /// Base of the per-call generation seeds; with `generate_calls` it is this role's RNG state.
     seed: u64,
     generate_calls: u64,
+    /// `actor_rollout_ref.model.use_remove_padding`.
+    padding: Padding,
+    /// Selected response tokens per LM-head chunk.
+    head_chunk: i64,
+    /// The generation engine's memory and scheduling keys.
+    engine: RolloutEngineSection,
 }
 
 pub(crate) fn load_model(
@@ -136,7 +145,9 @@ impl FsdpActor {
             .unwrap_or_else(|| model_dir.clone());
         let actor: ActorSection = section(cfg, "actor_rollout_ref.actor")?;
         let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
+        let engine: RolloutEngineSection = section(cfg, "actor_rollout_ref.rollout")?;
         let default_temperature = rollout.temperature.unwrap_or(1.0);
+        let padding = Padding::from_flag(model_cfg.use_remove_padding.unwrap_or(true));
         if reference {
             let reference: LogProbSection = section(cfg, "actor_rollout_ref.ref")?;
             let fsdp = reference
@@ -152,6 +163,7 @@ impl FsdpActor {
                 random_init,
             )?;
             model.set_requires_grad(false)?;
+            let head_chunk = head_chunk_tokens(model.config().vocab_size);
             return Ok(FsdpActor {
                 role: "reference",
                 weights: Weights::Frozen(Box::new(model)),
@@ -172,6 +184,9 @@ impl FsdpActor {
                 trainer_total_steps: trainer.total_training_steps,
                 seed: fsdp.seed,
                 generate_calls: 0,
+                padding,
+                head_chunk,
+                engine,
             });
         }
         let precision = actor
@@ -206,6 +221,7 @@ impl FsdpActor {
         }
         let loss_cfg: ActorLossConfig = section(cfg, "actor_rollout_ref.actor")?;
         let loss = ActorLoss::from_config(&loss_cfg)?;
+        let head_chunk = head_chunk_tokens(model.config().vocab_size);
         let train = TrainableModel::new_on(
             model,
             precision,
@@ -253,6 +269,9 @@ impl FsdpActor {
             trainer_total_steps: trainer.total_training_steps,
             seed: actor.fsdp_config.seed,
             generate_calls: 0,
+            padding,
+            head_chunk,
+            engine,
         })
     }
 
@@ -321,10 +340,23 @@ impl FsdpActor {
             return_log_probs: o.return_log_probs,
         };
         // Hybrid engine: the engine reads the live training weights; its KV cache lives only for
-        // this call and is dropped before returning.
-        let gen = self.run_model(|model| {
-            tch::no_grad(|| verl_rollout::generate(model, &ids, &mask, &params))
-                .map_err(|e| FsdpError::Api(ApiError::failed(format!("generation: {e}"))))
+        // this call and is dropped before returning. The KV budget is taken once the weights are
+        // resident (gathered, on several ranks), so they count as memory in use.
+        let (engine_keys, device) = (self.engine.clone(), self.device);
+        let (gen, meta) = self.run_model(|model| {
+            let budget = kv_budget(model, device, &engine_keys, &mask, &params)?;
+            let (gen, stats) = tch::no_grad(|| {
+                verl_rollout::generate_with_config(
+                    model,
+                    &ids,
+                    &mask,
+                    &params,
+                    None,
+                    &budget.config,
+                )
+            })
+            .map_err(|e| FsdpError::Api(ApiError::failed(format!("generation: {e}"))))?;
+            Ok((gen, budget.metrics(&stats)))
         })?;
         let rows = gen.prompt_index.len();
         let index = Tensor::f_from_slice(&gen.prompt_index)
@@ -366,6 +398,7 @@ impl FsdpActor {
             })
             .collect();
         out.insert_strings(col::FINISH_REASON, &reasons);
+        out.set_meta(&meta);
         Ok(out)
     }
 
@@ -373,9 +406,11 @@ impl FsdpActor {
         let seqs = Sequences::from_batch(batch, "Actor.compute_log_prob", self.device)?;
         let outputs = if o.with_entropy { 2 } else { 1 };
         let (micro, key) = (self.log_prob_micro, self.log_prob_key);
+        let (padding, chunk) = (self.padding, self.head_chunk);
         let res = self.run_model(|model| {
-            per_micro_batch(&seqs, micro, key, outputs, |sub| {
-                let (lp, ent) = token_stats(model, sub, o.temperature, o.with_entropy)?;
+            per_micro_batch_layout(&seqs, micro, padding, key, outputs, |layout| {
+                let (lp, ent) =
+                    layout_token_stats(model, layout, o.temperature, o.with_entropy, chunk)?;
                 Ok(std::iter::once(lp).chain(ent).collect())
             })
         })?;
@@ -423,6 +458,7 @@ impl FsdpActor {
         // old_log_probs, so the ratio is taken against the current log-probs (exactly 1).
         let on_policy = minis.len() == 1 && plan.epochs == 1;
         let need_entropy = plan.calculate_entropy || plan.loss.needs_entropy();
+        let (padding, head_chunk) = (self.padding, self.head_chunk);
         let mut acc = MetricAcc::default();
         let fail = |train: &mut TrainableModel, e: FsdpError| -> FsdpError {
             let _ = train.zero_grad();
@@ -467,47 +503,37 @@ impl FsdpActor {
                 for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
                     let dummy = *dummy;
                     let idx = index_tensor(part, device)?;
-                    let sub = seqs.select(&idx)?;
+                    let layout = RowLayout::new(&seqs, part, padding)?;
                     let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
                     let (old, a) = (pick(&old_lp)?, pick(&adv)?);
                     let r = ref_lp.as_ref().map(pick).transpose()?;
-                    let res = train.forward_backward_with(
+                    // Taken before the call: on several ranks the head unit holds its full values
+                    // while the loss runs.
+                    let weight = lm_head(&train.model)?;
+                    let res = train.forward_backward_hidden_with(
                         dp,
-                        &sub.input_ids,
-                        Some(&sub.attention_mask),
-                        Some(&sub.position_ids),
+                        &layout.input_ids,
+                        Some(&layout.attention_mask),
+                        Some(&layout.position_ids),
                         "actor loss",
-                        |out| {
-                            let logits = response_logits(&sub, out, temperature)?;
-                            let lp = verl_losses::logprobs_from_logits(&logits, &sub.responses)?;
-                            let ent = if need_entropy {
-                                Some(verl_losses::entropy_from_logits(&logits)?)
-                            } else {
-                                None
-                            };
-                            let old_used = if on_policy {
-                                lp.f_detach().ctx("detach")?
-                            } else {
-                                old.shallow_clone()
-                            };
-                            let out = plan.loss.compute(
-                                &ActorInputs {
-                                    old_log_prob: &old_used,
-                                    log_prob: &lp,
+                        |hidden| {
+                            actor_micro_batch_loss(
+                                &layout,
+                                hidden,
+                                &weight,
+                                &MicroBatchLoss {
+                                    loss: &plan.loss,
+                                    norm: &norm,
+                                    old: &old,
                                     advantages: &a,
-                                    response_mask: &sub.response_mask,
-                                    entropy: ent.as_ref(),
                                     ref_log_prob: r.as_ref(),
-                                    rollout_is_weights: None,
+                                    on_policy,
+                                    dummy,
+                                    need_entropy,
+                                    temperature,
+                                    chunk_tokens: head_chunk,
                                 },
-                                &norm,
-                            )?;
-                            let loss = if dummy {
-                                out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
-                            } else {
-                                out.loss
-                            };
-                            Ok((loss, out.metrics))
+                            )
                         },
                     );
                     let (loss, m) = match res {
@@ -612,6 +638,222 @@ impl FsdpActor {
         }
         self.dp.barrier("export barrier")
     }
+}
+
+/// What one micro-batch's actor loss needs besides the model's hidden states.
+pub struct MicroBatchLoss<'a> {
+    pub loss: &'a ActorLoss,
+    pub norm: &'a Normaliser,
+    /// `[rows, R]` log-probs of the policy that sampled (ignored `on_policy`).
+    pub old: &'a Tensor,
+    pub advantages: &'a Tensor,
+    pub ref_log_prob: Option<&'a Tensor>,
+    /// The ratio is taken against the current log-probs (one mini-batch, one epoch).
+    pub on_policy: bool,
+    /// A padding pass of a rank with fewer micro-batches: loss × 0.
+    pub dummy: bool,
+    pub need_entropy: bool,
+    pub temperature: f64,
+    pub chunk_tokens: i64,
+}
+
+/// The actor loss of one micro-batch from the final hidden states `[rows, L, H]`, as a surrogate
+/// whose backward is the loss's: the states that predict `layout`'s tokens go through the LM head
+/// `weight` in chunks (values first, then per chunk again with autograd for the gradients), so no
+/// `[tokens, vocab]` fp32 logits of the whole micro-batch exist at any point. Returns the loss and
+/// its metrics.
+pub fn actor_micro_batch_loss(
+    layout: &RowLayout,
+    hidden: &Tensor,
+    weight: &Tensor,
+    m: &MicroBatchLoss<'_>,
+) -> Result<(Tensor, std::collections::BTreeMap<String, f64>)> {
+    check_temperature(m.temperature)?;
+    let picked = layout.gather(hidden)?;
+    let head = ChunkedLmHead::new(m.chunk_tokens, m.temperature, m.need_entropy);
+    let mut metrics = None;
+    let (surrogate, _) = head.loss_and_surrogate(&picked, weight, &layout.targets, |lp, ent| {
+        let torch = |source| verl_losses::LossError::Torch {
+            op: "actor loss inputs",
+            source,
+        };
+        let lp = layout.scatter(lp).map_err(torch)?;
+        let ent = match ent {
+            Some(e) => Some(layout.scatter(e).map_err(torch)?),
+            None => None,
+        };
+        let old_used = if m.on_policy {
+            lp.f_detach().map_err(torch)?
+        } else {
+            m.old.shallow_clone()
+        };
+        let out = m.loss.compute(
+            &ActorInputs {
+                old_log_prob: &old_used,
+                log_prob: &lp,
+                advantages: m.advantages,
+                response_mask: &layout.response_mask,
+                entropy: ent.as_ref(),
+                ref_log_prob: m.ref_log_prob,
+                rollout_is_weights: None,
+            },
+            m.norm,
+        )?;
+        metrics = Some(out.metrics);
+        Ok(out.loss)
+    })?;
+    let loss = if m.dummy {
+        surrogate.f_mul_scalar(0.0).ctx("zero padding loss")?
+    } else {
+        surrogate
+    };
+    let metrics = metrics
+        .ok_or_else(|| FsdpError::Api(ApiError::failed("the actor loss was not computed")))?;
+    Ok((loss, metrics))
+}
+
+fn check_temperature(temperature: f64) -> Result<()> {
+    if temperature.is_finite() && temperature > 0.0 {
+        return Ok(());
+    }
+    Err(FsdpError::config(
+        "actor_rollout_ref.rollout.temperature",
+        "a finite temperature > 0",
+        temperature,
+    ))
+}
+
+/// The generation engine's configuration for one call, and where its KV budget came from.
+pub struct KvBudget {
+    pub config: verl_rollout::EngineConfig,
+    /// `gpu_memory_utilization × total − used` in bytes (CUDA only).
+    pub budget_bytes: Option<f64>,
+    /// KV tokens every sequence of the call needs at most (the engine's default pool).
+    pub all_sequences_tokens: usize,
+}
+
+impl KvBudget {
+    /// Generation metrics (in the output batch's `meta`): the KV pool the engine ran with and how
+    /// full it got.
+    pub fn metrics(
+        &self,
+        stats: &verl_rollout::GenerationStats,
+    ) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        let tokens = self
+            .config
+            .kv_cache_tokens
+            .unwrap_or(self.all_sequences_tokens);
+        m.insert("rollout/kv_cache_tokens".into(), tokens.into());
+        m.insert(
+            "rollout/kv_cache_source".into(),
+            match self.config.kv_cache_tokens {
+                Some(_) => "gpu_memory_utilization",
+                None => "all sequences",
+            }
+            .into(),
+        );
+        if let Some(b) = self.budget_bytes {
+            m.insert(
+                "rollout/kv_budget_gb".into(),
+                (b / (1u64 << 30) as f64).into(),
+            );
+        }
+        m.insert("rollout/kv_blocks".into(), stats.kv_blocks.into());
+        m.insert("rollout/peak_kv_blocks".into(), stats.peak_kv_blocks.into());
+        m.insert("rollout/preemptions".into(), stats.preemptions.into());
+        m.insert("rollout/max_running".into(), stats.max_running.into());
+        m
+    }
+}
+
+/// The engine configuration of one generate call: `rollout.max_num_seqs` and
+/// `rollout.max_num_batched_tokens` when set; on CUDA a KV cache of
+/// `gpu_memory_utilization × total − used` bytes (device memory as `cuMemGetInfo` reports it, taken
+/// with the weights resident), capped at what every sequence of the call needs at once; on the CPU
+/// (or when the query fails) that everything-fits pool.
+pub fn kv_budget(
+    model: &Transformer,
+    device: Device,
+    keys: &RolloutEngineSection,
+    prompt_mask: &Tensor,
+    params: &verl_rollout::SamplingParams,
+) -> Result<KvBudget> {
+    let mut config = verl_rollout::EngineConfig::default();
+    if let Some(n) = keys.max_num_seqs.filter(|&n| n > 0) {
+        config.max_num_seqs = Some(n as usize);
+    }
+    if let Some(t) = keys.max_num_batched_tokens.filter(|&t| t > 0) {
+        config.max_prefill_tokens = t as usize;
+    }
+    let util = keys.gpu_memory_utilization;
+    if !(util > 0.0 && util <= 1.0) {
+        return Err(FsdpError::config(
+            "actor_rollout_ref.rollout.gpu_memory_utilization",
+            "a fraction in (0, 1]",
+            util,
+        ));
+    }
+    let lens = Vec::<i64>::try_from(
+        &prompt_mask
+            .f_ne(0)
+            .and_then(|m| m.f_sum_dim_intlist(1, false, Kind::Int64))
+            .and_then(|m| m.f_to_device(Device::Cpu))
+            .ctx("prompt lengths")?,
+    )
+    .ctx("prompt lengths")?;
+    let (bs, m) = (config.block_size, params.max_new_tokens);
+    let per_prompt = if params.is_greedy() {
+        1
+    } else {
+        params.n.max(1)
+    };
+    let all_sequences_tokens: usize = lens
+        .iter()
+        .map(|&l| per_prompt * (l as usize + m).div_ceil(bs) * bs)
+        .sum();
+    let longest = lens.iter().copied().max().unwrap_or(0) as usize;
+    let mut budget_bytes = None;
+    if let Device::Cuda(gpu) = device {
+        let info = verl_comm::nccl::cuda_context(gpu)
+            .ok()
+            .and_then(|ctx| ctx.mem_get_info().ok());
+        match info {
+            None => tracing::warn!(
+                gpu,
+                "device memory query failed; the KV cache holds every sequence at once"
+            ),
+            Some((free, total)) => {
+                let used = total.saturating_sub(free) as f64;
+                let bytes = util * total as f64 - used;
+                budget_bytes = Some(bytes);
+                let tokens =
+                    verl_rollout::EngineConfig::tokens_for_bytes(model, bytes.max(0.0) as usize);
+                let one_seq = (longest + m).div_ceil(bs) * bs;
+                if tokens < one_seq {
+                    let gib = (1u64 << 30) as f64;
+                    return Err(FsdpError::config(
+                        "actor_rollout_ref.rollout.gpu_memory_utilization",
+                        format!(
+                            "room for the KV cache of one sequence ({longest} prompt + {m} new tokens = {:.3} GiB) above the {:.2} GiB in use of {:.2} GiB",
+                            (one_seq * verl_rollout::EngineConfig::kv_bytes_per_token(model)) as f64 / gib,
+                            used / gib,
+                            total as f64 / gib
+                        ),
+                        format!("{util} ({:.3} GiB left for the KV cache)", bytes / gib),
+                    ));
+                }
+                if tokens < all_sequences_tokens {
+                    config.kv_cache_tokens = Some(tokens);
+                }
+            }
+        }
+    }
+    Ok(KvBudget {
+        config,
+        budget_bytes,
+        all_sequences_tokens,
+    })
 }
 
 /// Fails unless every rank of `dp` got `rows` rows: ranks step through mini-batches (and their

@@ -153,6 +153,33 @@ pub struct ModelSection {
     pub tokenizer_path: Option<String>,
     pub enable_gradient_checkpointing: bool,
     pub fsdp_config: Option<FsdpSection>,
+    /// verl's `use_remove_padding`: log-prob / value / update passes drop each row's padding
+    /// ([`crate::packing::Padding::Remove`]). Unset: verl's defaults, on for
+    /// `actor_rollout_ref.model` (actor and reference), off for `critic.model`.
+    pub use_remove_padding: Option<bool>,
+}
+
+/// The generation-engine keys of `actor_rollout_ref.rollout` (vLLM's names).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct RolloutEngineSection {
+    /// Fraction of the GPU's total memory the process may fill during generation; the KV cache
+    /// gets what is left of it after everything already in use (weights, optimizer state, ...).
+    pub gpu_memory_utilization: f64,
+    /// Most sequences decoding at once.
+    pub max_num_seqs: Option<u64>,
+    /// Most prompt tokens in one prefill forward.
+    pub max_num_batched_tokens: Option<u64>,
+}
+
+impl Default for RolloutEngineSection {
+    fn default() -> Self {
+        RolloutEngineSection {
+            gpu_memory_utilization: 0.5,
+            max_num_seqs: None,
+            max_num_batched_tokens: None,
+        }
+    }
 }
 
 /// The batching keys of `actor_rollout_ref.actor` (the loss keys are read by verl-losses).

@@ -20,8 +20,9 @@ use crate::config::{
 use crate::data::{chunks, column, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences};
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
-use crate::forward::{per_micro_batch, values};
+use crate::forward::{layout_values, per_micro_batch_layout};
 use crate::metrics::MetricAcc;
+use crate::packing::{Padding, RowLayout};
 use crate::shard::{MemoryStats, Offload};
 use crate::train::{Sharding, TrainableModel};
 
@@ -35,6 +36,8 @@ pub struct FsdpCritic {
     epochs: usize,
     loss: CriticLoss,
     trainer_total_steps: Option<i64>,
+    /// `critic.model.use_remove_padding`.
+    padding: Padding,
 }
 
 impl FsdpCritic {
@@ -111,19 +114,21 @@ impl FsdpCritic {
             epochs: critic.ppo_epochs as usize,
             loss,
             trainer_total_steps: trainer.total_training_steps,
+            padding: Padding::from_flag(critic.model.use_remove_padding.unwrap_or(false)),
         })
     }
 
     fn do_values(&mut self, batch: &Batch) -> Result<Batch> {
         let seqs = Sequences::from_batch(batch, "Critic.compute_values", self.device)?;
-        let micro = self.forward_micro;
+        let (micro, padding) = (self.forward_micro, self.padding);
         let res = self.train.with_full(&self.dp, |model| {
-            per_micro_batch(
+            per_micro_batch_layout(
                 &seqs,
                 micro,
+                padding,
                 "critic.forward_max_token_len_per_gpu",
                 1,
-                |sub| Ok(vec![values(model, sub)?]),
+                |layout| Ok(vec![layout_values(model, layout)?]),
             )
         })?;
         // verl: only action tokens have values.
@@ -198,27 +203,26 @@ impl FsdpCritic {
                 for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
                     let dummy = *dummy;
                     let idx = index_tensor(part, device)?;
-                    let sub = seqs.select(&idx)?;
+                    let layout = RowLayout::new(&seqs, part, self.padding)?;
                     let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
                     let (v_old, ret) = (pick(&old_values)?, pick(&returns)?);
                     let loss_fn = &self.loss;
                     let res = train.forward_backward_with(
                         dp,
-                        &sub.input_ids,
-                        Some(&sub.attention_mask),
-                        Some(&sub.position_ids),
+                        &layout.input_ids,
+                        Some(&layout.attention_mask),
+                        Some(&layout.position_ids),
                         "critic loss",
                         |out| {
-                            let vpreds = sub
-                                .response_slice(out)?
-                                .f_to_kind(tch::Kind::Float)
-                                .ctx("values to fp32")?;
+                            let vpreds = layout
+                                .scatter(&layout.gather(out)?)
+                                .ctx("values at response positions")?;
                             let out = loss_fn.compute(
                                 &ValueInputs {
                                     vpreds: &vpreds,
                                     returns: &ret,
                                     values: &v_old,
-                                    response_mask: &sub.response_mask,
+                                    response_mask: &layout.response_mask,
                                 },
                                 &norm,
                             )?;

@@ -2,12 +2,13 @@
 //! and per-token values (critic), scattered back into batch order.
 
 use tch::{Kind, Tensor};
-use verl_losses::{entropy_from_logits, logprobs_from_logits};
+use verl_losses::ChunkedLmHead;
 use verl_nn::Transformer;
 
 use crate::config::MicroBatching;
 use crate::data::{index_tensor, micro_batches, Sequences};
 use crate::error::{FsdpError, Result, TorchContext};
+use crate::packing::{length_sorted_micro_batches, Padding, RowLayout};
 
 /// Logits of the positions that predict response tokens, fp32, divided by `temperature`.
 pub fn response_logits(seqs: &Sequences, head_out: &Tensor, temperature: f64) -> Result<Tensor> {
@@ -18,35 +19,122 @@ pub fn response_logits(seqs: &Sequences, head_out: &Tensor, temperature: f64) ->
         .ctx("logits / temperature")
 }
 
-/// Log-probs (and entropy) of `seqs.responses`, without autograd. The LM head is applied to the
-/// response positions only, so the `[rows, T, vocab]` logits of the prompt are never built.
+/// Log-probs (and entropy) of `seqs.responses`, without autograd: every response position, through
+/// the LM head in chunks of [`head_chunk_tokens`] (the prompt positions never reach the head, and no
+/// `[rows, R, vocab]` fp32 logits are built).
 pub fn token_stats(
     model: &Transformer,
     seqs: &Sequences,
     temperature: f64,
     with_entropy: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let all: Vec<usize> = (0..seqs.rows()).collect();
+    let layout = RowLayout::new(seqs, &all, Padding::Keep)?;
+    let chunk = head_chunk_tokens(model.config().vocab_size);
+    layout_token_stats(model, &layout, temperature, with_entropy, chunk)
+}
+
+/// Tokens per LM-head chunk: about 256 Mi fp32 logits (1 GiB) per chunk, between 256 and 8192
+/// tokens (1766 for a 152k vocabulary).
+pub fn head_chunk_tokens(vocab: i64) -> i64 {
+    ((1i64 << 28) / vocab.max(1)).clamp(256, 8192)
+}
+
+/// The LM head matrix of a causal-LM model.
+pub fn lm_head(model: &Transformer) -> Result<Tensor> {
+    model
+        .lm_head_weight()
+        .map(Tensor::shallow_clone)
+        .ok_or_else(|| {
+            FsdpError::Api(verl_plugin_api::Error::failed(format!(
+                "log-probs need a causal-LM head, found a {:?} head",
+                model.head_kind()
+            )))
+        })
+}
+
+/// Log-probs (and entropy) `[rows, R]` of the tokens `layout` selects (0 at the others), without
+/// autograd, with the LM head applied `chunk_tokens` selected tokens at a time.
+pub fn layout_token_stats(
+    model: &Transformer,
+    layout: &RowLayout,
+    temperature: f64,
+    with_entropy: bool,
+    chunk_tokens: i64,
+) -> Result<(Tensor, Option<Tensor>)> {
     check_temperature(temperature)?;
     let _guard = tch::no_grad_guard();
     let hidden = model.forward_hidden(
-        &seqs.input_ids,
-        Some(&seqs.attention_mask),
-        Some(&seqs.position_ids),
+        &layout.input_ids,
+        Some(&layout.attention_mask),
+        Some(&layout.position_ids),
         None,
     )?;
-    let hidden = seqs.response_slice(&hidden)?;
-    let logits = model.apply_head(&hidden, None)?;
-    let logits = logits
-        .f_to_kind(Kind::Float)
-        .and_then(|l| l.f_div_scalar(temperature))
-        .ctx("logits / temperature")?;
-    let lp = logprobs_from_logits(&logits, &seqs.responses)?;
-    let ent = if with_entropy {
-        Some(entropy_from_logits(&logits)?)
-    } else {
-        None
+    let picked = layout.gather(&hidden)?;
+    drop(hidden);
+    let stats = ChunkedLmHead::new(chunk_tokens, temperature, with_entropy).forward(
+        &picked,
+        &lm_head(model)?,
+        &layout.targets,
+    )?;
+    let lp = layout.scatter(&stats.log_probs).ctx("scatter log-probs")?;
+    let ent = match &stats.entropy {
+        Some(e) => Some(layout.scatter(e).ctx("scatter entropy")?),
+        None => None,
     };
     Ok((lp, ent))
+}
+
+/// Critic values `[rows, R]` fp32 at the tokens `layout` selects (0 at the others), without
+/// autograd.
+pub fn layout_values(model: &Transformer, layout: &RowLayout) -> Result<Tensor> {
+    let _guard = tch::no_grad_guard();
+    let out = model.forward(
+        &layout.input_ids,
+        Some(&layout.attention_mask),
+        Some(&layout.position_ids),
+        None,
+    )?;
+    layout.scatter(&layout.gather(&out)?).ctx("scatter values")
+}
+
+/// Runs `f` on the micro-batches of a forward-only pass — rows grouped by length
+/// ([`length_sorted_micro_batches`]) and laid out for `padding` — and scatters its `[rows, R]`
+/// outputs back into batch order. `outputs` is how many tensors `f` returns.
+pub fn per_micro_batch_layout<F>(
+    seqs: &Sequences,
+    batching: MicroBatching,
+    padding: Padding,
+    budget_key: &str,
+    outputs: usize,
+    mut f: F,
+) -> Result<Vec<Tensor>>
+where
+    F: FnMut(&RowLayout) -> Result<Vec<Tensor>>,
+{
+    let lengths = seqs.row_lengths()?;
+    let parts = length_sorted_micro_batches(&lengths, batching, budget_key)?;
+    let device = seqs.input_ids.device();
+    let mut out: Vec<Tensor> = (0..outputs)
+        .map(|_| {
+            Tensor::f_zeros(
+                [seqs.rows() as i64, seqs.response_len],
+                (Kind::Float, device),
+            )
+            .ctx("output buffer")
+        })
+        .collect::<Result<_>>()?;
+    for part in parts {
+        let layout = RowLayout::new(seqs, &part, padding)?;
+        let res = f(&layout)?;
+        let idx = index_tensor(&part, device)?;
+        for (dst, src) in out.iter_mut().zip(res) {
+            let _ = dst
+                .f_index_copy_(0, &idx, &src.f_to_kind(Kind::Float).ctx("output")?)
+                .ctx("scatter micro-batch output")?;
+        }
+    }
+    Ok(out)
 }
 
 /// Critic values at the response positions (verl's `values[:, -R-1:-1]`), fp32, without autograd.

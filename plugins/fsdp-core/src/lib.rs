@@ -21,6 +21,7 @@ pub mod error;
 pub mod forward;
 pub mod metrics;
 pub mod optim;
+pub mod packing;
 pub mod sft;
 pub mod shard;
 pub mod train;

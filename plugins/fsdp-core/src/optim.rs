@@ -123,16 +123,24 @@ pub struct StepCoefficients {
 /// gradients are scaled by `max_norm / (norm + 1e-6)` when that is below 1. Non-finite norms leave the
 /// gradients as they are (the caller refuses the step).
 pub fn clip_grad_norm(grads: &[Tensor], max_norm: f64) -> Result<f64> {
-    let mut sq = 0.0f64;
+    // Summed on the device, in order, in fp64: one host sync for the whole model instead of one
+    // per parameter.
+    let mut sq: Option<Tensor> = None;
     for g in grads {
         let n = g
             .f_to_kind(Kind::Double)
             .and_then(|x| x.f_square())
             .and_then(|x| x.f_sum(Kind::Double))
-            .and_then(|x| x.f_double_value(&[]))
             .ctx("gradient norm")?;
-        sq += n;
+        sq = Some(match sq {
+            None => n,
+            Some(acc) => acc.f_add(&n).ctx("gradient norm")?,
+        });
     }
+    let sq = match sq {
+        Some(t) => t.f_double_value(&[]).ctx("gradient norm")?,
+        None => 0.0,
+    };
     let norm = sq.sqrt();
     if norm.is_finite() && max_norm > 0.0 {
         let coef = max_norm / (norm + 1e-6);

@@ -49,6 +49,13 @@ pub struct TrainableModel {
     shard: Option<ShardState>,
 }
 
+/// What a forward-backward hands its loss function: the head output or the final hidden states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LossInput {
+    Head,
+    Hidden,
+}
+
 /// How a multi-rank model is sharded (`*.fsdp_config`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sharding {
@@ -195,26 +202,85 @@ impl TrainableModel {
     where
         F: FnOnce(&Tensor) -> verl_nn::Result<Tensor>,
     {
+        self.forward_backward_to(
+            LossInput::Head,
+            dp,
+            input_ids,
+            attention_mask,
+            position_ids,
+            loss_fn,
+        )
+    }
+
+    /// [`TrainableModel::forward_backward`] with `loss_fn` on the final hidden states `[B, T, H]`
+    /// instead of the head output (the caller applies the head, e.g. chunk by chunk: take
+    /// [`Transformer::lm_head_weight`] before the call; on several ranks it holds full values
+    /// while `loss_fn` runs).
+    pub fn forward_backward_hidden<F>(
+        &mut self,
+        dp: &Dp,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        loss_fn: F,
+    ) -> Result<Tensor>
+    where
+        F: FnOnce(&Tensor) -> verl_nn::Result<Tensor>,
+    {
+        self.forward_backward_to(
+            LossInput::Hidden,
+            dp,
+            input_ids,
+            attention_mask,
+            position_ids,
+            loss_fn,
+        )
+    }
+
+    fn forward_backward_to<F>(
+        &mut self,
+        input: LossInput,
+        dp: &Dp,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        loss_fn: F,
+    ) -> Result<Tensor>
+    where
+        F: FnOnce(&Tensor) -> verl_nn::Result<Tensor>,
+    {
         let Some(shard) = self.shard.as_mut() else {
-            return Ok(self.model.forward_backward(
-                input_ids,
-                attention_mask,
-                position_ids,
-                loss_fn,
-            )?);
+            let m = &self.model;
+            return Ok(match input {
+                LossInput::Head => {
+                    m.forward_backward(input_ids, attention_mask, position_ids, loss_fn)?
+                }
+                LossInput::Hidden => {
+                    m.forward_backward_hidden(input_ids, attention_mask, position_ids, loss_fn)?
+                }
+            });
         };
         let mut gate = Gate {
             state: shard,
             dp,
             error: None,
         };
-        let res = self.model.forward_backward_gated(
-            input_ids,
-            attention_mask,
-            position_ids,
-            &mut gate,
-            loss_fn,
-        );
+        let res = match input {
+            LossInput::Head => self.model.forward_backward_gated(
+                input_ids,
+                attention_mask,
+                position_ids,
+                &mut gate,
+                loss_fn,
+            ),
+            LossInput::Hidden => self.model.forward_backward_gated_hidden(
+                input_ids,
+                attention_mask,
+                position_ids,
+                &mut gate,
+                loss_fn,
+            ),
+        };
         let kept = gate.error.take();
         let released = shard_release(self.shard.as_mut());
         match (kept, res) {
@@ -240,14 +306,54 @@ impl TrainableModel {
         what: &'static str,
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(Tensor, T)> {
+        self.forward_backward_with_to(
+            LossInput::Head,
+            dp,
+            input_ids,
+            attention_mask,
+            position_ids,
+            what,
+            loss_fn,
+        )
+    }
+
+    /// [`TrainableModel::forward_backward_with`] on the final hidden states (see
+    /// [`TrainableModel::forward_backward_hidden`]).
+    pub fn forward_backward_hidden_with<T>(
+        &mut self,
+        dp: &Dp,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        what: &'static str,
+        loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<(Tensor, T)> {
+        self.forward_backward_with_to(
+            LossInput::Hidden,
+            dp,
+            input_ids,
+            attention_mask,
+            position_ids,
+            what,
+            loss_fn,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_backward_with_to<T>(
+        &mut self,
+        input: LossInput,
+        dp: &Dp,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        what: &'static str,
+        loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<(Tensor, T)> {
         let mut captured: Option<Result<T>> = None;
         let loss =
-            self.forward_backward(
-                dp,
-                input_ids,
-                attention_mask,
-                position_ids,
-                |out| match loss_fn(out) {
+            self.forward_backward_to(input, dp, input_ids, attention_mask, position_ids, |out| {
+                match loss_fn(out) {
                     Ok((loss, side)) => {
                         captured = Some(Ok(side));
                         Ok(loss)
@@ -260,8 +366,8 @@ impl TrainableModel {
                             found: "an error (reported separately)".into(),
                         })
                     }
-                },
-            );
+                }
+            });
         match (loss, captured) {
             (_, Some(Err(e))) | (Err(e), _) => Err(e),
             (Ok(loss), Some(Ok(side))) => Ok((loss, side)),

@@ -122,6 +122,60 @@ impl ChunkedLmHead {
         F: FnOnce(&Tensor, Option<&Tensor>) -> Result<Tensor>,
     {
         const OP: &str = "ChunkedLmHead::loss_and_backward";
+        let (loss, stats, push) = self.loss_and_push(hidden, weight, targets, loss_fn)?;
+        if let Some(push) = push {
+            push.f_backward().op(OP)?;
+        }
+        Ok((loss, stats))
+    }
+
+    /// Steps 1–3 of [`ChunkedLmHead::loss_and_backward`], for a caller that runs the backward itself (a model
+    /// whose backward goes unit by unit, a sharded model): returns a scalar *surrogate* whose value is the loss
+    /// and whose gradients with respect to `hidden` and `weight` are exactly the loss's, while its graph holds
+    /// no `[N, V]` tensor — only `hidden`, `weight` and the precomputed `[N, H]` / `[V, H]` gradients. Calling
+    /// `backward()` on it (or differentiating it with `run_backward`) is the backward of the loss through the
+    /// LM head. When neither `hidden` nor `weight` requires grad the surrogate is the detached loss.
+    pub fn loss_and_surrogate<F>(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        targets: &Tensor,
+        loss_fn: F,
+    ) -> Result<(Tensor, TokenStats)>
+    where
+        F: FnOnce(&Tensor, Option<&Tensor>) -> Result<Tensor>,
+    {
+        const OP: &str = "ChunkedLmHead::loss_and_surrogate";
+        let (loss, stats, push) = self.loss_and_push(hidden, weight, targets, loss_fn)?;
+        let surrogate = match push {
+            // `push - push.detach()` is exactly zero in value (for a finite push) and carries its gradient.
+            Some(push) => {
+                let zero = push.f_sub(&push.f_detach().op(OP)?).op(OP)?;
+                loss.f_to_kind(zero.kind())
+                    .op(OP)?
+                    .f_add(&zero)
+                    .op(OP)?
+                    .f_to_kind(loss.kind())
+                    .op(OP)?
+            }
+            None => loss,
+        };
+        Ok((surrogate, stats))
+    }
+
+    /// The detached loss, the per-token values, and `Σ hidden·g_h + Σ weight·g_w` (`None` when neither
+    /// needs a gradient), whose gradient is the loss's.
+    fn loss_and_push<F>(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        targets: &Tensor,
+        loss_fn: F,
+    ) -> Result<(Tensor, TokenStats, Option<Tensor>)>
+    where
+        F: FnOnce(&Tensor, Option<&Tensor>) -> Result<Tensor>,
+    {
+        const OP: &str = "ChunkedLmHead::loss_and_backward";
         let stats = self.forward(hidden, weight, targets)?;
         let lp_leaf = stats
             .log_probs
@@ -217,10 +271,20 @@ impl ChunkedLmHead {
                 Some(p) => p.f_add(&term).op(OP)?,
             });
         }
-        if let Some(push) = push {
-            push.f_backward().op(OP)?;
+        if push.is_none() {
+            // No tokens (an empty selection): the gradient is zero, but a caller that runs a backward through
+            // `hidden` still needs a graph that reaches it.
+            for t in [hidden, weight] {
+                if t.requires_grad() {
+                    let zero = t.f_sum(acc_kind).op(OP)?.f_mul_scalar(0.0).op(OP)?;
+                    push = Some(match push {
+                        None => zero,
+                        Some(p) => p.f_add(&zero).op(OP)?,
+                    });
+                }
+            }
         }
-        Ok((loss.f_detach().op(OP)?, stats))
+        Ok((loss.f_detach().op(OP)?, stats, push))
     }
 
     /// Log-probs (and entropy) of one chunk (`hidden` `[C, H]`, `targets` `[C]`), computed in fp32 (fp64 for

@@ -167,3 +167,59 @@ fn frozen_head_and_unused_entropy_still_give_exact_model_gradients() {
         "the head's own parameter was not part of this graph"
     );
 }
+
+#[test]
+fn surrogate_carries_the_full_logits_gradients_and_the_loss_value() {
+    let m = model();
+    let hidden = m.x.matmul(&m.a);
+    let logits = hidden.matmul(&m.w.tr()) / TEMPERATURE;
+    let lp_ref = logprobs_from_logits(&logits, &m.targets).unwrap();
+    let ent_ref = entropy_from_logits(&logits).unwrap();
+    let loss_ref = loss_of(&lp_ref, Some(&ent_ref), &m.adv);
+    loss_ref.backward();
+    let (ga_ref, gw_ref) = (to_vec(&m.a.grad()), to_vec(&m.w.grad()));
+
+    for chunk in [1, 6, 1000] {
+        let m2 = model();
+        let hidden = m2.x.matmul(&m2.a);
+        let mut computed = None;
+        let (surrogate, stats) = ChunkedLmHead::new(chunk, TEMPERATURE, true)
+            .loss_and_surrogate(&hidden, &m2.w, &m2.targets, |lp, ent| {
+                let l = loss_of(lp, ent, &m2.adv);
+                computed = Some(l.double_value(&[]));
+                Ok(l)
+            })
+            .unwrap();
+        // Nothing has been differentiated yet: the caller owns the backward.
+        assert!(!m2.a.grad().defined() && !m2.w.grad().defined());
+        assert_eq!(
+            Some(surrogate.double_value(&[])),
+            computed,
+            "chunk {chunk}: the surrogate's value is the loss, bit for bit"
+        );
+        assert!((surrogate.double_value(&[]) - loss_ref.double_value(&[])).abs() < 1e-10);
+        assert!(max_rel_err(&to_vec(&stats.log_probs), &to_vec(&lp_ref), 1e-9) < 1e-10);
+        surrogate.backward();
+        let da = max_rel_err(&to_vec(&m2.a.grad()), &ga_ref, 1e-9);
+        let dw = max_rel_err(&to_vec(&m2.w.grad()), &gw_ref, 1e-9);
+        assert!(
+            da < 1e-10 && dw < 1e-10,
+            "chunk {chunk}: grad A rel err {da:e}, grad W rel err {dw:e}"
+        );
+    }
+}
+
+#[test]
+fn surrogate_of_no_tokens_still_reaches_the_inputs_with_zero_gradient() {
+    let m = model();
+    let hidden = m.x.matmul(&m.a).narrow(0, 0, 0);
+    let targets = m.targets.narrow(0, 0, 0);
+    let (surrogate, stats) = ChunkedLmHead::new(4, 1.0, false)
+        .loss_and_surrogate(&hidden, &m.w, &targets, |lp, _| Ok(lp.sum(Kind::Double)))
+        .unwrap();
+    assert_eq!(stats.log_probs.size(), vec![0]);
+    assert_eq!(surrogate.double_value(&[]), 0.0);
+    surrogate.backward();
+    assert_eq!(m.w.grad().abs().sum(Kind::Double).double_value(&[]), 0.0);
+    assert_eq!(m.a.grad().abs().sum(Kind::Double).double_value(&[]), 0.0);
+}

@@ -640,10 +640,15 @@ impl DecoderLayer {
     fn finish(&self, h: &Tensor, a: &Tensor) -> Result<Tensor> {
         let h = h.f_add(a)?;
         let x = self.post_attention_layernorm.forward(&h)?;
-        let m = match &self.mlp {
-            FeedForward::Dense(mlp) => mlp.forward(&x)?,
-            FeedForward::Sparse(moe) => moe.forward(&x)?,
-        };
+        let m = self.feed_forward(&x)?;
         Ok(h.f_add(&m)?)
+    }
+
+    /// The feed-forward block alone (dense MLP or sparse MoE) on normed hidden states `x`.
+    pub fn feed_forward(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.mlp {
+            FeedForward::Dense(mlp) => mlp.forward(x),
+            FeedForward::Sparse(moe) => moe.forward(x),
+        }
     }
 }

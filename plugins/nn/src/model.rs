@@ -395,6 +395,20 @@ impl Transformer {
         &mut self.vs
     }
 
+    /// Layer `layer`'s feed-forward block (dense MLP, or the sparse MoE block of an MoE family)
+    /// applied to already-normed hidden states `x` (`[.., H]`); differentiable. The one-rank
+    /// reference for parallel implementations of the block (expert parallelism).
+    pub fn feed_forward(&self, layer: usize, x: &Tensor) -> Result<Tensor> {
+        let l = self.layers.get(layer).ok_or_else(|| {
+            NnError::input(
+                "decoder layer index",
+                format!("below the layer count {}", self.layers.len()),
+                layer.to_string(),
+            )
+        })?;
+        l.feed_forward(x)
+    }
+
     /// Enables or disables gradient tracking for every parameter (a frozen reference policy).
     pub fn set_requires_grad(&mut self, on: bool) -> Result<()> {
         for (_, p) in &self.params {
@@ -582,8 +596,79 @@ impl Transformer {
     where
         F: FnOnce(&Tensor) -> Result<Tensor>,
     {
+        self.forward_backward_to(
+            Output::Head,
+            input_ids,
+            attention_mask,
+            position_ids,
+            loss_fn,
+        )
+    }
+
+    /// [`Transformer::forward_backward`] with `loss_fn` on the final hidden states `[B, T, H]`
+    /// (after the final norm) instead of the head output: for a caller that applies the head
+    /// itself, e.g. chunk by chunk over the positions it needs (see [`Transformer::lm_head_weight`]).
+    /// The returned loss must depend on the hidden states (and may depend on the head weight).
+    pub fn forward_backward_hidden<F>(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        loss_fn: F,
+    ) -> Result<Tensor>
+    where
+        F: FnOnce(&Tensor) -> Result<Tensor>,
+    {
+        self.forward_backward_to(
+            Output::Hidden,
+            input_ids,
+            attention_mask,
+            position_ids,
+            loss_fn,
+        )
+    }
+
+    /// The LM head matrix `[V, H]` (the embedding matrix when tied), the same tensor the model
+    /// uses; `None` for a value or score head.
+    pub fn lm_head_weight(&self) -> Option<&Tensor> {
+        match &self.head {
+            Head::Lm(w) => Some(w),
+            _ => None,
+        }
+    }
+
+    /// The final norm, then the head unless `output` asks for the hidden states.
+    fn output(
+        &self,
+        x: &Tensor,
+        attention_mask: Option<&Tensor>,
+        output: Output,
+    ) -> Result<Tensor> {
+        let h = self.norm.forward(x)?;
+        match output {
+            Output::Head => self.apply_head(&h, attention_mask),
+            Output::Hidden => Ok(h),
+        }
+    }
+
+    fn forward_backward_to<F>(
+        &self,
+        output: Output,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        loss_fn: F,
+    ) -> Result<Tensor>
+    where
+        F: FnOnce(&Tensor) -> Result<Tensor>,
+    {
         if !self.checkpointing {
-            let out = self.forward(input_ids, attention_mask, position_ids, None)?;
+            let out = match output {
+                Output::Head => self.forward(input_ids, attention_mask, position_ids, None)?,
+                Output::Hidden => {
+                    self.forward_hidden(input_ids, attention_mask, position_ids, None)?
+                }
+            };
             let loss = loss_fn(&out)?;
             check_scalar(&loss)?;
             loss.f_backward()?;
@@ -598,7 +683,7 @@ impl Transformer {
             inputs.push(std::mem::replace(&mut h, next));
         }
         let x = h.f_detach()?.f_set_requires_grad(true)?;
-        let out = self.apply_head(&self.norm.forward(&x)?, attention_mask)?;
+        let out = self.output(&x, attention_mask, output)?;
         let loss = loss_fn(&out)?;
         check_scalar(&loss)?;
         loss.f_backward()?;
@@ -639,6 +724,52 @@ impl Transformer {
     where
         F: FnOnce(&Tensor) -> Result<Tensor>,
     {
+        self.forward_backward_gated_to(
+            Output::Head,
+            input_ids,
+            attention_mask,
+            position_ids,
+            gate,
+            loss_fn,
+        )
+    }
+
+    /// [`Transformer::forward_backward_gated`] with `loss_fn` on the final hidden states, as in
+    /// [`Transformer::forward_backward_hidden`]. The head unit stays acquired while `loss_fn`
+    /// runs, so [`Transformer::lm_head_weight`] holds its full values there.
+    pub fn forward_backward_gated_hidden<F>(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        gate: &mut dyn ParamGate,
+        loss_fn: F,
+    ) -> Result<Tensor>
+    where
+        F: FnOnce(&Tensor) -> Result<Tensor>,
+    {
+        self.forward_backward_gated_to(
+            Output::Hidden,
+            input_ids,
+            attention_mask,
+            position_ids,
+            gate,
+            loss_fn,
+        )
+    }
+
+    fn forward_backward_gated_to<F>(
+        &self,
+        output: Output,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        gate: &mut dyn ParamGate,
+        loss_fn: F,
+    ) -> Result<Tensor>
+    where
+        F: FnOnce(&Tensor) -> Result<Tensor>,
+    {
         let ctx = self.prepare(input_ids, attention_mask, position_ids, None)?;
         let mut inputs: Vec<Tensor> = Vec::with_capacity(self.layers.len());
         let mut h = gated(gate, Unit::Embedding, |_| {
@@ -652,7 +783,7 @@ impl Transformer {
         }
         let (loss, mut grad) = gated(gate, Unit::Head, |gate| -> Result<(Tensor, Tensor)> {
             let x = h.f_detach()?.f_set_requires_grad(true)?;
-            let out = self.apply_head(&self.norm.forward(&x)?, attention_mask)?;
+            let out = self.output(&x, attention_mask, output)?;
             let loss = loss_fn(&out)?;
             check_scalar(&loss)?;
             let grads = self.unit_backward(Unit::Head, &loss, Some(&x), gate)?;
@@ -910,6 +1041,15 @@ impl Transformer {
 struct Prepared {
     layer: LayerCtx,
     full_mask: Tensor,
+}
+
+/// What a forward-backward hands its loss function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Output {
+    /// The head output.
+    Head,
+    /// The final hidden states (after the final norm).
+    Hidden,
 }
 
 fn input_grad(g: Option<Tensor>) -> Result<Tensor> {

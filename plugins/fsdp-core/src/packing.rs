@@ -1,0 +1,307 @@
+//! Row layouts of a micro-batch (verl's `use_remove_padding`) and the map from hidden states to the
+//! response tokens they predict, so that only those states go through the LM head.
+//!
+//! A batch row is `left-padded prompt ‖ right-padded response`: its real tokens sit in one span
+//! `[first, last]` of the `P + R` columns. [`Padding::Keep`] runs the micro-batch as it is (minus the
+//! prompt columns that are padding in every row, see [`Sequences::select`]) and reads every response
+//! position. [`Padding::Remove`] shifts each row left by its own padding, so a micro-batch is only as
+//! long as its longest real row, and reads the positions of real response tokens only; the other
+//! positions of its per-token outputs are 0, as verl's unpadded path writes them.
+//!
+//! Both layouts give the same values at real tokens: position ids are carried over from the full
+//! row, attention keeps its causal order, and padded keys are masked either way.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::MicroBatching;
+use crate::data::{chunks, index_tensor, Sequences};
+use crate::error::{FsdpError, Result, TorchContext};
+
+/// Whether a micro-batch keeps its padding (`use_remove_padding: false`) or drops it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Padding {
+    Keep,
+    Remove,
+}
+
+impl Padding {
+    pub fn from_flag(remove: bool) -> Padding {
+        if remove {
+            Padding::Remove
+        } else {
+            Padding::Keep
+        }
+    }
+}
+
+/// One micro-batch as the model sees it, and which of its hidden states predict which response
+/// tokens.
+pub struct RowLayout {
+    /// int64 `[rows, L]`.
+    pub input_ids: Tensor,
+    /// int64 `[rows, L]`, 1 on real tokens.
+    pub attention_mask: Tensor,
+    /// int64 `[rows, L]`, the full rows' position ids.
+    pub position_ids: Tensor,
+    /// int64 `[N]`: flat indices into `[rows * L]` of the states that predict the selected tokens.
+    pub predictors: Tensor,
+    /// int64 `[N]`: flat indices into `[rows * R]` of the selected response tokens.
+    pub slots: Tensor,
+    /// int64 `[N]`: the selected response token ids.
+    pub targets: Tensor,
+    /// f32 `[rows, R]`.
+    pub response_mask: Tensor,
+    pub rows: i64,
+    pub response_len: i64,
+}
+
+impl RowLayout {
+    /// The rows `idx` of `seqs` laid out for `padding`.
+    pub fn new(seqs: &Sequences, idx: &[usize], padding: Padding) -> Result<RowLayout> {
+        let device = seqs.input_ids.device();
+        let index = index_tensor(idx, device)?;
+        match padding {
+            Padding::Keep => Self::keep(seqs, &index),
+            Padding::Remove => Self::remove(seqs, &index),
+        }
+    }
+
+    fn keep(seqs: &Sequences, index: &Tensor) -> Result<RowLayout> {
+        let sub = seqs.select(index)?;
+        let device = sub.input_ids.device();
+        let (rows, r) = (sub.rows() as i64, sub.response_len);
+        let l = sub.prompt_len + r;
+        let opts = (Kind::Int64, device);
+        // predictors[i, j] = i·L + (P' - 1 + j)
+        let predictors = Tensor::f_arange(rows, opts)
+            .and_then(|t| t.f_mul_scalar(l))
+            .and_then(|t| t.f_view([rows, 1]))
+            .and_then(|t| {
+                t.f_add(
+                    &Tensor::f_arange(r, opts)?
+                        .f_add_scalar(sub.prompt_len - 1)?
+                        .f_view([1, r])?,
+                )
+            })
+            .and_then(|t| t.f_reshape([-1]))
+            .ctx("response predictor indices")?;
+        let slots = Tensor::f_arange(rows * r, opts).ctx("response slots")?;
+        let targets = sub.responses.f_reshape([-1]).ctx("response targets")?;
+        Ok(RowLayout {
+            input_ids: sub.input_ids,
+            attention_mask: sub.attention_mask,
+            position_ids: sub.position_ids,
+            predictors,
+            slots,
+            targets,
+            response_mask: sub.response_mask,
+            rows,
+            response_len: r,
+        })
+    }
+
+    fn remove(seqs: &Sequences, index: &Tensor) -> Result<RowLayout> {
+        let device = seqs.input_ids.device();
+        let pick = |t: &Tensor| t.f_index_select(0, index).ctx("select micro-batch rows");
+        let (p, r) = (seqs.prompt_len, seqs.response_len);
+        let total = p + r;
+        let mask = pick(&seqs.attention_mask)?;
+        let response_mask = pick(&seqs.response_mask)?;
+        let rows = mask.size()[0];
+        let host_mask = to_host_i64(&mask, "attention mask")?;
+        let host_resp = to_host_i64(
+            &response_mask
+                .f_ne(0)
+                .and_then(|m| m.f_to_kind(Kind::Int64))
+                .ctx("response mask")?,
+            "response mask",
+        )?;
+        // Each row's span [start, end): from its first real token (at most the last prompt column,
+        // which predicts the first response token) through its last real token.
+        let mut starts = Vec::with_capacity(rows as usize);
+        let mut len = 1i64;
+        for i in 0..rows as usize {
+            let row = &host_mask[i * total as usize..(i + 1) * total as usize];
+            let first = row.iter().position(|&m| m != 0).unwrap_or(0) as i64;
+            let last = row
+                .iter()
+                .rposition(|&m| m != 0)
+                .map_or(0, |k| k as i64 + 1);
+            let start = first.min(p - 1);
+            starts.push(start);
+            len = len.max(last - start);
+        }
+        let opts = (Kind::Int64, device);
+        let start_t = Tensor::f_from_slice(&starts)
+            .and_then(|t| t.f_to_device(device))
+            .and_then(|t| t.f_view([rows, 1]))
+            .ctx("row starts")?;
+        let raw_cols = Tensor::f_arange(len, opts)
+            .and_then(|t| t.f_view([1, len]))
+            .and_then(|t| t.f_add(&start_t))
+            .ctx("row columns")?;
+        let in_range = raw_cols.f_lt(total).ctx("row columns")?;
+        let cols = raw_cols.f_clamp_max(total - 1).ctx("row columns")?;
+        let gather = |t: &Tensor| pick(t)?.f_gather(1, &cols, false).ctx("shift rows");
+        let input_ids = gather(&seqs.input_ids)?;
+        let attention_mask = gather(&seqs.attention_mask)?
+            .f_mul(&in_range)
+            .ctx("shifted mask")?;
+        let position_ids = gather(&seqs.position_ids)?;
+        let (mut predictors, mut slots) = (Vec::new(), Vec::new());
+        for (i, &start) in starts.iter().enumerate() {
+            for j in 0..r {
+                if host_resp[i * r as usize + j as usize] != 0 {
+                    predictors.push(i as i64 * len + (p + j - 1 - start));
+                    slots.push(i as i64 * r + j);
+                }
+            }
+        }
+        let on_device = |v: &[i64], what: &str| {
+            Tensor::f_from_slice(v)
+                .and_then(|t| t.f_to_device(device))
+                .ctx(what)
+        };
+        let slots = on_device(&slots, "response slots")?;
+        let targets = pick(&seqs.responses)?
+            .f_reshape([-1])
+            .and_then(|t| t.f_index_select(0, &slots))
+            .ctx("response targets")?;
+        Ok(RowLayout {
+            input_ids,
+            attention_mask,
+            position_ids,
+            predictors: on_device(&predictors, "response predictor indices")?,
+            slots,
+            targets,
+            response_mask,
+            rows,
+            response_len: r,
+        })
+    }
+
+    /// Positions the model runs over (`rows × L`).
+    pub fn positions(&self) -> i64 {
+        let s = self.input_ids.size();
+        s[0] * s[1]
+    }
+
+    /// Selected tokens (`N`).
+    pub fn selected(&self) -> i64 {
+        self.predictors.size()[0]
+    }
+
+    /// The states of model output `out` (`[rows, L, ...]`) that predict the selected tokens:
+    /// `[N, ...]`.
+    pub fn gather(&self, out: &Tensor) -> Result<Tensor> {
+        let s = out.size();
+        if s.len() < 2 || s[0] != self.rows || s[1] != self.input_ids.size()[1] {
+            return Err(FsdpError::Api(verl_plugin_api::Error::failed(format!(
+                "model output has shape {s:?}, expected [{}, {}, ..] (the micro-batch layout)",
+                self.rows,
+                self.input_ids.size()[1]
+            ))));
+        }
+        let mut flat = vec![s[0] * s[1]];
+        flat.extend_from_slice(&s[2..]);
+        out.f_reshape(flat.as_slice())
+            .and_then(|t| t.f_index_select(0, &self.predictors))
+            .ctx("gather response predictors")
+    }
+
+    /// `[N]` values of the selected tokens placed into `[rows, R]` fp32, 0 elsewhere;
+    /// differentiable with respect to `values`.
+    pub fn scatter(&self, values: &Tensor) -> std::result::Result<Tensor, tch::TchError> {
+        let values = values.f_to_kind(Kind::Float)?;
+        Tensor::f_zeros(
+            [self.rows * self.response_len],
+            (Kind::Float, values.device()),
+        )?
+        .f_index_copy(0, &self.slots, &values)?
+        .f_view([self.rows, self.response_len])
+    }
+}
+
+fn to_host_i64(t: &Tensor, what: &str) -> Result<Vec<i64>> {
+    let flat = t
+        .f_to_device(Device::Cpu)
+        .and_then(|x| x.f_to_kind(Kind::Int64))
+        .and_then(|x| x.f_contiguous())
+        .and_then(|x| x.f_view([-1]))
+        .ctx(what)?;
+    Vec::<i64>::try_from(&flat).ctx(what)
+}
+
+/// Micro-batches of a forward-only pass, whose results are per row so the grouping is free: rows
+/// sorted by length (longest first) and cut in order, so rows of similar length share a
+/// micro-batch and an unpadded micro-batch wastes little on its longest row. `Rows(n)`: `n` rows
+/// each; `Tokens(budget)`: as many rows as fit under `budget` real tokens. Each micro-batch lists its
+/// rows in increasing order.
+pub fn length_sorted_micro_batches(
+    lengths: &[i64],
+    mode: MicroBatching,
+    budget_key: &str,
+) -> Result<Vec<Vec<usize>>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&r| (std::cmp::Reverse(lengths[r]), r));
+    let mut parts = match mode {
+        MicroBatching::Rows(n) => chunks(&order, n),
+        MicroBatching::Tokens(budget) => {
+            let budget = budget as i64;
+            let mut parts: Vec<Vec<usize>> = Vec::new();
+            let mut load = 0i64;
+            for &r in &order {
+                if lengths[r] > budget {
+                    return Err(FsdpError::config(
+                        budget_key,
+                        format!(
+                            "a token budget of at least the longest sequence ({} tokens, row {r})",
+                            lengths[r]
+                        ),
+                        budget,
+                    ));
+                }
+                match parts.last_mut() {
+                    Some(p) if load + lengths[r] <= budget => {
+                        p.push(r);
+                        load += lengths[r];
+                    }
+                    _ => {
+                        parts.push(vec![r]);
+                        load = lengths[r];
+                    }
+                }
+            }
+            parts
+        }
+    };
+    for p in &mut parts {
+        p.sort_unstable();
+    }
+    Ok(parts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn length_sorted_groups_cover_every_row_under_the_budget() {
+        let lengths = vec![5, 9, 3, 7, 2, 8, 4];
+        let parts = length_sorted_micro_batches(&lengths, MicroBatching::Tokens(12), "k").unwrap();
+        let mut seen: Vec<usize> = parts.iter().flatten().copied().collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..7).collect::<Vec<_>>());
+        for p in &parts {
+            assert!(
+                p.iter().map(|&r| lengths[r]).sum::<i64>() <= 12,
+                "{parts:?}"
+            );
+        }
+        let parts = length_sorted_micro_batches(&lengths, MicroBatching::Rows(3), "k").unwrap();
+        assert_eq!(parts, vec![vec![1, 3, 5], vec![0, 2, 6], vec![4]]);
+        let e = length_sorted_micro_batches(&lengths, MicroBatching::Tokens(8), "x.max_token_len")
+            .unwrap_err();
+        assert!(e.to_string().contains("x.max_token_len"), "{e}");
+    }
+}

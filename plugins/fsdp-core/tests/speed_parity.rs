@@ -1,0 +1,529 @@
+//! The fast paths against the plain ones, fp32 on CPU: chunked LM head over selected positions vs
+//! full `[rows, T, vocab]` logits, unpadded rows vs padded ones, surrogate backward vs the
+//! full-logits backward, and the generation engine's configuration.
+
+use serde_json::{json, Value};
+use tch::{Device, Kind, Tensor};
+use verl_fsdp_core::actor::{actor_micro_batch_loss, kv_budget, MicroBatchLoss};
+use verl_fsdp_core::config::RolloutEngineSection;
+use verl_fsdp_core::data::Sequences;
+use verl_fsdp_core::forward::{layout_token_stats, layout_values, response_logits};
+use verl_fsdp_core::packing::{Padding, RowLayout};
+use verl_fsdp_core::FsdpPlugin;
+use verl_losses::{
+    entropy_from_logits, logprobs_from_logits, ActorInputs, ActorLoss, ActorLossConfig, LossScale,
+    MaskCounts, Normaliser,
+};
+use verl_nn::{HeadKind, ModelConfig, ModelOptions, SaveOptions, Transformer};
+use verl_plugin_api::{
+    col, testing, Batch, GenerateOptions, InitArgs, LogProbOptions, Role, UpdateOptions,
+};
+
+const VOCAB: i64 = 40;
+const PL: usize = 6;
+const RL: usize = 7;
+const TEMPERATURE: f64 = 0.7;
+
+fn config(tied: bool) -> ModelConfig {
+    ModelConfig::from_value(
+        json!({
+            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+            "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128,
+            "tie_word_embeddings": tied, "initializer_range": 0.3,
+            "pad_token_id": 0, "eos_token_id": 1,
+        }),
+        "inline/config.json",
+    )
+    .unwrap()
+}
+
+fn model(tied: bool, head: HeadKind, seed: i64) -> Transformer {
+    tch::manual_seed(seed);
+    Transformer::new(
+        config(tied),
+        &ModelOptions {
+            head,
+            ..ModelOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+}
+
+/// Left-padded prompts of 1..=6 tokens and right-padded responses of 0..=7 tokens (row 0 has a
+/// full prompt and a full response, row 1 an empty response).
+fn batch(rows: usize, seed: u64) -> Batch {
+    let mut rng = Lcg(seed);
+    let (mut p, mut pm, mut r, mut rm) = (vec![], vec![], vec![], vec![]);
+    for i in 0..rows {
+        let plen = if i == 0 {
+            PL
+        } else {
+            1 + (rng.next() % PL as u64) as usize
+        };
+        let rlen = match i {
+            0 => RL,
+            1 => 0,
+            _ => (rng.next() % (RL as u64 + 1)) as usize,
+        };
+        for j in 0..PL {
+            let real = j >= PL - plen;
+            p.push(if real {
+                2 + (rng.next() % (VOCAB as u64 - 2)) as i64
+            } else {
+                0
+            });
+            pm.push(real as i64);
+        }
+        for j in 0..RL {
+            let real = j < rlen;
+            r.push(if real {
+                2 + (rng.next() % (VOCAB as u64 - 2)) as i64
+            } else {
+                0
+            });
+            rm.push(real as i64);
+        }
+    }
+    let mut b = Batch::new();
+    b.insert_tensor(col::PROMPTS, &[rows, PL], &p);
+    b.insert_tensor(col::PROMPT_MASK, &[rows, PL], &pm);
+    b.insert_tensor(col::RESPONSES, &[rows, RL], &r);
+    b.insert_tensor(col::RESPONSE_MASK, &[rows, RL], &rm);
+    b
+}
+
+fn seqs(b: &Batch) -> Sequences {
+    Sequences::from_batch(b, "test", Device::Cpu).unwrap()
+}
+
+/// Largest `|a - b| / max(1, |b|)`: 1e-6 is a few fp32 ulps at the magnitudes here (|log p| ≈ 10
+/// has an ulp of 1e-6), so it allows summation-order differences and nothing else.
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    let scale = b.abs().clamp_min(1.0);
+    ((a - b).abs() / scale).max().double_value(&[])
+}
+
+/// The reference: full logits of the (trimmed) padded micro-batch, fp32, every response position.
+fn full_logit_stats(m: &Transformer, s: &Sequences, rows: &[usize]) -> (Tensor, Tensor) {
+    let idx = Tensor::from_slice(&rows.iter().map(|&r| r as i64).collect::<Vec<_>>());
+    let sub = s.select(&idx).unwrap();
+    let _g = tch::no_grad_guard();
+    let out = m
+        .forward(
+            &sub.input_ids,
+            Some(&sub.attention_mask),
+            Some(&sub.position_ids),
+            None,
+        )
+        .unwrap();
+    let logits = response_logits(&sub, &out, TEMPERATURE).unwrap();
+    (
+        logprobs_from_logits(&logits, &sub.responses).unwrap(),
+        entropy_from_logits(&logits).unwrap(),
+    )
+}
+
+#[test]
+fn chunked_log_probs_and_entropy_equal_full_logits_padded_or_not() {
+    let b = batch(9, 7);
+    let s = seqs(&b);
+    let rows: Vec<usize> = vec![0, 2, 3, 1, 5, 8];
+    for tied in [false, true] {
+        let m = model(tied, HeadKind::CausalLm, 11);
+        let (want_lp, want_ent) = full_logit_stats(&m, &s, &rows);
+        let idx = Tensor::from_slice(&rows.iter().map(|&r| r as i64).collect::<Vec<_>>());
+        let mask = s.response_mask.index_select(0, &idx);
+        for chunk in [1, 5, 4096] {
+            // Keep: every response position, equal to the full logits everywhere.
+            let keep = RowLayout::new(&s, &rows, Padding::Keep).unwrap();
+            let (lp, ent) = layout_token_stats(&m, &keep, TEMPERATURE, true, chunk).unwrap();
+            let d = max_diff(&lp, &want_lp);
+            assert!(
+                d < 1e-6,
+                "tied {tied} chunk {chunk}: log-probs differ by {d}"
+            );
+            assert!(max_diff(&ent.unwrap(), &want_ent) < 1e-6);
+            // Remove: equal at real response tokens, 0 elsewhere, over shorter rows.
+            let rm = RowLayout::new(&s, &rows, Padding::Remove).unwrap();
+            assert!(rm.positions() <= keep.positions());
+            assert_eq!(
+                rm.selected() as f64,
+                mask.sum(Kind::Float).double_value(&[])
+            );
+            let (lp, ent) = layout_token_stats(&m, &rm, TEMPERATURE, true, chunk).unwrap();
+            assert!(max_diff(&lp, &(&want_lp * &mask)) < 1e-6);
+            assert!(max_diff(&ent.unwrap(), &(&want_ent * &mask)) < 1e-6);
+            assert_eq!(lp.size(), vec![rows.len() as i64, RL as i64]);
+        }
+    }
+}
+
+#[test]
+fn unpadded_rows_are_as_long_as_the_longest_real_row() {
+    let b = batch(6, 3);
+    let s = seqs(&b);
+    let lengths = s.row_lengths().unwrap();
+    let rows = vec![1, 2, 4];
+    let rm = RowLayout::new(&s, &rows, Padding::Remove).unwrap();
+    let longest = rows.iter().map(|&r| lengths[r]).max().unwrap();
+    // At least one prompt column stays (it predicts the first response token).
+    assert_eq!(rm.input_ids.size()[1], longest);
+    assert_eq!(
+        rm.attention_mask.sum(Kind::Int64).int64_value(&[]),
+        rows.iter().map(|&r| lengths[r]).sum::<i64>()
+    );
+}
+
+#[test]
+fn critic_values_unpadded_equal_padded_at_real_tokens() {
+    let b = batch(7, 5);
+    let s = seqs(&b);
+    let m = model(false, HeadKind::Value, 3);
+    let rows: Vec<usize> = (0..7).collect();
+    let keep = layout_values(&m, &RowLayout::new(&s, &rows, Padding::Keep).unwrap()).unwrap();
+    let rm = layout_values(&m, &RowLayout::new(&s, &rows, Padding::Remove).unwrap()).unwrap();
+    // Reference: verl's values[:, -R-1:-1] of the full padded batch.
+    let out = tch::no_grad(|| {
+        m.forward(
+            &s.input_ids,
+            Some(&s.attention_mask),
+            Some(&s.position_ids),
+            None,
+        )
+        .unwrap()
+    });
+    let want = s.response_slice(&out).unwrap();
+    assert!(max_diff(&keep, &want) < 1e-6);
+    assert!(max_diff(&rm, &(&want * &s.response_mask)) < 1e-6);
+}
+
+fn actor_loss() -> ActorLoss {
+    let cfg: ActorLossConfig = serde_json::from_value(json!({
+        "clip_ratio": 0.1, "entropy_coeff": 0.01, "use_kl_loss": true,
+        "kl_loss_coef": 0.05, "kl_loss_type": "low_var_kl", "loss_agg_mode": "seq-mean-token-mean",
+    }))
+    .unwrap();
+    ActorLoss::from_config(&cfg).unwrap()
+}
+
+fn grads(m: &Transformer) -> Vec<(String, Tensor)> {
+    m.named_parameters()
+        .iter()
+        .map(|(n, p)| {
+            let g = p.grad();
+            let g = if g.defined() {
+                g.copy()
+            } else {
+                p.zeros_like()
+            };
+            (n.clone(), g)
+        })
+        .collect()
+}
+
+fn zero_grads(m: &Transformer) {
+    for (_, p) in m.named_parameters() {
+        let mut g = p.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
+    }
+}
+
+/// Off-policy inputs so the ratio is not 1 and some tokens clip.
+fn update_inputs(s: &Sequences, rows: &[usize]) -> (Tensor, Tensor, Tensor) {
+    let idx = Tensor::from_slice(&rows.iter().map(|&r| r as i64).collect::<Vec<_>>());
+    let n = rows.len() as i64;
+    tch::manual_seed(5);
+    let old = Tensor::randn([n, RL as i64], (Kind::Float, Device::Cpu)) * 0.3 - 3.5;
+    let adv = Tensor::randn([n, RL as i64], (Kind::Float, Device::Cpu));
+    let reference = Tensor::randn([n, RL as i64], (Kind::Float, Device::Cpu)) * 0.3 - 3.5;
+    let mask = s.response_mask.index_select(0, &idx);
+    // Callers hand 0 at padding (verl's old log-probs with remove-padding).
+    (&old * &mask, adv, &reference * &mask)
+}
+
+#[test]
+fn surrogate_backward_equals_full_logits_backward() {
+    let b = batch(8, 21);
+    let s = seqs(&b);
+    let rows: Vec<usize> = vec![0, 1, 3, 4, 6, 7];
+    let loss = actor_loss();
+    let (old, adv, reference) = update_inputs(&s, &rows);
+    let idx = Tensor::from_slice(&rows.iter().map(|&r| r as i64).collect::<Vec<_>>());
+    let mask = s.response_mask.index_select(0, &idx);
+    let norm = Normaliser::Global(LossScale::new(MaskCounts::of_mask(&mask).unwrap(), 1));
+    for (tied, checkpointing) in [(false, false), (true, false), (true, true)] {
+        let mut m = model(tied, HeadKind::CausalLm, 17);
+        m.set_activation_checkpointing(checkpointing);
+        // Today's path: full logits of the padded micro-batch through `forward_backward`.
+        let sub = s.select(&idx).unwrap();
+        let mut want_metrics = None;
+        let want_loss = m
+            .forward_backward(
+                &sub.input_ids,
+                Some(&sub.attention_mask),
+                Some(&sub.position_ids),
+                |out| {
+                    let logits = response_logits(&sub, out, TEMPERATURE).unwrap();
+                    let lp = logprobs_from_logits(&logits, &sub.responses).unwrap();
+                    let ent = entropy_from_logits(&logits).unwrap();
+                    let o = loss
+                        .compute(
+                            &ActorInputs {
+                                old_log_prob: &old,
+                                log_prob: &lp,
+                                advantages: &adv,
+                                response_mask: &sub.response_mask,
+                                entropy: Some(&ent),
+                                ref_log_prob: Some(&reference),
+                                rollout_is_weights: None,
+                            },
+                            &norm,
+                        )
+                        .unwrap();
+                    want_metrics = Some(o.metrics);
+                    Ok(o.loss)
+                },
+            )
+            .unwrap()
+            .double_value(&[]);
+        let want = grads(&m);
+        let want_metrics = want_metrics.unwrap();
+        for padding in [Padding::Keep, Padding::Remove] {
+            for chunk in [3, 4096] {
+                zero_grads(&m);
+                let layout = RowLayout::new(&s, &rows, padding).unwrap();
+                let weight = m.lm_head_weight().unwrap().shallow_clone();
+                let mut got_metrics = None;
+                let got_loss = m
+                    .forward_backward_hidden(
+                        &layout.input_ids,
+                        Some(&layout.attention_mask),
+                        Some(&layout.position_ids),
+                        |hidden| {
+                            let (l, metrics) = actor_micro_batch_loss(
+                                &layout,
+                                hidden,
+                                &weight,
+                                &MicroBatchLoss {
+                                    loss: &loss,
+                                    norm: &norm,
+                                    old: &old,
+                                    advantages: &adv,
+                                    ref_log_prob: Some(&reference),
+                                    on_policy: false,
+                                    dummy: false,
+                                    need_entropy: true,
+                                    temperature: TEMPERATURE,
+                                    chunk_tokens: chunk,
+                                },
+                            )
+                            .unwrap();
+                            got_metrics = Some(metrics);
+                            Ok(l)
+                        },
+                    )
+                    .unwrap()
+                    .double_value(&[]);
+                let what = format!("tied {tied} ckpt {checkpointing} {padding:?} chunk {chunk}");
+                assert!(
+                    (got_loss - want_loss).abs() < 1e-6,
+                    "{what}: loss {got_loss} vs {want_loss}"
+                );
+                for (k, v) in &want_metrics {
+                    let g = got_metrics.as_ref().unwrap()[k];
+                    assert!((g - v).abs() < 1e-6, "{what}: {k} {g} vs {v}");
+                }
+                let mut worst = 0.0f64;
+                for ((n, g), (_, w)) in grads(&m).iter().zip(&want) {
+                    let d = max_diff(g, w);
+                    assert!(d < 1e-6, "{what}: gradient of {n} differs by {d}");
+                    worst = worst.max(w.abs().max().double_value(&[]));
+                }
+                assert!(
+                    worst > 1e-3,
+                    "{what}: gradients should not be trivially zero"
+                );
+            }
+        }
+        zero_grads(&m);
+    }
+}
+
+// ---- through the plugin ----
+
+fn model_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(false, HeadKind::CausalLm, 29);
+    m.save_pretrained(dir.path(), &SaveOptions::default())
+        .unwrap();
+    dir
+}
+
+fn merge(base: &mut Value, patch: &Value) {
+    match (base, patch) {
+        (Value::Object(b), Value::Object(p)) => {
+            for (k, v) in p {
+                merge(b.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (b, p) => *b = p.clone(),
+    }
+}
+
+fn plugin_config(dir: &std::path::Path, patch: Value) -> Value {
+    let mut c = json!({
+        "trainer": {"device": "cpu"},
+        "actor_rollout_ref": {
+            "model": {"path": dir.to_str().unwrap()},
+            "actor": {
+                "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 3, "ppo_epochs": 2,
+                "entropy_coeff": 0.01, "calculate_entropy": true,
+                "optim": {"lr": 1e-3, "weight_decay": 0.01},
+                "fsdp_config": {"model_dtype": "fp32", "dtype": "fp32"},
+            },
+            "rollout": {"n": 1, "temperature": 1.0, "log_prob_micro_batch_size_per_gpu": 3},
+        },
+    });
+    merge(&mut c, &patch);
+    c
+}
+
+fn f32s(b: &Batch, name: &str) -> Vec<f32> {
+    b.tensor::<f32>(name).unwrap().data
+}
+
+#[test]
+fn remove_padding_trains_like_the_padded_path() {
+    let dir = model_dir();
+    let mut runs = Vec::new();
+    for remove in [false, true] {
+        let cfg = plugin_config(
+            dir.path(),
+            json!({"actor_rollout_ref": {"model": {"use_remove_padding": remove}}}),
+        );
+        let mut a = testing::actor::<FsdpPlugin>(&InitArgs::new(Role::Actor, cfg)).unwrap();
+        let b = batch(8, 40);
+        let lp_opts = LogProbOptions {
+            temperature: 1.0,
+            with_entropy: true,
+        };
+        let first = a.compute_log_prob(&b, &lp_opts).unwrap();
+        let mut up = b.clone();
+        up.insert_tensor(col::OLD_LOG_PROBS, &[8, RL], &f32s(&first, col::LOG_PROBS));
+        let adv: Vec<f32> = (0..8 * RL).map(|i| ((i % 5) as f32 - 2.0) * 0.5).collect();
+        up.insert_tensor(col::ADVANTAGES, &[8, RL], &adv);
+        let metrics = a.update(&up, &UpdateOptions::default()).unwrap();
+        let after = a.compute_log_prob(&b, &lp_opts).unwrap();
+        runs.push((first, metrics, after));
+    }
+    let mask: Vec<i64> = batch(8, 40).tensor::<i64>(col::RESPONSE_MASK).unwrap().data;
+    let close = |x: &Batch, y: &Batch, name: &str, tol: f32| {
+        let (x, y) = (f32s(x, name), f32s(y, name));
+        for i in 0..mask.len() {
+            if mask[i] != 0 {
+                assert!(
+                    (x[i] - y[i]).abs() < tol,
+                    "{name} token {i}: {} vs {}",
+                    x[i],
+                    y[i]
+                );
+            } else {
+                // verl's unpadded path writes 0 at padding.
+                assert_eq!(y[i], 0.0, "{name} token {i} of the unpadded run");
+            }
+        }
+    };
+    close(&runs[0].0, &runs[1].0, col::LOG_PROBS, 1e-6);
+    close(&runs[0].0, &runs[1].0, col::ENTROPY, 1e-6);
+    close(&runs[0].2, &runs[1].2, col::LOG_PROBS, 1e-5);
+    assert_ne!(
+        f32s(&runs[0].0, col::LOG_PROBS),
+        f32s(&runs[0].2, col::LOG_PROBS),
+        "the update should change the policy"
+    );
+    for (k, v) in &runs[0].1 {
+        let w = runs[1].1.iter().find(|(n, _)| n == k).unwrap().1;
+        assert!((v - w).abs() < 1e-5 * v.abs().max(1.0), "{k}: {v} vs {w}");
+    }
+}
+
+#[test]
+fn engine_keys_shape_generation_but_not_its_outputs() {
+    let dir = model_dir();
+    let prompts = testing::prompts(&[&[5, 6, 7, 8], &[9, 10], &[11, 12, 13]], 0);
+    let opts = GenerateOptions {
+        n: 3,
+        max_new_tokens: 6,
+        temperature: 0.9,
+        seed: Some(4),
+        eos_token_ids: vec![1],
+        return_log_probs: true,
+        ..GenerateOptions::default()
+    };
+    let mut outs = Vec::new();
+    for patch in [
+        json!({}),
+        json!({"actor_rollout_ref": {"rollout": {"max_num_seqs": 2, "max_num_batched_tokens": 5}}}),
+    ] {
+        let cfg = plugin_config(dir.path(), patch);
+        let mut a = testing::actor::<FsdpPlugin>(&InitArgs::new(Role::Actor, cfg)).unwrap();
+        outs.push(a.generate(&prompts, &opts).unwrap());
+    }
+    let ids = |b: &Batch| b.tensor::<i64>(col::RESPONSES).unwrap().data;
+    assert_eq!(ids(&outs[0]), ids(&outs[1]));
+    for o in &outs {
+        let meta = o.meta();
+        // CPU: every sequence fits (3 prompts × 3 samples × ceil((len + 6) / 16) blocks).
+        assert_eq!(meta["rollout/kv_cache_source"], "all sequences");
+        assert_eq!(meta["rollout/kv_cache_tokens"], 9 * 16);
+    }
+    assert_eq!(outs[1].meta()["rollout/max_running"], 2);
+}
+
+#[test]
+fn kv_budget_rejects_a_utilization_outside_zero_one() {
+    let m = model(false, HeadKind::CausalLm, 1);
+    let mask = Tensor::ones([2, 4], (Kind::Int64, Device::Cpu));
+    let params = verl_rollout::SamplingParams {
+        n: 2,
+        max_new_tokens: 8,
+        ..verl_rollout::SamplingParams::default()
+    };
+    let keys = RolloutEngineSection {
+        gpu_memory_utilization: 1.5,
+        ..RolloutEngineSection::default()
+    };
+    let e = kv_budget(&m, Device::Cpu, &keys, &mask, &params)
+        .err()
+        .unwrap();
+    assert!(
+        e.to_string().contains("gpu_memory_utilization") && e.to_string().contains("1.5"),
+        "{e}"
+    );
+    let keys = RolloutEngineSection {
+        max_num_seqs: Some(3),
+        max_num_batched_tokens: Some(100),
+        ..RolloutEngineSection::default()
+    };
+    let b = kv_budget(&m, Device::Cpu, &keys, &mask, &params).unwrap();
+    assert_eq!(b.config.kv_cache_tokens, None);
+    assert_eq!(b.config.max_num_seqs, Some(3));
+    assert_eq!(b.config.max_prefill_tokens, 100);
+    assert_eq!(b.all_sequences_tokens, 2 * 2 * 16);
+}

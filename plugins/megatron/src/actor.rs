@@ -24,11 +24,13 @@ use verl_plugin_api::{
 };
 
 use crate::common::{
-    self, assemble, check_temperature, compute_dtype, copy_tokenizer_files, gather_live, i64_vec,
-    megatron_section, per_micro_batch, same_micro_batch_count, same_rows_on_every_rank,
+    self, assemble, check_temperature, compute_dtype, copy_tokenizer_files, forward_micro_batches,
+    from_last_stage, gather_live_model, i64_vec, megatron_section, metrics_from_last_stage,
+    same_micro_batch_count, same_rows_on_every_rank,
 };
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::parallel::Parallel;
+use crate::pipeline::MicroInput;
 use crate::tp::TpModel;
 use crate::train::TpTrainer;
 
@@ -229,7 +231,7 @@ impl MegatronActor {
     fn rollout_model(&mut self) -> Result<&Transformer> {
         if self.rollout_model.is_none() {
             let m = self.model();
-            let weights = gather_live(m)?;
+            let weights = gather_live_model(m, &self.par)?;
             let full = assemble(
                 m.config(),
                 HeadKind::CausalLm,
@@ -322,30 +324,36 @@ impl MegatronActor {
         check_temperature(o.temperature)?;
         let outputs = if o.with_entropy { 2 } else { 1 };
         let model = self.model();
-        let res = per_micro_batch(
+        let res = forward_micro_batches(
+            model,
+            &self.par,
             &seqs,
             self.log_prob_micro,
             self.log_prob_key,
             outputs,
-            |sub| {
-                let _guard = tch::no_grad_guard();
-                let hidden =
-                    model.forward_hidden(&sub.input_ids, &sub.attention_mask, &sub.position_ids)?;
-                let hidden = sub.response_slice(&hidden)?;
+            |sub, hidden| {
+                let hidden = sub.response_slice(hidden)?;
                 let (lp, ent) =
                     model.token_stats(&hidden, &sub.responses, o.temperature, o.with_entropy)?;
                 Ok(std::iter::once(lp).chain(ent).collect())
             },
         )?;
         let (rows, rl) = (seqs.rows(), seqs.response_len as usize);
+        // Padding positions hold 0, as verl's (and the FSDP backend's) padding-free forward
+        // returns them.
+        let masked = |t: &Tensor| t.f_mul(&seqs.response_mask).ctx("mask log-probs");
         let mut out = Batch::new();
         out.insert_tensor(
             col::LOG_PROBS,
             &[rows, rl],
-            &to_f32_vec(&res[0], "log-probs")?,
+            &to_f32_vec(&masked(&res[0])?, "log-probs")?,
         );
         if o.with_entropy {
-            out.insert_tensor(col::ENTROPY, &[rows, rl], &to_f32_vec(&res[1], "entropy")?);
+            out.insert_tensor(
+                col::ENTROPY,
+                &[rows, rl],
+                &to_f32_vec(&masked(&res[1])?, "entropy")?,
+            );
         }
         Ok(out)
     }
@@ -423,69 +431,90 @@ impl MegatronActor {
                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                 )?;
                 let parts = same_micro_batch_count(dp, parts)?;
-                for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
-                    let dummy = *dummy;
-                    let idx = index_tensor(part, device)?;
-                    let sub = seqs.select(&idx)?;
-                    let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
-                    let (old, a) = (pick(&old_lp)?, pick(&adv)?);
-                    let r = ref_lp.as_ref().map(pick).transpose()?;
-                    let res = train.forward_backward(
-                        &sub.input_ids,
-                        &sub.attention_mask,
-                        &sub.position_ids,
-                        |model, hidden| {
-                            let h = sub.response_slice(hidden)?;
-                            let (lp, ent) =
-                                model.token_stats(&h, &sub.responses, temperature, need_entropy)?;
-                            let old_used = if on_policy {
-                                lp.f_detach().ctx("detach")?
-                            } else {
-                                old.shallow_clone()
-                            };
-                            let out = plan.loss.compute(
-                                &ActorInputs {
-                                    old_log_prob: &old_used,
-                                    log_prob: &lp,
-                                    advantages: &a,
-                                    response_mask: &sub.response_mask,
-                                    entropy: ent.as_ref(),
-                                    ref_log_prob: r.as_ref(),
-                                    rollout_is_weights: None,
-                                },
-                                &norm,
-                            )?;
-                            let loss = if dummy {
-                                out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
-                            } else {
-                                out.loss
-                            };
-                            Ok((loss, out.metrics))
-                        },
-                    );
-                    let (loss, m) = match res {
-                        Ok(v) => v,
-                        Err(e) => {
-                            let _ = train.zero_grad();
-                            return Err(e);
-                        }
+                struct Micro {
+                    sub: Sequences,
+                    old: Tensor,
+                    adv: Tensor,
+                    ref_lp: Option<Tensor>,
+                    dummy: bool,
+                }
+                let micros = parts
+                    .iter()
+                    .map(|MicroBatch { rows: part, dummy }| {
+                        let idx = index_tensor(part, device)?;
+                        let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
+                        Ok(Micro {
+                            sub: seqs.select(&idx)?,
+                            old: pick(&old_lp)?,
+                            adv: pick(&adv)?,
+                            ref_lp: ref_lp.as_ref().map(pick).transpose()?,
+                            dummy: *dummy,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let inputs: Vec<MicroInput> = micros
+                    .iter()
+                    .map(|m| MicroInput {
+                        ids: &m.sub.input_ids,
+                        mask: &m.sub.attention_mask,
+                        positions: &m.sub.position_ids,
+                    })
+                    .collect();
+                let res = train.forward_backward_pipelined(par, &inputs, |ui, model, hidden| {
+                    let Micro {
+                        sub,
+                        old,
+                        adv: a,
+                        ref_lp: r,
+                        dummy,
+                    } = &micros[ui];
+                    let h = sub.response_slice(hidden)?;
+                    let (lp, ent) =
+                        model.token_stats(&h, &sub.responses, temperature, need_entropy)?;
+                    let old_used = if on_policy {
+                        lp.f_detach().ctx("detach")?
+                    } else {
+                        old.shallow_clone()
                     };
-                    if dummy {
+                    let out = plan.loss.compute(
+                        &ActorInputs {
+                            old_log_prob: &old_used,
+                            log_prob: &lp,
+                            advantages: a,
+                            response_mask: &sub.response_mask,
+                            entropy: ent.as_ref(),
+                            ref_log_prob: r.as_ref(),
+                            rollout_is_weights: None,
+                        },
+                        &norm,
+                    )?;
+                    let loss = if *dummy {
+                        out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
+                    } else {
+                        out.loss
+                    };
+                    Ok((loss, out.metrics))
+                });
+                let results = match res {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let _ = train.zero_grad();
+                        return Err(e);
+                    }
+                };
+                // Only the last pipeline stage sees the losses; it tells the others about a
+                // non-finite one, so every stage skips the step and fails alike.
+                let mut bad: Option<(usize, String, String)> = None;
+                'micro: for (ui, r) in results.into_iter().enumerate() {
+                    let Some((loss, m)) = r else { continue };
+                    if micros[ui].dummy {
                         continue;
                     }
                     let loss_value = loss.f_double_value(&[]).ctx("loss value")?;
                     for (name, v) in m.iter().chain([(&"loss".to_string(), &loss_value)]) {
                         if !v.is_finite() {
-                            let _ = train.zero_grad();
-                            return Err(MegatronError::NonFinite {
-                                role: "actor",
-                                step: o.global_step,
-                                epoch,
-                                mini_batch: mi,
-                                micro: format!(", micro-batch {ui}"),
-                                metric: name.clone(),
-                                value: *v,
-                            });
+                            bad = Some((ui, name.clone(), v.to_string()));
+                            break 'micro;
                         }
                     }
                     for (name, v) in &m {
@@ -495,6 +524,20 @@ impl MegatronActor {
                             _ => acc.push(name, *v),
                         }
                     }
+                }
+                if let Some((ui, metric, value)) =
+                    from_last_stage(par, &bad, "broadcast (non-finite loss report)")?
+                {
+                    let _ = train.zero_grad();
+                    return Err(MegatronError::NonFinite {
+                        role: "actor",
+                        step: o.global_step,
+                        epoch,
+                        mini_batch: mi,
+                        micro: format!(", micro-batch {ui}"),
+                        metric,
+                        value: value.parse().unwrap_or(f64::NAN),
+                    });
                 }
                 if let Some(e) = mini_entropy {
                     let mut e = [e];
@@ -511,7 +554,7 @@ impl MegatronActor {
         acc.push_global("actor/lr", lr);
         verl_fsdp_core::metrics::push_gpu_memory(&mut acc, dp, device)?;
         acc.reduce(dp)?;
-        Ok(acc.into_metrics())
+        metrics_from_last_stage(par, acc.into_metrics())
     }
 
     fn do_save(&mut self, dir: &Path) -> Result<()> {
@@ -541,7 +584,7 @@ impl MegatronActor {
     /// writes an HF folder transformers loads.
     fn do_export(&mut self, dir: &Path) -> Result<()> {
         let m = self.model();
-        let weights = gather_live(m)?;
+        let weights = gather_live_model(m, &self.par)?;
         if self.par.is_first() {
             let full = assemble(
                 m.config(),

@@ -1,12 +1,13 @@
 //! Checkpoints that do not depend on the parallel layout they were written at.
 //!
-//! Every parameter is saved whole (gathered over the tensor-parallel and, for the distributed
-//! optimizer, the data-parallel ranks): `model/` is an HF folder in the compute dtype,
+//! Every parameter is saved whole (gathered over the tensor-parallel ranks, the pipeline stages
+//! and, for the distributed optimizer, the data-parallel ranks): `model/` is an HF folder in the compute dtype,
 //! `master.safetensors` holds the fp32 master weights and `optim.safetensors` the AdamW moments
 //! (`exp_avg.<name>`, `exp_avg_sq.<name>`), all under HF parameter names; `state.json` records the
 //! format, the role, the layout it was written at and the counters. Loading at any
-//! tensor-/data-parallel size slices each rank's part out of the whole tensors, so 2→1 and 1→2
-//! resharding is the ordinary path, not a special case. Rank 0 writes; every rank takes part in
+//! tensor-/pipeline-/data-parallel size slices each rank's part out of the whole tensors (a stage
+//! reads only its own layers), so 2→1 and 1→2 resharding is the ordinary path, not a special
+//! case. Rank 0 writes; every rank takes part in
 //! the gathers.
 
 use std::collections::HashMap;
@@ -126,15 +127,17 @@ pub fn load(
             ),
         ));
     }
-    let saved_tp = field("layout")
-        .get("tensor_model_parallel_size")
-        .and_then(|v| v.as_u64())
-        .unwrap_or(1);
-    if saved_tp as usize != par.layout.tp {
+    let saved = |k: &str| field("layout").get(k).and_then(|v| v.as_u64()).unwrap_or(1) as usize;
+    let (saved_tp, saved_pp) = (
+        saved("tensor_model_parallel_size"),
+        saved("pipeline_model_parallel_size"),
+    );
+    if (saved_tp, saved_pp) != (par.layout.tp, par.layout.pp) {
         tracing::info!(
-            "{}: written at tensor_model_parallel_size={saved_tp}, resharded for {}",
+            "{}: written at tensor_model_parallel_size={saved_tp} pipeline_model_parallel_size={saved_pp}, resharded for {} × {}",
             dir.display(),
-            par.layout.tp
+            par.layout.tp,
+            par.layout.pp
         );
     }
     let count = |k: &str| -> Result<u64> {

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
+use verl_comm::ReduceOp;
 use verl_fsdp_core::config::{parse_dtype, section, MicroBatching};
 use verl_fsdp_core::data::{
     equalize_micro_batches, index_tensor, micro_batches, MicroBatch, Sequences,
@@ -16,6 +17,7 @@ use verl_plugin_api::{col, InitArgs};
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::layout::{Layout, MegatronSection};
 use crate::parallel::Parallel;
+use crate::pipeline::{broadcast_from_last, forward_only, gather_stages, MicroInput};
 use crate::tp::TpModel;
 
 /// Reads `<prefix>` as a [`MegatronSection`]; `fallback` (another role's section) when absent.
@@ -47,10 +49,13 @@ pub fn role_layout(
         key: format!("{prefix}.{k}"),
         what: what.into(),
     };
-    if layout.pp > 1 {
+    if layout.vpp > 1 {
         return Err(unsupported(
-            "pipeline_model_parallel_size",
-            "pipeline parallelism (> 1 stage)",
+            "virtual_pipeline_model_parallel_size",
+            &format!(
+                "the interleaved pipeline schedule ({} model chunks per stage; leave it null for the 1F1B schedule over pipeline_model_parallel_size={} stages)",
+                layout.vpp, layout.pp
+            ),
         ));
     }
     if layout.cp > 1 {
@@ -112,10 +117,19 @@ pub fn build_model(
     random_init: Option<u64>,
 ) -> Result<TpModel> {
     tch::manual_seed(seed as i64);
+    let stage = par.stage();
     match random_init {
         None => {
             let mut ckpt = Checkpoint::open(dir)?;
-            TpModel::new(cfg, head, dtype, par.device, par.tp.clone(), &mut ckpt)
+            TpModel::new_stage(
+                cfg,
+                head,
+                dtype,
+                par.device,
+                par.tp.clone(),
+                stage,
+                &mut ckpt,
+            )
         }
         Some(s) => {
             tch::manual_seed(s as i64);
@@ -132,7 +146,15 @@ pub fn build_model(
                 .iter()
                 .map(|(n, t)| (n.clone(), t.shallow_clone()))
                 .collect();
-            TpModel::new(cfg, head, dtype, par.device, par.tp.clone(), &mut named)
+            TpModel::new_stage(
+                cfg,
+                head,
+                dtype,
+                par.device,
+                par.tp.clone(),
+                stage,
+                &mut named,
+            )
         }
     }
 }
@@ -171,7 +193,8 @@ pub fn assemble(
     Ok(model)
 }
 
-/// The full live (compute-dtype) weights of `model`, gathered over its tensor-parallel group.
+/// The full live (compute-dtype) weights of this stage's parameters, gathered over its
+/// tensor-parallel group.
 pub fn gather_live(model: &TpModel) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     for (i, p) in model.params.iter().enumerate() {
@@ -181,19 +204,54 @@ pub fn gather_live(model: &TpModel) -> Result<HashMap<String, Tensor>> {
     Ok(out)
 }
 
-/// Runs `f` on every micro-batch of `seqs` and scatters its `[rows, R]` outputs back into batch
-/// order. `outputs` is how many tensors `f` returns.
-pub fn per_micro_batch(
+/// The full live (compute-dtype) weights of the whole model, gathered over the tensor-parallel
+/// group and the pipeline stages: complete on every rank (generation and export need them all).
+pub fn gather_live_model(model: &TpModel, par: &Parallel) -> Result<HashMap<String, Tensor>> {
+    let out = gather_live(model)?;
+    gather_stages(
+        model.config(),
+        model.head_kind(),
+        &par.pp,
+        out,
+        model.dtype(),
+    )
+}
+
+/// Runs the model over every micro-batch of `seqs` (through the pipeline stages) and `f(sub,
+/// hidden)` on the normed final hidden states on the last stage, and scatters its `[rows, R]`
+/// outputs back into batch order; the last stage's outputs then reach every stage, so each rank
+/// returns the full result for its data-parallel slice. `outputs` is how many tensors `f`
+/// returns.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_micro_batches(
+    model: &TpModel,
+    par: &Parallel,
     seqs: &Sequences,
     batching: MicroBatching,
     budget_key: &str,
     outputs: usize,
-    mut f: impl FnMut(&Sequences) -> Result<Vec<Tensor>>,
+    mut f: impl FnMut(&Sequences, &Tensor) -> Result<Vec<Tensor>>,
 ) -> Result<Vec<Tensor>> {
     let rows: Vec<usize> = (0..seqs.rows()).collect();
     let lengths = seqs.row_lengths()?;
     let parts = micro_batches(&rows, &lengths, batching, budget_key)?;
     let device = seqs.input_ids.device();
+    let subs: Vec<(Tensor, Sequences)> = parts
+        .iter()
+        .map(|part| {
+            let idx = index_tensor(part, device)?;
+            let sub = seqs.select(&idx)?;
+            Ok((idx, sub))
+        })
+        .collect::<Result<_>>()?;
+    let micro: Vec<MicroInput> = subs
+        .iter()
+        .map(|(_, s)| MicroInput {
+            ids: &s.input_ids,
+            mask: &s.attention_mask,
+            positions: &s.position_ids,
+        })
+        .collect();
     let mut out: Vec<Tensor> = (0..outputs)
         .map(|_| {
             Tensor::f_zeros(
@@ -203,16 +261,17 @@ pub fn per_micro_batch(
             .ctx("output buffer")
         })
         .collect::<Result<_>>()?;
-    for part in parts {
-        let idx = index_tensor(&part, device)?;
-        let sub = seqs.select(&idx)?;
-        let res = f(&sub)?;
+    forward_only(model, &par.pp, &micro, &mut |i, hidden| {
+        let (idx, sub) = &subs[i];
+        let res = f(sub, hidden)?;
         for (dst, src) in out.iter_mut().zip(res) {
             let _ = dst
-                .f_index_copy_(0, &idx, &src.f_to_kind(Kind::Float).ctx("output")?)
+                .f_index_copy_(0, idx, &src.f_to_kind(Kind::Float).ctx("output")?)
                 .ctx("scatter micro-batch output")?;
         }
-    }
+        Ok(())
+    })?;
+    broadcast_from_last(&par.pp, &mut out)?;
     Ok(out)
 }
 
@@ -297,4 +356,63 @@ pub fn check_temperature(temperature: f64) -> Result<()> {
         "a finite temperature > 0",
         temperature,
     ))
+}
+
+/// The last pipeline stage's `value` on every stage (what only it computed: losses, metrics).
+pub fn from_last_stage<T: serde::Serialize + serde::de::DeserializeOwned>(
+    par: &Parallel,
+    value: &T,
+    what: &'static str,
+) -> Result<T> {
+    if par.pp.size == 1 {
+        return serde_json::to_value(value)
+            .and_then(serde_json::from_value)
+            .map_err(|e| internal_json(what, e));
+    }
+    let v = serde_json::to_value(value).map_err(|e| internal_json(what, e))?;
+    let got = par.pp.broadcast_json(&v, par.pp.size - 1, what)?;
+    serde_json::from_value(got).map_err(|e| internal_json(what, e))
+}
+
+fn internal_json(what: &str, e: serde_json::Error) -> MegatronError {
+    MegatronError::Api(verl_plugin_api::Error::failed(format!(
+        "internal: {what}: {e}"
+    )))
+}
+
+/// The metrics of an update on every pipeline stage: the losses and everything derived from them
+/// exist on the last stage only, so its metrics are what every rank reports; the device memory is
+/// the maximum over the stages.
+pub fn metrics_from_last_stage(
+    par: &Parallel,
+    mine: Vec<(String, f64)>,
+) -> Result<Vec<(String, f64)>> {
+    if par.pp.size == 1 {
+        return Ok(mine);
+    }
+    const MEMORY: &str = "perf/gpu_memory_used_gb";
+    let mut memory = [mine
+        .iter()
+        .find(|(k, _)| k == MEMORY)
+        .map(|(_, v)| *v)
+        .unwrap_or(-1.0)];
+    par.pp
+        .all_reduce_f64(&mut memory, ReduceOp::Max, "all_reduce (device memory)")?;
+    // JSON has no NaN: values travel as optional numbers.
+    let encoded: Vec<(String, Option<f64>)> = mine
+        .into_iter()
+        .map(|(k, v)| (k, v.is_finite().then_some(v)))
+        .collect();
+    let got = from_last_stage(par, &encoded, "broadcast (update metrics)")?;
+    let mut out: Vec<(String, f64)> = got
+        .into_iter()
+        .map(|(k, v)| (k, v.unwrap_or(f64::NAN)))
+        .collect();
+    if memory[0] >= 0.0 {
+        match out.iter_mut().find(|(k, _)| k == MEMORY) {
+            Some(slot) => slot.1 = memory[0],
+            None => out.push((MEMORY.to_string(), memory[0])),
+        }
+    }
+    Ok(out)
 }

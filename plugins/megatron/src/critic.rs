@@ -21,11 +21,12 @@ use verl_plugin_api::{
 };
 
 use crate::common::{
-    self, compute_dtype, megatron_section, per_micro_batch, same_micro_batch_count,
-    same_rows_on_every_rank,
+    self, compute_dtype, forward_micro_batches, from_last_stage, megatron_section,
+    metrics_from_last_stage, same_micro_batch_count, same_rows_on_every_rank,
 };
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::parallel::Parallel;
+use crate::pipeline::MicroInput;
 use crate::train::TpTrainer;
 
 pub struct MegatronCritic {
@@ -129,16 +130,15 @@ impl MegatronCritic {
     fn do_values(&mut self, batch: &Batch) -> Result<Batch> {
         let seqs = Sequences::from_batch(batch, "Critic.compute_values", self.device)?;
         let model = &self.train.model;
-        let res = per_micro_batch(
+        let res = forward_micro_batches(
+            model,
+            &self.par,
             &seqs,
             self.forward_micro,
             "critic.forward_max_token_len_per_gpu",
             1,
-            |sub| {
-                let _guard = tch::no_grad_guard();
-                let h =
-                    model.forward_hidden(&sub.input_ids, &sub.attention_mask, &sub.position_ids)?;
-                let v = model.values(&sub.response_slice(&h)?)?;
+            |sub, h| {
+                let v = model.values(&sub.response_slice(h)?)?;
                 Ok(vec![v.f_to_kind(Kind::Float).ctx("values to fp32")?])
             },
         )?;
@@ -207,66 +207,92 @@ impl MegatronCritic {
                     "critic.ppo_max_token_len_per_gpu",
                 )?;
                 let parts = same_micro_batch_count(dp, parts)?;
-                for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
-                    let dummy = *dummy;
-                    let idx = index_tensor(part, device)?;
-                    let sub = seqs.select(&idx)?;
-                    let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
-                    let (v_old, ret) = (pick(&old_values)?, pick(&returns)?);
-                    let loss_fn = &self.loss;
-                    let res = train.forward_backward(
-                        &sub.input_ids,
-                        &sub.attention_mask,
-                        &sub.position_ids,
-                        |model, hidden| {
-                            let vpreds = model
-                                .values(&sub.response_slice(hidden)?)?
-                                .f_to_kind(Kind::Float)
-                                .ctx("values to fp32")?;
-                            let out = loss_fn.compute(
-                                &ValueInputs {
-                                    vpreds: &vpreds,
-                                    returns: &ret,
-                                    values: &v_old,
-                                    response_mask: &sub.response_mask,
-                                },
-                                &norm,
-                            )?;
-                            let loss = if dummy {
-                                out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
-                            } else {
-                                out.loss
-                            };
-                            Ok((loss, out.metrics))
+                struct Micro {
+                    sub: Sequences,
+                    old: Tensor,
+                    ret: Tensor,
+                    dummy: bool,
+                }
+                let micros = parts
+                    .iter()
+                    .map(|MicroBatch { rows: part, dummy }| {
+                        let idx = index_tensor(part, device)?;
+                        let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
+                        Ok(Micro {
+                            sub: seqs.select(&idx)?,
+                            old: pick(&old_values)?,
+                            ret: pick(&returns)?,
+                            dummy: *dummy,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let inputs: Vec<MicroInput> = micros
+                    .iter()
+                    .map(|m| MicroInput {
+                        ids: &m.sub.input_ids,
+                        mask: &m.sub.attention_mask,
+                        positions: &m.sub.position_ids,
+                    })
+                    .collect();
+                let loss_fn = &self.loss;
+                let res = train.forward_backward_pipelined(par, &inputs, |ui, model, hidden| {
+                    let m = &micros[ui];
+                    let vpreds = model
+                        .values(&m.sub.response_slice(hidden)?)?
+                        .f_to_kind(Kind::Float)
+                        .ctx("values to fp32")?;
+                    let out = loss_fn.compute(
+                        &ValueInputs {
+                            vpreds: &vpreds,
+                            returns: &m.ret,
+                            values: &m.old,
+                            response_mask: &m.sub.response_mask,
                         },
-                    );
-                    let m = match res {
-                        Ok((_, m)) => m,
-                        Err(e) => {
-                            let _ = train.zero_grad();
-                            return Err(e);
-                        }
+                        &norm,
+                    )?;
+                    let loss = if m.dummy {
+                        out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
+                    } else {
+                        out.loss
                     };
-                    if dummy {
+                    Ok((loss, out.metrics))
+                });
+                let results = match res {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let _ = train.zero_grad();
+                        return Err(e);
+                    }
+                };
+                // Only the last pipeline stage sees the losses; it tells the others about a
+                // non-finite one, so every stage skips the step and fails alike.
+                let mut bad: Option<(usize, String, String)> = None;
+                for (ui, r) in results.into_iter().enumerate() {
+                    let Some((_, m)) = r else { continue };
+                    if micros[ui].dummy {
                         continue;
                     }
-                    for (name, v) in m.named() {
-                        if !v.is_finite() {
-                            let _ = train.zero_grad();
-                            return Err(MegatronError::NonFinite {
-                                role: "critic",
-                                step: o.global_step,
-                                epoch,
-                                mini_batch: mi,
-                                micro: format!(", micro-batch {ui}"),
-                                metric: name,
-                                value: v,
-                            });
-                        }
+                    if let Some((name, v)) = m.named().into_iter().find(|(_, v)| !v.is_finite()) {
+                        bad = Some((ui, name, v.to_string()));
+                        break;
                     }
                     acc.add("critic/vf_loss", m.vf_loss);
                     acc.push("critic/vf_clipfrac", m.vf_clipfrac);
                     acc.push("critic/vpred_mean", m.vpred_mean);
+                }
+                if let Some((ui, metric, value)) =
+                    from_last_stage(par, &bad, "broadcast (non-finite loss report)")?
+                {
+                    let _ = train.zero_grad();
+                    return Err(MegatronError::NonFinite {
+                        role: "critic",
+                        step: o.global_step,
+                        epoch,
+                        mini_batch: mi,
+                        micro: format!(", micro-batch {ui}"),
+                        metric,
+                        value: value.parse().unwrap_or(f64::NAN),
+                    });
                 }
                 let grad_norm =
                     train.finish_mini_batch(par, lr, "critic", o.global_step, epoch, mi)?;
@@ -278,7 +304,7 @@ impl MegatronCritic {
         acc.push_global("critic/lr", lr);
         verl_fsdp_core::metrics::push_gpu_memory(&mut acc, dp, device)?;
         acc.reduce(dp)?;
-        Ok(acc.into_metrics())
+        metrics_from_last_stage(par, acc.into_metrics())
     }
 }
 

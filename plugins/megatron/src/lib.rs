@@ -1,11 +1,12 @@
 //! verl-megatron: the Megatron backend plugin — Actor, Reference and Critic with tensor parallelism
-//! (vocab-parallel embedding and log-probs, column/row-parallel projections) and data parallelism
-//! (optionally with Megatron's distributed optimizer) over the remaining ranks, in Megatron's rank
-//! order and with verl's `*.megatron.*` keys.
+//! (vocab-parallel embedding and log-probs, column/row-parallel projections), pipeline parallelism
+//! (decoder layers split evenly over stages, the 1F1B schedule) and data parallelism (optionally
+//! with Megatron's distributed optimizer) over the remaining ranks, in Megatron's rank order and
+//! with verl's `*.megatron.*` keys.
 //!
 //! It owns a role's parallel layout ([`layout`]), its groups ([`parallel`]), the tensor-parallel
-//! model ([`tp`]), its training mechanics ([`train`]) and layout-independent checkpoints
-//! ([`ckpt`]). It must not contain RL-loop logic (advantages, rewards, KL control, step
+//! model ([`tp`]) and its pipeline stages ([`pipeline`]), its training mechanics ([`train`]) and
+//! layout-independent checkpoints ([`ckpt`]). It must not contain RL-loop logic (advantages, rewards, KL control, step
 //! scheduling: the host drives those), tokenize, or let a panic or tch exception cross the ABI.
 //! Generation runs on a TP=1 copy gathered from the training shards (the `verl_rollout` engine).
 
@@ -15,7 +16,9 @@ pub mod common;
 pub mod critic;
 pub mod error;
 pub mod layout;
+pub mod moe;
 pub mod parallel;
+pub mod pipeline;
 pub mod tp;
 pub mod train;
 
@@ -29,8 +32,8 @@ pub use error::MegatronError;
 
 pub struct MegatronPlugin;
 
-const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP) × data parallel (distributed optimizer optional); generation on a gathered TP=1 copy; checkpoints reshard across TP/DP sizes";
-const PLANNED: &str = "planned: pipeline parallelism (1F1B), sequence-parallel activation sharding, context and expert parallelism (MoE models)";
+const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP) × pipeline parallel (layers split evenly over stages, 1F1B schedule, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional); generation on a gathered TP=1 copy; checkpoints reshard across TP/PP/DP sizes";
+const PLANNED: &str = "planned: the interleaved (virtual) pipeline schedule, sequence-parallel activation sharding, context and expert parallelism (MoE models)";
 
 impl BackendPlugin for MegatronPlugin {
     fn info() -> PluginInfo {
@@ -78,13 +81,24 @@ mod tests {
     use verl_plugin_api::testing;
 
     #[test]
-    fn header_lists_ready_roles_and_planned_parallelism() {
+    fn header_lists_ready_roles_supported_and_planned_parallelism() {
         let h = testing::backend_header::<MegatronPlugin>().unwrap();
         assert_eq!(h.name, "megatron");
         assert!(h.provides(Role::Actor));
         assert!(h.provides(Role::Reference));
         assert!(h.provides(Role::Critic));
-        assert!(h.description.contains("pipeline"), "{}", h.description);
+        assert!(
+            h.description
+                .contains("pipeline parallel (layers split evenly over stages, 1F1B"),
+            "{}",
+            h.description
+        );
+        assert!(
+            h.description
+                .contains("planned: the interleaved (virtual) pipeline schedule"),
+            "{}",
+            h.description
+        );
         assert!(h.build.libtorch.as_deref().unwrap().starts_with("2.11"));
     }
 

@@ -1,5 +1,5 @@
 //! The communicators of a role: the world group it joins through `InitArgs.rendezvous`, and the
-//! tensor-parallel and data-parallel groups cut out of it along the [`Layout`].
+//! tensor-parallel, data-parallel and pipeline groups cut out of it along the [`Layout`].
 //!
 //! Every role instance joins on its own (own store connection, own rendezvous prefix
 //! `verl-megatron/<role>/<n>`), so ranks may be threads of one process (the tests) or processes.
@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 use verl_comm::{
     CommError, Communicator, CpuCommunicator, CpuOptions, NcclCommunicator, NcclOptions, ReduceOp,
     StoreClient,
@@ -144,6 +144,89 @@ impl Group {
             None => Ok(()),
         }
     }
+
+    /// Copies member `root`'s `t` into `t` on every member.
+    pub fn broadcast(&self, t: &mut Tensor, root: usize, what: &'static str) -> Result<()> {
+        match &self.comm {
+            Some(c) => c.broadcast(t, root).map_err(self.err(what)),
+            None => Ok(()),
+        }
+    }
+
+    /// Sends `t` to member `dst` (which calls [`Group::recv`] with a tensor of the same shape and
+    /// dtype).
+    pub fn send(&self, t: &Tensor, dst: usize, what: &'static str) -> Result<()> {
+        self.comm_or_alone(what)?
+            .send(t, dst)
+            .map_err(self.err(what))
+    }
+
+    pub fn recv(&self, t: &mut Tensor, src: usize, what: &'static str) -> Result<()> {
+        self.comm_or_alone(what)?
+            .recv(t, src)
+            .map_err(self.err(what))
+    }
+
+    /// Sends `out` to member `peer` and receives `into` from it at once (both neighbours exchange
+    /// without either blocking the other).
+    pub fn exchange(
+        &self,
+        out: &Tensor,
+        into: &mut Tensor,
+        peer: usize,
+        what: &'static str,
+    ) -> Result<()> {
+        self.comm_or_alone(what)?
+            .send_recv(out, peer, into, peer)
+            .map_err(self.err(what))
+    }
+
+    fn comm_or_alone(&self, what: &'static str) -> Result<&dyn Communicator> {
+        self.comm.as_deref().ok_or_else(|| {
+            MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                "internal: {what} on the one-rank {} group (there is no peer)",
+                self.name
+            )))
+        })
+    }
+
+    /// Member `root`'s JSON value on every member (metrics, error reports: small and rare).
+    pub fn broadcast_json(
+        &self,
+        value: &serde_json::Value,
+        root: usize,
+        what: &'static str,
+    ) -> Result<serde_json::Value> {
+        if self.comm.is_none() {
+            return Ok(value.clone());
+        }
+        let bytes = if self.rank == root {
+            serde_json::to_vec(value).unwrap_or_default()
+        } else {
+            vec![]
+        };
+        let mut len = Tensor::f_from_slice(&[bytes.len() as i64])
+            .and_then(|t| t.f_to_device(self.device))
+            .ctx("broadcast length")?;
+        self.broadcast(&mut len, root, what)?;
+        let n = len.f_int64_value(&[0]).ctx("broadcast length")?;
+        let mut buf = if self.rank == root {
+            Tensor::f_from_slice(&bytes)
+        } else {
+            Tensor::f_zeros([n], (Kind::Uint8, Device::Cpu))
+        }
+        .and_then(|t| t.f_to_device(self.device))
+        .ctx("broadcast buffer")?;
+        self.broadcast(&mut buf, root, what)?;
+        let host = Vec::<u8>::try_from(&buf.f_to_device(Device::Cpu).ctx("broadcast buffer")?)
+            .ctx("broadcast buffer")?;
+        serde_json::from_slice(&host).map_err(|e| {
+            MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                "{} {what}: member {root} sent invalid JSON: {e}",
+                self.name
+            )))
+        })
+    }
 }
 
 /// All groups of one role instance on this rank.
@@ -157,6 +240,9 @@ pub struct Parallel {
     pub dp: Group,
     /// The same data-parallel ranks as the FSDP helpers see them (counts, metrics, batching).
     pub dp_meta: Dp,
+    /// The pipeline group: member `s` is stage `s` of this rank's model replica shard (same
+    /// tensor- and data-parallel coordinates).
+    pub pp: Group,
     world: Option<Box<dyn Communicator>>,
 }
 
@@ -185,6 +271,7 @@ impl Parallel {
             tp: Arc::new(Group::single("tensor-parallel")),
             dp: Group::single("data-parallel"),
             dp_meta: Dp::single(),
+            pp: Group::single("pipeline"),
             world: None,
         }
     }
@@ -293,6 +380,7 @@ impl Parallel {
             device,
         );
         let dp_meta = Dp::with_communicator(mine(layout.dp_groups(), "data-parallel")?, device);
+        let pp = Group::new("pipeline", mine(layout.pp_groups(), "pipeline")?, device);
         Ok(Parallel {
             layout,
             coords,
@@ -301,6 +389,7 @@ impl Parallel {
             tp: Arc::new(tp),
             dp,
             dp_meta,
+            pp,
             world: Some(world_comm),
         })
     }
@@ -323,6 +412,14 @@ impl Parallel {
                 source: Box::new(source),
             }),
             None => Ok(()),
+        }
+    }
+
+    /// This rank's pipeline stage.
+    pub fn stage(&self) -> crate::tp::Stage {
+        crate::tp::Stage {
+            index: self.coords.pp,
+            count: self.layout.pp,
         }
     }
 

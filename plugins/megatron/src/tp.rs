@@ -19,6 +19,11 @@
 //! segment at a time (like `verl_nn::Transformer::forward_backward_gated`) and the leaf's gradient
 //! is all-reduced before it flows on. Each layer is recomputed in the backward (activation
 //! checkpointing), so only the layer inputs are kept between forward and backward.
+//!
+//! A model may be one pipeline stage ([`Stage`]): it then holds only its decoder layers (and the
+//! embedding on the first stage, the final norm and head on the last), and its forward and backward
+//! come in per-stage pieces ([`TpModel::stage_forward`], [`TpModel::head_backward`],
+//! [`TpModel::stage_backward`]) that the pipeline schedule strings together across ranks.
 
 use std::sync::Arc;
 
@@ -152,6 +157,15 @@ impl Ctx {
     }
 }
 
+/// What a pipeline stage keeps of one micro-batch between its forward and its backward: the masks
+/// and RoPE tables, each layer's input (the layers are recomputed in the backward) and the stage's
+/// output.
+pub struct StageActs {
+    ctx: Ctx,
+    inputs: Vec<Tensor>,
+    pub out: Tensor,
+}
+
 /// What one layer's recomputation keeps for the hand-chained backward.
 struct Trace {
     x1: Tensor,
@@ -169,10 +183,14 @@ pub struct TpModel {
     dtype: Kind,
     device: Device,
     pub params: Vec<TpParam>,
-    embed: usize,
+    /// The input embedding (first stage only).
+    embed: Option<usize>,
+    /// This stage's decoder layers.
     layers: Vec<Layer>,
-    norm: usize,
-    head: Head,
+    /// Final norm and head (last stage only).
+    norm: Option<usize>,
+    head: Option<Head>,
+    stage: Stage,
     tp: Arc<Group>,
     heads_local: i64,
     kv_local: i64,
@@ -306,6 +324,64 @@ fn param_specs(cfg: &ModelConfig, head: HeadKind) -> Result<Vec<(String, Vec<i64
     Ok(out)
 }
 
+/// Which pipeline stage a model is: its index among `count` stages. Stage `i` holds decoder layers
+/// `i·L/count .. (i+1)·L/count` (the layout checked that `count` divides `L`), the first stage the
+/// embedding, the last the final norm and the head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stage {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl Stage {
+    pub fn single() -> Stage {
+        Stage { index: 0, count: 1 }
+    }
+    pub fn is_first(&self) -> bool {
+        self.index == 0
+    }
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.count
+    }
+    /// The global indices of this stage's decoder layers.
+    pub fn layers(&self, total: usize) -> std::ops::Range<usize> {
+        let per = total / self.count.max(1);
+        self.index * per..(self.index + 1) * per
+    }
+}
+
+/// The global layer index of a parameter name (`model.layers.<i>.…`).
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The parameters stage `stage` holds, in [`param_specs`] order. With tied embeddings the last
+/// stage holds its own copy of the embedding as the LM head (Megatron's shared embedding): its
+/// gradient is summed with the first stage's before every optimizer step, so both copies stay
+/// equal.
+pub fn stage_specs(
+    cfg: &ModelConfig,
+    head: HeadKind,
+    stage: Stage,
+) -> Result<Vec<(String, Vec<i64>, Split)>> {
+    let layers = stage.layers(cfg.num_hidden_layers as usize);
+    let tied_head = head == HeadKind::CausalLm && cfg.tie_word_embeddings;
+    Ok(param_specs(cfg, head)?
+        .into_iter()
+        .filter(|(name, _, _)| match layer_of(name) {
+            Some(i) => layers.contains(&i),
+            None if name == EMBED => stage.is_first() || (stage.is_last() && tied_head),
+            None => stage.is_last(),
+        })
+        .collect())
+}
+
+pub const EMBED: &str = "model.embed_tokens.weight";
+
 /// Rank `rank`'s block of `full` (of `size` blocks) under `split`.
 pub fn shard_of(full: &Tensor, split: Split, rank: usize, size: usize) -> Result<Tensor> {
     match split.dim() {
@@ -331,7 +407,20 @@ impl TpModel {
         tp: Arc<Group>,
         source: &mut dyn FullSource,
     ) -> Result<TpModel> {
-        let specs = param_specs(&cfg, head_kind)?;
+        Self::new_stage(cfg, head_kind, dtype, device, tp, Stage::single(), source)
+    }
+
+    /// [`TpModel::new`] for pipeline stage `stage`: only that stage's parameters are read and held.
+    pub fn new_stage(
+        cfg: ModelConfig,
+        head_kind: HeadKind,
+        dtype: Kind,
+        device: Device,
+        tp: Arc<Group>,
+        stage: Stage,
+        source: &mut dyn FullSource,
+    ) -> Result<TpModel> {
+        let specs = stage_specs(&cfg, head_kind, stage)?;
         let (rank, size) = (tp.rank, tp.size);
         let mut params = Vec::with_capacity(specs.len());
         for (name, shape, split) in specs {
@@ -391,7 +480,7 @@ impl TpModel {
             })
         };
         let mut layers = Vec::new();
-        for i in 0..cfg.num_hidden_layers as usize {
+        for i in stage.layers(cfg.num_hidden_layers as usize) {
             let p = format!("model.layers.{i}");
             layers.push(Layer {
                 in_norm: need(format!("{p}.input_layernorm.weight"))?,
@@ -408,13 +497,26 @@ impl TpModel {
                 window: cfg.layer_windows.get(i).copied().flatten(),
             });
         }
-        let embed = need("model.embed_tokens.weight".into())?;
-        let head = match head_kind {
-            HeadKind::CausalLm => Head::Lm(index("lm_head.weight").unwrap_or(embed)),
-            _ => Head::Value {
-                w: need("score.weight".into())?,
-                b: need("score.bias".into())?,
-            },
+        let embed = match stage.is_first() {
+            true => Some(need(EMBED.into())?),
+            false => None,
+        };
+        let (norm, head) = match (stage.is_last(), head_kind) {
+            (false, _) => (None, None),
+            (true, HeadKind::CausalLm) => (
+                Some(need("model.norm.weight".into())?),
+                Some(Head::Lm(match index("lm_head.weight") {
+                    Some(i) => i,
+                    None => need(EMBED.into())?,
+                })),
+            ),
+            (true, _) => (
+                Some(need("model.norm.weight".into())?),
+                Some(Head::Value {
+                    w: need("score.weight".into())?,
+                    b: need("score.bias".into())?,
+                }),
+            ),
         };
         let tp_size = size as i64;
         let vocab_local = cfg.vocab_size / tp_size;
@@ -431,10 +533,11 @@ impl TpModel {
             vocab_start,
             vocab_local,
             padding_local,
-            norm: need("model.norm.weight".into())?,
+            norm,
             embed,
             layers,
             head,
+            stage,
             head_kind,
             dtype,
             device,
@@ -459,6 +562,18 @@ impl TpModel {
     }
     pub fn tp(&self) -> &Group {
         &self.tp
+    }
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+    /// Whether this stage holds the last stage's copy of a tied embedding (its LM head).
+    pub fn holds_tied_head_copy(&self) -> bool {
+        !self.stage.is_first()
+            && matches!(self.head, Some(Head::Lm(w)) if self.params[w].name == EMBED)
+    }
+    /// The index of parameter `name` on this stage.
+    pub fn param_index(&self, name: &str) -> Option<usize> {
+        self.params.iter().position(|p| p.name == name)
     }
 
     pub fn set_requires_grad(&mut self, on: bool) -> Result<()> {
@@ -529,7 +644,7 @@ impl TpModel {
 
     /// The vocab-parallel embedding: this rank's rows, out-of-shard ids masked, partial sums reduced.
     fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        let w = self.p(self.embed);
+        let w = self.p(self.need_embed()?);
         if self.tp.size == 1 {
             return Tensor::f_embedding(w, ids, self.padding_local, false, false).ctx("embedding");
         }
@@ -678,21 +793,76 @@ impl TpModel {
         })
     }
 
+    fn need_embed(&self) -> Result<usize> {
+        self.embed
+            .ok_or_else(|| self.wrong_stage("the input embedding", "the first"))
+    }
+    fn need_norm(&self) -> Result<usize> {
+        self.norm
+            .ok_or_else(|| self.wrong_stage("the final norm", "the last"))
+    }
+    fn need_head(&self) -> Result<Head> {
+        self.head
+            .ok_or_else(|| self.wrong_stage("the head", "the last"))
+    }
+    fn wrong_stage(&self, what: &str, which: &str) -> MegatronError {
+        MegatronError::Api(verl_plugin_api::Error::failed(format!(
+            "internal: {what} lives on {which} pipeline stage, this is stage {} of {}",
+            self.stage.index, self.stage.count
+        )))
+    }
+
     /// Final hidden states `[B, T, H]` (after the final norm), replicated on every tensor-parallel
-    /// rank. No autograd.
+    /// rank, of a model that is the whole pipeline (one stage). No autograd.
     pub fn forward_hidden(
         &self,
         ids: &Tensor,
         mask: &Tensor,
         positions: &Tensor,
     ) -> Result<Tensor> {
+        let acts = self.stage_forward(ids, mask, positions, None)?;
+        self.final_hidden(&acts.out)
+    }
+
+    /// The final norm of the last stage's output. No autograd.
+    pub fn final_hidden(&self, out: &Tensor) -> Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        self.rms(out, self.need_norm()?)
+    }
+
+    /// This stage's forward of one micro-batch without autograd: the first stage embeds `ids`,
+    /// every other stage starts from `input` (the previous stage's output). Keeps each layer's
+    /// input for the recomputing backward ([`TpModel::stage_backward`]); `out` is what goes to the
+    /// next stage (the last stage's is before the final norm).
+    pub fn stage_forward(
+        &self,
+        ids: &Tensor,
+        mask: &Tensor,
+        positions: &Tensor,
+        input: Option<&Tensor>,
+    ) -> Result<StageActs> {
         let _guard = tch::no_grad_guard();
         let ctx = self.prepare(ids, mask, positions)?;
-        let mut h = self.embed(ids)?;
+        let mut h = match (self.stage.is_first(), input) {
+            (true, _) => self.embed(ids)?,
+            (false, Some(x)) => x.shallow_clone(),
+            (false, None) => {
+                return Err(MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                    "internal: pipeline stage {} got no activation from the previous stage",
+                    self.stage.index
+                ))))
+            }
+        };
+        let mut inputs = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
-            h = self.layer(l, &h, &ctx, false)?.out;
+            let next = self.layer(l, &h, &ctx, false)?.out;
+            inputs.push(std::mem::replace(&mut h, next));
         }
-        self.rms(&h, self.norm)
+        Ok(StageActs {
+            ctx,
+            inputs,
+            out: h,
+        })
     }
 
     /// Log-probabilities of `targets` (`[..]`) and optionally the entropy, from hidden states
@@ -704,7 +874,7 @@ impl TpModel {
         temperature: f64,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let Head::Lm(w) = self.head else {
+        let Head::Lm(w) = self.need_head()? else {
             return Err(MegatronError::Api(verl_plugin_api::Error::failed(
                 "log-probabilities need an LM head; this model has a value head",
             )));
@@ -773,7 +943,7 @@ impl TpModel {
 
     /// Values `[..]` from hidden states `[.., H]` (value head; replicated). Differentiable.
     pub fn values(&self, hidden: &Tensor) -> Result<Tensor> {
-        let Head::Value { w, b } = self.head else {
+        let Head::Value { w, b } = self.need_head()? else {
             return Err(MegatronError::Api(verl_plugin_api::Error::failed(
                 "values need a value head; this model has an LM head",
             )));
@@ -786,8 +956,9 @@ impl TpModel {
 
     fn head_params(&self) -> Vec<usize> {
         match self.head {
-            Head::Lm(w) => vec![w],
-            Head::Value { w, b } => vec![w, b],
+            Some(Head::Lm(w)) => vec![w],
+            Some(Head::Value { w, b }) => vec![w, b],
+            None => vec![],
         }
     }
 
@@ -821,9 +992,10 @@ impl TpModel {
     }
 
     /// Forward, `loss_fn` on the final hidden states (a leaf: call [`TpModel::token_stats`] or
-    /// [`TpModel::values`] on it), and the hand-chained backward. Parameter gradients (this rank's
-    /// slices, in the parameter dtype) go to `sink(param_index, grad)`; nothing accumulates in
-    /// `.grad`. Returns the detached loss and the loss function's side values.
+    /// [`TpModel::values`] on it), and the hand-chained backward, of a model that is the whole
+    /// pipeline. Parameter gradients (this rank's slices, in the parameter dtype) go to
+    /// `sink(param_index, grad)`; nothing accumulates in `.grad`. Returns the detached loss and the
+    /// loss function's side values.
     pub fn forward_backward<T>(
         &self,
         ids: &Tensor,
@@ -832,22 +1004,30 @@ impl TpModel {
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(Tensor, T)> {
-        let ctx = self.prepare(ids, mask, positions)?;
-        let mut inputs: Vec<Tensor> = Vec::with_capacity(self.layers.len());
-        let mut h = tch::no_grad(|| self.embed(ids))?;
-        for l in &self.layers {
-            let next = tch::no_grad(|| self.layer(l, &h, &ctx, false))?.out;
-            inputs.push(std::mem::replace(&mut h, next));
-        }
+        let acts = self.stage_forward(ids, mask, positions, None)?;
+        let (grad, loss, side) = self.head_backward(&acts.out, sink, loss_fn)?;
+        self.stage_backward(ids, acts, &grad, sink)?;
+        Ok((loss, side))
+    }
+
+    /// The last stage's head: the final norm of `out` (this stage's output), `loss_fn` on the
+    /// normed hidden states (a leaf), and the backward to `out`. Returns the gradient of `out`, the
+    /// detached loss and the loss function's side values.
+    pub fn head_backward<T>(
+        &self,
+        out: &Tensor,
+        sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+        loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<(Tensor, Tensor, T)> {
+        let (norm, head) = (self.need_norm()?, self.need_head()?);
         let leaf = |x: &Tensor| {
             x.f_detach()
                 .and_then(|d| d.f_set_requires_grad(true))
                 .ctx("leaf")
         };
-        // Head: the final norm's output is cut because a vocab-parallel head consumes it.
-        let hl = leaf(&h)?;
-        drop(h);
-        let hf = self.rms(&hl, self.norm)?;
+        // The final norm's output is cut because a vocab-parallel head consumes it.
+        let hl = leaf(out)?;
+        let hf = self.rms(&hl, norm)?;
         let hc = leaf(&hf)?;
         let (loss, side) = loss_fn(&hc)?;
         if loss.numel() != 1 {
@@ -858,22 +1038,41 @@ impl TpModel {
             ));
         }
         let g = self.backward(&loss, &[&hc], &self.head_params(), false, sink)?;
-        let ghc = match self.head {
+        let ghc = match head {
             Head::Lm(_) => self.reduce_grad(g[0].shallow_clone())?,
             Head::Value { .. } => g[0].shallow_clone(),
         };
         let root = surrogate(&hf, &ghc)?;
-        let mut grad = self.backward(&root, &[&hl], &[self.norm], false, sink)?[0].shallow_clone();
-        let loss = loss.f_detach().ctx("loss")?;
+        let grad = self.backward(&root, &[&hl], &[norm], false, sink)?[0].shallow_clone();
+        Ok((grad, loss.f_detach().ctx("loss")?, side))
+    }
+
+    /// This stage's backward of one micro-batch from the gradient of its output: the layers are
+    /// recomputed from their saved inputs and chained in reverse. Returns the gradient of the
+    /// stage input (for the previous stage), or `None` on the first stage, where it flows into
+    /// the embedding.
+    pub fn stage_backward(
+        &self,
+        ids: &Tensor,
+        acts: StageActs,
+        grad_out: &Tensor,
+        sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<Option<Tensor>> {
+        let StageActs { ctx, inputs, out } = acts;
+        drop(out);
+        let mut grad = grad_out.shallow_clone();
         for (l, saved) in self.layers.iter().zip(inputs).rev() {
             grad = self.layer_backward(l, &saved, &grad, &ctx, sink)?;
+        }
+        if !self.stage.is_first() {
+            return Ok(Some(grad));
         }
         let e = self.embed(ids)?;
         if e.requires_grad() {
             let root = surrogate(&e, &grad)?;
-            self.backward(&root, &[], &[self.embed], false, sink)?;
+            self.backward(&root, &[], &[self.need_embed()?], false, sink)?;
         }
-        Ok((loss, side))
+        Ok(None)
     }
 
     /// Recomputes layer `l` from its saved input and chains its backward in three segments: the

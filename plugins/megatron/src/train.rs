@@ -1,10 +1,13 @@
-//! A tensor-parallel model being trained: fp32 gradient accumulators, fp32 master weights and their
-//! AdamW state, data-parallel gradient reduction, clipping with the norm of the whole (unsplit)
+//! A tensor-parallel model (one pipeline stage of it) being trained: fp32 gradient accumulators, fp32
+//! master weights and their AdamW state, the micro-batches through the pipeline schedule,
+//! data-parallel gradient reduction, clipping with the norm of the whole (unsplit, every stage)
 //! model, the LR schedule.
 //!
-//! This rank's parameter slices are laid out in two flat fp32 vectors: the tensor-parallel-split
-//! parameters and the replicated ones (their squared gradients count once across the
-//! tensor-parallel group, not once per rank). Gradients are summed over the data-parallel ranks
+//! This rank's parameter slices are laid out in flat fp32 vectors: the tensor-parallel-split
+//! parameters, the replicated ones (their squared gradients count once across the
+//! tensor-parallel group, not once per rank) and, on the last of several stages with tied
+//! embeddings, its copy of the embedding (counted by the first stage only). Each stage's squares
+//! add up over the pipeline group. Gradients are summed over the data-parallel ranks
 //! (never averaged: the loss uses verl-losses' global normaliser over the whole mini-batch, so the
 //! per-rank shares add up to the one-rank loss). With `use_distributed_optimizer` the flats are
 //! padded to a multiple of the data-parallel size, gradients are reduce-scattered, and each rank
@@ -21,11 +24,24 @@ use verl_fsdp_core::optim::{AdamW, LrSchedule};
 
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::parallel::Parallel;
+use crate::pipeline::{gather_stages, train_1f1b, MicroInput};
 use crate::tp::TpModel;
+
+/// How a flat's squared gradients enter the global norm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Share {
+    /// Tensor-parallel slices: summed over the tensor-parallel group.
+    Split,
+    /// Replicated over the tensor-parallel group: counted once.
+    Replicated,
+    /// The last pipeline stage's copy of a tied embedding: the first stage counts it.
+    Mirror,
+}
 
 /// One flat vector of parameter slices.
 #[derive(Debug, Clone)]
 struct Flat {
+    share: Share,
     params: Vec<usize>,
     offsets: Vec<usize>,
     numels: Vec<usize>,
@@ -81,8 +97,26 @@ impl TpTrainer {
         let dp_size = par.dp.size;
         let mut flats = Vec::new();
         let mut slot = vec![(0, 0, 0); model.params.len()];
-        for split in [true, false] {
+        let mirror = model
+            .holds_tied_head_copy()
+            .then(|| model.param_index(crate::tp::EMBED))
+            .flatten();
+        let share_of = |i: usize| {
+            if Some(i) == mirror {
+                Share::Mirror
+            } else if model.is_split(i) {
+                Share::Split
+            } else {
+                Share::Replicated
+            }
+        };
+        let mut shares = vec![Share::Split, Share::Replicated];
+        if mirror.is_some() {
+            shares.push(Share::Mirror);
+        }
+        for share in shares {
             let mut f = Flat {
+                share,
                 params: vec![],
                 offsets: vec![],
                 numels: vec![],
@@ -90,7 +124,7 @@ impl TpTrainer {
                 padded: 0,
             };
             for (i, p) in model.params.iter().enumerate() {
-                if model.is_split(i) != split {
+                if share_of(i) != share {
                     continue;
                 }
                 let n = p.local.numel();
@@ -169,30 +203,40 @@ impl TpTrainer {
         Ok(())
     }
 
-    /// Forward, loss and backward of one micro-batch; this rank's parameter gradients are added
-    /// into the fp32 accumulators.
-    pub fn forward_backward<T>(
+    /// Adds a parameter gradient (this rank's slice of parameter `i`) into the fp32 accumulator.
+    fn accumulate(
+        grads: &[Tensor],
+        slot: &[(usize, usize, usize)],
+        i: usize,
+        g: &Tensor,
+    ) -> Result<()> {
+        let (f, off, n) = slot[i];
+        let g = g
+            .f_to_kind(Kind::Float)
+            .and_then(|g| g.f_reshape([-1]))
+            .ctx("gradient to fp32")?;
+        let _ = grads[f]
+            .f_narrow(0, off as i64, n as i64)
+            .and_then(|mut dst| dst.f_add_(&g))
+            .ctx("accumulate gradient")?;
+        Ok(())
+    }
+
+    /// Forward and backward of every micro-batch of a mini-batch through the pipeline (the 1F1B
+    /// schedule; with one stage, one micro-batch after the other). `loss_fn(i, model, hidden)`
+    /// runs on the last stage only, on micro-batch `i`'s normed final hidden states; its results
+    /// come back there (`None` on the other stages).
+    pub fn forward_backward_pipelined<T>(
         &mut self,
-        ids: &Tensor,
-        mask: &Tensor,
-        positions: &Tensor,
-        loss_fn: impl FnOnce(&TpModel, &Tensor) -> Result<(Tensor, T)>,
-    ) -> Result<(Tensor, T)> {
+        par: &Parallel,
+        micro: &[MicroInput],
+        mut loss_fn: impl FnMut(usize, &TpModel, &Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<Vec<Option<(Tensor, T)>>> {
         let (grads, slot) = (&self.grads, &self.slot);
-        let mut sink = |i: usize, g: &Tensor| -> Result<()> {
-            let (f, off, n) = slot[i];
-            let g = g
-                .f_to_kind(Kind::Float)
-                .and_then(|g| g.f_reshape([-1]))
-                .ctx("gradient to fp32")?;
-            let _ = grads[f]
-                .f_narrow(0, off as i64, n as i64)
-                .and_then(|mut dst| dst.f_add_(&g))
-                .ctx("accumulate gradient")?;
-            Ok(())
-        };
+        let mut sink = |i: usize, g: &Tensor| Self::accumulate(grads, slot, i, g);
         let model = &self.model;
-        model.forward_backward(ids, mask, positions, &mut sink, |hc| loss_fn(model, hc))
+        let mut loss = |i: usize, h: &Tensor| loss_fn(i, model, h);
+        train_1f1b(model, &par.pp, micro, &mut sink, &mut loss)
     }
 
     /// The end of a mini-batch: gradients summed over the data-parallel ranks, the global norm
@@ -209,6 +253,7 @@ impl TpTrainer {
         epoch: usize,
         mini_batch: usize,
     ) -> Result<f64> {
+        self.sum_tied_embedding_gradients(par)?;
         let mut reduced = Vec::with_capacity(self.grads.len());
         for (f, g) in self.flats.iter().zip(&self.grads) {
             if self.distributed {
@@ -227,7 +272,16 @@ impl TpTrainer {
                 reduced.push(g);
             }
         }
-        let mut sq = [sum_sq(&reduced[0])?, sum_sq(&reduced[1])?];
+        // [split, replicated] squared sums of this stage; a mirror copy is counted by the first
+        // stage.
+        let mut sq = [0.0f64; 2];
+        for (f, g) in self.flats.iter().zip(&reduced) {
+            match f.share {
+                Share::Split => sq[0] += sum_sq(g)?,
+                Share::Replicated => sq[1] += sum_sq(g)?,
+                Share::Mirror => {}
+            }
+        }
         if self.distributed {
             par.dp
                 .all_reduce_f64(&mut sq, ReduceOp::Sum, "all_reduce (gradient norm)")?;
@@ -235,7 +289,11 @@ impl TpTrainer {
         let mut split = [sq[0]];
         par.tp
             .all_reduce_f64(&mut split, ReduceOp::Sum, "all_reduce (gradient norm)")?;
-        let norm = (split[0] + sq[1]).sqrt();
+        // Each stage holds other parameters: their squares add up over the pipeline.
+        let mut stage = [split[0] + sq[1]];
+        par.pp
+            .all_reduce_f64(&mut stage, ReduceOp::Sum, "all_reduce (gradient norm)")?;
+        let norm = stage[0].sqrt();
         if !norm.is_finite() {
             self.zero_grad()?;
             return Err(MegatronError::NonFinite {
@@ -259,6 +317,39 @@ impl TpTrainer {
         self.optim.step(&self.masters, &reduced, lr)?;
         self.publish(par)?;
         Ok(norm)
+    }
+
+    /// Megatron's embedding group: with tied embeddings split over several stages, the first
+    /// stage's input embedding and the last stage's LM head are one parameter, so each adds the
+    /// other's gradient (before the data-parallel reduction; `a + b` is the same on both ends,
+    /// and both then take the same optimizer step).
+    fn sum_tied_embedding_gradients(&mut self, par: &Parallel) -> Result<()> {
+        let stage = self.model.stage();
+        let tied = self.model.config().tie_word_embeddings
+            && self.model.head_kind() == verl_nn::HeadKind::CausalLm;
+        if stage.count == 1 || !tied || !(stage.is_first() || stage.is_last()) {
+            return Ok(());
+        }
+        let i = self.model.param_index(crate::tp::EMBED).ok_or_else(|| {
+            MegatronError::Api(verl_plugin_api::Error::failed(
+                "internal: tied embedding missing on a pipeline end stage",
+            ))
+        })?;
+        let (f, off, n) = self.slot[i];
+        let mut mine = self.grads[f]
+            .f_narrow(0, off as i64, n as i64)
+            .ctx("tied embedding gradient")?;
+        let peer = if stage.is_first() { stage.count - 1 } else { 0 };
+        let mut theirs = mine.f_zeros_like().ctx("tied embedding gradient")?;
+        let out = mine.f_contiguous().ctx("tied embedding gradient")?;
+        par.pp.exchange(
+            &out,
+            &mut theirs,
+            peer,
+            "send_recv (tied embedding gradient)",
+        )?;
+        let _ = mine.f_add_(&theirs).ctx("tied embedding gradient")?;
+        Ok(())
     }
 
     /// Copies the masters (gathered over the data-parallel ranks when sharded) into the model.
@@ -308,9 +399,16 @@ impl TpTrainer {
         out.f_narrow(0, 0, f.numel as i64).ctx("unpad")
     }
 
-    /// The full (unsplit, fp32) tensor of every parameter for `what`, by HF name. Every rank takes
-    /// part; the tensors are complete on every rank.
+    /// The full (unsplit, fp32) tensor of every parameter of the whole model (every pipeline stage)
+    /// for `what`, by HF name. Every rank takes part; the tensors are complete on every rank.
     pub fn gather_state(&self, par: &Parallel, what: What) -> Result<HashMap<String, Tensor>> {
+        let mine = self.gather_stage_state(par, what)?;
+        let m = &self.model;
+        gather_stages(m.config(), m.head_kind(), &par.pp, mine, Kind::Float)
+    }
+
+    /// [`TpTrainer::gather_state`] of this stage's parameters only.
+    fn gather_stage_state(&self, par: &Parallel, what: What) -> Result<HashMap<String, Tensor>> {
         let mut out = HashMap::new();
         for fi in 0..self.flats.len() {
             let full = self.full_flat(par, fi, what)?;

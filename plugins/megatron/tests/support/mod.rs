@@ -1,0 +1,317 @@
+//! What the multi-rank tests share: a tiny random qwen2 checkpoint, job configs, ranks as threads
+//! with a store on 127.0.0.1 (the CPU communicator), the step batches and the comparisons against
+//! the one-rank FSDP reference.
+
+// Each test binary uses a different subset.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tch::{Kind, Tensor};
+use verl_comm::StoreServer;
+use verl_nn::{HeadKind, ModelConfig, ModelOptions, SaveOptions, Transformer};
+use verl_plugin_api::client::ActorClient;
+use verl_plugin_api::{col, Batch, InitArgs, Rendezvous, Role};
+
+pub const VOCAB: i64 = 40;
+pub const PL: usize = 4;
+pub const RL: usize = 5;
+pub const ROWS: usize = 8;
+pub const TOL: f64 = 1e-5;
+
+/// A random qwen2-shaped checkpoint: 4 heads / 2 KV heads / 40 MLP columns / 40 tokens, all
+/// divisible by TP = 2.
+pub fn tiny_model(tied: bool, head: HeadKind) -> tempfile::TempDir {
+    tiny_model_with_layers(tied, head, 2)
+}
+
+/// [`tiny_model`] with `layers` decoder layers.
+pub fn tiny_model_with_layers(tied: bool, head: HeadKind, layers: i64) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ModelConfig::from_value(
+        json!({
+            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+            "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 40,
+            "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
+            "tie_word_embeddings": tied, "initializer_range": 0.2,
+            "pad_token_id": 0, "eos_token_id": 1,
+        }),
+        "inline/config.json",
+    )
+    .unwrap();
+    tch::manual_seed(5);
+    let model = Transformer::new(
+        cfg,
+        &ModelOptions {
+            head,
+            ..ModelOptions::default()
+        },
+    )
+    .unwrap();
+    model
+        .save_pretrained(dir.path(), &SaveOptions::default())
+        .unwrap();
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{}\n").unwrap();
+    dir
+}
+
+pub fn merge(base: &mut Value, patch: &Value) {
+    match (base, patch) {
+        (Value::Object(b), Value::Object(p)) => {
+            for (k, v) in p {
+                merge(b.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (b, p) => *b = p.clone(),
+    }
+}
+
+/// One mini-batch of the whole global batch, one row per micro-batch, fp32 everywhere; the
+/// Megatron sections say `tp` and whether the optimizer is distributed.
+pub fn config(model: &Path, tp: u64, distributed: bool, patch: Value) -> Value {
+    config_pp(model, tp, 1, distributed, patch)
+}
+
+/// [`config`] with `pp` pipeline stages.
+pub fn config_pp(model: &Path, tp: u64, pp: u64, distributed: bool, patch: Value) -> Value {
+    let mg = json!({"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                    "dtype": "fp32", "use_distributed_optimizer": distributed});
+    let mut c = json!({
+        "trainer": {"device": "cpu"},
+        "actor_rollout_ref": {
+            "model": {"path": model.to_str().unwrap()},
+            "actor": {
+                "ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 1, "ppo_epochs": 2,
+                "grad_clip": 0.5, "calculate_entropy": true, "entropy_coeff": 0.01,
+                "use_kl_loss": true, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl",
+                "optim": {"lr": 2e-2, "weight_decay": 0.01},
+                "fsdp_config": {"model_dtype": "fp32", "dtype": "fp32"},
+                "megatron": mg.clone(),
+            },
+            "rollout": {"n": 1, "temperature": 1.0, "log_prob_micro_batch_size_per_gpu": 3},
+            "ref": {"fsdp_config": {"dtype": "fp32"}},
+        },
+        "critic": {
+            "ppo_mini_batch_size": ROWS, "ppo_micro_batch_size_per_gpu": 1, "ppo_epochs": 2,
+            "grad_clip": 0.5,
+            "optim": {"lr": 2e-2, "weight_decay": 0.0},
+            "model": {"path": model.to_str().unwrap(),
+                      "fsdp_config": {"model_dtype": "fp32", "dtype": "fp32"}},
+            "megatron": mg,
+        },
+    });
+    merge(&mut c, &patch);
+    c
+}
+
+pub struct Job {
+    _server: Option<StoreServer>,
+    port: u16,
+    world: usize,
+}
+
+impl Job {
+    pub fn new(world: usize) -> Job {
+        if world == 1 {
+            return Job {
+                _server: None,
+                port: 0,
+                world,
+            };
+        }
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let port = server.local_addr().port();
+        Job {
+            _server: Some(server),
+            port,
+            world,
+        }
+    }
+
+    pub fn init(&self, role: Role, rank: usize, config: &Value) -> InitArgs {
+        let mut init = InitArgs::new(role, config.clone());
+        init.rank = rank as u32;
+        init.local_rank = rank as u32;
+        init.world_size = self.world as u32;
+        if self.world > 1 {
+            init.rendezvous = Some(Rendezvous {
+                master_addr: "127.0.0.1".into(),
+                master_port: self.port,
+                timeout_s: 60,
+            });
+        }
+        init
+    }
+
+    /// Runs `f(rank)` on every rank, each on its own thread; a rank slower than two minutes fails
+    /// the test (a hang).
+    pub fn run<T: Send + 'static>(&self, f: impl Fn(usize) -> T + Send + Sync + 'static) -> Vec<T> {
+        let f = std::sync::Arc::new(f);
+        let (tx, rx) = mpsc::channel();
+        for rank in 0..self.world {
+            let (f, tx) = (f.clone(), tx.clone());
+            std::thread::Builder::new()
+                .name(format!("rank{rank}"))
+                .spawn(move || {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(rank)));
+                    let _ = tx.send((rank, r));
+                })
+                .unwrap();
+        }
+        let mut out: Vec<Option<T>> = (0..self.world).map(|_| None).collect();
+        for _ in 0..self.world {
+            let (rank, r) = rx
+                .recv_timeout(Duration::from_secs(120))
+                .expect("a rank hung for 120 s");
+            match r {
+                Ok(v) => out[rank] = Some(v),
+                Err(p) => std::panic::resume_unwind(p),
+            }
+        }
+        out.into_iter().map(|v| v.unwrap()).collect()
+    }
+}
+
+pub struct Lcg(pub u64);
+impl Lcg {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    pub fn unit(&mut self) -> f32 {
+        (self.next() % 10_000) as f32 / 10_000.0
+    }
+}
+
+/// The global batch of one step: uneven prompt / response lengths, every update column.
+pub fn global_batch(seed: u64) -> Batch {
+    let mut rng = Lcg(seed);
+    let (mut p, mut pm, mut r, mut rm) = (vec![], vec![], vec![], vec![]);
+    let (mut old, mut refl, mut adv, mut val, mut ret) = (vec![], vec![], vec![], vec![], vec![]);
+    for _ in 0..ROWS {
+        let plen = 1 + (rng.next() % PL as u64) as usize;
+        let rlen = 1 + (rng.next() % RL as u64) as usize;
+        for j in 0..PL {
+            let real = j >= PL - plen;
+            p.push(if real {
+                2 + (rng.next() % (VOCAB as u64 - 2)) as i64
+            } else {
+                0
+            });
+            pm.push(real as i64);
+        }
+        let a = rng.unit() * 2.0 - 1.0;
+        for j in 0..RL {
+            let real = j < rlen;
+            r.push(if real {
+                2 + (rng.next() % (VOCAB as u64 - 2)) as i64
+            } else {
+                0
+            });
+            rm.push(real as i64);
+            old.push(-3.7 + (rng.unit() - 0.5) * 0.6);
+            refl.push(-3.7 + (rng.unit() - 0.5) * 0.4);
+            adv.push(a);
+            val.push(rng.unit() - 0.5);
+            ret.push(rng.unit() * 2.0 - 1.0);
+        }
+    }
+    let mut b = Batch::new();
+    b.insert_tensor(col::PROMPTS, &[ROWS, PL], &p);
+    b.insert_tensor(col::PROMPT_MASK, &[ROWS, PL], &pm);
+    b.insert_tensor(col::RESPONSES, &[ROWS, RL], &r);
+    b.insert_tensor(col::RESPONSE_MASK, &[ROWS, RL], &rm);
+    b.insert_tensor(col::OLD_LOG_PROBS, &[ROWS, RL], &old);
+    b.insert_tensor(col::REF_LOG_PROBS, &[ROWS, RL], &refl);
+    b.insert_tensor(col::ADVANTAGES, &[ROWS, RL], &adv);
+    b.insert_tensor(col::VALUES, &[ROWS, RL], &val);
+    b.insert_tensor(col::RETURNS, &[ROWS, RL], &ret);
+    b
+}
+
+/// Data-parallel shard `rank` of `world` (contiguous rows); tensor-parallel peers get the same.
+pub fn shard_rows(b: &Batch, rank: usize, world: usize) -> Batch {
+    let n = b.rows() / world;
+    let (start, end) = (rank * n, (rank + 1) * n);
+    let mut out = Batch::new();
+    for name in b.column_names() {
+        if let Ok(t) = b.tensor::<i64>(name) {
+            let w = t.cols();
+            let data: Vec<i64> = (start..end).flat_map(|i| t.row(i).to_vec()).collect();
+            out.insert_tensor(name, &[end - start, w], &data);
+        } else {
+            let t = b.tensor::<f32>(name).unwrap();
+            let w = t.cols();
+            let data: Vec<f32> = (start..end).flat_map(|i| t.row(i).to_vec()).collect();
+            out.insert_tensor(name, &[end - start, w], &data);
+        }
+    }
+    out
+}
+
+pub fn f32s(b: &Batch, name: &str) -> Vec<f32> {
+    b.tensor::<f32>(name).unwrap().data
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+}
+
+pub type Metrics = BTreeMap<String, f64>;
+pub type Weights = HashMap<String, Tensor>;
+
+pub fn read_weights(dir: &Path) -> Weights {
+    Tensor::read_safetensors(dir.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+pub fn export(actor: &mut ActorClient, rank: usize) -> Option<Weights> {
+    let dir = tempfile::tempdir().unwrap();
+    actor.export_hf(dir.path()).unwrap();
+    (rank == 0).then(|| read_weights(dir.path()))
+}
+
+pub fn max_weight_diff(a: &Weights, b: &Weights) -> f64 {
+    assert_eq!(
+        a.keys().collect::<std::collections::BTreeSet<_>>(),
+        b.keys().collect::<std::collections::BTreeSet<_>>()
+    );
+    a.iter()
+        .map(|(k, t)| {
+            (t.to_kind(Kind::Double) - b[k].to_kind(Kind::Double))
+                .abs()
+                .max()
+                .double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+pub fn assert_metrics_close(want: &Metrics, got: &Metrics, what: &str) {
+    let skip = |k: &String| k.starts_with("perf/");
+    assert_eq!(
+        want.keys().filter(|k| !skip(k)).collect::<Vec<_>>(),
+        got.keys().filter(|k| !skip(k)).collect::<Vec<_>>(),
+        "{what}: metric names"
+    );
+    let off: Vec<String> = want
+        .iter()
+        .filter(|(k, _)| !skip(k))
+        .filter(|(k, x)| (*x - got[*k]).abs() > TOL * (1.0 + x.abs()))
+        .map(|(k, x)| format!("{k}: one rank {x}, megatron {}", got[k]))
+        .collect();
+    assert!(off.is_empty(), "{what}: {off:#?}");
+}

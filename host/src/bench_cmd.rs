@@ -391,6 +391,9 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         format!("trainer.device={}", a.device),
         format!("trainer.total_training_steps={}", a.steps),
         format!("actor_rollout_ref.rollout.n={}", a.n),
+        // Every rollout decodes at once, as HF generate does for the Python reference (verl's
+        // default of 256 concurrent sequences would run 512 rollouts in two waves).
+        format!("actor_rollout_ref.rollout.max_num_seqs={rows}"),
         "actor_rollout_ref.rollout.temperature=1.0".into(),
         // One mini-batch = one optimizer step per rollout, as TRL's default.
         format!("actor_rollout_ref.actor.ppo_mini_batch_size={}", a.prompts),

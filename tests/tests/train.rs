@@ -455,14 +455,13 @@ fn grpo_on_two_and_four_cpu_ranks_equals_one_rank_and_resumes_across_world_sizes
     );
 }
 
-/// The Megatron backend through `verl run` on CPU ranks: tensor parallelism over 2 ranks, and
-/// TP=2 × DP=2 over 4, must train exactly like the FSDP backend on one rank — actor, reference
-/// and critic. The host gives the ranks of one tensor-parallel group the same prompts and counts
+/// The Megatron backend through `verl run` on CPU ranks: TP=2, TP=2 × DP=2, PP=2 and TP=2 × PP=2
+/// must train exactly like the FSDP backend on one rank — actor, reference and critic. The host gives the ranks of one tensor-parallel group the same prompts and counts
 /// their copies once in every batch-wide statistic (data metrics, whitening, validation). PPO
 /// with GAE, because the tiny random policy never earns a reward: GRPO's advantages would all be
 /// zero and the update pure rounding noise, while the critic's values make GAE's advantages real.
 #[test]
-fn megatron_tensor_parallel_ranks_train_like_one_fsdp_rank() {
+fn megatron_tensor_and_pipeline_parallel_ranks_train_like_one_fsdp_rank() {
     let inst = install(&[
         "libverl_fsdp.so",
         "libverl_megatron.so",
@@ -514,15 +513,25 @@ fn megatron_tensor_parallel_ranks_train_like_one_fsdp_rank() {
     let megatron = [
         "actor_rollout_ref.actor.strategy=megatron",
         "actor_rollout_ref.actor.megatron.dtype=float32",
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
         "critic.strategy=megatron",
         "critic.megatron.dtype=float32",
-        "critic.megatron.tensor_model_parallel_size=2",
     ];
-    for (name, world) in [("tp2", "2"), ("tp2_dp2", "4")] {
-        let gpus = format!("trainer.n_gpus_per_node={world}");
+    let layouts: [(&str, &str, u32, u32); 4] = [
+        ("tp2", "2", 2, 1),
+        ("tp2_dp2", "4", 2, 1),
+        ("pp2", "2", 1, 2),
+        ("tp2_pp2", "4", 2, 2),
+    ];
+    for (name, world, tp, pp) in layouts {
+        let sizes = [
+            format!("trainer.n_gpus_per_node={world}"),
+            format!("actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}"),
+            format!("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"),
+            format!("critic.megatron.tensor_model_parallel_size={tp}"),
+            format!("critic.megatron.pipeline_model_parallel_size={pp}"),
+        ];
         let mut extra = megatron.to_vec();
-        extra.push(&gpus);
+        extra.extend(sizes.iter().map(String::as_str));
         let m = metrics_by_step(&jsonl_of(&run(name, &extra)));
         let mut bad = Vec::new();
         for step in 1..=3 {

@@ -225,9 +225,13 @@ fn jsonl_of(cwd: &Path) -> PathBuf {
     found.remove(0)
 }
 
+/// The metrics a run's numerics decide: not timings, device memory, or the rollout engine's
+/// per-rank pool statistics (`rollout/*`, which depend on how rows are spread over ranks).
 fn comparable(m: &serde_json::Map<String, Value>) -> BTreeMap<String, f64> {
     m.iter()
-        .filter(|(k, _)| !k.starts_with("timing") && !k.starts_with("perf/"))
+        .filter(|(k, _)| {
+            !k.starts_with("timing") && !k.starts_with("perf/") && !k.starts_with("rollout/")
+        })
         .filter_map(|(k, v)| v.as_f64().map(|f| (k.clone(), f)))
         .collect()
 }

@@ -570,6 +570,14 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         let prompts = enc.encode(&samples, indices)?;
         let mut batch = roles.actor.generate(&prompts, &gen)?;
         timings.add("gen", t0.elapsed().as_secs_f64());
+        // What the rollout engine reports about itself (KV budget, pool use, preemptions).
+        let rollout_meta: Vec<(String, f64)> = batch
+            .meta()
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("rollout/"))
+            .filter_map(|(k, v)| v.as_f64().map(|x| (k, x)))
+            .collect();
+        metrics.extend(combine_rank_metrics(group, rollout_meta)?);
 
         let baselines = if estimator.needs_reward_baselines() {
             let t0 = Instant::now();

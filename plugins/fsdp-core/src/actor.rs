@@ -858,7 +858,7 @@ pub fn kv_budget(
 
 /// Fails unless every rank of `dp` got `rows` rows: ranks step through mini-batches (and their
 /// collectives) together.
-pub(crate) fn same_rows_on_every_rank(dp: &Dp, rows: usize, call: &'static str) -> Result<()> {
+pub fn same_rows_on_every_rank(dp: &Dp, rows: usize, call: &'static str) -> Result<()> {
     if !dp.is_sharded() {
         return Ok(());
     }
@@ -879,7 +879,7 @@ pub(crate) fn same_rows_on_every_rank(dp: &Dp, rows: usize, call: &'static str) 
 }
 
 /// The micro-batches of one mini-batch, as many on every rank (see [`equalize_micro_batches`]).
-pub(crate) fn same_micro_batch_count(dp: &Dp, parts: Vec<Vec<usize>>) -> Result<Vec<MicroBatch>> {
+pub fn same_micro_batch_count(dp: &Dp, parts: Vec<Vec<usize>>) -> Result<Vec<MicroBatch>> {
     let mut n = [parts.len() as f64];
     dp.all_reduce_max(&mut n)?;
     Ok(equalize_micro_batches(parts, n[0] as usize))
@@ -900,7 +900,9 @@ fn is_tokenizer_file(name: &str) -> bool {
         )
 }
 
-pub(crate) fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<()> {
+/// Copies the tokenizer and generation files of `from` that `to` lacks (an HF folder is loadable
+/// on its own).
+pub fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<()> {
     let entries = std::fs::read_dir(from).map_err(|source| FsdpError::Io {
         path: from.to_path_buf(),
         source,

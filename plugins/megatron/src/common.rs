@@ -7,12 +7,9 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 use verl_comm::ReduceOp;
 use verl_fsdp_core::config::{parse_dtype, section, MicroBatching};
-use verl_fsdp_core::data::{
-    equalize_micro_batches, index_tensor, micro_batches, MicroBatch, Sequences,
-};
-use verl_fsdp_core::dp::Dp;
+use verl_fsdp_core::data::{index_tensor, micro_batches, Sequences};
 use verl_nn::{Checkpoint, HeadKind, ModelConfig, ModelOptions, Transformer};
-use verl_plugin_api::{col, InitArgs};
+use verl_plugin_api::InitArgs;
 
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::layout::{Layout, MegatronSection};
@@ -275,66 +272,11 @@ pub fn forward_micro_batches(
     Ok(out)
 }
 
-/// Fails unless every data-parallel rank got `rows` rows: ranks step through mini-batches (and their
-/// collectives) together.
-pub fn same_rows_on_every_rank(dp: &Dp, rows: usize, call: &'static str) -> Result<()> {
-    if !dp.is_sharded() {
-        return Ok(());
-    }
-    let mut v = [rows as f64, -(rows as f64)];
-    dp.all_reduce_max(&mut v)?;
-    if v[0] != rows as f64 || -v[1] != rows as f64 {
-        return Err(MegatronError::Input {
-            call,
-            column: col::RESPONSES.into(),
-            expected: "the same number of rows on every data-parallel rank".into(),
-            found: format!(
-                "{rows} rows on rank {}, between {} and {} across ranks",
-                dp.rank, -v[1], v[0]
-            ),
-        });
-    }
-    Ok(())
-}
-
-/// The micro-batches of one mini-batch, as many on every data-parallel rank.
-pub fn same_micro_batch_count(dp: &Dp, parts: Vec<Vec<usize>>) -> Result<Vec<MicroBatch>> {
-    let mut n = [parts.len() as f64];
-    dp.all_reduce_max(&mut n)?;
-    Ok(equalize_micro_batches(parts, n[0] as usize))
-}
-
-/// Files HF tokenizers and generation read next to the weights.
-fn is_tokenizer_file(name: &str) -> bool {
-    name.starts_with("tokenizer")
-        || name.starts_with("vocab.")
-        || name.starts_with("chat_template")
-        || name.ends_with(".tiktoken")
-        || matches!(
-            name,
-            "merges.txt"
-                | "special_tokens_map.json"
-                | "added_tokens.json"
-                | "generation_config.json"
-        )
-}
-
-pub fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<()> {
-    let entries = std::fs::read_dir(from).map_err(|source| MegatronError::Io {
-        path: from.to_path_buf(),
-        source,
-    })?;
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().to_string();
-        if entry.path().is_file() && is_tokenizer_file(&name) && !to.join(&name).exists() {
-            std::fs::copy(entry.path(), to.join(&name)).map_err(|source| MegatronError::Io {
-                path: entry.path(),
-                source,
-            })?;
-        }
-    }
-    Ok(())
-}
+// Shared with the FSDP backend: row-count and micro-batch agreement across data-parallel ranks,
+// and the tokenizer files an exported HF folder needs.
+pub use verl_fsdp_core::actor::{
+    copy_tokenizer_files, same_micro_batch_count, same_rows_on_every_rank,
+};
 
 /// `[rows, len]` int64 data of a tensor, row-major.
 pub fn i64_vec(t: &Tensor) -> Result<Vec<i64>> {

@@ -94,6 +94,7 @@ impl MegatronActor {
             (p, megatron_section(cfg, p, None)?)
         };
         let layout = common::role_layout(&mg, prefix, init, &model_cfg)?;
+        let aux_loss_coeff = common::aux_loss_coeff(&mg, prefix, &model_cfg)?;
         let dtype = compute_dtype(&mg, prefix)?;
         let role = if reference { "reference" } else { "actor" };
         let par = common::join(init, role, layout, device)?;
@@ -106,6 +107,7 @@ impl MegatronActor {
             &par,
             mg.seed,
             random_init,
+            aux_loss_coeff,
         )?;
         let default_temperature = rollout.temperature.unwrap_or(1.0);
         if reference {
@@ -393,6 +395,8 @@ impl MegatronActor {
         let need_entropy = plan.calculate_entropy || plan.loss.needs_entropy();
         let mut acc = MetricAcc::default();
         self.rollout_model = None;
+        // Only this update's routing counts enter its metrics.
+        train.model.take_moe_load()?;
         for epoch in 0..plan.epochs {
             for (mi, mini) in minis.iter().enumerate() {
                 let mini_idx = index_tensor(mini, device)?;
@@ -431,6 +435,7 @@ impl MegatronActor {
                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                 )?;
                 let parts = same_micro_batch_count(dp, parts)?;
+                let moe = common::moe_micro(&train.model, dp, &parts)?;
                 struct Micro {
                     sub: Sequences,
                     old: Tensor,
@@ -454,10 +459,12 @@ impl MegatronActor {
                     .collect::<Result<Vec<_>>>()?;
                 let inputs: Vec<MicroInput> = micros
                     .iter()
-                    .map(|m| MicroInput {
+                    .zip(&moe)
+                    .map(|(m, &moe)| MicroInput {
                         ids: &m.sub.input_ids,
                         mask: &m.sub.attention_mask,
                         positions: &m.sub.position_ids,
+                        moe,
                     })
                     .collect();
                 let res = train.forward_backward_pipelined(par, &inputs, |ui, model, hidden| {
@@ -552,6 +559,9 @@ impl MegatronActor {
         train.zero_grad()?;
         train.updates += 1;
         acc.push_global("actor/lr", lr);
+        for (name, v) in common::moe_load_metrics(&train.model, par)? {
+            acc.push_global(&name, v);
+        }
         verl_fsdp_core::metrics::push_gpu_memory(&mut acc, dp, device)?;
         acc.reduce(dp)?;
         metrics_from_last_stage(par, acc.into_metrics())

@@ -1,7 +1,8 @@
 //! Checkpoints that do not depend on the parallel layout they were written at.
 //!
-//! Every parameter is saved whole (gathered over the tensor-parallel ranks, the pipeline stages
-//! and, for the distributed optimizer, the data-parallel ranks): `model/` is an HF folder in the compute dtype,
+//! Every parameter is saved whole (gathered over the tensor-parallel ranks, the pipeline stages,
+//! the expert-parallel ranks (every routed expert under its HF name) and, for the distributed
+//! optimizer, the (expert-)data-parallel ranks): `model/` is an HF folder in the compute dtype,
 //! `master.safetensors` holds the fp32 master weights and `optim.safetensors` the AdamW moments
 //! (`exp_avg.<name>`, `exp_avg_sq.<name>`), all under HF parameter names; `state.json` records the
 //! format, the role, the layout it was written at and the counters. Loading at any
@@ -128,16 +129,18 @@ pub fn load(
         ));
     }
     let saved = |k: &str| field("layout").get(k).and_then(|v| v.as_u64()).unwrap_or(1) as usize;
-    let (saved_tp, saved_pp) = (
+    let (saved_tp, saved_pp, saved_ep) = (
         saved("tensor_model_parallel_size"),
         saved("pipeline_model_parallel_size"),
+        saved("expert_model_parallel_size"),
     );
-    if (saved_tp, saved_pp) != (par.layout.tp, par.layout.pp) {
+    if (saved_tp, saved_pp, saved_ep) != (par.layout.tp, par.layout.pp, par.layout.ep) {
         tracing::info!(
-            "{}: written at tensor_model_parallel_size={saved_tp} pipeline_model_parallel_size={saved_pp}, resharded for {} × {}",
+            "{}: written at tensor_model_parallel_size={saved_tp} pipeline_model_parallel_size={saved_pp} expert_model_parallel_size={saved_ep}, resharded for {} × {} × {}",
             dir.display(),
             par.layout.tp,
-            par.layout.pp
+            par.layout.pp,
+            par.layout.ep
         );
     }
     let count = |k: &str| -> Result<u64> {

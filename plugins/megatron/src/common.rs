@@ -7,7 +7,8 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 use verl_comm::ReduceOp;
 use verl_fsdp_core::config::{parse_dtype, section, MicroBatching};
-use verl_fsdp_core::data::{index_tensor, micro_batches, Sequences};
+use verl_fsdp_core::data::{index_tensor, micro_batches, MicroBatch, Sequences};
+use verl_fsdp_core::dp::Dp;
 use verl_nn::{Checkpoint, HeadKind, ModelConfig, ModelOptions, Transformer};
 use verl_plugin_api::InitArgs;
 
@@ -15,7 +16,7 @@ use crate::error::{MegatronError, Result, TorchContext};
 use crate::layout::{Layout, MegatronSection};
 use crate::parallel::Parallel;
 use crate::pipeline::{broadcast_from_last, forward_only, gather_stages, MicroInput};
-use crate::tp::TpModel;
+use crate::tp::{ExpertSetup, MoeMicro, TpModel};
 
 /// Reads `<prefix>` as a [`MegatronSection`]; `fallback` (another role's section) when absent.
 pub fn megatron_section(
@@ -61,12 +62,6 @@ pub fn role_layout(
             "context parallelism (> 1)",
         ));
     }
-    if layout.ep > 1 {
-        return Err(unsupported(
-            "expert_model_parallel_size",
-            "expert parallelism (> 1)",
-        ));
-    }
     if layout.sequence_parallel {
         // Sequence parallelism changes where activations live, not the numbers: the model runs
         // with activations replicated over the tensor-parallel group instead.
@@ -75,6 +70,37 @@ pub fn role_layout(
         );
     }
     Ok(layout)
+}
+
+/// Megatron's `moe_aux_loss_coeff` of a mixture-of-experts model:
+/// `<prefix>.override_transformer_config.moe_aux_loss_coeff`, else config.json's
+/// `router_aux_loss_coef` (the HF field for the same load-balancing loss), else HF's default for
+/// Mixtral / Qwen2-MoE / Qwen3-MoE, 0.001. 0 for a dense model.
+pub fn aux_loss_coeff(sec: &MegatronSection, prefix: &str, model: &ModelConfig) -> Result<f64> {
+    if model.moe.is_none() {
+        return Ok(0.0);
+    }
+    let (key, value) = match sec.override_transformer_config.get("moe_aux_loss_coeff") {
+        Some(v) => (
+            format!("{prefix}.override_transformer_config.moe_aux_loss_coeff"),
+            v.clone(),
+        ),
+        None => match model.raw.get("router_aux_loss_coef") {
+            Some(v) => (
+                "model config.json `router_aux_loss_coef`".to_string(),
+                v.clone(),
+            ),
+            None => return Ok(0.001),
+        },
+    };
+    match value.as_f64() {
+        Some(c) if c.is_finite() && c >= 0.0 => Ok(c),
+        _ => Err(MegatronError::config(
+            key,
+            "a finite non-negative number",
+            value,
+        )),
+    }
 }
 
 /// `*.megatron.dtype` → the compute dtype.
@@ -112,9 +138,15 @@ pub fn build_model(
     par: &Parallel,
     seed: u64,
     random_init: Option<u64>,
+    aux_loss_coeff: f64,
 ) -> Result<TpModel> {
     tch::manual_seed(seed as i64);
     let stage = par.stage();
+    let experts = ExpertSetup {
+        ep: par.ep.clone(),
+        etp: par.etp.clone(),
+        aux_loss_coeff,
+    };
     match random_init {
         None => {
             let mut ckpt = Checkpoint::open(dir)?;
@@ -125,6 +157,7 @@ pub fn build_model(
                 par.device,
                 par.tp.clone(),
                 stage,
+                experts,
                 &mut ckpt,
             )
         }
@@ -150,6 +183,7 @@ pub fn build_model(
                 par.device,
                 par.tp.clone(),
                 stage,
+                experts,
                 &mut named,
             )
         }
@@ -191,12 +225,12 @@ pub fn assemble(
 }
 
 /// The full live (compute-dtype) weights of this stage's parameters, gathered over its
-/// tensor-parallel group.
+/// tensor-parallel group (and every expert, over the expert-parallel group).
 pub fn gather_live(model: &TpModel) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     for (i, p) in model.params.iter().enumerate() {
         let local = p.local.f_detach().ctx("live weight")?;
-        out.insert(p.name.clone(), model.gather_full(i, &local)?);
+        out.extend(model.gather_named(i, &local)?);
     }
     Ok(out)
 }
@@ -232,21 +266,32 @@ pub fn forward_micro_batches(
     let rows: Vec<usize> = (0..seqs.rows()).collect();
     let lengths = seqs.row_lengths()?;
     let parts = micro_batches(&rows, &lengths, batching, budget_key)?;
+    // The MoE blocks of an expert-parallel model exchange tokens between data-parallel ranks:
+    // every rank runs the same number of forwards (dummies are run and discarded).
+    let parts: Vec<MicroBatch> = if par.layout.ep > 1 {
+        same_micro_batch_count(&par.dp_meta, parts)?
+    } else {
+        parts
+            .into_iter()
+            .map(|rows| MicroBatch { rows, dummy: false })
+            .collect()
+    };
     let device = seqs.input_ids.device();
-    let subs: Vec<(Tensor, Sequences)> = parts
+    let subs: Vec<(Tensor, Sequences, bool)> = parts
         .iter()
         .map(|part| {
-            let idx = index_tensor(part, device)?;
+            let idx = index_tensor(&part.rows, device)?;
             let sub = seqs.select(&idx)?;
-            Ok((idx, sub))
+            Ok((idx, sub, part.dummy))
         })
         .collect::<Result<_>>()?;
     let micro: Vec<MicroInput> = subs
         .iter()
-        .map(|(_, s)| MicroInput {
+        .map(|(_, s, _)| MicroInput {
             ids: &s.input_ids,
             mask: &s.attention_mask,
             positions: &s.position_ids,
+            moe: MoeMicro::NONE,
         })
         .collect();
     let mut out: Vec<Tensor> = (0..outputs)
@@ -259,7 +304,10 @@ pub fn forward_micro_batches(
         })
         .collect::<Result<_>>()?;
     forward_only(model, &par.pp, &micro, &mut |i, hidden| {
-        let (idx, sub) = &subs[i];
+        let (idx, sub, dummy) = &subs[i];
+        if *dummy {
+            return Ok(());
+        }
         let res = f(sub, hidden)?;
         for (dst, src) in out.iter_mut().zip(res) {
             let _ = dst
@@ -277,6 +325,46 @@ pub fn forward_micro_batches(
 pub use verl_fsdp_core::actor::{
     copy_tokenizer_files, same_micro_batch_count, same_rows_on_every_rank,
 };
+
+/// What the MoE blocks do in each micro-batch of a mini-batch (`parts`, already equalised over the
+/// data-parallel ranks). Megatron scales the router load-balancing loss like the main loss, by
+/// one over the micro-batches that share the gradient: with gradients summed over the
+/// data-parallel ranks that is every rank's real micro-batches, so each (token set, loss) pair
+/// gets the weight a one-rank run of the same micro-batches gives it. Dummy micro-batches get no
+/// loss and record nothing. Without sparse layers: [`MoeMicro::NONE`] (no collective).
+pub fn moe_micro(model: &TpModel, dp: &Dp, parts: &[MicroBatch]) -> Result<Vec<MoeMicro>> {
+    if model.sparse_layers().is_empty() {
+        return Ok(vec![MoeMicro::NONE; parts.len()]);
+    }
+    let mut real = [parts.iter().filter(|p| !p.dummy).count() as f64];
+    dp.all_reduce_sum(&mut real)?;
+    let scale = if real[0] > 0.0 { 1.0 / real[0] } else { 0.0 };
+    Ok(parts
+        .iter()
+        .map(|p| MoeMicro {
+            aux_scale: if p.dummy { 0.0 } else { scale },
+            record: !p.dummy,
+        })
+        .collect())
+}
+
+/// The MoE step metrics of the training backwards since the last call (`moe/expert_load/<e>`,
+/// `moe/load_imbalance`, `moe/load_imbalance_max`, `moe/aux_loss`): routed pairs summed over the
+/// data-parallel ranks (tensor-parallel peers route the same tokens: counted once) and the
+/// pipeline stages (each holds other layers), identical on every rank. Empty for a dense model.
+pub fn moe_load_metrics(model: &TpModel, par: &Parallel) -> Result<Vec<(String, f64)>> {
+    let mut load = model.take_moe_load()?;
+    if model.sparse_layers().is_empty() {
+        return Ok(vec![]);
+    }
+    load.reduce_with(|v| {
+        par.dp
+            .all_reduce_f64(v, ReduceOp::Sum, "all_reduce (moe load metrics)")?;
+        par.pp
+            .all_reduce_f64(v, ReduceOp::Sum, "all_reduce (moe load metrics)")
+    })?;
+    Ok(load.metrics())
+}
 
 /// `[rows, len]` int64 data of a tensor, row-major.
 pub fn i64_vec(t: &Tensor) -> Result<Vec<i64>> {

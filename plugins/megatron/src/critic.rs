@@ -59,6 +59,7 @@ impl MegatronCritic {
         let prefix = "critic.megatron";
         let mg = megatron_section(cfg, prefix, None)?;
         let layout = common::role_layout(&mg, prefix, init, &model_cfg)?;
+        let aux_loss_coeff = common::aux_loss_coeff(&mg, prefix, &model_cfg)?;
         let dtype = compute_dtype(&mg, prefix)?;
         let par = common::join(init, "critic", layout, device)?;
         let dp_size = par.dp.size;
@@ -70,6 +71,7 @@ impl MegatronCritic {
             &par,
             mg.seed,
             common::random_init_seed(init)?,
+            aux_loss_coeff,
         )?;
         let n = critic.rollout_n.or(rollout.n).unwrap_or(1).max(1);
         let mini = (critic.ppo_mini_batch_size * n) as usize / dp_size;
@@ -172,6 +174,8 @@ impl MegatronCritic {
         let lengths = seqs.row_lengths()?;
         let mut acc = MetricAcc::default();
         let train = &mut self.train;
+        // Only this update's routing counts enter its metrics.
+        train.model.take_moe_load()?;
         for epoch in 0..self.epochs {
             for (mi, mini) in chunks(&rows, self.mini_batch_rows).iter().enumerate() {
                 let mini_idx = index_tensor(mini, device)?;
@@ -207,6 +211,7 @@ impl MegatronCritic {
                     "critic.ppo_max_token_len_per_gpu",
                 )?;
                 let parts = same_micro_batch_count(dp, parts)?;
+                let moe = common::moe_micro(&train.model, dp, &parts)?;
                 struct Micro {
                     sub: Sequences,
                     old: Tensor,
@@ -228,10 +233,12 @@ impl MegatronCritic {
                     .collect::<Result<Vec<_>>>()?;
                 let inputs: Vec<MicroInput> = micros
                     .iter()
-                    .map(|m| MicroInput {
+                    .zip(&moe)
+                    .map(|(m, &moe)| MicroInput {
                         ids: &m.sub.input_ids,
                         mask: &m.sub.attention_mask,
                         positions: &m.sub.position_ids,
+                        moe,
                     })
                     .collect();
                 let loss_fn = &self.loss;
@@ -302,6 +309,10 @@ impl MegatronCritic {
         train.zero_grad()?;
         train.updates += 1;
         acc.push_global("critic/lr", lr);
+        // The critic's MoE metrics sit under `critic/` (the actor reports the plain `moe/` ones).
+        for (name, v) in common::moe_load_metrics(&train.model, par)? {
+            acc.push_global(&format!("critic/{name}"), v);
+        }
         verl_fsdp_core::metrics::push_gpu_memory(&mut acc, dp, device)?;
         acc.reduce(dp)?;
         metrics_from_last_stage(par, acc.into_metrics())

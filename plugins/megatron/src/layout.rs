@@ -30,6 +30,8 @@ pub struct MegatronSection {
     /// Compute dtype of forward/backward (the optimizer always keeps fp32 master weights, as
     /// Megatron's mixed-precision optimizer does).
     pub dtype: String,
+    /// verl's `override_transformer_config` (this backend reads `moe_aux_loss_coeff`).
+    pub override_transformer_config: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Default for MegatronSection {
@@ -48,6 +50,7 @@ impl Default for MegatronSection {
             optimizer_offload: false,
             seed: 42,
             dtype: "bfloat16".into(),
+            override_transformer_config: serde_json::Map::new(),
         }
     }
 }
@@ -223,27 +226,10 @@ impl Layout {
                 vpp,
             ));
         }
-        match &model.moe {
+        let etp = match &model.moe {
             Some(moe) => {
-                let experts = moe.num_experts;
-                if experts % ep as i64 != 0 {
-                    return Err(MegatronError::Layout {
-                        key: key("expert_model_parallel_size"),
-                        message: format!(
-                            "expert_model_parallel_size={ep} does not divide num_experts={experts}; valid: {}",
-                            list(&divisors(experts as u64))
-                        ),
-                    });
-                }
-                let expert_world = etp * ep * pp;
-                if !world.is_multiple_of(expert_world) {
-                    return Err(MegatronError::Layout {
-                        key: key("expert_model_parallel_size"),
-                        message: format!(
-                            "world size {world} is not a multiple of expert_tensor_parallel_size={etp} × expert_model_parallel_size={ep} × pipeline_model_parallel_size={pp} = {expert_world}"
-                        ),
-                    });
-                }
+                Self::check_experts(prefix, moe.num_experts, ep, etp, tp, dp, world)?;
+                etp
             }
             None if ep > 1 => {
                 return Err(MegatronError::config(
@@ -255,8 +241,9 @@ impl Layout {
                     ep,
                 ))
             }
-            None => {}
-        }
+            // Expert tensor parallelism means nothing without experts.
+            None => 1,
+        };
         Ok(Layout {
             tp,
             cp,
@@ -268,6 +255,95 @@ impl Layout {
             sequence_parallel: section.sequence_parallel && tp > 1,
             distributed_optimizer: section.use_distributed_optimizer,
         })
+    }
+
+    /// Megatron-core's expert layout: the experts divide evenly over the expert-parallel ranks,
+    /// and the expert grid `expert_tensor_parallel_size × expert_model_parallel_size ×
+    /// expert-data-parallel × pipeline_model_parallel_size` covers the world. This backend keeps
+    /// the expert-tensor-parallel group equal to the tensor-parallel group (the default), so the
+    /// expert-parallel ranks are data-parallel ranks of one tensor-parallel index and one stage.
+    fn check_experts(
+        prefix: &str,
+        experts: i64,
+        ep: usize,
+        etp: usize,
+        tp: usize,
+        dp: usize,
+        world: usize,
+    ) -> Result<()> {
+        let key = |k: &str| format!("{prefix}.{k}");
+        let valid_ep = || -> Vec<u64> {
+            divisors(experts.max(1) as u64)
+                .into_iter()
+                .filter(|d| (dp as u64).is_multiple_of(*d))
+                .collect()
+        };
+        if experts % ep as i64 != 0 {
+            return Err(MegatronError::Layout {
+                key: key("expert_model_parallel_size"),
+                message: format!(
+                    "expert_model_parallel_size={ep} does not divide num_experts={experts} ({experts} experts / {ep} ranks = {:.2} experts per rank); valid with data-parallel size {dp}: {}",
+                    experts as f64 / ep as f64,
+                    list(&valid_ep())
+                ),
+            });
+        }
+        if etp != tp {
+            return Err(MegatronError::Layout {
+                key: key("expert_tensor_parallel_size"),
+                message: format!(
+                    "expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; this backend splits each expert over the tensor-parallel group (tokens are replicated over it, there is no sequence-parallel token split): leave it null or set it to {tp}"
+                ),
+            });
+        }
+        let pp_cp = world / (tp * dp);
+        let expert_world = etp * ep * pp_cp;
+        if !dp.is_multiple_of(ep) {
+            return Err(MegatronError::Layout {
+                key: key("expert_model_parallel_size"),
+                message: format!(
+                    "world size {world} is not a multiple of expert_tensor_parallel_size={etp} × expert_model_parallel_size={ep} × pipeline_model_parallel_size × context_parallel_size={pp_cp} = {expert_world} (the expert-parallel ranks are data-parallel ranks: data-parallel size {dp} / expert_model_parallel_size={ep} is not whole); valid: {}",
+                    list(&valid_ep())
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Every expert-parallel group: `ep` consecutive data-parallel ranks of one tensor-parallel
+    /// index and one stage (Megatron-core's expert grid with expert-TP = TP). Member `e` holds
+    /// experts `[e·E/ep, (e+1)·E/ep)`.
+    pub fn ep_groups(&self) -> Vec<Vec<usize>> {
+        let ep = self.ep.max(1);
+        self.groups(
+            |c, i| Coords {
+                dp: (c.dp / ep) * ep + i,
+                ..c
+            },
+            ep,
+            |c| c.dp % ep == 0,
+        )
+    }
+
+    /// Every expert-data-parallel group: the data-parallel ranks that hold the same experts (the
+    /// same expert-parallel index); expert gradients are reduced and their optimizer state
+    /// sharded over it.
+    pub fn expert_dp_groups(&self) -> Vec<Vec<usize>> {
+        let ep = self.ep.max(1);
+        self.groups(
+            |c, i| Coords {
+                dp: c.dp % ep + i * ep,
+                ..c
+            },
+            self.dp / ep,
+            |c| c.dp < ep,
+        )
+    }
+
+    /// This rank's (expert-parallel, expert-data-parallel) indices.
+    pub fn expert_coords(&self, c: Coords) -> (usize, usize) {
+        let ep = self.ep.max(1);
+        (c.dp % ep, c.dp / ep)
     }
 
     /// A one-rank layout.
@@ -340,6 +416,7 @@ impl Layout {
             "virtual_pipeline_model_parallel_size": self.vpp,
             "context_parallel_size": self.cp,
             "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.etp,
             "data_parallel_size": self.dp,
             "sequence_parallel": self.sequence_parallel,
             "use_distributed_optimizer": self.distributed_optimizer,
@@ -501,5 +578,84 @@ mod tests {
             l.pp_groups(),
             vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
         );
+    }
+
+    fn mixtral(experts: i64) -> ModelConfig {
+        ModelConfig::from_value(
+            serde_json::json!({
+                "model_type": "mixtral", "vocab_size": 64, "hidden_size": 32,
+                "intermediate_size": 56, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2,
+                "num_local_experts": experts, "num_experts_per_tok": 2,
+            }),
+            "test/config.json",
+        )
+        .unwrap()
+    }
+
+    fn moe_section(tp: u64, ep: u64, etp: Option<u64>) -> MegatronSection {
+        MegatronSection {
+            expert_model_parallel_size: ep,
+            expert_tensor_parallel_size: etp,
+            ..section(tp, 1)
+        }
+    }
+
+    #[test]
+    fn expert_groups_are_data_parallel_ranks_of_one_tensor_parallel_index() {
+        let l = Layout::validate(&moe_section(2, 2, None), P, 8, &mixtral(4)).unwrap();
+        assert_eq!((l.tp, l.dp, l.ep, l.etp), (2, 4, 2, 2));
+        assert_eq!(
+            l.ep_groups(),
+            vec![vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]
+        );
+        assert_eq!(
+            l.expert_dp_groups(),
+            vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+        );
+        assert_eq!(l.expert_coords(l.coords(6)), (1, 1));
+        assert_eq!(l.to_json()["expert_tensor_parallel_size"], 2);
+        // Two stages: the groups never leave a stage.
+        let mut s = moe_section(1, 2, None);
+        s.pipeline_model_parallel_size = 2;
+        let l = Layout::validate(&s, P, 4, &mixtral(4)).unwrap();
+        assert_eq!(l.ep_groups(), vec![vec![0, 1], vec![2, 3]]);
+        assert_eq!(
+            l.expert_dp_groups(),
+            vec![vec![0], vec![1], vec![2], vec![3]]
+        );
+        // A dense model keeps expert sizes at 1 whatever expert_tensor_parallel_size says.
+        let l = Layout::validate(&moe_section(2, 1, Some(2)), P, 2, &model(4, 2, 2)).unwrap();
+        assert_eq!((l.ep, l.etp), (1, 1));
+    }
+
+    #[test]
+    fn expert_layout_errors_show_the_arithmetic_and_valid_sizes() {
+        let e = Layout::validate(&moe_section(1, 3, None), P, 6, &mixtral(4)).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            s.contains("actor_rollout_ref.actor.megatron.expert_model_parallel_size"),
+            "{s}"
+        );
+        assert!(
+            s.contains("expert_model_parallel_size=3 does not divide num_experts=4 (4 experts / 3 ranks = 1.33 experts per rank); valid with data-parallel size 6: 1, 2"),
+            "{s}"
+        );
+        // Experts divide, but the data-parallel ranks do not split into expert groups.
+        let e = Layout::validate(&moe_section(2, 4, None), P, 4, &mixtral(8)).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("world size 4 is not a multiple of expert_tensor_parallel_size=2 × expert_model_parallel_size=4 × pipeline_model_parallel_size × context_parallel_size=1 = 8"), "{s}");
+        assert!(s.contains("valid: 1, 2"), "{s}");
+        let e = Layout::validate(&moe_section(2, 2, Some(1)), P, 4, &mixtral(4)).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            s.contains("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size"),
+            "{s}"
+        );
+        assert!(
+            s.contains("expert_tensor_parallel_size=1 differs from tensor_model_parallel_size=2"),
+            "{s}"
+        );
+        assert!(Layout::validate(&moe_section(2, 2, Some(2)), P, 4, &mixtral(4)).is_ok());
     }
 }

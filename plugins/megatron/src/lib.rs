@@ -1,8 +1,9 @@
 //! verl-megatron: the Megatron backend plugin — Actor, Reference and Critic with tensor parallelism
 //! (vocab-parallel embedding and log-probs, column/row-parallel projections), pipeline parallelism
 //! (decoder layers split evenly over stages, the 1F1B schedule) and data parallelism (optionally
-//! with Megatron's distributed optimizer) over the remaining ranks, in Megatron's rank order and
-//! with verl's `*.megatron.*` keys.
+//! with Megatron's distributed optimizer) over the remaining ranks, and expert parallelism for
+//! mixture-of-experts models (the routed experts shared out over groups of data-parallel ranks,
+//! [`moe`]), in Megatron's rank order and with verl's `*.megatron.*` keys.
 //!
 //! It owns a role's parallel layout ([`layout`]), its groups ([`parallel`]), the tensor-parallel
 //! model ([`tp`]) and its pipeline stages ([`pipeline`]), its training mechanics ([`train`]) and
@@ -32,8 +33,8 @@ pub use error::MegatronError;
 
 pub struct MegatronPlugin;
 
-const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP) × pipeline parallel (layers split evenly over stages, 1F1B schedule, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional); generation on a gathered TP=1 copy; checkpoints reshard across TP/PP/DP sizes";
-const PLANNED: &str = "planned: the interleaved (virtual) pipeline schedule, sequence-parallel activation sharding, context and expert parallelism (MoE models)";
+const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP) × pipeline parallel (layers split evenly over stages, 1F1B schedule, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional) × expert parallel for Mixtral / Qwen2-MoE / Qwen3-MoE (routed experts sharded over data-parallel ranks with all-to-all token dispatch, each expert split over the tensor-parallel group: expert_tensor_parallel_size = tensor_model_parallel_size; Switch load-balancing loss and per-expert load metrics); generation on a gathered TP=1 copy; checkpoints reshard across TP/PP/DP/EP sizes";
+const PLANNED: &str = "planned: the interleaved (virtual) pipeline schedule, sequence-parallel activation sharding, context parallelism, expert_tensor_parallel_size different from tensor_model_parallel_size";
 
 impl BackendPlugin for MegatronPlugin {
     fn info() -> PluginInfo {

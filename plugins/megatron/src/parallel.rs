@@ -1,5 +1,7 @@
 //! The communicators of a role: the world group it joins through `InitArgs.rendezvous`, and the
-//! tensor-parallel, data-parallel and pipeline groups cut out of it along the [`Layout`].
+//! tensor-parallel, data-parallel and pipeline groups cut out of it along the [`Layout`] (and, for a
+//! mixture-of-experts model, the expert-parallel, expert-tensor-parallel and expert-data-parallel
+//! groups).
 //!
 //! Every role instance joins on its own (own store connection, own rendezvous prefix
 //! `verl-megatron/<role>/<n>`), so ranks may be threads of one process (the tests) or processes.
@@ -18,6 +20,7 @@ use verl_plugin_api::InitArgs;
 
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::layout::{Coords, Layout};
+use crate::moe::ExpertGroup;
 
 /// One process group (or none, for a group of one rank).
 pub struct Group {
@@ -243,6 +246,14 @@ pub struct Parallel {
     /// The pipeline group: member `s` is stage `s` of this rank's model replica shard (same
     /// tensor- and data-parallel coordinates).
     pub pp: Group,
+    /// The expert-parallel group (the data-parallel ranks that share out the routed experts).
+    pub ep: Arc<ExpertGroup>,
+    /// The expert-tensor-parallel group (the tensor-parallel ranks, as a group the MoE block
+    /// drives).
+    pub etp: Arc<ExpertGroup>,
+    /// The expert-data-parallel group (the data-parallel ranks holding the same experts), when
+    /// it differs from `dp` (expert parallelism > 1).
+    pub edp: Option<Group>,
     world: Option<Box<dyn Communicator>>,
 }
 
@@ -272,6 +283,9 @@ impl Parallel {
             dp: Group::single("data-parallel"),
             dp_meta: Dp::single(),
             pp: Group::single("pipeline"),
+            ep: Arc::new(ExpertGroup::single("expert-parallel")),
+            etp: Arc::new(ExpertGroup::single("expert-tensor-parallel")),
+            edp: None,
             world: None,
         }
     }
@@ -381,6 +395,29 @@ impl Parallel {
         );
         let dp_meta = Dp::with_communicator(mine(layout.dp_groups(), "data-parallel")?, device);
         let pp = Group::new("pipeline", mine(layout.pp_groups(), "pipeline")?, device);
+        // Expert groups only where a MoE model needs them (the layout keeps ep = etp = 1 for a
+        // dense model), so dense jobs create no extra communicators.
+        let etp = match layout.etp > 1 {
+            true => ExpertGroup::new(
+                "expert-tensor-parallel",
+                mine(layout.tp_groups(), "expert-tensor-parallel")?,
+            ),
+            false => ExpertGroup::single("expert-tensor-parallel"),
+        };
+        let (ep, edp) = match layout.ep > 1 {
+            true => (
+                ExpertGroup::new(
+                    "expert-parallel",
+                    mine(layout.ep_groups(), "expert-parallel")?,
+                ),
+                Some(Group::new(
+                    "expert-data-parallel",
+                    mine(layout.expert_dp_groups(), "expert-data-parallel")?,
+                    device,
+                )),
+            ),
+            false => (ExpertGroup::single("expert-parallel"), None),
+        };
         Ok(Parallel {
             layout,
             coords,
@@ -390,6 +427,9 @@ impl Parallel {
             dp,
             dp_meta,
             pp,
+            ep: Arc::new(ep),
+            etp: Arc::new(etp),
+            edp,
             world: Some(world_comm),
         })
     }
@@ -413,6 +453,26 @@ impl Parallel {
             }),
             None => Ok(()),
         }
+    }
+
+    /// The group expert gradients are reduced over (and their optimizer state sharded over).
+    pub fn expert_dp(&self) -> &Group {
+        self.edp.as_ref().unwrap_or(&self.dp)
+    }
+
+    /// Sums plain numbers over the expert-parallel group.
+    pub fn ep_all_reduce_f64(&self, v: &mut [f64], what: &'static str) -> Result<()> {
+        if self.ep.size <= 1 || v.is_empty() {
+            return Ok(());
+        }
+        let mut t = Tensor::f_from_slice(v)
+            .and_then(|t| t.f_to_device(self.device))
+            .ctx("reduction buffer")?;
+        self.ep.all_reduce_sum(&mut t, what)?;
+        let host = Vec::<f64>::try_from(&t.f_to_device(Device::Cpu).ctx("reduction result")?)
+            .ctx("reduction result")?;
+        v.copy_from_slice(&host);
+        Ok(())
     }
 
     /// This rank's pipeline stage.

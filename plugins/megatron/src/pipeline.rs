@@ -23,7 +23,7 @@ use verl_nn::{HeadKind, ModelConfig};
 
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::parallel::Group;
-use crate::tp::{stage_specs, Stage, StageActs, TpModel};
+use crate::tp::{stage_specs, MoeMicro, Stage, StageActs, TpModel};
 
 /// One step of a stage's schedule; the numbers are micro-batch indices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,6 +110,9 @@ pub struct MicroInput<'a> {
     pub ids: &'a Tensor,
     pub mask: &'a Tensor,
     pub positions: &'a Tensor,
+    /// What the MoE blocks do in this micro-batch's backward ([`MoeMicro::NONE`] for a dense
+    /// model or a forward-only pass).
+    pub moe: MoeMicro,
 }
 
 fn internal(message: String) -> MegatronError {
@@ -202,7 +205,8 @@ pub fn train_1f1b<T>(
                 } else {
                     take(&mut slots[i].grad_out, "output gradient", i)?
                 };
-                slots[i].grad_in = model.stage_backward(micro[i].ids, acts, &grad_out, sink)?;
+                slots[i].grad_in =
+                    model.stage_backward(micro[i].ids, acts, &grad_out, micro[i].moe, sink)?;
             }
             Op::SendBackward(i) => {
                 let g = take(&mut slots[i].grad_in, "input gradient", i)?;

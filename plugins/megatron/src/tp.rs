@@ -1,4 +1,5 @@
-//! The tensor-parallel decoder (Llama / Mistral / Qwen2 / Qwen3 families, dense MLP), built from the
+//! The tensor-parallel decoder (Llama / Mistral / Qwen2 / Qwen3 families with a dense MLP, Mixtral /
+//! Qwen2-MoE / Qwen3-MoE with expert-parallel MoE blocks), built from the
 //! same HF checkpoint folder as `verl_nn::Transformer`: every rank of a tensor-parallel group holds a
 //! slice of each matrix and the ranks combine partial results with collectives.
 //!
@@ -11,6 +12,11 @@
 //!   `[.., vocab / tp]` logits with all-reduces of the maximum, the sum of exponentials and the target
 //!   logit, so no rank ever holds the full-vocabulary logits.
 //! * Norms, biases of row-parallel layers and a value head are replicated.
+//! * The sparse layers of a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE) run an
+//!   [`EpMoe`] block instead of the MLP: the router (and a shared expert) replicated, the routed
+//!   experts shared out over the expert-parallel group (tokens travel by all-to-all) and each
+//!   expert split over the tensor-parallel group, which is the expert-tensor-parallel group. Its
+//!   parameters are model parameters (`TpParam::expert` marks the routed experts' ones).
 //!
 //! Autograd through collectives: tch has no custom autograd functions. Megatron's `g` (all-reduce
 //! forward, identity backward) is written inside the graph as `s + (x - x.detach())` with `s` the
@@ -32,6 +38,7 @@ use verl_comm::ReduceOp;
 use verl_nn::{Checkpoint, HeadKind, ModelConfig, RopeScaling};
 
 use crate::error::{MegatronError, Result, TorchContext};
+use crate::moe::{EpMoe, ExpertGroup, MoeLoadMetrics, MoeSpec};
 use crate::parallel::Group;
 
 /// How a parameter is divided over the tensor-parallel ranks.
@@ -62,6 +69,48 @@ pub struct TpParam {
     pub full_shape: Vec<i64>,
     pub split: Split,
     pub local: Tensor,
+    /// A routed expert's parameter: `(its expert index, experts per expert-parallel rank)`. Only
+    /// the expert-parallel rank owning the expert holds it; `split` is then its division over the
+    /// tensor-parallel group (= the expert-tensor-parallel group).
+    pub expert: Option<(i64, i64)>,
+}
+
+/// The expert groups and the router loss coefficient a mixture-of-experts model is built with.
+#[derive(Debug, Clone)]
+pub struct ExpertSetup {
+    pub ep: Arc<ExpertGroup>,
+    /// Must be the tensor-parallel ranks (in the same order) when the tensor-parallel size is > 1.
+    pub etp: Arc<ExpertGroup>,
+    /// Megatron's `moe_aux_loss_coeff` (0 disables the load-balancing loss).
+    pub aux_loss_coeff: f64,
+}
+
+impl ExpertSetup {
+    /// One rank: no expert parallelism, no load-balancing loss.
+    pub fn single() -> ExpertSetup {
+        ExpertSetup {
+            ep: Arc::new(ExpertGroup::single("expert-parallel")),
+            etp: Arc::new(ExpertGroup::single("expert-tensor-parallel")),
+            aux_loss_coeff: 0.0,
+        }
+    }
+}
+
+/// What the MoE blocks do on one micro-batch's backward: the scale of the router load-balancing
+/// loss's gradient (Megatron scales it like the main loss of the micro-batch) and whether its
+/// routing counts enter the step's load metrics (not for a dummy micro-batch).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeMicro {
+    pub aux_scale: f64,
+    pub record: bool,
+}
+
+impl MoeMicro {
+    /// No load-balancing gradient, nothing recorded.
+    pub const NONE: MoeMicro = MoeMicro {
+        aux_scale: 0.0,
+        record: false,
+    };
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -80,10 +129,22 @@ struct Layer {
     q_norm: Option<usize>,
     k_norm: Option<usize>,
     post_norm: usize,
-    gate: Lin,
-    up: Lin,
-    down: Lin,
+    ffn: Ffn,
     window: Option<i64>,
+}
+
+/// A decoder layer's feed-forward block.
+#[derive(Debug)]
+enum Ffn {
+    /// The tensor-parallel SwiGLU MLP.
+    Dense { gate: Lin, up: Lin, down: Lin },
+    /// A sparse MoE block with expert parallelism; `index[k]` is the model parameter of the
+    /// block's parameter `k`; `layer` the global layer index (for the load metrics).
+    Moe {
+        block: Box<EpMoe>,
+        index: Vec<usize>,
+        layer: usize,
+    },
 }
 
 impl Layer {
@@ -99,9 +160,11 @@ impl Layer {
     }
     fn mlp_params(&self) -> Vec<usize> {
         let mut v = vec![];
-        for l in [self.gate, self.up, self.down] {
-            v.push(l.w);
-            v.extend(l.b);
+        if let Ffn::Dense { gate, up, down } = self.ffn {
+            for l in [gate, up, down] {
+                v.push(l.w);
+                v.extend(l.b);
+            }
         }
         v
     }
@@ -140,6 +203,8 @@ impl FullSource for std::collections::HashMap<String, Tensor> {
 struct Ctx {
     cos: Tensor,
     sin: Tensor,
+    /// Real (non-padding) tokens `[B, T]`: what the MoE load statistics and router loss count.
+    valid: Tensor,
     masks: Vec<(Option<i64>, Tensor)>,
 }
 
@@ -192,6 +257,10 @@ pub struct TpModel {
     head: Option<Head>,
     stage: Stage,
     tp: Arc<Group>,
+    experts: ExpertSetup,
+    /// Routing counts and load-balancing losses of the training backwards since the last
+    /// [`TpModel::take_moe_load`].
+    moe_load: std::sync::Mutex<MoeLoadMetrics>,
     heads_local: i64,
     kv_local: i64,
     vocab_start: i64,
@@ -214,15 +283,6 @@ impl std::fmt::Debug for TpModel {
 
 /// The parameters of a model, in a fixed order, with their full shapes and splits.
 fn param_specs(cfg: &ModelConfig, head: HeadKind) -> Result<Vec<(String, Vec<i64>, Split)>> {
-    if cfg.moe.is_some() {
-        return Err(MegatronError::Unsupported {
-            key: "actor_rollout_ref.model.path".into(),
-            what: format!(
-                "the mixture-of-experts family {} (expert parallelism is planned)",
-                cfg.arch
-            ),
-        });
-    }
     if head == HeadKind::SequenceClassification {
         return Err(MegatronError::Unsupported {
             key: "reward_model".into(),
@@ -293,6 +353,10 @@ fn param_specs(cfg: &ModelConfig, head: HeadKind) -> Result<Vec<(String, Vec<i64
             vec![h],
             Split::Replicated,
         );
+        if is_sparse(cfg, i as usize) {
+            out.extend(moe_specs(cfg, i as usize)?);
+            continue;
+        }
         for n in ["gate_proj", "up_proj"] {
             push(format!("{p}.mlp.{n}.weight"), vec![inter, h], Split::Rows);
             if cfg.mlp_bias {
@@ -322,6 +386,72 @@ fn param_specs(cfg: &ModelConfig, head: HeadKind) -> Result<Vec<(String, Vec<i64
         }
     }
     Ok(out)
+}
+
+/// Whether decoder layer `layer` of `cfg` is a sparse MoE layer.
+fn is_sparse(cfg: &ModelConfig, layer: usize) -> bool {
+    cfg.moe
+        .as_ref()
+        .and_then(|m| m.sparse_layers.get(layer).copied())
+        .unwrap_or(false)
+}
+
+/// The parameters of sparse layer `layer`'s MoE block (every expert), as [`EpMoe`] holds them:
+/// the router and a shared expert replicated, each routed expert's gate/up split by rows and
+/// down by columns over the (expert-)tensor-parallel group.
+fn moe_specs(cfg: &ModelConfig, layer: usize) -> Result<Vec<(String, Vec<i64>, Split)>> {
+    let s = MoeSpec::new(cfg, layer, 0.0)?;
+    let (p, e, h, inter) = (&s.prefix, s.num_experts, s.hidden, s.expert_intermediate);
+    let [g, u, d] = s.names;
+    let mut out = vec![(format!("{p}.gate.weight"), vec![e, h], Split::Replicated)];
+    for x in 0..e {
+        out.push((
+            format!("{p}.experts.{x}.{g}.weight"),
+            vec![inter, h],
+            Split::Rows,
+        ));
+        out.push((
+            format!("{p}.experts.{x}.{u}.weight"),
+            vec![inter, h],
+            Split::Rows,
+        ));
+        out.push((
+            format!("{p}.experts.{x}.{d}.weight"),
+            vec![h, inter],
+            Split::Cols,
+        ));
+    }
+    if let Some(si) = s.shared_intermediate {
+        for (n, shape) in [
+            ("gate_proj", vec![si, h]),
+            ("up_proj", vec![si, h]),
+            ("down_proj", vec![h, si]),
+        ] {
+            out.push((
+                format!("{p}.shared_expert.{n}.weight"),
+                shape,
+                Split::Replicated,
+            ));
+        }
+        out.push((
+            format!("{p}.shared_expert_gate.weight"),
+            vec![1, h],
+            Split::Replicated,
+        ));
+    }
+    Ok(out)
+}
+
+/// The MoE block prefix (`model.layers.<i>.block_sparse_moe` / `.mlp`) of a sparse layer's
+/// parameter `name`, with the layer index.
+fn moe_layer_of(cfg: &ModelConfig, name: &str) -> Option<usize> {
+    let i = layer_of(name)?;
+    if !is_sparse(cfg, i) {
+        return None;
+    }
+    let p = format!("model.layers.{i}.");
+    let rest = name.strip_prefix(&p)?;
+    (rest.starts_with("block_sparse_moe.") || rest.starts_with("mlp.")).then_some(i)
 }
 
 /// Which pipeline stage a model is: its index among `count` stages. Stage `i` holds decoder layers
@@ -407,10 +537,22 @@ impl TpModel {
         tp: Arc<Group>,
         source: &mut dyn FullSource,
     ) -> Result<TpModel> {
-        Self::new_stage(cfg, head_kind, dtype, device, tp, Stage::single(), source)
+        Self::new_stage(
+            cfg,
+            head_kind,
+            dtype,
+            device,
+            tp,
+            Stage::single(),
+            ExpertSetup::single(),
+            source,
+        )
     }
 
     /// [`TpModel::new`] for pipeline stage `stage`: only that stage's parameters are read and held.
+    /// The sparse MoE layers of a mixture-of-experts model hold this expert-parallel rank's
+    /// experts (of `experts.ep`), each split over the tensor-parallel group.
+    #[allow(clippy::too_many_arguments)]
     pub fn new_stage(
         cfg: ModelConfig,
         head_kind: HeadKind,
@@ -418,12 +560,24 @@ impl TpModel {
         device: Device,
         tp: Arc<Group>,
         stage: Stage,
+        experts: ExpertSetup,
         source: &mut dyn FullSource,
     ) -> Result<TpModel> {
+        if cfg.moe.is_some() && experts.etp.size != tp.size {
+            return Err(MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                "internal: the expert-tensor-parallel group has {} ranks, the tensor-parallel group {}",
+                experts.etp.size, tp.size
+            ))));
+        }
         let specs = stage_specs(&cfg, head_kind, stage)?;
         let (rank, size) = (tp.rank, tp.size);
         let mut params = Vec::with_capacity(specs.len());
+        let mut moe_splits = std::collections::HashMap::new();
         for (name, shape, split) in specs {
+            if moe_layer_of(&cfg, &name).is_some() {
+                moe_splits.insert(name, split);
+                continue;
+            }
             let full = match source.full(&name)? {
                 Some(t) => t,
                 None if name.starts_with("score.") => {
@@ -463,7 +617,47 @@ impl TpModel {
                 full_shape: shape,
                 split,
                 local,
+                expert: None,
             });
+        }
+        // The MoE blocks read their own parameters (this rank's experts); the model shares their
+        // tensors, so the optimizer's writes reach the blocks.
+        let mut blocks = std::collections::HashMap::new();
+        for i in stage.layers(cfg.num_hidden_layers as usize) {
+            if !is_sparse(&cfg, i) {
+                continue;
+            }
+            let spec = MoeSpec::new(&cfg, i, experts.aux_loss_coeff)?;
+            let block = EpMoe::new(
+                spec,
+                experts.ep.clone(),
+                experts.etp.clone(),
+                dtype,
+                device,
+                source,
+            )?;
+            let per_rank = block.local_expert_range().end - block.local_expert_range().start;
+            let mut index = Vec::with_capacity(block.params.len());
+            for mp in &block.params {
+                let split = moe_splits.get(&mp.name).copied().ok_or_else(|| {
+                    MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                        "internal: MoE parameter `{}` has no spec",
+                        mp.name
+                    )))
+                })?;
+                index.push(params.len());
+                params.push(TpParam {
+                    name: mp.name.clone(),
+                    full_shape: mp.full_shape.clone(),
+                    split,
+                    local: mp.local.shallow_clone(),
+                    expert: match mp.placement {
+                        crate::moe::Placement::Expert { expert, .. } => Some((expert, per_rank)),
+                        crate::moe::Placement::Replicated => None,
+                    },
+                });
+            }
+            blocks.insert(i, (block, index));
         }
         let index = |n: &str| -> Option<usize> { params.iter().position(|p| p.name == n) };
         let need = |n: String| -> Result<usize> {
@@ -491,9 +685,18 @@ impl TpModel {
                 q_norm: index(&format!("{p}.self_attn.q_norm.weight")),
                 k_norm: index(&format!("{p}.self_attn.k_norm.weight")),
                 post_norm: need(format!("{p}.post_attention_layernorm.weight"))?,
-                gate: lin(format!("{p}.mlp.gate_proj"))?,
-                up: lin(format!("{p}.mlp.up_proj"))?,
-                down: lin(format!("{p}.mlp.down_proj"))?,
+                ffn: match blocks.remove(&i) {
+                    Some((block, index)) => Ffn::Moe {
+                        block: Box::new(block),
+                        index,
+                        layer: i,
+                    },
+                    None => Ffn::Dense {
+                        gate: lin(format!("{p}.mlp.gate_proj"))?,
+                        up: lin(format!("{p}.mlp.up_proj"))?,
+                        down: lin(format!("{p}.mlp.down_proj"))?,
+                    },
+                },
                 window: cfg.layer_windows.get(i).copied().flatten(),
             });
         }
@@ -527,7 +730,10 @@ impl TpModel {
             .map(|p| p - vocab_start)
             .unwrap_or(-1);
         let inv_freq = inv_freq(&cfg, device)?;
+        let moe_load = std::sync::Mutex::new(fresh_load(&cfg));
         Ok(TpModel {
+            experts,
+            moe_load,
             heads_local: cfg.num_attention_heads / tp_size,
             kv_local: cfg.num_key_value_heads / tp_size,
             vocab_start,
@@ -698,10 +904,10 @@ impl TpModel {
         self.linear(&out, l.o, false)
     }
 
-    fn mlp(&self, l: &Layer, x: &Tensor) -> Result<Tensor> {
-        let g = self.linear(x, l.gate, true)?.f_silu().ctx("silu")?;
-        let u = self.linear(x, l.up, true)?;
-        self.linear(&g.f_mul(&u).ctx("swiglu")?, l.down, false)
+    fn mlp(&self, gate: Lin, up: Lin, down: Lin, x: &Tensor) -> Result<Tensor> {
+        let g = self.linear(x, gate, true)?.f_silu().ctx("silu")?;
+        let u = self.linear(x, up, true)?;
+        self.linear(&g.f_mul(&u).ctx("swiglu")?, down, false)
     }
 
     fn add_bias(&self, x: Tensor, b: Option<usize>) -> Result<Tensor> {
@@ -711,27 +917,36 @@ impl TpModel {
         }
     }
 
-    /// One decoder layer. With `cut`, the inputs of the two column-parallel blocks become fresh
-    /// leaves (the points where the backward all-reduces).
-    fn layer(&self, l: &Layer, h: &Tensor, ctx: &Ctx, cut: bool) -> Result<Trace> {
-        let leaf = |x: &Tensor| -> Result<Tensor> {
-            if cut {
-                x.f_detach()
-                    .and_then(|d| d.f_set_requires_grad(true))
-                    .ctx("cut")
-            } else {
-                Ok(x.shallow_clone())
-            }
-        };
+    /// The attention half of a decoder layer: the input norm `x1` (and its leaf `x1c` with
+    /// `cut`), the residual stream after attention `h2` and the post-attention norm `x2`.
+    fn attention_block(
+        &self,
+        l: &Layer,
+        h: &Tensor,
+        ctx: &Ctx,
+        cut: bool,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let x1 = self.rms(h, l.in_norm)?;
-        let x1c = leaf(&x1)?;
+        let x1c = leaf_if(&x1, cut)?;
         let a = self.reduce(self.attention(l, &x1c, ctx)?)?;
         let a = self.add_bias(a, l.o.b)?;
         let h2 = h.f_add(&a).ctx("residual")?;
         let x2 = self.rms(&h2, l.post_norm)?;
-        let x2c = leaf(&x2)?;
-        let m = self.reduce(self.mlp(l, &x2c)?)?;
-        let m = self.add_bias(m, l.down.b)?;
+        Ok((x1, x1c, h2, x2))
+    }
+
+    /// One decoder layer with a dense MLP. With `cut`, the inputs of the two column-parallel
+    /// blocks become fresh leaves (the points where the backward all-reduces).
+    fn layer(&self, l: &Layer, h: &Tensor, ctx: &Ctx, cut: bool) -> Result<Trace> {
+        let Ffn::Dense { gate, up, down } = l.ffn else {
+            return Err(MegatronError::Api(verl_plugin_api::Error::failed(
+                "internal: a MoE layer traced as a dense one",
+            )));
+        };
+        let (x1, x1c, h2, x2) = self.attention_block(l, h, ctx, cut)?;
+        let x2c = leaf_if(&x2, cut)?;
+        let m = self.reduce(self.mlp(gate, up, down, &x2c)?)?;
+        let m = self.add_bias(m, down.b)?;
         let out = h2.f_add(&m).ctx("residual")?;
         Ok(Trace {
             x1,
@@ -741,6 +956,18 @@ impl TpModel {
             x2c,
             out,
         })
+    }
+
+    /// One decoder layer's output, without autograd (dense or MoE).
+    fn layer_out(&self, l: &Layer, h: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        match &l.ffn {
+            Ffn::Dense { .. } => Ok(self.layer(l, h, ctx, false)?.out),
+            Ffn::Moe { block, .. } => {
+                let (_, _, h2, x2) = self.attention_block(l, h, ctx, false)?;
+                let y = block.forward(&x2, Some(&ctx.valid))?.y;
+                h2.f_add(&y).ctx("residual")
+            }
+        }
     }
 
     /// Masks and RoPE tables for one forward (no KV cache: training and scoring only).
@@ -787,6 +1014,7 @@ impl TpModel {
             Ok(masks)
         };
         Ok(Ctx {
+            valid: new_mask.shallow_clone(),
             cos: cos.f_unsqueeze(1).ctx("rope")?,
             sin: sin.f_unsqueeze(1).ctx("rope")?,
             masks: build().ctx("attention masks")?,
@@ -855,7 +1083,7 @@ impl TpModel {
         };
         let mut inputs = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
-            let next = self.layer(l, &h, &ctx, false)?.out;
+            let next = self.layer_out(l, &h, &ctx)?;
             inputs.push(std::mem::replace(&mut h, next));
         }
         Ok(StageActs {
@@ -1001,12 +1229,13 @@ impl TpModel {
         ids: &Tensor,
         mask: &Tensor,
         positions: &Tensor,
+        moe: MoeMicro,
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(Tensor, T)> {
         let acts = self.stage_forward(ids, mask, positions, None)?;
         let (grad, loss, side) = self.head_backward(&acts.out, sink, loss_fn)?;
-        self.stage_backward(ids, acts, &grad, sink)?;
+        self.stage_backward(ids, acts, &grad, moe, sink)?;
         Ok((loss, side))
     }
 
@@ -1050,19 +1279,24 @@ impl TpModel {
     /// This stage's backward of one micro-batch from the gradient of its output: the layers are
     /// recomputed from their saved inputs and chained in reverse. Returns the gradient of the
     /// stage input (for the previous stage), or `None` on the first stage, where it flows into
-    /// the embedding.
+    /// the embedding. `moe` says how the MoE blocks treat this micro-batch (router loss scale,
+    /// load metrics).
     pub fn stage_backward(
         &self,
         ids: &Tensor,
         acts: StageActs,
         grad_out: &Tensor,
+        moe: MoeMicro,
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
     ) -> Result<Option<Tensor>> {
         let StageActs { ctx, inputs, out } = acts;
         drop(out);
         let mut grad = grad_out.shallow_clone();
         for (l, saved) in self.layers.iter().zip(inputs).rev() {
-            grad = self.layer_backward(l, &saved, &grad, &ctx, sink)?;
+            grad = match &l.ffn {
+                Ffn::Dense { .. } => self.layer_backward(l, &saved, &grad, &ctx, sink)?,
+                Ffn::Moe { .. } => self.moe_layer_backward(l, &saved, &grad, &ctx, moe, sink)?,
+            };
         }
         if !self.stage.is_first() {
             return Ok(Some(grad));
@@ -1107,6 +1341,122 @@ impl TpModel {
         through_residual.f_add(&g[0]).ctx("input gradient")
     }
 
+    /// Recomputes MoE layer `l` from its saved input and chains its backward: the MoE block
+    /// (forward and backward through the expert-parallel all-to-alls, its input gradient complete
+    /// on every tensor-parallel rank: the router and a shared expert are replicated and the
+    /// experts' partial input gradients are all-reduced over the expert-tensor-parallel group
+    /// inside the block), then the attention block plus the residual path and the input norm as
+    /// in [`TpModel::layer_backward`].
+    fn moe_layer_backward(
+        &self,
+        l: &Layer,
+        saved: &Tensor,
+        grad_out: &Tensor,
+        ctx: &Ctx,
+        moe: MoeMicro,
+        sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        let Ffn::Moe {
+            block,
+            index,
+            layer,
+        } = &l.ffn
+        else {
+            return Err(MegatronError::Api(verl_plugin_api::Error::failed(
+                "internal: a dense layer chained as a MoE one",
+            )));
+        };
+        let h = leaf_if(saved, true)?;
+        let (x1, x1c, h2, x2) = self.attention_block(l, &h, ctx, true)?;
+        let x2d = x2.f_detach().ctx("moe input")?;
+        let mut block_sink = |k: usize, g: &Tensor| -> Result<()> {
+            let i = *index.get(k).ok_or_else(|| {
+                MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                    "internal: MoE parameter {k} of layer {layer} has no model index"
+                )))
+            })?;
+            sink(i, g)
+        };
+        let r = block.forward_backward(
+            &x2d,
+            Some(&ctx.valid),
+            grad_out,
+            moe.aux_scale,
+            &mut block_sink,
+        )?;
+        if moe.record {
+            self.moe_load
+                .lock()
+                .map_err(|_| {
+                    MegatronError::Api(verl_plugin_api::Error::failed(
+                        "internal: MoE load metrics lock poisoned",
+                    ))
+                })?
+                .add(*layer, &r.stats)?;
+        }
+        let root = surrogate(&x2, &r.grad_x)?
+            .f_add(&surrogate(&h2, grad_out)?)
+            .ctx("surrogate")?;
+        let mut params = vec![l.post_norm];
+        params.extend(l.attention_params());
+        let g = self.backward(&root, &[&x1c, &h], &params, true, sink)?;
+        let gx1 = self.reduce_grad(g[0].shallow_clone())?;
+        let through_residual = g[1].shallow_clone();
+        let root = surrogate(&x1, &gx1)?;
+        let g = self.backward(&root, &[&h], &[l.in_norm], false, sink)?;
+        through_residual.f_add(&g[0]).ctx("input gradient")
+    }
+
+    /// The global indices of the model's sparse (MoE) layers (every stage's).
+    pub fn sparse_layers(&self) -> Vec<usize> {
+        (0..self.cfg.num_hidden_layers as usize)
+            .filter(|&i| is_sparse(&self.cfg, i))
+            .collect()
+    }
+
+    /// The routing counts and load-balancing losses recorded by the training backwards since the
+    /// last call (every sparse layer of the model listed, so stages reduce together), and a fresh
+    /// accumulator in their place.
+    pub fn take_moe_load(&self) -> Result<MoeLoadMetrics> {
+        let mut guard = self.moe_load.lock().map_err(|_| {
+            MegatronError::Api(verl_plugin_api::Error::failed(
+                "internal: MoE load metrics lock poisoned",
+            ))
+        })?;
+        Ok(std::mem::replace(&mut *guard, fresh_load(&self.cfg)))
+    }
+
+    /// Whole tensors of parameter `i`, by HF name, from this rank's slice `local` (the parameter
+    /// itself or e.g. an optimizer moment): one for an ordinary parameter; for a routed expert's,
+    /// one per expert-parallel rank (the same projection of the expert at the same local position
+    /// on each). Every rank of the tensor- and expert-parallel groups must call this together, in
+    /// the same parameter order.
+    pub fn gather_named(&self, i: usize, local: &Tensor) -> Result<Vec<(String, Tensor)>> {
+        let full = self.gather_full(i, local)?;
+        let p = &self.params[i];
+        let Some((expert, per_rank)) = p.expert else {
+            return Ok(vec![(p.name.clone(), full)]);
+        };
+        let ep = &self.experts.ep;
+        let parts = ep.all_gather(&full, "all_gather (expert weights)")?;
+        let me = ep.rank as i64;
+        let own = format!(".experts.{expert}.");
+        Ok(parts
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| {
+                let other = expert + (r as i64 - me) * per_rank;
+                (p.name.replacen(&own, &format!(".experts.{other}."), 1), t)
+            })
+            .collect())
+    }
+
+    /// Whether parameter `i` is a routed expert's (held by one expert-parallel rank; its gradient
+    /// covers every token of the expert-parallel group).
+    pub fn is_expert(&self, i: usize) -> bool {
+        self.params[i].expert.is_some()
+    }
+
     /// The full tensor of parameter `i` from this rank's slice `local` (which may be the slice of
     /// another tensor of the same layout, e.g. an optimizer moment). Every rank of the
     /// tensor-parallel group must call this together.
@@ -1136,6 +1486,26 @@ impl TpModel {
     /// summed over them; a replicated one counts once).
     pub fn is_split(&self, i: usize) -> bool {
         self.params[i].split != Split::Replicated
+    }
+}
+
+/// A fresh MoE load accumulator listing every sparse layer of `cfg`.
+fn fresh_load(cfg: &ModelConfig) -> MoeLoadMetrics {
+    let experts = cfg.moe.as_ref().map(|m| m.num_experts).unwrap_or(0).max(0) as usize;
+    MoeLoadMetrics::with_layers(
+        experts,
+        (0..cfg.num_hidden_layers as usize).filter(|&i| is_sparse(cfg, i)),
+    )
+}
+
+/// `x` as a fresh leaf that requires grad (with `cut`), or `x` itself.
+fn leaf_if(x: &Tensor, cut: bool) -> Result<Tensor> {
+    if cut {
+        x.f_detach()
+            .and_then(|d| d.f_set_requires_grad(true))
+            .ctx("cut")
+    } else {
+        Ok(x.shallow_clone())
     }
 }
 

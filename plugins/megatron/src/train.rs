@@ -9,8 +9,12 @@
 //! embeddings, its copy of the embedding (counted by the first stage only). Each stage's squares
 //! add up over the pipeline group. Gradients are summed over the data-parallel ranks
 //! (never averaged: the loss uses verl-losses' global normaliser over the whole mini-batch, so the
-//! per-rank shares add up to the one-rank loss). With `use_distributed_optimizer` the flats are
-//! padded to a multiple of the data-parallel size, gradients are reduce-scattered, and each rank
+//! per-rank shares add up to the one-rank loss). A mixture-of-experts model's routed experts are a
+//! flat of their own: each expert-parallel rank holds other experts whose gradients already cover
+//! the tokens of its whole expert-parallel group, so they are summed over the expert-data-parallel
+//! group only (and their squares over the expert-parallel and tensor-parallel groups: every
+//! parameter counts once in the norm). With `use_distributed_optimizer` the flats are
+//! padded to a multiple of their group's size, gradients are reduce-scattered, and each rank
 //! keeps and steps only its block of the masters and AdamW moments (ZeRO-1, Megatron's distributed
 //! optimizer), then all-gathers the updated masters; without it every rank all-reduces and steps
 //! everything.
@@ -23,7 +27,7 @@ use verl_fsdp_core::config::OptimSection;
 use verl_fsdp_core::optim::{AdamW, LrSchedule};
 
 use crate::error::{MegatronError, Result, TorchContext};
-use crate::parallel::Parallel;
+use crate::parallel::{Group, Parallel};
 use crate::pipeline::{gather_stages, train_1f1b, MicroInput};
 use crate::tp::TpModel;
 
@@ -36,6 +40,10 @@ enum Share {
     Replicated,
     /// The last pipeline stage's copy of a tied embedding: the first stage counts it.
     Mirror,
+    /// Routed experts' slices (tensor-parallel split, different experts on each expert-parallel
+    /// rank): reduced over the expert-data-parallel group, squares summed over the
+    /// expert-parallel and tensor-parallel groups.
+    Expert,
 }
 
 /// One flat vector of parameter slices.
@@ -46,8 +54,24 @@ struct Flat {
     offsets: Vec<usize>,
     numels: Vec<usize>,
     numel: usize,
-    /// `numel` rounded up to a multiple of the data-parallel size (distributed optimizer).
+    /// `numel` rounded up to a multiple of the group size (distributed optimizer).
     padded: usize,
+    /// This rank's index in, and the size of, the group the flat's gradients are reduced over
+    /// (data-parallel; expert-data-parallel for experts).
+    rank: usize,
+    size: usize,
+    /// Sharded over that group (the distributed optimizer with more than one member).
+    sharded: bool,
+}
+
+impl Flat {
+    /// The group this flat's gradients are reduced (and its optimizer state sharded) over.
+    fn group<'a>(&self, par: &'a Parallel) -> &'a Group {
+        match self.share {
+            Share::Expert => par.expert_dp(),
+            _ => &par.dp,
+        }
+    }
 }
 
 /// What an optimizer-side tensor holds (for checkpoints).
@@ -73,8 +97,6 @@ pub struct TpTrainer {
     masters: Vec<Tensor>,
     optim: AdamW,
     distributed: bool,
-    dp_rank: usize,
-    dp_size: usize,
     optim_cfg: OptimSection,
     optim_key: String,
     schedule: Option<LrSchedule>,
@@ -94,7 +116,6 @@ impl TpTrainer {
     ) -> Result<TpTrainer> {
         model.set_requires_grad(true)?;
         let distributed = par.layout.distributed_optimizer && par.dp.size > 1;
-        let dp_size = par.dp.size;
         let mut flats = Vec::new();
         let mut slot = vec![(0, 0, 0); model.params.len()];
         let mirror = model
@@ -104,6 +125,8 @@ impl TpTrainer {
         let share_of = |i: usize| {
             if Some(i) == mirror {
                 Share::Mirror
+            } else if model.is_expert(i) {
+                Share::Expert
             } else if model.is_split(i) {
                 Share::Split
             } else {
@@ -114,7 +137,14 @@ impl TpTrainer {
         if mirror.is_some() {
             shares.push(Share::Mirror);
         }
+        if (0..model.params.len()).any(|i| model.is_expert(i)) {
+            shares.push(Share::Expert);
+        }
         for share in shares {
+            let group = match share {
+                Share::Expert => par.expert_dp(),
+                _ => &par.dp,
+            };
             let mut f = Flat {
                 share,
                 params: vec![],
@@ -122,6 +152,9 @@ impl TpTrainer {
                 numels: vec![],
                 numel: 0,
                 padded: 0,
+                rank: group.rank,
+                size: group.size,
+                sharded: par.layout.distributed_optimizer && group.size > 1,
             };
             for (i, p) in model.params.iter().enumerate() {
                 if share_of(i) != share {
@@ -134,8 +167,8 @@ impl TpTrainer {
                 f.numels.push(n);
                 f.numel += n;
             }
-            f.padded = if distributed {
-                f.numel.div_ceil(dp_size).max(1) * dp_size
+            f.padded = if f.sharded {
+                f.numel.div_ceil(f.size).max(1) * f.size
             } else {
                 f.numel
             };
@@ -150,8 +183,8 @@ impl TpTrainer {
                     .ctx("gradient accumulator")?,
             );
             let full = flatten(&model, f)?;
-            masters.push(if distributed {
-                block(&full, f, par.dp.rank, dp_size)?
+            masters.push(if f.sharded {
+                block(&full, f, f.rank, f.size)?
             } else {
                 full
             });
@@ -165,8 +198,6 @@ impl TpTrainer {
             masters,
             optim,
             distributed,
-            dp_rank: par.dp.rank,
-            dp_size,
             optim_cfg,
             optim_key: optim_key.to_string(),
             schedule: None,
@@ -256,29 +287,28 @@ impl TpTrainer {
         self.sum_tied_embedding_gradients(par)?;
         let mut reduced = Vec::with_capacity(self.grads.len());
         for (f, g) in self.flats.iter().zip(&self.grads) {
-            if self.distributed {
-                let mut out = Tensor::f_zeros(
-                    [(f.padded / self.dp_size) as i64],
-                    (Kind::Float, g.device()),
-                )
-                .ctx("gradient shard")?;
-                par.dp
-                    .reduce_scatter_sum(&mut out, g, "reduce_scatter (gradients)")?;
+            let group = f.group(par);
+            if f.sharded {
+                let mut out =
+                    Tensor::f_zeros([(f.padded / f.size) as i64], (Kind::Float, g.device()))
+                        .ctx("gradient shard")?;
+                group.reduce_scatter_sum(&mut out, g, "reduce_scatter (gradients)")?;
                 reduced.push(out);
             } else {
                 let mut g = g.shallow_clone();
-                par.dp
-                    .all_reduce(&mut g, ReduceOp::Sum, "all_reduce (gradients)")?;
+                group.all_reduce(&mut g, ReduceOp::Sum, "all_reduce (gradients)")?;
                 reduced.push(g);
             }
         }
-        // [split, replicated] squared sums of this stage; a mirror copy is counted by the first
-        // stage.
+        // [split, replicated] squared sums of this stage's dense flats, and of its experts; a
+        // mirror copy is counted by the first stage.
         let mut sq = [0.0f64; 2];
+        let mut expert_sq = [0.0f64];
         for (f, g) in self.flats.iter().zip(&reduced) {
             match f.share {
                 Share::Split => sq[0] += sum_sq(g)?,
                 Share::Replicated => sq[1] += sum_sq(g)?,
+                Share::Expert => expert_sq[0] += sum_sq(g)?,
                 Share::Mirror => {}
             }
         }
@@ -286,7 +316,20 @@ impl TpTrainer {
             par.dp
                 .all_reduce_f64(&mut sq, ReduceOp::Sum, "all_reduce (gradient norm)")?;
         }
-        let mut split = [sq[0]];
+        if let Some(f) = self.flats.iter().find(|f| f.share == Share::Expert) {
+            // Each expert-data-parallel rank holds a block of the experts' gradients, each
+            // expert-parallel rank other experts.
+            if f.sharded {
+                f.group(par).all_reduce_f64(
+                    &mut expert_sq,
+                    ReduceOp::Sum,
+                    "all_reduce (expert gradient norm)",
+                )?;
+            }
+            par.ep_all_reduce_f64(&mut expert_sq, "all_reduce (expert gradient norm)")?;
+        }
+        // Expert slices are split over the tensor-parallel group like the dense split ones.
+        let mut split = [sq[0] + expert_sq[0]];
         par.tp
             .all_reduce_f64(&mut split, ReduceOp::Sum, "all_reduce (gradient norm)")?;
         // Each stage holds other parameters: their squares add up over the pipeline.
@@ -389,12 +432,12 @@ impl TpTrainer {
     fn full_flat(&self, par: &Parallel, fi: usize, what: What) -> Result<Tensor> {
         let f = &self.flats[fi];
         let t = self.state(what, fi);
-        if !self.distributed {
+        if !f.sharded {
             return Ok(t.shallow_clone());
         }
         let mut out =
             Tensor::f_zeros([f.padded as i64], (Kind::Float, t.device())).ctx("gather buffer")?;
-        par.dp
+        f.group(par)
             .all_gather_into(&mut out, t, "all_gather (optimizer shards)")?;
         out.f_narrow(0, 0, f.numel as i64).ctx("unpad")
     }
@@ -419,8 +462,7 @@ impl TpTrainer {
                     .f_narrow(0, f.offsets[k] as i64, f.numels[k] as i64)
                     .and_then(|x| x.f_view(p.local.size().as_slice()))
                     .ctx("state slice")?;
-                let t = self.model.gather_full(i, &local)?;
-                out.insert(p.name.clone(), t);
+                out.extend(self.model.gather_named(i, &local)?);
             }
         }
         Ok(out)
@@ -456,8 +498,8 @@ impl TpTrainer {
                     .and_then(|mut d| d.f_copy_(&local))
                     .ctx("restore slice")?;
             }
-            let src = if self.distributed {
-                block(&flat, &f, self.dp_rank, self.dp_size)?
+            let src = if f.sharded {
+                block(&flat, &f, f.rank, f.size)?
             } else {
                 flat
             };

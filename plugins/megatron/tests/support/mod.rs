@@ -60,6 +60,33 @@ pub fn tiny_model_with_layers(tied: bool, head: HeadKind, layers: i64) -> tempfi
     dir
 }
 
+/// A random Mixtral-shaped checkpoint: the tiny model's attention with two decoder layers whose
+/// MLPs are sparse MoE blocks of 4 experts (40 columns each, divisible by TP = 2), top-2 routing,
+/// `router_aux_loss_coef` 0.02.
+pub fn tiny_mixtral() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ModelConfig::from_value(
+        json!({
+            "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+            "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 40,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
+            "tie_word_embeddings": false, "initializer_range": 0.2,
+            "pad_token_id": 0, "eos_token_id": 1,
+        }),
+        "inline/config.json",
+    )
+    .unwrap();
+    tch::manual_seed(7);
+    let model = Transformer::new(cfg, &ModelOptions::default()).unwrap();
+    model
+        .save_pretrained(dir.path(), &SaveOptions::default())
+        .unwrap();
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{}\n").unwrap();
+    dir
+}
+
 pub fn merge(base: &mut Value, patch: &Value) {
     match (base, patch) {
         (Value::Object(b), Value::Object(p)) => {

@@ -15,6 +15,13 @@ if ! "$venv/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.sp
   echo "[setup] installing torch==$torch_version into $venv (one time, ~1 min)"
   "$venv/bin/pip" install -q --no-cache-dir --disable-pip-version-check "torch==$torch_version"
 fi
+# The CUDA runtime headers in torch's wheels lack crt/ (shipped separately); the torch-ext shim
+# needs them to compile its CUDA-graph entry points.
+crt_version="13.0.*"
+if ! "$venv/bin/python" -c "import os,sys,torch; d=os.path.dirname(os.path.dirname(torch.__file__)); sys.exit(0 if os.path.exists(os.path.join(d,'nvidia','cu13','include','crt','host_config.h')) else 1)" 2>/dev/null; then
+  echo "[setup] installing nvidia-cuda-crt==$crt_version (CUDA headers for the torch-ext shim)"
+  "$venv/bin/pip" install -q --no-cache-dir --disable-pip-version-check "nvidia-cuda-crt==$crt_version"
+fi
 req="$root/scripts/requirements-test.txt"
 stamp="$venv/.verl-requirements.sha256"
 want="$(sha256sum "$req" | cut -d' ' -f1)"

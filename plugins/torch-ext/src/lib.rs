@@ -1,0 +1,304 @@
+//! libtorch C++ entry points that tch does not bind, reached through a small C++ shim
+//! (`src/shim.cpp`, compiled by `build.rs` against the same libtorch as tch):
+//!
+//! * [`CudaGraph`] / [`capture`]: `at::cuda::CUDAGraph` capture on a side stream (capture cannot
+//!   run on the default stream), replay on the current stream, and private memory pools shared
+//!   between graphs. Available when the libtorch build has CUDA ([`cuda_graphs_compiled`]).
+//! * [`fused_adamw`]: `torch.optim.AdamW(fused=True)`'s multi-tensor kernel (CPU and CUDA).
+//!
+//! Tensors cross the boundary as tch's `at::Tensor*` handles; C++ exceptions come back as
+//! [`TorchExtError`]s, never as unwinding.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::ptr::NonNull;
+
+use tch::Tensor;
+
+mod paged_attention;
+pub use paged_attention::*;
+
+/// Errors of this crate: a libtorch call that raised, or inputs it was not given right.
+#[derive(Debug, thiserror::Error)]
+pub enum TorchExtError {
+    #[error("libtorch {op}: {message}")]
+    Torch { op: &'static str, message: String },
+    #[error("{what}: expected {expected}, found {found}")]
+    Input {
+        what: &'static str,
+        expected: String,
+        found: String,
+    },
+}
+
+pub type Result<T, E = TorchExtError> = std::result::Result<T, E>;
+
+type CTensor = *const torch_sys::C_tensor;
+
+extern "C" {
+    fn vt_free_error(e: *mut c_char);
+    fn vt_cuda_graphs_compiled() -> i32;
+    fn vt_fused_adamw(
+        params: *const CTensor,
+        grads: *const CTensor,
+        exp_avgs: *const CTensor,
+        exp_avg_sqs: *const CTensor,
+        steps: *const CTensor,
+        n: i64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+    ) -> *mut c_char;
+    fn vt_graph_new(out: *mut *mut c_void) -> *mut c_char;
+    fn vt_graph_free(g: *mut c_void);
+    fn vt_graph_begin_side(g: *mut c_void) -> *mut c_char;
+    fn vt_graph_end_side(g: *mut c_void) -> *mut c_char;
+    fn vt_graph_capture_begin(g: *mut c_void, share: *mut c_void) -> *mut c_char;
+    fn vt_graph_capture_end(g: *mut c_void) -> *mut c_char;
+    fn vt_graph_replay(g: *mut c_void) -> *mut c_char;
+}
+
+fn check(op: &'static str, err: *mut c_char) -> Result<()> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string malloc'ed by the shim, freed once here.
+    let message = unsafe { CStr::from_ptr(err) }
+        .to_string_lossy()
+        .trim()
+        .to_string();
+    unsafe { vt_free_error(err) };
+    Err(TorchExtError::Torch { op, message })
+}
+
+/// Whether this build of the shim has CUDA (graphs can be captured when a GPU is present too).
+pub fn cuda_graphs_compiled() -> bool {
+    // SAFETY: no arguments, no state.
+    unsafe { vt_cuda_graphs_compiled() != 0 }
+}
+
+/// One step of `torch.optim.AdamW(fused=True)` (no amsgrad, no maximize) on every parameter:
+/// `params`, `grads`, `exp_avgs`, `exp_avg_sqs` and `steps` are parallel lists on one device,
+/// `steps[i]` a float scalar tensor holding this step's number (1 on the first step; the caller
+/// increments it). Parameters and state are updated in place.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_adamw(
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avgs: &[Tensor],
+    exp_avg_sqs: &[Tensor],
+    steps: &[Tensor],
+    lr: f64,
+    betas: (f64, f64),
+    weight_decay: f64,
+    eps: f64,
+) -> Result<()> {
+    let n = params.len();
+    for (what, len) in [
+        ("fused AdamW grads", grads.len()),
+        ("fused AdamW exp_avgs", exp_avgs.len()),
+        ("fused AdamW exp_avg_sqs", exp_avg_sqs.len()),
+        ("fused AdamW steps", steps.len()),
+    ] {
+        if len != n {
+            return Err(TorchExtError::Input {
+                what,
+                expected: format!("{n} tensors (one per parameter)"),
+                found: len.to_string(),
+            });
+        }
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let ptrs = |ts: &[Tensor]| ts.iter().map(|t| t.as_ptr()).collect::<Vec<_>>();
+    let (p, g, m, v, s) = (
+        ptrs(params),
+        ptrs(grads),
+        ptrs(exp_avgs),
+        ptrs(exp_avg_sqs),
+        ptrs(steps),
+    );
+    // SAFETY: every pointer is a live tch tensor borrowed for the call; the lists have length n.
+    let err = unsafe {
+        vt_fused_adamw(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            s.as_ptr(),
+            n as i64,
+            lr,
+            betas.0,
+            betas.1,
+            weight_decay,
+            eps,
+        )
+    };
+    check("_fused_adamw_", err)
+}
+
+/// A captured CUDA graph (`at::cuda::CUDAGraph`). The memory its captured work allocated lives in
+/// the graph's private pool until the graph is dropped; replays rewrite the same addresses, so
+/// tensors returned by the capture closure are the graph's outputs after every [`replay`].
+///
+/// [`replay`]: CudaGraph::replay
+pub struct CudaGraph {
+    ptr: NonNull<c_void>,
+}
+
+impl std::fmt::Debug for CudaGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaGraph").finish_non_exhaustive()
+    }
+}
+
+impl CudaGraph {
+    fn new() -> Result<CudaGraph> {
+        let mut out: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the shim writes a heap pointer (freed by Drop) or returns an error.
+        check("CUDAGraph()", unsafe { vt_graph_new(&mut out) })?;
+        let ptr = NonNull::new(out).ok_or_else(|| TorchExtError::Torch {
+            op: "CUDAGraph()",
+            message: "no graph returned".into(),
+        })?;
+        Ok(CudaGraph { ptr })
+    }
+
+    /// Launches the captured work on the current stream (asynchronously).
+    pub fn replay(&self) -> Result<()> {
+        // SAFETY: ptr is a live graph owned by self.
+        check("CUDAGraph::replay", unsafe {
+            vt_graph_replay(self.ptr.as_ptr())
+        })
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        // SAFETY: ptr came from vt_graph_new and is freed exactly once.
+        unsafe { vt_graph_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// Captures what `f` launches into a new graph. `f` runs `warmup` times eagerly on a side stream
+/// first (lazy initialisation such as cuBLAS workspaces must not happen inside a capture), then
+/// once under capture; its last result (whose tensors are the graph's outputs) is returned with
+/// the graph. Sharing `pool` with an earlier graph saves memory when the graphs never run
+/// concurrently. Nothing in `f` may synchronise with the host or launch work on other streams.
+pub fn capture<T, E: From<TorchExtError>>(
+    pool: Option<&CudaGraph>,
+    warmup: usize,
+    mut f: impl FnMut() -> Result<T, E>,
+) -> Result<(CudaGraph, T), E> {
+    let graph = CudaGraph::new()?;
+    let g = graph.ptr.as_ptr();
+    // SAFETY: g is live for the whole function; the side stream is restored on every path below.
+    check("begin capture stream", unsafe { vt_graph_begin_side(g) })?;
+    let captured = (|| -> Result<T, E> {
+        for _ in 0..warmup {
+            drop(f()?);
+        }
+        let share = pool.map_or(std::ptr::null_mut(), |p| p.ptr.as_ptr());
+        check("CUDAGraph::capture_begin", unsafe {
+            vt_graph_capture_begin(g, share)
+        })?;
+        let out = f();
+        // End the capture whatever `f` did; its error is the one to report.
+        let end = check("CUDAGraph::capture_end", unsafe { vt_graph_capture_end(g) });
+        let out = out?;
+        end?;
+        Ok(out)
+    })();
+    let restore = check("end capture stream", unsafe { vt_graph_end_side(g) });
+    let out = captured?;
+    restore?;
+    Ok((graph, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    /// The fused kernel against torch.optim.AdamW's formula written out (decoupled decay, bias
+    /// corrections), over three steps.
+    #[test]
+    fn fused_adamw_matches_the_written_out_update() {
+        tch::manual_seed(3);
+        let shapes: [&[i64]; 3] = [&[5, 7], &[11], &[2, 3, 4]];
+        let opts = (Kind::Float, Device::Cpu);
+        let params: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, opts)).collect();
+        let initial: Vec<Tensor> = params.iter().map(|p| p.copy()).collect();
+        let mut reference: Vec<Tensor> = params.iter().map(|p| p.copy()).collect();
+        let zeros = |ps: &[Tensor]| ps.iter().map(|p| p.zeros_like()).collect::<Vec<_>>();
+        let (m, v) = (zeros(&params), zeros(&params));
+        let (mut rm, mut rv) = (zeros(&params), zeros(&params));
+        let steps: Vec<Tensor> = params.iter().map(|_| Tensor::from(0f32)).collect();
+        let (lr, b1, b2, wd, eps) = (1e-2, 0.9, 0.999, 0.1, 1e-8);
+        for step in 1..=3 {
+            let grads: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, opts)).collect();
+            for s in &steps {
+                let _ = s.shallow_clone().fill_(step as f64);
+            }
+            fused_adamw(&params, &grads, &m, &v, &steps, lr, (b1, b2), wd, eps).unwrap();
+            let bc1 = 1.0 - f64::powi(b1, step);
+            let bc2 = 1.0 - f64::powi(b2, step);
+            for (i, g) in grads.iter().enumerate() {
+                rm[i] = &rm[i] * b1 + g * (1.0 - b1);
+                rv[i] = &rv[i] * b2 + g.square() * (1.0 - b2);
+                let denom = rv[i].sqrt() / bc2.sqrt() + eps;
+                let upd = &rm[i] / denom * (lr / bc1);
+                reference[i] = &reference[i] * (1.0 - lr * wd) - upd;
+            }
+        }
+        for ((a, b), init) in params.iter().zip(&reference).zip(&initial) {
+            let d = (a - b).abs().max().double_value(&[]);
+            assert!(d < 1e-6, "fused AdamW differs from the formula by {d}");
+            let moved = (a - init).abs().max().double_value(&[]);
+            assert!(moved > 1e-3, "the parameters did not move");
+        }
+    }
+
+    #[test]
+    fn fused_adamw_refuses_mismatched_lists() {
+        let p = vec![Tensor::zeros([2], (Kind::Float, Device::Cpu))];
+        let err = fused_adamw(&p, &[], &p, &p, &p, 1e-3, (0.9, 0.99), 0.0, 1e-8).unwrap_err();
+        assert!(err.to_string().contains("fused AdamW grads"), "{err}");
+    }
+
+    /// Only where a GPU is present: a captured graph replays with new inputs and matches eager.
+    #[test]
+    fn graph_replays_with_new_inputs() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device");
+            return;
+        }
+        assert!(
+            cuda_graphs_compiled(),
+            "CUDA present but the shim has no CUDA"
+        );
+        let dev = Device::Cuda(0);
+        let w = Tensor::randn([64, 64], (Kind::Float, dev));
+        let x = Tensor::zeros([8, 64], (Kind::Float, dev));
+        let (graph, y) = capture::<_, TorchExtError>(None, 1, || {
+            Ok(x.matmul(&w)
+                .relu()
+                .sum_dim_intlist([1i64].as_slice(), false, Kind::Float))
+        })
+        .unwrap();
+        for _ in 0..3 {
+            let input = Tensor::randn([8, 64], (Kind::Float, dev));
+            x.shallow_clone().copy_(&input);
+            graph.replay().unwrap();
+            let eager =
+                input
+                    .matmul(&w)
+                    .relu()
+                    .sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
+            let d = (&y - &eager).abs().max().double_value(&[]);
+            assert!(d < 1e-4, "graph output differs from eager by {d}");
+        }
+    }
+}

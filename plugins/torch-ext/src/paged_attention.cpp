@@ -1,0 +1,1155 @@
+// Paged-attention decode (one new query token per sequence) over a block-paged KV cache: a CUDA
+// kernel compiled at run time with NVRTC and launched with the CUDA driver API on libtorch's
+// current stream (so it can be captured in a CUDA graph). libnvrtc and libcuda are opened with
+// dlopen, never linked.
+//
+//   out[s, h, :] = softmax_p(q[s, h, :] . K[s, p, h / (H / KVH), :] * scale) . V[s, p, ...]
+//   over p in [max(0, seq_len - window), seq_len), position p in block table[s, p / block_size]
+//   at offset p % block_size of k_cache/v_cache [num_blocks, block_size, kv_heads, head_dim].
+//
+// Kernels (source below, compiled per (kernel, dtype, head_dim, device)):
+// * vt_pa_tc (bf16/fp16, head_dim % 64 == 0, sm_80+): one thread block of 4 warps per
+//   (sequence, kv head, group of <= 8 query heads, context split). Each warp takes 16-key tiles in
+//   turn and runs two tensor-core MMAs (m16n8k16, fp32 accumulation): S = Q K^T (query heads as
+//   rows) and O^T += V^T P^T (head dims as rows, so no accumulator is wasted on padding heads),
+//   with an online softmax in fp32 between them. K and V go from global memory straight into
+//   MMA fragments (16-byte loads; the head-dim order inside a dot product is permuted so every
+//   thread reads contiguous bytes), so each K/V byte is read from memory once per step for all
+//   the query heads of its kv head. Warps are merged through shared memory at the end.
+// * vt_pa_simt (every dtype, head_dim <= 256): the same decomposition on CUDA cores, one key per
+//   warp at a time (the fp32 path and the fallback).
+// * vt_pa_reduce: when the context is split over several blocks (flash-decoding, chosen when
+//   sequences x kv heads would not fill the GPU), each split writes a normalised partial output
+//   and its log-sum-exp to scratch tensors from torch's caching allocator and this kernel merges
+//   them.
+//
+// Every extern "C" function catches C++ exceptions and reports them as a heap string the caller
+// frees with vt_free_error (null on success). Without VERL_WITH_CUDA they report that CUDA is
+// missing.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+#include <string>
+
+#ifdef VERL_WITH_CUDA
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <dirent.h>
+#include <dlfcn.h>
+#include <limits.h>
+#include <nvrtc.h>
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <tuple>
+#include <vector>
+#endif
+
+// The kernels' parameter block, defined once for the host and (as text) for the device source.
+#define VT_PA_PARAMS_DEF                                                                     \
+  struct VtPaParams {                                                                        \
+    const void* q;              /* [S, H, D] */                                              \
+    const void* k;              /* [NB, BS, KVH, D] */                                       \
+    const void* v;              /* [NB, BS, KVH, D] */                                       \
+    const long long* table;     /* [S, max_blocks] */                                        \
+    const long long* seq_lens;  /* [S] */                                                    \
+    void* out;                  /* [S, H, D] */                                              \
+    float* part_o;              /* [S, H, parts, D] (parts > 1) */                           \
+    float* part_lse;            /* [S, H, parts] (parts > 1), log2 domain */                 \
+    long long kv_row_stride;    /* KVH * D: elements from one slot to the next */            \
+    long long window;           /* <= 0: none */                                             \
+    int heads;                                                                               \
+    int groups;                 /* H / KVH */                                                \
+    int chunks;                 /* ceil(groups / 8) */                                       \
+    int max_blocks;                                                                          \
+    int block_size;                                                                          \
+    int block_shift;            /* log2(block_size) when a power of two, else -1 */          \
+    int parts;                                                                               \
+    int part_len;               /* keys per split, a multiple of 16 */                       \
+    float scale_log2e;          /* softmax scale * log2(e) */                                \
+    int pad_;                                                                                \
+  };
+
+#define VT_PA_STR_(...) #__VA_ARGS__
+#define VT_PA_STR(...) VT_PA_STR_(__VA_ARGS__)
+
+namespace {
+
+// Device source (after the parameter block). Also compiled for the host by the CPU emulator of
+// tests/emu (VT_EMULATE), which provides the primitives of the first section itself.
+const char* const kKernelSource = R"VTPA(
+// ---------------------------------------------------------------------------------------------
+// Portability layer: device implementations (the CPU emulator defines VT_EMULATE and its own).
+#ifndef VT_EMULATE
+#define VT_DEV __device__ __forceinline__
+typedef unsigned int vt_u32;
+struct vt_bf16 { unsigned short v; };
+struct vt_f16 { unsigned short v; };
+VT_DEV float vt_neg_inf() { return __int_as_float(0xff800000); }
+VT_DEV float vt_exp2(float x) { return exp2f(x); }
+VT_DEV float vt_log2(float x) { return log2f(x); }
+VT_DEV float vt_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+VT_DEV float vt_shfl(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+VT_DEV vt_u32 vt_prmt(vt_u32 a, vt_u32 b, vt_u32 sel) { return __byte_perm(a, b, sel); }
+VT_DEV uint4 vt_ld128(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+VT_DEV vt_u32 vt_ld32(const void* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+VT_DEV float vt_to_float(float x) { return x; }
+VT_DEV float vt_to_float(vt_bf16 x) { return __uint_as_float(((vt_u32)x.v) << 16); }
+VT_DEV float vt_to_float(vt_f16 x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.v));
+  return f;
+}
+VT_DEV vt_f16 vt_f16_from_float(float f) {
+  vt_f16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.v) : "f"(f));
+  return h;
+}
+#ifdef VT_WITH_TC
+// Two floats as one packed pair, `lo` in the low half (cvt puts its first operand high).
+VT_DEV vt_u32 vt_pack(float lo, float hi, vt_bf16) {
+  vt_u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+VT_DEV vt_u32 vt_pack(float lo, float hi, vt_f16) {
+  vt_u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// d += A(16x16, row) * B(16x8, col), fp32 accumulation.
+VT_DEV void vt_mma(float (&d)[4], vt_u32 a0, vt_u32 a1, vt_u32 a2, vt_u32 a3, vt_u32 b0,
+                   vt_u32 b1, vt_bf16) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+VT_DEV void vt_mma(float (&d)[4], vt_u32 a0, vt_u32 a1, vt_u32 a2, vt_u32 a3, vt_u32 b0,
+                   vt_u32 b1, vt_f16) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif  // VT_WITH_TC
+#endif  // VT_EMULATE
+
+// ---------------------------------------------------------------------------------------------
+// Shared by both environments.
+
+VT_DEV vt_bf16 vt_bf16_from_float(float f) {
+  vt_u32 u = __float_as_uint(f);
+  vt_bf16 b;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    b.v = 0x7fc0;  // NaN
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    b.v = (unsigned short)(u >> 16);
+  }
+  return b;
+}
+VT_DEV void vt_store(float* p, float f) { *p = f; }
+VT_DEV void vt_store(vt_bf16* p, float f) { *p = vt_bf16_from_float(f); }
+VT_DEV void vt_store(vt_f16* p, float f) { *p = vt_f16_from_float(f); }
+
+VT_DEV vt_u32 vt_word(const uint4& v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// Keys [start, stop) of split `part` of sequence `s`; empty (start >= stop) when there are none.
+VT_DEV void vt_range(const VtPaParams& p, int s, int part, long long& start, long long& stop) {
+  long long len = p.seq_lens[s];
+  const long long cap = (long long)p.max_blocks * p.block_size;
+  if (len > cap) len = cap;
+  long long lo = 0;
+  if (p.window > 0 && len > p.window) lo = len - p.window;
+  start = lo + (long long)part * p.part_len;
+  stop = start + p.part_len;
+  if (stop > len) stop = len;
+}
+
+// Element offset of cache slot of position `pos` (block table row `tab`).
+VT_DEV long long vt_slot(const VtPaParams& p, const long long* tab, long long pos) {
+  const int ip = (int)pos;
+  int b, o;
+  if (p.block_shift >= 0) {
+    b = ip >> p.block_shift;
+    o = ip & (p.block_size - 1);
+  } else {
+    b = ip / p.block_size;
+    o = ip - b * p.block_size;
+  }
+  return (tab[b] * p.block_size + o) * p.kv_row_stride;
+}
+
+// Merges the 4 warps' (max, sum, unnormalised output) per head and writes the result: the final
+// output (one split) or the split's normalised partial output and log-sum-exp.
+template <typename T, int D>
+VT_DEV void vt_combine(const VtPaParams& p, int s, int head0, int nh, int part,
+                       float (*sm_m)[8], float (*sm_l)[8], float (*sm_o)[8][D]) {
+  __syncthreads();
+  const float ninf = vt_neg_inf();
+  for (int idx = threadIdx.x; idx < nh * D; idx += 128) {
+    const int h = idx / D;
+    const int d = idx - h * D;
+    float mx = ninf;
+    for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm_m[w][h]);
+    float l = 0.f, o = 0.f;
+    if (mx != ninf) {
+      for (int w = 0; w < 4; ++w) {
+        const float mw = sm_m[w][h];
+        if (mw != ninf) {
+          const float f = vt_exp2(mw - mx);
+          l += f * sm_l[w][h];
+          o += f * sm_o[w][h][d];
+        }
+      }
+    }
+    const float val = l > 0.f ? o / l : 0.f;
+    const long long row = (long long)s * p.heads + head0 + h;
+    if (p.parts == 1) {
+      vt_store(reinterpret_cast<T*>(p.out) + row * D + d, val);
+    } else {
+      p.part_o[(row * p.parts + part) * D + d] = val;
+      if (d == 0) p.part_lse[row * p.parts + part] = l > 0.f ? mx + vt_log2(l) : ninf;
+    }
+  }
+}
+
+// Block (blockIdx.x = sequence, blockIdx.y = kv head * chunks + chunk, blockIdx.z = split).
+struct VtBlock {
+  int s, part, kvh, head0, nh;
+  long long start, stop;
+};
+VT_DEV VtBlock vt_block(const VtPaParams& p) {
+  VtBlock b;
+  b.s = (int)blockIdx.x;
+  b.part = (int)blockIdx.z;
+  b.kvh = (int)blockIdx.y / p.chunks;
+  const int chunk = (int)blockIdx.y - b.kvh * p.chunks;
+  b.head0 = b.kvh * p.groups + chunk * 8;
+  b.nh = p.groups - chunk * 8;
+  if (b.nh > 8) b.nh = 8;
+  vt_range(p, b.s, b.part, b.start, b.stop);
+  return b;
+}
+
+// CUDA-core kernel: every dtype, head_dim <= 256. Each warp takes one key at a time; lane i holds
+// head dims i, i + 32, ...
+template <typename T, int D>
+VT_DEV void vt_simt_body(const VtPaParams& p) {
+  constexpr int DPL = (D + 31) / 32;
+  __shared__ float sm_m[4][8];
+  __shared__ float sm_l[4][8];
+  __shared__ float sm_o[4][8][D];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const VtBlock b = vt_block(p);
+  const float ninf = vt_neg_inf();
+  float qf[8][DPL], acc[8][DPL], m[8], l[8];
+  const T* q = reinterpret_cast<const T*>(p.q) + ((long long)b.s * p.heads + b.head0) * D;
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    m[h] = ninf;
+    l[h] = 0.f;
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) {
+      const int d = lane + 32 * j;
+      qf[h][j] = (h < b.nh && d < D) ? vt_to_float(q[h * D + d]) : 0.f;
+      acc[h][j] = 0.f;
+    }
+  }
+  const long long* tab = p.table + (long long)b.s * p.max_blocks;
+  const T* kb = reinterpret_cast<const T*>(p.k) + (long long)b.kvh * D;
+  const T* vb = reinterpret_cast<const T*>(p.v) + (long long)b.kvh * D;
+  for (long long pos = b.start + warp; pos < b.stop; pos += 4) {
+    const long long off = vt_slot(p, tab, pos);
+    float kf[DPL], vf[DPL];
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) {
+      const int d = lane + 32 * j;
+      kf[j] = d < D ? vt_to_float(kb[off + d]) : 0.f;
+      vf[j] = d < D ? vt_to_float(vb[off + d]) : 0.f;
+    }
+#pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      if (h < b.nh) {  // uniform over the block
+        float dot = 0.f;
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) dot += qf[h][j] * kf[j];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) dot += vt_shfl_xor(dot, o);
+        const float x = dot * p.scale_log2e;
+        const float m_new = fmaxf(m[h], x);
+        const float corr = vt_exp2(m[h] - m_new);
+        const float pr = vt_exp2(x - m_new);
+        l[h] = l[h] * corr + pr;
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) acc[h][j] = acc[h][j] * corr + pr * vf[j];
+        m[h] = m_new;
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    if (lane == 0) {
+      sm_m[warp][h] = m[h];
+      sm_l[warp][h] = l[h];
+    }
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) {
+      const int d = lane + 32 * j;
+      if (d < D) sm_o[warp][h][d] = acc[h][j];
+    }
+  }
+  vt_combine<T, D>(p, b.s, b.head0, b.nh, b.part, sm_m, sm_l, sm_o);
+}
+
+#if defined(VT_WITH_TC) || defined(VT_EMULATE)
+// Tensor-core kernel: bf16/fp16, D % 64 == 0. Lane = 4 * r + c (r = lane / 4, c = lane % 4).
+//
+// S = Q K^T per 16-key tile as two m16n8k16 MMAs (keys t0..t0+7 and t0+8..t0+15), rows = the
+// chunk's query heads (8 valid rows, 8 zero rows), k = head dims. The head-dim order inside the
+// dot product is free, so k-step j uses dims base(j, c) + {0,1} (as k = 2c, 2c+1) and
+// base(j, c) + {2,3} (as k = 2c+8, 2c+9) with base = 32 (j / 2) + 8 c + 4 (j % 2): lane (r, c)
+// loads 16 contiguous bytes per 32 dims of key r's row and feeds them to two k-steps directly.
+//
+// O^T += V^T P^T as one m16n8k16 MMA per 16 head dims (m-tile i), k = the tile's 16 keys,
+// n = query heads. Rows of m-tile i are dims r*D/8 + 2i (row r) and r*D/8 + 2i + 1 (row r+8), so
+// lane (r, c) needs the contiguous dims [r*D/8, (r+1)*D/8) of keys 2c, 2c+1, 2c+8, 2c+9 and builds
+// its A fragments with byte permutes. P^T's B fragment (keys 2c, 2c+1 | 2c+8, 2c+9 of head r) is
+// exactly what lane (r, c) holds of S, so probabilities never leave registers.
+template <typename T, int D>
+VT_DEV void vt_tc_body(const VtPaParams& p) {
+  constexpr int NK = D / 16;  // k-steps of Q K^T, m-tiles of V^T P^T
+  constexpr int NKV = D / 32;  // 16-byte K vectors per lane per key
+  constexpr int NV = D / 64;   // 16-byte V vectors per lane per key
+  __shared__ float sm_m[4][8];
+  __shared__ float sm_l[4][8];
+  __shared__ float sm_o[4][8][D];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r = lane >> 2, c = lane & 3;
+  const VtBlock b = vt_block(p);
+  const float ninf = vt_neg_inf();
+
+  vt_u32 qa[NK][2];
+  {
+    const T* q = reinterpret_cast<const T*>(p.q) + ((long long)b.s * p.heads + b.head0) * D;
+#pragma unroll
+    for (int j = 0; j < NK; ++j) {
+      const int base = (j >> 1) * 32 + c * 8 + (j & 1) * 4;
+      qa[j][0] = r < b.nh ? vt_ld32(q + r * D + base) : 0u;
+      qa[j][1] = r < b.nh ? vt_ld32(q + r * D + base + 2) : 0u;
+    }
+  }
+  float o[NK][4];
+#pragma unroll
+  for (int i = 0; i < NK; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m = ninf, l = 0.f;
+  const uint4 zero4 = {0u, 0u, 0u, 0u};
+  const long long* tab = p.table + (long long)b.s * p.max_blocks;
+  const T* kb = reinterpret_cast<const T*>(p.k) + (long long)b.kvh * D;
+  const T* vb = reinterpret_cast<const T*>(p.v) + (long long)b.kvh * D + r * (D / 8);
+
+  for (long long t0 = b.start + 16 * warp; t0 < b.stop; t0 += 64) {
+    // Loads first: K rows of keys t0 + r and t0 + 8 + r, V rows of keys t0 + 2c + {0, 1, 8, 9}.
+    uint4 kv[2][NKV];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const long long pos = t0 + 8 * n + r;
+      if (pos < b.stop) {
+        const T* row = kb + vt_slot(p, tab, pos) + c * 8;
+#pragma unroll
+        for (int jj = 0; jj < NKV; ++jj) kv[n][jj] = vt_ld128(row + jj * 32);
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < NKV; ++jj) kv[n][jj] = zero4;
+      }
+    }
+    uint4 vv[4][NV];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const long long pos = t0 + 2 * c + (e & 1) + (e >> 1) * 8;
+      if (pos < b.stop) {
+        const T* row = vb + vt_slot(p, tab, pos);
+#pragma unroll
+        for (int u = 0; u < NV; ++u) vv[e][u] = vt_ld128(row + u * 8);
+      } else {
+#pragma unroll
+        for (int u = 0; u < NV; ++u) vv[e][u] = zero4;
+      }
+    }
+    // S = Q K^T: sc[n] = (head r: keys t0 + 8n + 2c, +1 | head r + 8: padding).
+    float sc[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < NKV; ++jj) {
+        vt_mma(sc[n], qa[2 * jj][0], 0u, qa[2 * jj][1], 0u, kv[n][jj].x, kv[n][jj].y, T());
+        vt_mma(sc[n], qa[2 * jj + 1][0], 0u, qa[2 * jj + 1][1], 0u, kv[n][jj].z, kv[n][jj].w,
+               T());
+      }
+    }
+    // Online softmax (log2 domain) for head r; the 4 lanes of a quad hold its 16 keys.
+    float x[2][2];
+    float mx = ninf;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const long long pos = t0 + 8 * n + 2 * c + e;
+        x[n][e] = pos < b.stop ? sc[n][e] * p.scale_log2e : ninf;
+        mx = fmaxf(mx, x[n][e]);
+      }
+    }
+    mx = fmaxf(mx, vt_shfl_xor(mx, 1));
+    mx = fmaxf(mx, vt_shfl_xor(mx, 2));
+    const float m_new = fmaxf(m, mx);
+    const float m_use = m_new == ninf ? 0.f : m_new;
+    const float corr = vt_exp2(m - m_use);
+    float pr[2][2];
+    float psum = 0.f;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        pr[n][e] = r < b.nh ? vt_exp2(x[n][e] - m_use) : 0.f;
+        psum += pr[n][e];
+      }
+    }
+    l = l * corr + psum;
+    m = m_new;
+    // O^T columns are heads 2c and 2c + 1: their rescale factors live in quads 2c and 2c + 1.
+    const float ca = vt_shfl(corr, 8 * c);
+    const float cb = vt_shfl(corr, 8 * c + 4);
+    const vt_u32 pb0 = vt_pack(pr[0][0], pr[0][1], T());
+    const vt_u32 pb1 = vt_pack(pr[1][0], pr[1][1], T());
+#pragma unroll
+    for (int i = 0; i < NK; ++i) {
+      o[i][0] *= ca;
+      o[i][1] *= cb;
+      o[i][2] *= ca;
+      o[i][3] *= cb;
+      const vt_u32 w0 = vt_word(vv[0][i >> 2], i & 3);
+      const vt_u32 w1 = vt_word(vv[1][i >> 2], i & 3);
+      const vt_u32 w8 = vt_word(vv[2][i >> 2], i & 3);
+      const vt_u32 w9 = vt_word(vv[3][i >> 2], i & 3);
+      vt_mma(o[i], vt_prmt(w0, w1, 0x5410u), vt_prmt(w0, w1, 0x7632u), vt_prmt(w8, w9, 0x5410u),
+             vt_prmt(w8, w9, 0x7632u), pb0, pb1, T());
+    }
+  }
+  l += vt_shfl_xor(l, 1);
+  l += vt_shfl_xor(l, 2);
+  if (c == 0) {
+    sm_m[warp][r] = m;
+    sm_l[warp][r] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    const int d0 = r * (D / 8) + 2 * i;
+    sm_o[warp][2 * c][d0] = o[i][0];
+    sm_o[warp][2 * c + 1][d0] = o[i][1];
+    sm_o[warp][2 * c][d0 + 1] = o[i][2];
+    sm_o[warp][2 * c + 1][d0 + 1] = o[i][3];
+  }
+  vt_combine<T, D>(p, b.s, b.head0, b.nh, b.part, sm_m, sm_l, sm_o);
+}
+#endif
+
+// Merges the splits of one (sequence, head) (blockIdx.x = s * H + h).
+template <typename T, int D>
+VT_DEV void vt_reduce_body(const VtPaParams& p) {
+  const long long row = blockIdx.x;
+  const float ninf = vt_neg_inf();
+  const float* lse = p.part_lse + row * p.parts;
+  float mx = ninf;
+  for (int k = 0; k < p.parts; ++k) mx = fmaxf(mx, lse[k]);
+  for (int d = threadIdx.x; d < D; d += 128) {
+    float num = 0.f, den = 0.f;
+    if (mx != ninf) {
+      for (int k = 0; k < p.parts; ++k) {
+        const float lk = lse[k];
+        if (lk != ninf) {
+          const float w = vt_exp2(lk - mx);
+          num += w * p.part_o[(row * p.parts + k) * D + d];
+          den += w;
+        }
+      }
+    }
+    vt_store(reinterpret_cast<T*>(p.out) + row * D + d, den > 0.f ? num / den : 0.f);
+  }
+}
+
+// Entry points of one compiled program: VT_DTYPE (0 fp32, 1 bf16, 2 fp16), VT_HEAD_DIM.
+#ifdef VT_DTYPE
+#if VT_DTYPE == 0
+typedef float vt_t;
+#elif VT_DTYPE == 1
+typedef vt_bf16 vt_t;
+#else
+typedef vt_f16 vt_t;
+#endif
+#ifdef VT_WITH_TC
+extern "C" __global__ void __launch_bounds__(128) vt_pa_main(const VtPaParams p) {
+  vt_tc_body<vt_t, VT_HEAD_DIM>(p);
+}
+#else
+extern "C" __global__ void __launch_bounds__(128) vt_pa_main(const VtPaParams p) {
+  vt_simt_body<vt_t, VT_HEAD_DIM>(p);
+}
+#endif
+extern "C" __global__ void __launch_bounds__(128) vt_pa_reduce(const VtPaParams p) {
+  vt_reduce_body<vt_t, VT_HEAD_DIM>(p);
+}
+#endif
+)VTPA";
+
+char* pa_error_string(const std::string& message) {
+  char* out = static_cast<char*>(std::malloc(message.size() + 1));
+  if (out != nullptr) {
+    std::memcpy(out, message.c_str(), message.size() + 1);
+  }
+  return out;
+}
+
+template <typename F>
+char* pa_guarded(F&& f) {
+  try {
+    f();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return pa_error_string(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return pa_error_string(e.what());
+  } catch (...) {
+    return pa_error_string("unknown C++ exception");
+  }
+}
+
+const std::string& full_source() {
+  static const std::string src =
+      std::string("// verl-rs paged decode attention\n") + VT_PA_STR(VT_PA_PARAMS_DEF) + "\n" +
+      kKernelSource;
+  return src;
+}
+
+#ifdef VERL_WITH_CUDA
+
+VT_PA_PARAMS_DEF
+
+// ---- libcuda (driver API), opened with dlopen ----------------------------------------------
+typedef int CUresult_t;
+typedef int CUdevice_t;
+typedef void* CUcontext_t;
+typedef void* CUmodule_t;
+typedef void* CUfunction_t;
+typedef void* CUstream_t;
+constexpr int kAttrMultiprocessorCount = 16;   // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+constexpr int kAttrComputeCapMajor = 75;       // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+constexpr int kAttrComputeCapMinor = 76;       // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+
+struct CudaApi {
+  CUresult_t (*cuInit)(unsigned int);
+  CUresult_t (*cuGetErrorString)(CUresult_t, const char**);
+  CUresult_t (*cuDeviceGet)(CUdevice_t*, int);
+  CUresult_t (*cuDeviceGetAttribute)(int*, int, CUdevice_t);
+  CUresult_t (*cuDevicePrimaryCtxRetain)(CUcontext_t*, CUdevice_t);
+  CUresult_t (*cuCtxGetCurrent)(CUcontext_t*);
+  CUresult_t (*cuCtxSetCurrent)(CUcontext_t);
+  CUresult_t (*cuModuleLoadData)(CUmodule_t*, const void*);
+  CUresult_t (*cuModuleGetFunction)(CUfunction_t*, CUmodule_t, const char*);
+  CUresult_t (*cuLaunchKernel)(CUfunction_t, unsigned, unsigned, unsigned, unsigned, unsigned,
+                               unsigned, unsigned, CUstream_t, void**, void**);
+  std::string error;  // non-empty: unusable
+};
+
+template <typename P>
+bool load_sym(void* lib, const char* name, P& out, std::string& error) {
+  out = reinterpret_cast<P>(dlsym(lib, name));
+  if (out == nullptr && error.empty()) {
+    error = std::string("symbol ") + name + " not found";
+  }
+  return out != nullptr;
+}
+
+const CudaApi& cuda_api() {
+  static const CudaApi api = [] {
+    CudaApi a{};
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* e = dlerror();
+      a.error = std::string("dlopen(libcuda.so.1) failed (is the NVIDIA driver installed?): ") +
+                (e ? e : "unknown error");
+      return a;
+    }
+    std::string err;
+    load_sym(lib, "cuInit", a.cuInit, err);
+    load_sym(lib, "cuGetErrorString", a.cuGetErrorString, err);
+    load_sym(lib, "cuDeviceGet", a.cuDeviceGet, err);
+    load_sym(lib, "cuDeviceGetAttribute", a.cuDeviceGetAttribute, err);
+    load_sym(lib, "cuDevicePrimaryCtxRetain", a.cuDevicePrimaryCtxRetain, err);
+    load_sym(lib, "cuCtxGetCurrent", a.cuCtxGetCurrent, err);
+    load_sym(lib, "cuCtxSetCurrent", a.cuCtxSetCurrent, err);
+    load_sym(lib, "cuModuleLoadData", a.cuModuleLoadData, err);
+    load_sym(lib, "cuModuleGetFunction", a.cuModuleGetFunction, err);
+    load_sym(lib, "cuLaunchKernel", a.cuLaunchKernel, err);
+    if (!err.empty()) {
+      a.error = "libcuda.so.1: " + err;
+      return a;
+    }
+    const CUresult_t r = a.cuInit(0);
+    if (r != 0) {
+      a.error = "cuInit failed with CUDA error " + std::to_string(r);
+    }
+    return a;
+  }();
+  return api;
+}
+
+void cu_check(CUresult_t r, const char* what) {
+  if (r == 0) return;
+  const CudaApi& a = cuda_api();
+  const char* msg = nullptr;
+  if (a.cuGetErrorString != nullptr) a.cuGetErrorString(r, &msg);
+  throw std::runtime_error(std::string("paged attention: ") + what + " failed: CUDA error " +
+                           std::to_string(r) + (msg ? std::string(" (") + msg + ")" : ""));
+}
+
+const CudaApi& cuda_checked() {
+  const CudaApi& a = cuda_api();
+  if (!a.error.empty()) throw std::runtime_error("paged attention: " + a.error);
+  return a;
+}
+
+// ---- libnvrtc, opened with dlopen ------------------------------------------------------------
+struct NvrtcApi {
+  decltype(&nvrtcGetErrorString) getErrorString;
+  decltype(&nvrtcVersion) version;
+  decltype(&nvrtcCreateProgram) createProgram;
+  decltype(&nvrtcDestroyProgram) destroyProgram;
+  decltype(&nvrtcCompileProgram) compileProgram;
+  decltype(&nvrtcGetProgramLogSize) getProgramLogSize;
+  decltype(&nvrtcGetProgramLog) getProgramLog;
+  decltype(&nvrtcGetPTXSize) getPTXSize;
+  decltype(&nvrtcGetPTX) getPTX;
+  decltype(&nvrtcGetCUBINSize) getCUBINSize;
+  decltype(&nvrtcGetCUBIN) getCUBIN;
+  decltype(&nvrtcGetNumSupportedArchs) getNumSupportedArchs;
+  decltype(&nvrtcGetSupportedArchs) getSupportedArchs;
+  std::string path;
+  std::string error;
+};
+
+// The directory of torch's CUDA libraries (libc10_cuda.so sits next to libtorch_cuda.so).
+std::string torch_lib_dir() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&c10::cuda::getCurrentCUDAStream), &info) == 0 ||
+      info.dli_fname == nullptr) {
+    return "";
+  }
+  char resolved[PATH_MAX];
+  std::string file = realpath(info.dli_fname, resolved) ? resolved : info.dli_fname;
+  const auto slash = file.rfind('/');
+  return slash == std::string::npos ? "" : file.substr(0, slash);
+}
+
+// libnvrtc opens libnvrtc-builtins.so.<version> by bare name at compile time, which fails when
+// its directory is not on the loader's search path (the pip wheel's case). Loading it first from
+// libnvrtc's own directory makes that lookup find the already-loaded library by its soname.
+void preload_nvrtc_builtins(void* nvrtc) {
+  void* sym = dlsym(nvrtc, "nvrtcVersion");
+  Dl_info info{};
+  if (sym == nullptr || dladdr(sym, &info) == 0 || info.dli_fname == nullptr) return;
+  char resolved[PATH_MAX];
+  std::string file = realpath(info.dli_fname, resolved) ? resolved : info.dli_fname;
+  const auto slash = file.rfind('/');
+  if (slash == std::string::npos) return;
+  const std::string dir = file.substr(0, slash);
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return;
+  std::vector<std::string> names;
+  while (dirent* e = readdir(d)) {
+    const std::string n = e->d_name;
+    if (n.rfind("libnvrtc-builtins.so", 0) == 0) names.push_back(n);
+  }
+  closedir(d);
+  for (const auto& n : names) dlopen((dir + "/" + n).c_str(), RTLD_NOW | RTLD_GLOBAL);
+}
+
+const NvrtcApi& nvrtc_api() {
+  static const NvrtcApi api = [] {
+    NvrtcApi a{};
+    std::vector<std::string> candidates;
+    if (const char* env = std::getenv("VERL_NVRTC_PATH")) {
+      if (*env) candidates.push_back(env);
+    }
+    const std::string dir = torch_lib_dir();
+    if (!dir.empty()) {
+      candidates.push_back(dir + "/../../nvidia/cu13/lib/libnvrtc.so.13");
+      candidates.push_back(dir + "/libnvrtc.so.13");
+    }
+    candidates.push_back("libnvrtc.so.13");
+    candidates.push_back("libnvrtc.so");
+    std::string tried;
+    void* lib = nullptr;
+    for (const auto& c : candidates) {
+      lib = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (lib != nullptr) {
+        a.path = c;
+        break;
+      }
+      const char* e = dlerror();
+      tried += "\n  " + c + ": " + (e ? e : "not found");
+    }
+    if (lib == nullptr) {
+      a.error = "could not load libnvrtc (set VERL_NVRTC_PATH to its path); tried:" + tried;
+      return a;
+    }
+    preload_nvrtc_builtins(lib);
+    std::string err;
+    load_sym(lib, "nvrtcGetErrorString", a.getErrorString, err);
+    load_sym(lib, "nvrtcVersion", a.version, err);
+    load_sym(lib, "nvrtcCreateProgram", a.createProgram, err);
+    load_sym(lib, "nvrtcDestroyProgram", a.destroyProgram, err);
+    load_sym(lib, "nvrtcCompileProgram", a.compileProgram, err);
+    load_sym(lib, "nvrtcGetProgramLogSize", a.getProgramLogSize, err);
+    load_sym(lib, "nvrtcGetProgramLog", a.getProgramLog, err);
+    load_sym(lib, "nvrtcGetPTXSize", a.getPTXSize, err);
+    load_sym(lib, "nvrtcGetPTX", a.getPTX, err);
+    load_sym(lib, "nvrtcGetCUBINSize", a.getCUBINSize, err);
+    load_sym(lib, "nvrtcGetCUBIN", a.getCUBIN, err);
+    load_sym(lib, "nvrtcGetNumSupportedArchs", a.getNumSupportedArchs, err);
+    load_sym(lib, "nvrtcGetSupportedArchs", a.getSupportedArchs, err);
+    if (!err.empty()) a.error = a.path + ": " + err;
+    return a;
+  }();
+  return api;
+}
+
+const NvrtcApi& nvrtc_checked() {
+  const NvrtcApi& a = nvrtc_api();
+  if (!a.error.empty()) throw std::runtime_error("paged attention: " + a.error);
+  return a;
+}
+
+struct Binary {
+  std::string image;  // CUBIN or NUL-terminated PTX
+  std::string log;
+  std::string target;
+};
+
+// Compiles the kernels for (dtype 0/1/2, head_dim, tensor cores?) for compute capability `arch`
+// (e.g. 90): a CUBIN for sm_<arch> when NVRTC knows it, else PTX for the newest virtual
+// architecture below it (the driver finishes it).
+Binary compile_program(int dtype, int head_dim, bool tc, int arch, bool verbose) {
+  const NvrtcApi& nv = nvrtc_checked();
+  int n_archs = 0;
+  std::vector<int> archs;
+  if (nv.getNumSupportedArchs(&n_archs) == NVRTC_SUCCESS && n_archs > 0) {
+    archs.resize(static_cast<size_t>(n_archs));
+    if (nv.getSupportedArchs(archs.data()) != NVRTC_SUCCESS) archs.clear();
+  }
+  bool exact = archs.empty();
+  int virt = 0;
+  for (int a : archs) {
+    if (a == arch) exact = true;
+    if (a <= arch && a > virt) virt = a;
+  }
+  if (!exact && virt == 0) {
+    std::ostringstream s;
+    s << "paged attention: NVRTC (" << nv.path << ") supports no architecture <= sm_" << arch;
+    throw std::runtime_error(s.str());
+  }
+  Binary bin;
+  bin.target = exact ? "sm_" + std::to_string(arch) : "compute_" + std::to_string(virt);
+  std::vector<std::string> opts = {
+      "--gpu-architecture=" + bin.target,
+      "-std=c++17",
+      "-DVT_DTYPE=" + std::to_string(dtype),
+      "-DVT_HEAD_DIM=" + std::to_string(head_dim),
+  };
+  if (tc) opts.push_back("-DVT_WITH_TC");
+  if (verbose && exact) opts.push_back("--ptxas-options=-v");
+  std::vector<const char*> argv;
+  for (const auto& o : opts) argv.push_back(o.c_str());
+
+  nvrtcProgram prog = nullptr;
+  nvrtcResult r = nv.createProgram(&prog, full_source().c_str(), "verl_paged_attention.cu", 0,
+                                   nullptr, nullptr);
+  if (r != NVRTC_SUCCESS) {
+    throw std::runtime_error(std::string("paged attention: nvrtcCreateProgram: ") +
+                             nv.getErrorString(r));
+  }
+  std::unique_ptr<nvrtcProgram, void (*)(nvrtcProgram*)> guard(&prog, [](nvrtcProgram* p) {
+    nvrtc_api().destroyProgram(p);
+  });
+  r = nv.compileProgram(prog, static_cast<int>(argv.size()), argv.data());
+  size_t log_size = 0;
+  if (nv.getProgramLogSize(prog, &log_size) == NVRTC_SUCCESS && log_size > 1) {
+    bin.log.resize(log_size);
+    nv.getProgramLog(prog, &bin.log[0]);
+    bin.log.resize(std::strlen(bin.log.c_str()));
+  }
+  if (r != NVRTC_SUCCESS) {
+    std::ostringstream s;
+    s << "paged attention: NVRTC compilation failed (" << nv.getErrorString(r) << ") for "
+      << (tc ? "tensor-core" : "CUDA-core") << " kernel, dtype " << dtype << ", head_dim "
+      << head_dim << ", " << bin.target << ", options:";
+    for (const auto& o : opts) s << ' ' << o;
+    s << "\n" << bin.log;
+    throw std::runtime_error(s.str());
+  }
+  size_t size = 0;
+  if (exact) {
+    r = nv.getCUBINSize(prog, &size);
+    if (r == NVRTC_SUCCESS) {
+      bin.image.resize(size);
+      r = nv.getCUBIN(prog, &bin.image[0]);
+    }
+  } else {
+    r = nv.getPTXSize(prog, &size);
+    if (r == NVRTC_SUCCESS) {
+      bin.image.resize(size);
+      r = nv.getPTX(prog, &bin.image[0]);
+    }
+  }
+  if (r != NVRTC_SUCCESS) {
+    throw std::runtime_error(std::string("paged attention: reading the compiled kernel: ") +
+                             nv.getErrorString(r));
+  }
+  return bin;
+}
+
+// ---- compiled-kernel cache and launch ---------------------------------------------------------
+struct DeviceInfo {
+  int arch = 0;
+  int sms = 0;
+  CUcontext_t primary = nullptr;
+};
+
+struct Kernels {
+  CUfunction_t main = nullptr;
+  CUfunction_t reduce = nullptr;
+};
+
+std::mutex g_mu;
+std::map<int, DeviceInfo> g_devices;
+std::map<std::tuple<int, int, int, int>, Kernels> g_kernels;  // (tc, dtype, head_dim, device)
+
+// Makes the device's primary context (the one the CUDA runtime and torch use) current.
+const DeviceInfo& device_info(int index) {
+  const CudaApi& cu = cuda_checked();
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_devices.find(index);
+  if (it == g_devices.end()) {
+    DeviceInfo info;
+    CUdevice_t dev = 0;
+    cu_check(cu.cuDeviceGet(&dev, index), "cuDeviceGet");
+    int major = 0, minor = 0;
+    cu_check(cu.cuDeviceGetAttribute(&major, kAttrComputeCapMajor, dev), "cuDeviceGetAttribute");
+    cu_check(cu.cuDeviceGetAttribute(&minor, kAttrComputeCapMinor, dev), "cuDeviceGetAttribute");
+    cu_check(cu.cuDeviceGetAttribute(&info.sms, kAttrMultiprocessorCount, dev),
+             "cuDeviceGetAttribute");
+    info.arch = major * 10 + minor;
+    cu_check(cu.cuDevicePrimaryCtxRetain(&info.primary, dev), "cuDevicePrimaryCtxRetain");
+    it = g_devices.emplace(index, info).first;
+  }
+  return it->second;
+}
+
+void make_current(const DeviceInfo& info) {
+  const CudaApi& cu = cuda_checked();
+  CUcontext_t cur = nullptr;
+  cu_check(cu.cuCtxGetCurrent(&cur), "cuCtxGetCurrent");
+  if (cur != info.primary) cu_check(cu.cuCtxSetCurrent(info.primary), "cuCtxSetCurrent");
+}
+
+Kernels kernels_for(bool tc, int dtype, int head_dim, int index, const DeviceInfo& info) {
+  const auto key = std::make_tuple(tc ? 1 : 0, dtype, head_dim, index);
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_kernels.find(key);
+    if (it != g_kernels.end()) return it->second;
+  }
+  // Compile outside the lock; a concurrent first call may compile twice (the first insert wins).
+  const Binary bin = compile_program(dtype, head_dim, tc, info.arch, false);
+  const CudaApi& cu = cuda_checked();
+  CUmodule_t mod = nullptr;
+  cu_check(cu.cuModuleLoadData(&mod, bin.image.data()),
+           ("cuModuleLoadData (" + bin.target + ")").c_str());
+  Kernels k;
+  cu_check(cu.cuModuleGetFunction(&k.main, mod, "vt_pa_main"), "cuModuleGetFunction(vt_pa_main)");
+  cu_check(cu.cuModuleGetFunction(&k.reduce, mod, "vt_pa_reduce"),
+           "cuModuleGetFunction(vt_pa_reduce)");
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_kernels.emplace(key, k).first->second;  // modules are never unloaded
+}
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+[[noreturn]] void bad_input(const std::string& what, const std::string& expected,
+                            const std::string& found) {
+  throw std::invalid_argument("paged attention " + what + ": expected " + expected + ", found " +
+                              found);
+}
+
+void check_tensor(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device) {
+  if (!t.defined()) bad_input(name, "a defined tensor", "an undefined tensor");
+  if (t.dim() != dim) {
+    bad_input(name, std::to_string(dim) + " dimensions", shape_str(t));
+  }
+  if (t.device() != device) {
+    bad_input(std::string(name) + " device", device.str(), t.device().str());
+  }
+  if (!t.is_contiguous()) bad_input(name, "a contiguous tensor", "strides " + [&] {
+    std::ostringstream s;
+    s << t.strides();
+    return s.str();
+  }());
+}
+
+int dtype_code(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float:
+      return 0;
+    case c10::ScalarType::BFloat16:
+      return 1;
+    case c10::ScalarType::Half:
+      return 2;
+    default:
+      bad_input("q dtype", "float32, bfloat16 or float16", c10::toString(t));
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                  int64_t window, const at::Tensor& out, int64_t kernel, int64_t num_splits) {
+  if (!q.defined() || !q.is_cuda()) {
+    bad_input("q", "a CUDA tensor", q.defined() ? q.device().str() : "undefined");
+  }
+  const at::Device device = q.device();
+  check_tensor(q, "q [S, heads, head_dim]", 3, device);
+  check_tensor(k_cache, "k_cache [blocks, block_size, kv_heads, head_dim]", 4, device);
+  check_tensor(v_cache, "v_cache [blocks, block_size, kv_heads, head_dim]", 4, device);
+  check_tensor(block_table, "block_table [S, max_blocks]", 2, device);
+  check_tensor(seq_lens, "seq_lens [S]", 1, device);
+  check_tensor(out, "out [S, heads, head_dim]", 3, device);
+  const int dtype = dtype_code(q.scalar_type());
+  for (const auto* t : {&k_cache, &v_cache, &out}) {
+    if (t->scalar_type() != q.scalar_type()) {
+      bad_input("k_cache/v_cache/out dtype", std::string("q's dtype ") +
+                c10::toString(q.scalar_type()), c10::toString(t->scalar_type()));
+    }
+  }
+  for (const auto* t : {&block_table, &seq_lens}) {
+    if (t->scalar_type() != c10::ScalarType::Long) {
+      bad_input("block_table/seq_lens dtype", "int64", c10::toString(t->scalar_type()));
+    }
+  }
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NB = k_cache.size(0), BS = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t MB = block_table.size(1);
+  if (k_cache.size(3) != D) {
+    bad_input("k_cache head_dim", "q's head_dim " + std::to_string(D), shape_str(k_cache));
+  }
+  if (!v_cache.sizes().equals(k_cache.sizes())) {
+    bad_input("v_cache shape", "k_cache's " + shape_str(k_cache), shape_str(v_cache));
+  }
+  if (block_table.size(0) != S) {
+    bad_input("block_table rows", "one per sequence (" + std::to_string(S) + ")",
+              shape_str(block_table));
+  }
+  if (seq_lens.size(0) != S) {
+    bad_input("seq_lens", "one per sequence (" + std::to_string(S) + ")", shape_str(seq_lens));
+  }
+  if (!out.sizes().equals(q.sizes())) bad_input("out shape", shape_str(q), shape_str(out));
+  if (D < 1 || D > 256) bad_input("head_dim", "1..=256", std::to_string(D));
+  if (KVH < 1 || H % KVH != 0) {
+    bad_input("heads", "a multiple of kv_heads (" + std::to_string(KVH) + ")", std::to_string(H));
+  }
+  if (BS < 1) bad_input("block_size", ">= 1", std::to_string(BS));
+  if (MB * BS >= (int64_t(1) << 31) || NB * BS * KVH * D >= (int64_t(1) << 62)) {
+    bad_input("cache size", "fewer than 2^31 positions per sequence",
+              std::to_string(MB) + " blocks of " + std::to_string(BS));
+  }
+  if (!std::isfinite(scale)) bad_input("scale", "a finite number", std::to_string(scale));
+  if (S > (int64_t(1) << 31) - 1) bad_input("sequences", "< 2^31", std::to_string(S));
+  if (S == 0 || H == 0) return;
+  (void)NB;
+
+  c10::DeviceGuard guard(device);  // the CUDA impl registered by libc10_cuda (no cudart refs)
+  const int index = device.index();
+  const DeviceInfo& info = device_info(index);
+  make_current(info);
+
+  const int64_t groups = H / KVH;
+  const int64_t chunks = (groups + 7) / 8;
+  if (KVH * chunks > 65535) bad_input("kv_heads", "at most 65535 thread-block rows", "more");
+  const bool tc_ok = dtype != 0 && D % 64 == 0 && info.arch >= 80 && aligned16(q.data_ptr()) &&
+                     aligned16(k_cache.data_ptr()) && aligned16(v_cache.data_ptr());
+  bool tc = tc_ok;
+  if (kernel == 1) tc = false;
+  if (kernel == 2 && !tc_ok) {
+    bad_input("tensor-core kernel", "bf16/fp16, head_dim % 64 == 0, sm_80+, 16-byte aligned",
+              std::string(c10::toString(q.scalar_type())) + ", head_dim " + std::to_string(D) +
+                  ", sm_" + std::to_string(info.arch));
+  }
+  const Kernels k = kernels_for(tc, dtype, static_cast<int>(D), index, info);
+
+  // Splits of the context (known on the host without reading seq_lens: the table's capacity,
+  // or the window).
+  int64_t max_range = MB * BS;
+  if (window > 0 && window < max_range) max_range = window;
+  const int64_t base_blocks = S * KVH * chunks;
+  int64_t parts = 1;
+  if (num_splits > 0) {
+    parts = num_splits;
+  } else {
+    // About four blocks per SM: measured on an H200 at S=512, 14/2 heads, D=64, context 768,
+    // one split (1024 blocks, ~7.8 per SM) ran at 3.2 TB/s and two splits at 2.5 TB/s.
+    const int64_t target = 4 * static_cast<int64_t>(info.sms);
+    if (base_blocks < target) parts = (target + base_blocks - 1) / base_blocks;
+    const int64_t by_len = (max_range + 255) / 256;  // at least ~256 keys per split
+    if (parts > by_len) parts = by_len;
+  }
+  if (parts < 1) parts = 1;
+  if (parts > 65535) parts = 65535;
+  int64_t part_len = (max_range + parts - 1) / parts;
+  part_len = ((part_len + 15) / 16) * 16;
+  if (part_len < 16) part_len = 16;
+  parts = (max_range + part_len - 1) / part_len;
+  if (parts < 1) parts = 1;
+
+  VtPaParams p{};
+  p.q = q.data_ptr();
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.table = block_table.data_ptr<int64_t>() == nullptr
+                ? nullptr
+                : reinterpret_cast<const long long*>(block_table.data_ptr<int64_t>());
+  p.seq_lens = reinterpret_cast<const long long*>(seq_lens.data_ptr<int64_t>());
+  p.out = out.data_ptr();
+  p.kv_row_stride = KVH * D;
+  p.window = window;
+  p.heads = static_cast<int>(H);
+  p.groups = static_cast<int>(groups);
+  p.chunks = static_cast<int>(chunks);
+  p.max_blocks = static_cast<int>(MB);
+  p.block_size = static_cast<int>(BS);
+  p.block_shift = -1;
+  if ((BS & (BS - 1)) == 0) {
+    int sh = 0;
+    while ((int64_t(1) << sh) < BS) ++sh;
+    p.block_shift = sh;
+  }
+  p.parts = static_cast<int>(parts);
+  p.part_len = static_cast<int>(part_len);
+  p.scale_log2e = static_cast<float>(scale * 1.4426950408889634);
+
+  at::Tensor part_o, part_lse;  // scratch from torch's caching allocator (graph-safe)
+  if (parts > 1) {
+    const auto f32 = q.options().dtype(c10::ScalarType::Float);
+    part_o = at::empty({S, H, parts, D}, f32);
+    part_lse = at::empty({S, H, parts}, f32);
+    p.part_o = part_o.data_ptr<float>();
+    p.part_lse = part_lse.data_ptr<float>();
+  }
+  const CudaApi& cu = cuda_checked();
+  CUstream_t stream = reinterpret_cast<CUstream_t>(c10::cuda::getCurrentCUDAStream(index).stream());
+  void* args[] = {&p};
+  cu_check(cu.cuLaunchKernel(k.main, static_cast<unsigned>(S), static_cast<unsigned>(KVH * chunks),
+                             static_cast<unsigned>(parts), 128, 1, 1, 0, stream, args, nullptr),
+           "cuLaunchKernel(vt_pa_main)");
+  if (parts > 1) {
+    cu_check(cu.cuLaunchKernel(k.reduce, static_cast<unsigned>(S * H), 1, 1, 128, 1, 1, 0, stream,
+                               args, nullptr),
+             "cuLaunchKernel(vt_pa_reduce)");
+  }
+}
+
+#endif  // VERL_WITH_CUDA
+
+}  // namespace
+
+extern "C" {
+
+// The kernels' CUDA C++ source (static; not to be freed).
+const char* vt_paged_attention_source() { return full_source().c_str(); }
+
+// Compiles the kernels for (dtype 0 fp32 / 1 bf16 / 2 fp16, head_dim, tc 0/1) and compute
+// capability `arch` (e.g. 90) without a GPU; `*log` (nullable; free with vt_free_error) receives
+// NVRTC's log, which includes ptxas' register/spill report.
+char* vt_paged_attention_compile_check(int dtype, int head_dim, int tc, int arch, char** log) {
+  if (log != nullptr) *log = nullptr;
+  return pa_guarded([&] {
+#ifdef VERL_WITH_CUDA
+    const Binary bin = compile_program(dtype, head_dim, tc != 0, arch, true);
+    if (log != nullptr) {
+      *log = pa_error_string("target " + bin.target + ", " + std::to_string(bin.image.size()) +
+                             " bytes, NVRTC " + nvrtc_api().path + "\n" + bin.log);
+    }
+#else
+    (void)dtype;
+    (void)head_dim;
+    (void)tc;
+    (void)arch;
+    throw std::runtime_error("paged attention: this build of the torch extension has no CUDA");
+#endif
+  });
+}
+
+// Decode attention over a paged KV cache (see the top of this file), written into `out`.
+// `kernel`: 0 automatic, 1 CUDA cores, 2 tensor cores; `num_splits`: 0 automatic, else the
+// number of context splits. Launches asynchronously on the current stream; nothing synchronises
+// with the host or allocates outside torch's caching allocator, so it can be graph-captured
+// (after a first, uncaptured call has compiled the kernel).
+char* vt_paged_decode_attention_ex(at::Tensor* q, at::Tensor* k_cache, at::Tensor* v_cache,
+                                   at::Tensor* block_table, at::Tensor* seq_lens, double scale,
+                                   int64_t window, at::Tensor* out, int64_t kernel,
+                                   int64_t num_splits) {
+  return pa_guarded([&] {
+#ifdef VERL_WITH_CUDA
+    paged_decode(*q, *k_cache, *v_cache, *block_table, *seq_lens, scale, window, *out, kernel,
+                 num_splits);
+#else
+    (void)q;
+    (void)k_cache;
+    (void)v_cache;
+    (void)block_table;
+    (void)seq_lens;
+    (void)scale;
+    (void)window;
+    (void)out;
+    (void)kernel;
+    (void)num_splits;
+    throw std::runtime_error("paged attention: this build of the torch extension has no CUDA");
+#endif
+  });
+}
+
+char* vt_paged_decode_attention(at::Tensor* q, at::Tensor* k_cache, at::Tensor* v_cache,
+                                at::Tensor* block_table, at::Tensor* seq_lens, double scale,
+                                int64_t window, at::Tensor* out) {
+  return vt_paged_decode_attention_ex(q, k_cache, v_cache, block_table, seq_lens, scale, window,
+                                      out, 0, 0);
+}
+
+}  // extern "C"

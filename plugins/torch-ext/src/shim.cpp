@@ -1,0 +1,199 @@
+// The few libtorch C++ entry points tch does not bind: CUDA graphs (capture on a side stream,
+// replay, a shared private memory pool) and the fused AdamW kernel.
+//
+// Every function catches C++ exceptions and reports them as a heap string the caller frees with
+// vt_free_error (null on success): an exception must never unwind into Rust.
+//
+// Built with VERL_WITH_CUDA when the libtorch install has CUDA (libtorch_cuda + CUDA runtime
+// headers); without it the graph functions report that CUDA graphs are unavailable.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <stdexcept>
+
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+#ifdef VERL_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/cuda.h>
+#endif
+
+namespace {
+
+char* error_string(const std::string& message) {
+  char* out = static_cast<char*>(std::malloc(message.size() + 1));
+  if (out != nullptr) {
+    std::memcpy(out, message.c_str(), message.size() + 1);
+  }
+  return out;
+}
+
+template <typename F>
+char* guarded(F&& f) {
+  try {
+    f();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return error_string(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return error_string(e.what());
+  } catch (...) {
+    return error_string("unknown C++ exception");
+  }
+}
+
+std::vector<at::Tensor> tensor_list(at::Tensor** ts, int64_t n) {
+  std::vector<at::Tensor> out;
+  out.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    out.push_back(*ts[i]);
+  }
+  return out;
+}
+
+#ifdef VERL_WITH_CUDA
+// A graph plus the stream it is captured on and the stream that was current before.
+struct Graph {
+  at::cuda::CUDAGraph graph;
+  c10::optional<c10::cuda::CUDAStream> side;
+  c10::optional<c10::cuda::CUDAStream> previous;
+};
+#endif
+
+}  // namespace
+
+extern "C" {
+
+void vt_free_error(char* e) { std::free(e); }
+
+int vt_cuda_graphs_compiled() {
+#ifdef VERL_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// torch.optim.AdamW(fused=True)'s step on n parameters: `steps[i]` are float scalars already
+// holding this step's count (1 on the first step).
+char* vt_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
+                     at::Tensor** exp_avg_sqs, at::Tensor** steps, int64_t n, double lr,
+                     double beta1, double beta2, double weight_decay, double eps) {
+  return guarded([&] {
+    auto p = tensor_list(params, n);
+    auto g = tensor_list(grads, n);
+    auto m = tensor_list(exp_avgs, n);
+    auto v = tensor_list(exp_avg_sqs, n);
+    auto s = tensor_list(steps, n);
+    std::vector<at::Tensor> max_v;
+    at::_fused_adamw_(p, g, m, v, max_v, s, lr, beta1, beta2, weight_decay, eps,
+                      /*amsgrad=*/false, /*maximize=*/false);
+  });
+}
+
+char* vt_graph_new(void** out) {
+  return guarded([&] {
+#ifdef VERL_WITH_CUDA
+    *out = new Graph();
+#else
+    *out = nullptr;
+    throw std::runtime_error("CUDA graphs: this build of the torch extension has no CUDA");
+#endif
+  });
+}
+
+void vt_graph_free(void* g) {
+#ifdef VERL_WITH_CUDA
+  delete static_cast<Graph*>(g);
+#else
+  (void)g;
+#endif
+}
+
+// Makes a fresh non-default stream current (capture cannot run on the default stream), after
+// the device has finished all queued work. Work launched until vt_graph_end_side runs on it.
+char* vt_graph_begin_side(void* g) {
+  return guarded([&] {
+#ifdef VERL_WITH_CUDA
+    auto* graph = static_cast<Graph*>(g);
+    c10::cuda::device_synchronize();
+    graph->previous = c10::cuda::getCurrentCUDAStream();
+    graph->side = c10::cuda::getStreamFromPool();
+    c10::cuda::setCurrentCUDAStream(*graph->side);
+#else
+    (void)g;
+    throw std::runtime_error("CUDA graphs: this build of the torch extension has no CUDA");
+#endif
+  });
+}
+
+// Restores the stream that was current before vt_graph_begin_side, after the side stream's work.
+char* vt_graph_end_side(void* g) {
+  return guarded([&] {
+#ifdef VERL_WITH_CUDA
+    auto* graph = static_cast<Graph*>(g);
+    if (graph->side) {
+      graph->side->synchronize();
+    }
+    if (graph->previous) {
+      c10::cuda::setCurrentCUDAStream(*graph->previous);
+    }
+    graph->side.reset();
+    graph->previous.reset();
+#else
+    (void)g;
+#endif
+  });
+}
+
+// Starts capturing the current (side) stream. `share` (nullable) is a graph whose private memory
+// pool this one shares.
+char* vt_graph_capture_begin(void* g, void* share) {
+  return guarded([&] {
+#ifdef VERL_WITH_CUDA
+    auto* graph = static_cast<Graph*>(g);
+    at::cuda::MempoolId_t pool = {0, 0};
+    if (share != nullptr) {
+      pool = static_cast<Graph*>(share)->graph.pool();
+    }
+    graph->graph.capture_begin(pool, cudaStreamCaptureModeThreadLocal);
+#else
+    (void)g;
+    (void)share;
+    throw std::runtime_error("CUDA graphs: this build of the torch extension has no CUDA");
+#endif
+  });
+}
+
+char* vt_graph_capture_end(void* g) {
+  return guarded([&] {
+#ifdef VERL_WITH_CUDA
+    static_cast<Graph*>(g)->graph.capture_end();
+#else
+    (void)g;
+    throw std::runtime_error("CUDA graphs: this build of the torch extension has no CUDA");
+#endif
+  });
+}
+
+// Launches the captured work on the current stream.
+char* vt_graph_replay(void* g) {
+  return guarded([&] {
+#ifdef VERL_WITH_CUDA
+    static_cast<Graph*>(g)->graph.replay();
+#else
+    (void)g;
+    throw std::runtime_error("CUDA graphs: this build of the torch extension has no CUDA");
+#endif
+  });
+}
+
+}  // extern "C"

@@ -467,6 +467,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     let mut rng = Rng(a.seed ^ 0x5EED);
     let (pad, eos) = ((s.vocab - 1) as i64, (s.vocab - 1) as i64);
     let mut per_step = Vec::new();
+    let mut exactness: Option<(f64, f64)> = None;
     for step in 0..a.steps {
         let t_step = Instant::now();
         let mut other = 0.0;
@@ -493,7 +494,9 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             eos_token_ids: vec![eos],
             pad_token_id: pad,
             ignore_eos: a.ignore_eos,
-            return_log_probs: false,
+            // The warm-up step also returns the sampler's log-probs, to measure how far they are
+            // from the training forward's on the same tokens; timed steps skip that work.
+            return_log_probs: step == 0,
             ..Default::default()
         };
         let t = Instant::now();
@@ -510,6 +513,9 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         probe(&mut actor)?;
         let t_old = t.elapsed().as_secs_f64();
 
+        if step == 0 {
+            exactness = Some(logprob_gap(&gen, &old)?);
+        }
         let t = Instant::now();
         let rf = reference.compute_log_prob(&gen, &lp_opts)?;
         probe(&mut actor)?;
@@ -560,7 +566,15 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     let report = Report::new(&s, a, &last, peak_tflops, hbm_gbps);
     let mut out = report.json(&s, a, peak_mem, &mem_source);
     out["per_step"] = Value::Array(per_step.iter().map(StepTimes::to_json).collect());
-    let table = report.table(peak_mem, &mem_source);
+    let mut table = report.table(peak_mem, &mem_source);
+    if let Some((mean, max)) = exactness {
+        out["rollout_logprob_abs_diff_mean"] = json!(mean);
+        out["rollout_logprob_abs_diff_max"] = json!(max);
+        table.push_str(&format!(
+            "exactness (warm-up step): rollout log-probs vs the training forward on the same \
+             tokens: mean |dlogp| {mean:.2e}, max {max:.2e}\n"
+        ));
+    }
     if a.json {
         eprint!("{table}");
         println!("{}", serde_json::to_string(&out)?);
@@ -569,6 +583,23 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// Mean and max `|rollout log-prob − training log-prob|` over the response tokens.
+fn logprob_gap(gen: &Batch, old: &Batch) -> anyhow::Result<(f64, f64)> {
+    let rollout = gen.tensor::<f32>(col::ROLLOUT_LOG_PROBS)?;
+    let train = old.tensor::<f32>(col::LOG_PROBS)?;
+    let mask = gen.tensor::<i64>(col::RESPONSE_MASK)?;
+    let (mut sum, mut n, mut max) = (0.0f64, 0usize, 0.0f64);
+    for ((&r, &t), &m) in rollout.data.iter().zip(&train.data).zip(&mask.data) {
+        if m != 0 {
+            let d = (r as f64 - t as f64).abs();
+            sum += d;
+            n += 1;
+            max = max.max(d);
+        }
+    }
+    Ok((sum / n.max(1) as f64, max))
 }
 
 /// The update's input: the rollout plus old/ref log-probs and a GRPO-like advantage per row

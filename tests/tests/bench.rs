@@ -63,6 +63,16 @@ fn bench_grpo_tiny_on_cpu_prints_one_json_line() {
         assert!(x > 0.0 && x.is_finite(), "{k} = {x}");
     }
     assert_eq!(v["per_step"].as_array().map(Vec::len), Some(2), "{v}");
+    // The sampler's log-probs and the training forward's agree on the same tokens (fp32 on CPU;
+    // the bench model is random, so a broken rollout log-prob would be off by O(1)).
+    let gap = v["rollout_logprob_abs_diff_mean"]
+        .as_f64()
+        .expect("exactness in the JSON");
+    let gap_max = v["rollout_logprob_abs_diff_max"].as_f64().unwrap();
+    assert!(
+        gap < 1e-4 && gap_max < 1e-3,
+        "rollout vs training log-probs: {gap} / {gap_max}"
+    );
     // The table goes to stderr with --json.
     let err = stderr(&o);
     assert!(err.contains("decode") || err.contains("HBM roof"), "{err}");

@@ -513,7 +513,7 @@ impl FsdpActor {
                     let res = train.forward_backward_hidden_with(
                         dp,
                         &layout.input_ids,
-                        Some(&layout.attention_mask),
+                        layout.model_mask(),
                         Some(&layout.position_ids),
                         "actor loss",
                         |hidden| {
@@ -763,6 +763,15 @@ impl KvBudget {
         m.insert("rollout/peak_kv_blocks".into(), stats.peak_kv_blocks.into());
         m.insert("rollout/preemptions".into(), stats.preemptions.into());
         m.insert("rollout/max_running".into(), stats.max_running.into());
+        m.insert("rollout/cuda_graphs".into(), stats.cuda_graphs.into());
+        m.insert(
+            "rollout/cuda_graph_capture_s".into(),
+            stats.cuda_graph_capture_secs.into(),
+        );
+        m.insert(
+            "rollout/cuda_graph_steps".into(),
+            stats.cuda_graph_steps.into(),
+        );
         m
     }
 }
@@ -785,6 +794,17 @@ pub fn kv_budget(
     }
     if let Some(t) = keys.max_num_batched_tokens.filter(|&t| t > 0) {
         config.max_prefill_tokens = t as usize;
+    }
+    config.cuda_graphs = !keys.enforce_eager;
+    if let Some(sizes) = &keys.cudagraph_capture_sizes {
+        if sizes.contains(&0) {
+            return Err(FsdpError::config(
+                "actor_rollout_ref.rollout.cudagraph_capture_sizes",
+                "a list of batch sizes >= 1 (or null)",
+                format!("{sizes:?}"),
+            ));
+        }
+        config.cuda_graph_sizes = Some(sizes.iter().map(|&s| s as usize).collect());
     }
     let util = keys.gpu_memory_utilization;
     if !(util > 0.0 && util <= 1.0) {

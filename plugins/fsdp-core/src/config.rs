@@ -170,6 +170,12 @@ pub struct RolloutEngineSection {
     pub max_num_seqs: Option<u64>,
     /// Most prompt tokens in one prefill forward.
     pub max_num_batched_tokens: Option<u64>,
+    /// `true`: every decode step launches its kernels one by one; `false` (default): decode steps
+    /// replay captured CUDA graphs (CUDA, dense models).
+    pub enforce_eager: bool,
+    /// Batch sizes decode graphs are captured for; `null`: 1, 2, 4, 8, 16, ... up to
+    /// `max_num_seqs` (at most 512).
+    pub cudagraph_capture_sizes: Option<Vec<u64>>,
 }
 
 impl Default for RolloutEngineSection {
@@ -178,6 +184,8 @@ impl Default for RolloutEngineSection {
             gpu_memory_utilization: 0.5,
             max_num_seqs: None,
             max_num_batched_tokens: None,
+            enforce_eager: false,
+            cudagraph_capture_sizes: None,
         }
     }
 }

@@ -210,7 +210,7 @@ impl FsdpCritic {
                     let res = train.forward_backward_with(
                         dp,
                         &layout.input_ids,
-                        Some(&layout.attention_mask),
+                        layout.model_mask(),
                         Some(&layout.position_ids),
                         "critic loss",
                         |out| {

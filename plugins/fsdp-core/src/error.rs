@@ -72,6 +72,10 @@ pub enum FsdpError {
         source: tch::TchError,
     },
 
+    /// A libtorch entry point reached through the torch-ext shim (fused AdamW).
+    #[error(transparent)]
+    TorchExt(#[from] verl_torch_ext::TorchExtError),
+
     #[error(transparent)]
     Api(#[from] ApiError),
 }

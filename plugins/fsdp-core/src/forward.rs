@@ -66,7 +66,7 @@ pub fn layout_token_stats(
     let _guard = tch::no_grad_guard();
     let hidden = model.forward_hidden(
         &layout.input_ids,
-        Some(&layout.attention_mask),
+        layout.model_mask(),
         Some(&layout.position_ids),
         None,
     )?;
@@ -91,7 +91,7 @@ pub fn layout_values(model: &Transformer, layout: &RowLayout) -> Result<Tensor> 
     let _guard = tch::no_grad_guard();
     let out = model.forward(
         &layout.input_ids,
-        Some(&layout.attention_mask),
+        layout.model_mask(),
         Some(&layout.position_ids),
         None,
     )?;

@@ -53,9 +53,19 @@ pub struct RowLayout {
     pub response_mask: Tensor,
     pub rows: i64,
     pub response_len: i64,
+    /// Every row's real tokens come first (padding only at the end): causal attention alone keeps
+    /// real tokens from seeing padding, so the model needs no mask ([`RowLayout::model_mask`]).
+    pub prefix_aligned: bool,
 }
 
 impl RowLayout {
+    /// The attention mask the model needs: none for a prefix-aligned layout (plain causal
+    /// attention, flash attention on CUDA, gives the same values at real tokens), else the
+    /// layout's mask.
+    pub fn model_mask(&self) -> Option<&Tensor> {
+        (!self.prefix_aligned).then_some(&self.attention_mask)
+    }
+
     /// The rows `idx` of `seqs` laid out for `padding`.
     pub fn new(seqs: &Sequences, idx: &[usize], padding: Padding) -> Result<RowLayout> {
         let device = seqs.input_ids.device();
@@ -97,6 +107,7 @@ impl RowLayout {
             response_mask: sub.response_mask,
             rows,
             response_len: r,
+            prefix_aligned: false,
         })
     }
 
@@ -177,6 +188,7 @@ impl RowLayout {
             response_mask,
             rows,
             response_len: r,
+            prefix_aligned: true,
         })
     }
 

@@ -296,13 +296,18 @@ impl ChunkedLmHead {
         targets: &Tensor,
     ) -> Result<(Tensor, Option<Tensor>)> {
         const OP: &str = "ChunkedLmHead";
-        let logits = hidden
-            .f_linear(weight, None::<Tensor>)
-            .op(OP)?
-            .f_to_kind(work_kind(hidden))
-            .op(OP)?
-            .f_div_scalar(self.temperature)
-            .op(OP)?;
+        // fp32 logits straight from the GEMM (no bf16 rounding), as the rollout engine samples
+        // from: its log-probs and these then agree to bf16 noise in the hidden states only.
+        let raw = if work_kind(hidden) == Kind::Float {
+            verl_nn::linear_fp32(hidden, weight).op(OP)?
+        } else {
+            hidden
+                .f_linear(weight, None::<Tensor>)
+                .op(OP)?
+                .f_to_kind(work_kind(hidden))
+                .op(OP)?
+        };
+        let logits = raw.f_div_scalar(self.temperature).op(OP)?;
         let lse = logits.f_logsumexp(-1, false).op(OP)?;
         let lp = logits
             .f_gather(-1, &targets.f_unsqueeze(-1).op(OP)?, false)

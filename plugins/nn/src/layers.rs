@@ -205,6 +205,10 @@ pub(crate) struct LayerCtx {
     pub sin: Tensor,
     /// Boolean attention masks `[B, 1, T, L]` (true = may attend), one per distinct window.
     pub masks: Vec<(Option<i64>, Tensor)>,
+    /// Every token is real, nothing is cached and no layer has a window: attention is plain
+    /// causal (`is_causal`, GQA in the kernel, no mask; flash attention on CUDA) and `masks` is
+    /// empty.
+    pub causal: bool,
 }
 
 impl LayerCtx {
@@ -321,10 +325,24 @@ impl Attention {
     pub fn forward(&self, x: &Tensor, ctx: &LayerCtx, kv: Option<KvSlot<'_>>) -> Result<Tensor> {
         let (b, t) = (x.size()[0], x.size()[1]);
         let (q, k, v) = self.qkv(x, &ctx.cos, &ctx.sin)?;
+        let cached = kv.is_some();
         let (k, v) = match kv {
             None => (k, v),
             Some(slot) => slot.append(k, v)?,
         };
+        if ctx.causal && !cached {
+            let out = Tensor::f_scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                None::<&Tensor>,
+                0.0,
+                true,
+                None::<f64>,
+                self.num_heads != self.num_kv_heads,
+            )?;
+            return self.project_out(&out, b, t);
+        }
         let groups = self.num_heads / self.num_kv_heads;
         let (k, v) = (repeat_kv(&k, groups)?, repeat_kv(&v, groups)?);
         let mask = ctx.mask(self.window)?;

@@ -23,5 +23,6 @@ pub use checkpoint::{Checkpoint, LoadReport, SaveOptions};
 pub use config::{Arch, ModelConfig, MoeConfig, RopeScaling};
 pub use error::{NnError, Result};
 pub use model::{
-    AttentionBackend, AttentionCall, HeadKind, KvCache, ModelOptions, ParamGate, Transformer, Unit,
+    linear_fp32, AttentionBackend, AttentionCall, HeadKind, KvCache, ModelOptions, ParamGate,
+    Transformer, Unit,
 };

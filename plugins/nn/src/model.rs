@@ -979,6 +979,34 @@ impl Transformer {
         // real token, and (sliding window) j > past + i - window. A padding query would then see
         // nothing, and SDPA turns an all-false row into NaN that leaks into gradients, so padding
         // queries attend to themselves instead (their outputs are ignored anyway).
+        let causal = attention_mask.is_none()
+            && cache.is_none()
+            && self.layers.iter().all(|l| l.window().is_none());
+        let masks = if causal {
+            Vec::new()
+        } else {
+            self.attention_masks(&new_mask, &full_mask, past, total)?
+        };
+        Ok(Prepared {
+            layer: LayerCtx {
+                cos: cos.f_unsqueeze(1)?,
+                sin: sin.f_unsqueeze(1)?,
+                masks,
+                causal,
+            },
+            full_mask,
+        })
+    }
+
+    /// The boolean masks `[B, 1, T, total]` of one forward, one per distinct sliding window.
+    fn attention_masks(
+        &self,
+        new_mask: &Tensor,
+        full_mask: &Tensor,
+        past: i64,
+        total: i64,
+    ) -> Result<Vec<(Option<i64>, Tensor)>> {
+        let device = new_mask.device();
         let q_idx = Tensor::f_arange_start(past, total, (Kind::Int64, device))?.f_unsqueeze(1)?;
         let k_idx = Tensor::f_arange(total, (Kind::Int64, device))?.f_unsqueeze(0)?;
         let causal = k_idx.f_le_tensor(&q_idx)?;
@@ -1003,14 +1031,7 @@ impl Transformer {
                 .f_unsqueeze(1)?;
             masks.push((w, m));
         }
-        Ok(Prepared {
-            layer: LayerCtx {
-                cos: cos.f_unsqueeze(1)?,
-                sin: sin.f_unsqueeze(1)?,
-                masks,
-            },
-            full_mask,
-        })
+        Ok(masks)
     }
 
     /// Copies every parameter (no grad) from another model of the same config and head.
@@ -1107,4 +1128,18 @@ fn check_shape(what: &str, t: &Tensor, expected: &[i64]) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// `x · wᵀ` with fp32 output (`x` `[N, H]`, `w` `[V, H]`): LM-head logits. For bf16/f16 inputs
+/// on CUDA the GEMM accumulates in fp32 and writes fp32, so logits are not rounded to 8 bits of
+/// mantissa (the rollout engine and the training forward then agree to ~1e-3 in log-prob instead
+/// of ~1e-2); elsewhere `linear` in the input dtype, then a cast.
+pub fn linear_fp32(x: &Tensor, w: &Tensor) -> std::result::Result<Tensor, tch::TchError> {
+    let half = matches!(x.kind(), Kind::BFloat16 | Kind::Half);
+    if half && x.device().is_cuda() && x.dim() == 2 {
+        if let Ok(out) = x.f_mm_dtype(&w.f_tr()?, Kind::Float) {
+            return Ok(out);
+        }
+    }
+    x.f_linear(w, None::<&Tensor>)?.f_to_kind(Kind::Float)
 }

@@ -7,7 +7,7 @@
 //!   gen_bench --model qwen2.5-0.5b --device cuda --dtype bf16 --batches 64 --n 8 --new-tokens 512
 //! Flags: --batches 1,8,64  --prompt-len N  --new-tokens N  --n N (samples per prompt)
 //!        --greedy  --iters N (timed runs per batch, after one warm-up)  --threads N (CPU intra-op)
-//!        --engines v1,v2  --block-size N  --kv-tokens N (paged KV budget; default: everything fits)
+//!        --engines v1,v2,v2e (v2e: v2 without CUDA graphs; ratios vs the first)  --block-size N  --kv-tokens N (paged KV budget; default: everything fits)
 //!        --max-seqs N  --eos-frac F (token ids below F * vocab end a response: uneven lengths)
 
 use std::process::ExitCode;
@@ -83,8 +83,8 @@ fn parse() -> Result<Args, String> {
             "--greedy" => a.greedy = true,
             "--engines" => {
                 a.engines = value()?.split(',').map(|s| s.trim().to_string()).collect();
-                if let Some(e) = a.engines.iter().find(|e| *e != "v1" && *e != "v2") {
-                    return Err(format!("--engines: expected v1 and/or v2, found {e}"));
+                if let Some(e) = a.engines.iter().find(|e| !["v1", "v2", "v2e"].contains(&e.as_str())) {
+                    return Err(format!("--engines: expected v1, v2 and/or v2e (v2 without CUDA graphs), found {e}"));
                 }
             }
             "--block-size" => a.engine.block_size = num(&flag, &value()?)?,
@@ -94,7 +94,7 @@ fn parse() -> Result<Args, String> {
             "-h" | "--help" => {
                 return Err("flags: --model tiny|qwen2.5-0.5b --device cpu|cuda --dtype f32|bf16|f16 \
                      --batches 1,8,64 --prompt-len N --new-tokens N --n N --greedy --iters N --threads N \
-                     --engines v1,v2 --block-size N --kv-tokens N --max-seqs N --eos-frac F"
+                     --engines v1,v2,v2e --block-size N --kv-tokens N --max-seqs N --eos-frac F"
                     .into())
             }
             f => return Err(format!("unknown flag {f} (try --help)")),
@@ -182,7 +182,7 @@ fn run() -> Result<(), String> {
         "step ms",
         "peak blks",
         "preempt",
-        "vs v1",
+        "vs first",
         "same rows"
     );
     let eos: Vec<i64> = (0..(a.eos_frac * vocab as f64) as i64).collect();
@@ -209,7 +209,11 @@ fn run() -> Result<(), String> {
                 let (g, s) = if engine == "v1" {
                     v1::generate_with_stats(&model, &ids, &mask, &params, None)
                 } else {
-                    generate_with_config(&model, &ids, &mask, &params, None, &a.engine)
+                    let config = EngineConfig {
+                        cuda_graphs: engine == "v2",
+                        ..a.engine.clone()
+                    };
+                    generate_with_config(&model, &ids, &mask, &params, None, &config)
                 }
                 .map_err(|e| e.to_string())?;
                 if let Device::Cuda(d) = a.device {
@@ -235,7 +239,7 @@ fn run() -> Result<(), String> {
                 ),
                 None => "-".to_string(),
             };
-            if engine == "v1" {
+            if v1_rows.is_none() {
                 v1_rows = Some(got);
             }
             let k = runs.len() as f64;
@@ -246,13 +250,13 @@ fn run() -> Result<(), String> {
             let rate = generated / total;
             let decode_secs = mean(&|r| r.1.decode_secs);
             let steps = mean(&|r| r.1.decode_steps as f64);
-            let ratio = match (engine.as_str(), v1_rate) {
-                ("v1", _) => {
+            // Rates and rows are compared with the first engine listed.
+            let ratio = match v1_rate {
+                None => {
                     v1_rate = Some(rate);
                     "1.00x".to_string()
                 }
-                (_, Some(base)) => format!("{:.2}x", rate / base),
-                _ => "-".to_string(),
+                Some(base) => format!("{:.2}x", rate / base),
             };
             println!(
                 "{:>6} {:>6} {:>6} {:>9.3} {:>11.0} {:>10.2} {:>13.0} {:>9.3} {:>10.0} {:>8.0} {:>7} {:>10}",

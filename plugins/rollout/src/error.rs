@@ -14,6 +14,9 @@ pub enum RolloutError {
 
     #[error("rollout libtorch call failed: {0}")]
     Torch(#[from] tch::TchError),
+
+    #[error("rollout CUDA graph: {0}")]
+    Graph(#[from] verl_torch_ext::TorchExtError),
 }
 
 impl RolloutError {

@@ -16,6 +16,7 @@
 mod block_pool;
 mod engine;
 pub mod error;
+mod graphs;
 mod paged;
 mod paged_attn;
 mod params;

@@ -29,6 +29,7 @@ use verl_nn::Transformer;
 use crate::block_pool::{BlockPool, TRASH_BLOCK};
 use crate::engine::{Job, Outputs};
 use crate::error::{Result, RolloutError};
+use crate::graphs::DecodeGraphs;
 use crate::paged_attn::{self, HostBatch, KvPool};
 use crate::params::{EngineConfig, FinishReason, Generation, GenerationStats};
 use crate::rng;
@@ -147,6 +148,9 @@ struct Engine<'a> {
     /// In admission order (the last one is preempted first).
     running: Vec<usize>,
     first_token_at: Option<Instant>,
+    /// Decode CUDA graphs (CUDA, dense models, `EngineConfig::cuda_graphs`); they hold `kv`'s
+    /// addresses and are dropped with it.
+    graphs: Option<DecodeGraphs>,
 }
 
 impl<'a> Engine<'a> {
@@ -217,6 +221,11 @@ impl<'a> Engine<'a> {
             groups,
             running: Vec::new(),
             first_token_at: None,
+            graphs: DecodeGraphs::new(
+                model,
+                config,
+                config.max_num_seqs.unwrap_or(job.rows()).min(job.rows()),
+            ),
         })
     }
 
@@ -253,6 +262,11 @@ impl<'a> Engine<'a> {
             ));
         }
         stats.peak_kv_blocks = self.pool.peak_used();
+        if let Some(g) = &self.graphs {
+            stats.cuda_graphs = g.captured;
+            stats.cuda_graph_capture_secs = g.capture_secs;
+            stats.cuda_graph_steps = g.replays;
+        }
         if let Some(t) = self.first_token_at {
             stats.decode_secs = t.elapsed().as_secs_f64();
         }
@@ -573,7 +587,14 @@ impl<'a> Engine<'a> {
             })?;
             batch.set_row(r, &[last], seq.cached, &seq.table, bs);
         }
-        let logits = paged_attn::forward(self.model, &self.kv, &batch)?;
+        let graphed = match self.graphs.as_mut() {
+            Some(g) => g.decode(self.model, &self.kv, &batch)?,
+            None => None,
+        };
+        let logits = match graphed {
+            Some(l) => l,
+            None => paged_attn::forward(self.model, &self.kv, &batch)?,
+        };
         stats.decode_steps += 1;
         stats.decode_tokens += self.running.len();
         for &s in &self.running {

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use tch::{Device, Kind, Tensor};
 use verl_nn::{AttentionBackend, AttentionCall, NnError, Transformer};
 
+use crate::block_pool::TRASH_BLOCK;
 use crate::error::{Result, RolloutError};
 
 /// Per-layer views into the pool storage.
@@ -32,6 +33,10 @@ pub(crate) struct KvPool {
     data: Tensor,
     layers: Vec<LayerViews>,
     block_size: i64,
+    /// Decode attention runs the CUDA paged-attention kernel (CUDA with a torch-ext build that
+    /// has it, unless `VERL_PAGED_ATTENTION_KERNEL=0`); otherwise blocks are gathered and SDPA
+    /// runs over them.
+    pub kernel: bool,
 }
 
 impl KvPool {
@@ -54,10 +59,13 @@ impl KvPool {
                 v_blocks,
             });
         }
+        let kernel = verl_torch_ext::paged_attention_available(model.device())
+            && std::env::var("VERL_PAGED_ATTENTION_KERNEL").as_deref() != Ok("0");
         Ok(KvPool {
             data,
             layers,
             block_size: bs,
+            kernel,
         })
     }
 
@@ -161,30 +169,41 @@ impl HostBatch {
         self.last[r] = tokens.len().saturating_sub(1) as i64;
     }
 
-    /// All index data in one non-blocking upload.
-    fn upload(&self, device: Device) -> Result<DeviceBatch> {
+    /// All index data, flat: ids, positions, slots, block tables, last indices.
+    pub fn flat(&self) -> Vec<i64> {
         let mut buf = Vec::with_capacity(3 * self.ids.len() + self.table.len() + self.last.len());
         for part in [&self.ids, &self.pos, &self.slots, &self.table, &self.last] {
             buf.extend_from_slice(part);
         }
-        let all = upload_i64(&buf, device)?;
-        let (s, t, nb) = (self.s as i64, self.t as i64, self.nb as i64);
-        let st = s * t;
-        Ok(DeviceBatch {
-            ids: all.f_narrow(0, 0, st)?.f_view([s, t])?,
-            pos: all.f_narrow(0, st, st)?.f_view([s, t])?,
-            slots: all.f_narrow(0, 2 * st, st)?,
-            table: all.f_narrow(0, 3 * st, s * nb)?,
-            last: all.f_narrow(0, 3 * st + s * nb, s)?,
-            s,
-            t,
-            nb,
-            from_scratch: self.from_scratch,
-        })
+        buf
+    }
+
+    /// All index data in one non-blocking upload.
+    fn upload(&self, device: Device) -> Result<DeviceBatch> {
+        let all = upload_i64(&self.flat(), device)?;
+        DeviceBatch::from_flat(&all, self.s, self.t, self.nb, self.from_scratch)
+    }
+
+    /// A copy padded to `s` rows and `nb` block-table columns (`s`, `nb` at least this batch's):
+    /// padding rows read and write only the trash block.
+    pub fn padded(&self, s: usize, nb: usize) -> HostBatch {
+        let mut out = HostBatch::new(s, self.t, nb);
+        out.table.fill(TRASH_BLOCK as i64);
+        let n = self.s * self.t;
+        out.ids[..n].copy_from_slice(&self.ids);
+        out.pos[..n].copy_from_slice(&self.pos);
+        out.slots[..n].copy_from_slice(&self.slots);
+        for r in 0..self.s {
+            out.table[r * nb..r * nb + self.nb]
+                .copy_from_slice(&self.table[r * self.nb..(r + 1) * self.nb]);
+        }
+        out.last[..self.s].copy_from_slice(&self.last);
+        out.from_scratch = self.from_scratch;
+        out
     }
 }
 
-struct DeviceBatch {
+pub(crate) struct DeviceBatch {
     ids: Tensor,
     pos: Tensor,
     slots: Tensor,
@@ -196,12 +215,39 @@ struct DeviceBatch {
     from_scratch: bool,
 }
 
+impl DeviceBatch {
+    /// Views into `all`, laid out as [`HostBatch::flat`] writes it.
+    pub fn from_flat(
+        all: &Tensor,
+        s: usize,
+        t: usize,
+        nb: usize,
+        from_scratch: bool,
+    ) -> Result<DeviceBatch> {
+        let (s, t, nb) = (s as i64, t as i64, nb as i64);
+        let st = s * t;
+        Ok(DeviceBatch {
+            ids: all.f_narrow(0, 0, st)?.f_view([s, t])?,
+            pos: all.f_narrow(0, st, st)?.f_view([s, t])?,
+            slots: all.f_narrow(0, 2 * st, st)?,
+            table: all.f_narrow(0, 3 * st, s * nb)?,
+            last: all.f_narrow(0, 3 * st + s * nb, s)?,
+            s,
+            t,
+            nb,
+            from_scratch,
+        })
+    }
+}
+
 /// [`AttentionBackend`] over the pool for one forward.
 struct PagedAttention<'a> {
     pool: &'a KvPool,
     batch: &'a DeviceBatch,
     /// Additive masks `[S, 1, groups*T or 1, L]` per sliding window, built on first use.
     masks: HashMap<Option<i64>, Tensor>,
+    /// Decode steps use the CUDA paged-attention kernel ([`KvPool::kernel`]).
+    kernel: bool,
 }
 
 impl PagedAttention<'_> {
@@ -276,6 +322,26 @@ impl AttentionBackend for PagedAttention<'_> {
                 true,
             )?);
         }
+        if t == 1 && self.kernel {
+            // One query per sequence: the paged-attention kernel reads each sequence's keys and
+            // values in place through its block table (no gather, no mask).
+            let seq_lens = b.pos.f_view([s])?.f_add_scalar(1)?;
+            let out = verl_torch_ext::paged_decode_attention(
+                &call.q.f_reshape([s, h, d])?.f_contiguous()?,
+                &views.k_blocks,
+                &views.v_blocks,
+                &b.table.f_view([s, b.nb])?,
+                &seq_lens,
+                1.0 / (d as f64).sqrt(),
+                call.window,
+            )
+            .map_err(|e| NnError::InvalidInput {
+                what: "paged attention kernel".into(),
+                expected: "a launch".into(),
+                found: e.to_string(),
+            })?;
+            return Ok(out.f_view([s, h, 1, d])?);
+        }
         let l = b.nb * self.pool.block_size;
         let gather = |blocks: &Tensor| -> Result<Tensor, tch::TchError> {
             blocks
@@ -311,10 +377,21 @@ pub(crate) fn forward(model: &Transformer, pool: &KvPool, batch: &HostBatch) -> 
         ));
     }
     let dev = batch.upload(model.device())?;
+    forward_device(model, pool, &dev)
+}
+
+/// [`forward`] on index data already on the device. Launches device work only (no host
+/// synchronisation, no uploads), so a CUDA graph can capture it.
+pub(crate) fn forward_device(
+    model: &Transformer,
+    pool: &KvPool,
+    dev: &DeviceBatch,
+) -> Result<Tensor> {
     let mut backend = PagedAttention {
         pool,
-        batch: &dev,
+        batch: dev,
         masks: HashMap::new(),
+        kernel: pool.kernel,
     };
     let hidden = model.forward_hidden_with_backend(&dev.ids, &dev.pos, &mut backend)?;
     let last = if dev.t == 1 {
@@ -327,7 +404,11 @@ pub(crate) fn forward(model: &Transformer, pool: &KvPool, batch: &HostBatch) -> 
             .f_expand([dev.s, 1, hs], false)?;
         hidden.f_gather(1, &idx, false)?
     };
-    Ok(model.apply_head(&last, None)?.f_squeeze_dim(1)?)
+    match model.lm_head_weight() {
+        // fp32 logits from the GEMM (see `verl_nn::linear_fp32`), as the training forward's.
+        Some(w) => Ok(verl_nn::linear_fp32(&last.f_view([dev.s, -1])?, w)?),
+        None => Ok(model.apply_head(&last, None)?.f_squeeze_dim(1)?),
+    }
 }
 
 #[cfg(test)]

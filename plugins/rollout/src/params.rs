@@ -116,6 +116,11 @@ pub struct GenerationStats {
     pub prefill_steps: usize,
     /// Most sequences decoding at once.
     pub max_running: usize,
+    /// Decode CUDA graphs captured, seconds spent capturing them, and decode steps replayed
+    /// from them.
+    pub cuda_graphs: usize,
+    pub cuda_graph_capture_secs: f64,
+    pub cuda_graph_steps: usize,
 }
 
 /// How the paged engine lays out its KV cache and schedules sequences. Outputs never depend on
@@ -134,6 +139,13 @@ pub struct EngineConfig {
     pub max_num_seqs: Option<usize>,
     /// Most (padded) positions in one prefill forward; a single longer prompt still runs alone.
     pub max_prefill_tokens: usize,
+    /// Replay decode steps from captured CUDA graphs (CUDA, dense models; verl's
+    /// `rollout.enforce_eager: false`). Outputs are the same either way.
+    pub cuda_graphs: bool,
+    /// Batch sizes decode graphs are captured for (`rollout.cudagraph_capture_sizes`); `None`:
+    /// 1, 2, 4 and every multiple of 8 up to `max_num_seqs` (at most 512). Larger batches run
+    /// eagerly.
+    pub cuda_graph_sizes: Option<Vec<usize>>,
 }
 
 impl Default for EngineConfig {
@@ -143,6 +155,8 @@ impl Default for EngineConfig {
             kv_cache_tokens: None,
             max_num_seqs: None,
             max_prefill_tokens: 16384,
+            cuda_graphs: true,
+            cuda_graph_sizes: None,
         }
     }
 }

@@ -527,6 +527,7 @@ fn random_configurations_equal_the_dense_engine() {
             kv_cache_tokens: [None, Some(one_seq), Some(one_seq + 3 * bs)][next(3) as usize],
             max_num_seqs: [None, Some(1 + next(5) as usize)][next(2) as usize],
             max_prefill_tokens: [16384, 1 + next(24) as usize][next(2) as usize],
+            ..EngineConfig::default()
         };
         let want = oracle(&m, &prompts, &params);
         let (got, s) = paged(&m, &prompts, &params, &cfg);

@@ -1,0 +1,212 @@
+//! CUDA graphs for decode steps (vLLM's `enforce_eager: false`).
+//!
+//! A decode step of a small model is launch-bound: hundreds of small kernels, each costing the
+//! host more time to enqueue than the device to run. A captured graph replays all of them with one
+//! launch. Graphs need fixed shapes and addresses, so a step is padded to a *bucket*: the batch
+//! rounded up to a capture size (`1, 2, 4, 8, 16, 24, ...`, or `cudagraph_capture_sizes`) and the
+//! block-table width rounded up (to a power of two with the paged-attention kernel, which reads
+//! only real positions; else to a grid of at most ~25% more key positions, masked). The
+//! padding rows read and write only the trash block; the outputs of the real rows are exactly
+//! what the eager step computes (same kernels, same shapes up to masked padding).
+//!
+//! A bucket is captured on its second use (one-off shapes stay eager), into one private memory
+//! pool shared by all of this call's graphs, and lives as long as the call's KV pool (the graphs
+//! hold its addresses). Inputs go through one static index buffer per graph; the logits come back
+//! in the graph's static output. Any capture failure logs once and leaves the call eager.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use tch::{Device, Kind, Tensor};
+use verl_nn::Transformer;
+use verl_torch_ext::CudaGraph;
+
+use crate::error::Result;
+use crate::paged_attn::{self, DeviceBatch, HostBatch, KvPool};
+use crate::params::EngineConfig;
+
+/// Uses of a bucket before it is captured.
+const CAPTURE_AFTER_USES: usize = 2;
+
+struct Captured {
+    graph: CudaGraph,
+    /// The static index buffer the graph reads (`HostBatch::flat` layout).
+    input: Tensor,
+    /// The static logits `[batch bucket, vocab]` the graph writes.
+    logits: Tensor,
+}
+
+pub(crate) struct DecodeGraphs {
+    sizes: Vec<usize>,
+    graphs: HashMap<(usize, usize), Captured>,
+    /// The bucket whose graph owns the shared memory pool.
+    pool_owner: Option<(usize, usize)>,
+    uses: HashMap<(usize, usize), usize>,
+    disabled: bool,
+    pub captured: usize,
+    pub capture_secs: f64,
+    pub replays: usize,
+}
+
+/// vLLM's default capture sizes: 1, 2, 4, then every multiple of 8 up to `max`.
+fn default_sizes(max: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = [1, 2, 4].into_iter().filter(|&s| s <= max).collect();
+    v.extend((8..=max).step_by(8));
+    if v.last().is_some_and(|&l| l < max) {
+        v.push(max);
+    }
+    v
+}
+
+/// Block-table width bucket: `nb` rounded up to an eighth of its next power of two (16 → 16,
+/// 17 → 20, 33 → 40, ...; at most 25% more), at least 1.
+pub(crate) fn blocks_bucket(nb: usize) -> usize {
+    let step = (nb.max(1).next_power_of_two() / 8).max(1);
+    nb.max(1).div_ceil(step) * step
+}
+
+impl DecodeGraphs {
+    /// Graphs for one generate call, or `None` where they do not apply: not CUDA, graphs turned
+    /// off (`EngineConfig::cuda_graphs`), a MoE model (its routing synchronises with the host),
+    /// or a torch-ext build without CUDA (logged).
+    pub fn new(model: &Transformer, config: &EngineConfig, max_seqs: usize) -> Option<Self> {
+        if !config.cuda_graphs || !matches!(model.device(), Device::Cuda(_)) {
+            return None;
+        }
+        if model.config().moe.is_some() {
+            tracing::debug!("CUDA graphs off for decode: MoE routing synchronises with the host");
+            return None;
+        }
+        if !verl_torch_ext::cuda_graphs_compiled() {
+            tracing::warn!(
+                "CUDA graphs unavailable: the torch-ext shim was built without CUDA headers \
+                 (run scripts/setup.sh and rebuild); decoding eagerly"
+            );
+            return None;
+        }
+        let mut sizes = match &config.cuda_graph_sizes {
+            Some(v) if !v.is_empty() => v.clone(),
+            _ => default_sizes(max_seqs.clamp(1, 512)),
+        };
+        sizes.sort_unstable();
+        sizes.dedup();
+        sizes.retain(|&s| s > 0);
+        Some(DecodeGraphs {
+            sizes,
+            graphs: HashMap::new(),
+            pool_owner: None,
+            uses: HashMap::new(),
+            disabled: false,
+            captured: 0,
+            capture_secs: 0.0,
+            replays: 0,
+        })
+    }
+
+    fn bucket(&self, s: usize, nb: usize, kernel: bool) -> Option<(usize, usize)> {
+        let sb = *self.sizes.iter().find(|&&b| b >= s)?;
+        // The paged-attention kernel reads only each sequence's own positions, so a wide table
+        // costs nothing and powers of two keep the graph count down; the gather path reads the
+        // whole table, so it gets the finer grid.
+        let nbb = if kernel {
+            nb.max(1).next_power_of_two()
+        } else {
+            blocks_bucket(nb)
+        };
+        Some((sb, nbb))
+    }
+
+    /// The logits `[batch.s, vocab]` of a decode step run through a graph, or `None` when the
+    /// caller should run it eagerly (no bucket, not captured yet, or graphs failed).
+    pub fn decode(
+        &mut self,
+        model: &Transformer,
+        pool: &KvPool,
+        batch: &HostBatch,
+    ) -> Result<Option<Tensor>> {
+        if self.disabled || batch.t != 1 {
+            return Ok(None);
+        }
+        let Some(key) = self.bucket(batch.s, batch.nb, pool.kernel) else {
+            return Ok(None);
+        };
+        let padded = batch.padded(key.0, key.1);
+        let flat = padded.flat();
+        if !self.graphs.contains_key(&key) {
+            let uses = self.uses.entry(key).or_insert(0);
+            *uses += 1;
+            if *uses < CAPTURE_AFTER_USES {
+                return Ok(None);
+            }
+            match self.capture(model, pool, &padded, &flat) {
+                Ok(c) => {
+                    self.graphs.insert(key, c);
+                    self.pool_owner.get_or_insert(key);
+                }
+                Err(e) => {
+                    tracing::warn!("CUDA graph capture failed, decoding eagerly from here: {e}");
+                    self.disabled = true;
+                    return Ok(None);
+                }
+            }
+        }
+        let c = &self.graphs[&key];
+        let src = paged_attn::upload_i64(&flat, model.device())?;
+        let mut input = c.input.shallow_clone();
+        input.f_copy_(&src)?;
+        c.graph.replay()?;
+        self.replays += 1;
+        Ok(Some(c.logits.f_narrow(0, 0, batch.s as i64)?))
+    }
+
+    fn capture(
+        &mut self,
+        model: &Transformer,
+        pool: &KvPool,
+        padded: &HostBatch,
+        flat: &[i64],
+    ) -> Result<Captured> {
+        let start = Instant::now();
+        let input = Tensor::f_zeros([flat.len() as i64], (Kind::Int64, model.device()))?;
+        let src = paged_attn::upload_i64(flat, model.device())?;
+        let mut dst = input.shallow_clone();
+        dst.f_copy_(&src)?;
+        let share = self
+            .pool_owner
+            .and_then(|k| self.graphs.get(&k))
+            .map(|c| &c.graph);
+        let (graph, logits) = verl_torch_ext::capture(share, 1, || -> Result<Tensor> {
+            let dev = DeviceBatch::from_flat(&input, padded.s, 1, padded.nb, false)?;
+            paged_attn::forward_device(model, pool, &dev)
+        })?;
+        self.captured += 1;
+        self.capture_secs += start.elapsed().as_secs_f64();
+        Ok(Captured {
+            graph,
+            input,
+            logits,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets() {
+        assert_eq!(default_sizes(3), vec![1, 2, 3]);
+        assert_eq!(default_sizes(4), vec![1, 2, 4]);
+        assert_eq!(default_sizes(20), vec![1, 2, 4, 8, 16, 20]);
+        assert_eq!(default_sizes(512).len(), 3 + 64);
+        let nb: Vec<usize> = [0, 1, 2, 3, 5, 16, 17, 24, 33, 48, 49, 100]
+            .iter()
+            .map(|&n| blocks_bucket(n))
+            .collect();
+        assert_eq!(nb, vec![1, 1, 2, 3, 5, 16, 20, 24, 40, 48, 56, 112]);
+        for n in 1..2000 {
+            let b = blocks_bucket(n);
+            assert!(b >= n && (b as f64) <= n as f64 * 1.25 + 1.0, "{n} -> {b}");
+        }
+    }
+}

@@ -62,13 +62,6 @@ pub fn role_layout(
             "context parallelism (> 1)",
         ));
     }
-    if layout.sequence_parallel {
-        // Sequence parallelism changes where activations live, not the numbers: the model runs
-        // with activations replicated over the tensor-parallel group instead.
-        tracing::info!(
-            "{prefix}.sequence_parallel=true: activations stay replicated over the tensor-parallel group (sequence-parallel sharding of the norm regions is not implemented yet)"
-        );
-    }
     Ok(layout)
 }
 
@@ -140,6 +133,11 @@ pub fn build_model(
     random_init: Option<u64>,
     aux_loss_coeff: f64,
 ) -> Result<TpModel> {
+    // Ranks run as threads of one process (the tests) share libtorch's global generator: one
+    // rank's seeding and draws (a fresh value head, a random init) must not interleave with
+    // another's, or the replicated value head differs between ranks.
+    static SEEDED_BUILD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _seeded = SEEDED_BUILD.lock().unwrap_or_else(|e| e.into_inner());
     tch::manual_seed(seed as i64);
     let stage = par.stage();
     let experts = ExpertSetup {
@@ -147,7 +145,7 @@ pub fn build_model(
         etp: par.etp.clone(),
         aux_loss_coeff,
     };
-    match random_init {
+    let mut model = match random_init {
         None => {
             let mut ckpt = Checkpoint::open(dir)?;
             TpModel::new_stage(
@@ -187,7 +185,11 @@ pub fn build_model(
                 &mut named,
             )
         }
-    }
+    }?;
+    // Megatron-core sequence parallelism (TP > 1 only): the residual stream, norms and dropout
+    // region sharded along the sequence over the tensor-parallel group.
+    model.set_sequence_parallel(par.layout.sequence_parallel);
+    Ok(model)
 }
 
 /// A plain (TP=1) `verl_nn::Transformer` on `device` holding `weights` (full tensors by HF name):

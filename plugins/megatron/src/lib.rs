@@ -33,8 +33,8 @@ pub use error::MegatronError;
 
 pub struct MegatronPlugin;
 
-const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP) × pipeline parallel (layers split evenly over stages, 1F1B schedule, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional) × expert parallel for Mixtral / Qwen2-MoE / Qwen3-MoE (routed experts sharded over data-parallel ranks with all-to-all token dispatch, each expert split over the tensor-parallel group: expert_tensor_parallel_size = tensor_model_parallel_size; Switch load-balancing loss and per-expert load metrics); generation on a gathered TP=1 copy; checkpoints reshard across TP/PP/DP/EP sizes";
-const PLANNED: &str = "planned: the interleaved (virtual) pipeline schedule, sequence-parallel activation sharding, context parallelism, expert_tensor_parallel_size different from tensor_model_parallel_size";
+const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP, sequence parallelism: residual stream and norms sharded along the sequence with all-gather / reduce-scatter around the parallel linears) × pipeline parallel (layers split evenly over stages, 1F1B schedule, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional) × expert parallel for Mixtral / Qwen2-MoE / Qwen3-MoE (routed experts sharded over data-parallel ranks with all-to-all token dispatch, each expert split over the tensor-parallel group: expert_tensor_parallel_size = tensor_model_parallel_size; Switch load-balancing loss and per-expert load metrics); generation on a gathered TP=1 copy; checkpoints reshard across TP/PP/DP/EP sizes";
+const PLANNED: &str = "planned: the interleaved (virtual) pipeline schedule, context parallelism, expert_tensor_parallel_size different from tensor_model_parallel_size";
 
 impl BackendPlugin for MegatronPlugin {
     fn info() -> PluginInfo {

@@ -120,10 +120,12 @@ fn internal(message: String) -> MegatronError {
 }
 
 /// `[rows, T, H]` zeros in the model's dtype: a buffer for a neighbour's activation or gradient.
+/// With sequence parallelism stages exchange their sequence shards, `[rows, T / tp, H]` (`T`
+/// padded up to a multiple of TP): each tensor-parallel rank sends its own shard to its peer of
+/// the next stage, so a point-to-point message is `1 / tp` of the full activation.
 fn buffer(model: &TpModel, input: &MicroInput) -> Result<Tensor> {
-    let s = input.ids.size();
     Tensor::f_zeros(
-        [s[0], s[1], model.config().hidden_size],
+        model.activation_shape(input.ids),
         (model.dtype(), model.device()),
     )
     .ctx("pipeline receive buffer")
@@ -198,8 +200,7 @@ pub fn train_1f1b<T>(
                     .take()
                     .ok_or_else(|| internal(format!("1F1B: micro-batch {i} has no forward")))?;
                 let grad_out = if stage.is_last() {
-                    let (g, loss, side) =
-                        model.head_backward(&acts.out, sink, |h| loss_fn(i, h))?;
+                    let (g, loss, side) = model.head_backward(&acts, sink, |h| loss_fn(i, h))?;
                     results[i] = Some((loss, side));
                     g
                 } else {
@@ -260,7 +261,7 @@ pub fn forward_only(
         };
         let acts = model.stage_forward(m.ids, m.mask, m.positions, input.as_ref())?;
         if stage.is_last() {
-            head(i, &model.final_hidden(&acts.out)?)?;
+            head(i, &model.final_hidden(&acts)?)?;
         } else {
             let out = acts.out.f_contiguous().ctx("stage output")?;
             pp.send(&out, stage.index + 1, "send (activation)")?;

@@ -18,6 +18,18 @@
 //!   expert split over the tensor-parallel group, which is the expert-tensor-parallel group. Its
 //!   parameters are model parameters (`TpParam::expert` marks the routed experts' ones).
 //!
+//! * Sequence parallelism (Megatron-core's `sequence_parallel`, [`TpModel::set_sequence_parallel`],
+//!   TP > 1): the residual stream, the norms and the dropout region hold this rank's block of
+//!   `T / tp` positions (the micro-batch padded up to a multiple of TP, padding masked). The
+//!   input of QKV and gate/up is all-gathered along the sequence, the partial sums of o_proj,
+//!   down and the vocab-parallel embedding are reduce-scattered (instead of all-reduced), the
+//!   final norm's output is all-gathered (and unpadded) before the head; in the backward each
+//!   all-gather becomes a reduce-scatter and vice versa (a replicated value head's complete
+//!   gradient is narrowed instead). The replicated parameters applied to sequence shards (norms,
+//!   row-parallel biases) get their gradients all-reduced over TP. A MoE block runs on the
+//!   all-gathered sequence and each rank keeps its block of the output, so routing, router loss
+//!   and load metrics are those of the run without SP. Pipeline stages exchange sequence shards.
+//!
 //! Autograd through collectives: tch has no custom autograd functions. Megatron's `g` (all-reduce
 //! forward, identity backward) is written inside the graph as `s + (x - x.detach())` with `s` the
 //! reduced value. Megatron's `f` (identity forward, all-reduce backward) is where the graph is cut:
@@ -158,6 +170,24 @@ impl Layer {
         v.extend(self.k_norm);
         v
     }
+    fn ffn_down_bias(&self) -> Option<usize> {
+        match self.ffn {
+            Ffn::Dense { down, .. } => down.b,
+            Ffn::Moe { .. } => None,
+        }
+    }
+    /// The attention block's parameters that act on the gathered (full-sequence) input.
+    fn attention_inner_params(&self) -> Vec<usize> {
+        let mut v = vec![];
+        for l in [self.q, self.k, self.v] {
+            v.push(l.w);
+            v.extend(l.b);
+        }
+        v.push(self.o.w);
+        v.extend(self.q_norm);
+        v.extend(self.k_norm);
+        v
+    }
     fn mlp_params(&self) -> Vec<usize> {
         let mut v = vec![];
         if let Ffn::Dense { gate, up, down } = self.ffn {
@@ -201,6 +231,11 @@ impl FullSource for std::collections::HashMap<String, Tensor> {
 
 /// Per-forward inputs shared by all layers: RoPE tables and attention masks.
 struct Ctx {
+    /// The input ids, padded (with SP) to a multiple of the tensor-parallel size.
+    ids: Tensor,
+    /// The micro-batch's sequence length before that padding, and after it.
+    t: i64,
+    t_pad: i64,
     cos: Tensor,
     sin: Tensor,
     /// Real (non-padding) tokens `[B, T]`: what the MoE load statistics and router loss count.
@@ -241,6 +276,38 @@ struct Trace {
     out: Tensor,
 }
 
+/// What the attention half of a layer keeps with SP (see [`TpModel::sp_attention_block`]).
+struct SpAttn {
+    x1: Tensor,
+    x1c: Tensor,
+    a_part: Tensor,
+    a_c: Tensor,
+    h2: Tensor,
+    x2: Tensor,
+}
+
+/// What one dense layer's recomputation keeps with SP.
+struct SpTrace {
+    attn: SpAttn,
+    x2c: Tensor,
+    m_part: Tensor,
+    m_c: Tensor,
+    out: Tensor,
+}
+
+thread_local! {
+    /// Introspection: `(positions of the residual stream held, the micro-batch's sequence
+    /// length)` of the last stage forward run on this thread.
+    static LAST_RESIDUAL: std::cell::Cell<Option<(i64, i64)>> = const { std::cell::Cell::new(None) };
+}
+
+/// Debug / introspection hook: `(positions of the residual stream this rank held, the sequence
+/// length of the micro-batch)` in the last stage forward run on the calling thread. With sequence
+/// parallelism the first is the sequence (padded to a multiple of TP) divided by TP.
+pub fn last_residual_positions() -> Option<(i64, i64)> {
+    LAST_RESIDUAL.with(|c| c.get())
+}
+
 /// The tensor-parallel model of one rank.
 pub struct TpModel {
     cfg: ModelConfig,
@@ -268,6 +335,12 @@ pub struct TpModel {
     /// `pad_token_id` as a row of this rank's embedding shard, or -1.
     padding_local: i64,
     inv_freq: Tensor,
+    /// Sequence parallelism (Megatron-core's `sequence_parallel`, only with TP > 1): the residual
+    /// stream and the norms hold `T / tp` positions per rank.
+    sp: bool,
+    /// The replicated parameters applied to sequence-sharded activations (the layer norms, the
+    /// final norm, the row-parallel biases): with SP their gradients are all-reduced over TP.
+    seq_sharded: Vec<bool>,
 }
 
 impl std::fmt::Debug for TpModel {
@@ -731,7 +804,20 @@ impl TpModel {
             .unwrap_or(-1);
         let inv_freq = inv_freq(&cfg, device)?;
         let moe_load = std::sync::Mutex::new(fresh_load(&cfg));
+        let mut seq_sharded = vec![false; params.len()];
+        for l in &layers {
+            seq_sharded[l.in_norm] = true;
+            seq_sharded[l.post_norm] = true;
+            for b in [l.o.b, l.ffn_down_bias()].into_iter().flatten() {
+                seq_sharded[b] = true;
+            }
+        }
+        if let Some(n) = norm {
+            seq_sharded[n] = true;
+        }
         Ok(TpModel {
+            sp: false,
+            seq_sharded,
             experts,
             moe_load,
             heads_local: cfg.num_attention_heads / tp_size,
@@ -780,6 +866,79 @@ impl TpModel {
     /// The index of parameter `name` on this stage.
     pub fn param_index(&self, name: &str) -> Option<usize> {
         self.params.iter().position(|p| p.name == name)
+    }
+
+    /// Turns Megatron-core sequence parallelism on or off; it only takes effect with TP > 1.
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.sp = on && self.tp.size > 1;
+    }
+    pub fn sequence_parallel(&self) -> bool {
+        self.sp
+    }
+    /// The sequence length a micro-batch of `t` positions runs at: with SP, `t` padded up to a
+    /// multiple of the tensor-parallel size (the padding is masked).
+    pub fn padded_len(&self, t: i64) -> i64 {
+        let n = self.tp.size as i64;
+        match self.sp {
+            true => (t + n - 1) / n * n,
+            false => t,
+        }
+    }
+    /// The positions of the residual stream this rank holds for a micro-batch of `t` positions.
+    pub fn local_len(&self, t: i64) -> i64 {
+        match self.sp {
+            true => self.padded_len(t) / self.tp.size as i64,
+            false => t,
+        }
+    }
+    /// The shape of a stage's output (and of its gradient) for input ids `[B, T]`: what pipeline
+    /// stages exchange, `[B, T / tp (padded), H]` with SP.
+    pub fn activation_shape(&self, ids: &Tensor) -> [i64; 3] {
+        let s = ids.size();
+        [s[0], self.local_len(s[1]), self.cfg.hidden_size]
+    }
+
+    /// All-gathers sequence shards `[B, T / tp, ..]` into `[B, T, ..]` (no autograd).
+    fn gather_seq(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.f_detach().ctx("sequence gather input")?;
+        let parts = self
+            .tp
+            .all_gather(&x, "all_gather (sequence-parallel activations)")?;
+        Tensor::f_cat(&parts, 1).ctx("join sequence shards")
+    }
+
+    /// Reduce-scatters partial sums `[B, T, ..]` along the sequence: this rank's `[B, T / tp, ..]`
+    /// block of the sum over the tensor-parallel group (no autograd).
+    fn scatter_seq(&self, x: &Tensor) -> Result<Tensor> {
+        let s = x.size();
+        let n = self.tp.size as i64;
+        let tl = s[1] / n;
+        let mut blocked = vec![s[0], n, tl];
+        blocked.extend_from_slice(&s[2..]);
+        let mut out_shape = vec![s[0], tl];
+        out_shape.extend_from_slice(&s[2..]);
+        let input = x
+            .f_detach()
+            .and_then(|x| x.f_reshape(blocked.as_slice()))
+            .and_then(|x| x.f_transpose(0, 1))
+            .and_then(|x| x.f_contiguous())
+            .and_then(|x| x.f_reshape([-1]))
+            .ctx("sequence scatter input")?;
+        let numel: i64 = out_shape.iter().product();
+        let mut out = Tensor::f_zeros([numel], (x.kind(), x.device())).ctx("scatter buffer")?;
+        self.tp.reduce_scatter_sum(
+            &mut out,
+            &input,
+            "reduce_scatter (sequence-parallel partial sums)",
+        )?;
+        out.f_reshape(out_shape.as_slice()).ctx("sequence shard")
+    }
+
+    /// This rank's sequence block `[B, T / tp, ..]` of a replicated `[B, T, ..]` tensor.
+    fn shard_seq(&self, x: &Tensor) -> Result<Tensor> {
+        let tl = x.size()[1] / self.tp.size as i64;
+        x.f_narrow(1, self.tp.rank as i64 * tl, tl)
+            .ctx("sequence shard")
     }
 
     pub fn set_requires_grad(&mut self, on: bool) -> Result<()> {
@@ -850,10 +1009,25 @@ impl TpModel {
 
     /// The vocab-parallel embedding: this rank's rows, out-of-shard ids masked, partial sums reduced.
     fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        let w = self.p(self.need_embed()?);
         if self.tp.size == 1 {
+            let w = self.p(self.need_embed()?);
             return Tensor::f_embedding(w, ids, self.padding_local, false, false).ctx("embedding");
         }
+        self.reduce(self.embed_partial(ids)?)
+    }
+
+    /// The stage input of the first stage: the embedding, reduce-scattered to this rank's sequence
+    /// shard with SP (no autograd).
+    fn embed_input(&self, ids: &Tensor) -> Result<Tensor> {
+        match self.sp {
+            true => self.scatter_seq(&self.embed_partial(ids)?),
+            false => self.embed(ids),
+        }
+    }
+
+    /// This rank's partial vocab-parallel embedding (zero rows for out-of-shard ids).
+    fn embed_partial(&self, ids: &Tensor) -> Result<Tensor> {
+        let w = self.p(self.need_embed()?);
         let in_range = ids
             .f_ge(self.vocab_start)
             .and_then(|a| a.f_logical_and(&ids.f_lt(self.vocab_start + self.vocab_local)?))
@@ -862,10 +1036,9 @@ impl TpModel {
             .f_sub_scalar(self.vocab_start)
             .and_then(|x| x.f_mul(&in_range.f_to_kind(Kind::Int64)?))
             .ctx("embedding ids")?;
-        let e = Tensor::f_embedding(w, &local, self.padding_local, false, false)
+        Tensor::f_embedding(w, &local, self.padding_local, false, false)
             .and_then(|e| e.f_mul(&in_range.f_unsqueeze(-1)?.f_to_kind(e.kind())?))
-            .ctx("embedding")?;
-        self.reduce(e)
+            .ctx("embedding")
     }
 
     fn attention(&self, l: &Layer, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
@@ -960,6 +1133,17 @@ impl TpModel {
 
     /// One decoder layer's output, without autograd (dense or MoE).
     fn layer_out(&self, l: &Layer, h: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        if self.sp {
+            return match &l.ffn {
+                Ffn::Dense { .. } => Ok(self.sp_layer(l, h, ctx, false)?.out),
+                Ffn::Moe { block, .. } => {
+                    let a = self.sp_attention_block(l, h, ctx, false)?;
+                    let x2g = self.gather_seq(&a.x2)?;
+                    let y = block.forward(&x2g, Some(&ctx.valid))?.y;
+                    a.h2.f_add(&self.shard_seq(&y)?).ctx("residual")
+                }
+            };
+        }
         match &l.ffn {
             Ffn::Dense { .. } => Ok(self.layer(l, h, ctx, false)?.out),
             Ffn::Moe { block, .. } => {
@@ -968,6 +1152,114 @@ impl TpModel {
                 h2.f_add(&y).ctx("residual")
             }
         }
+    }
+
+    /// The attention half of a decoder layer with SP: `h` is this rank's sequence shard. The input
+    /// norm `x1` (shard) is all-gathered (`x1c`, a leaf with `cut`) before the column-parallel
+    /// QKV, the row-parallel o_proj's partial sums `a_part` are reduce-scattered (`a_c`, a leaf
+    /// with `cut`) into the residual stream `h2` (shard) and its norm `x2` (shard).
+    fn sp_attention_block(&self, l: &Layer, h: &Tensor, ctx: &Ctx, cut: bool) -> Result<SpAttn> {
+        let x1 = self.rms(h, l.in_norm)?;
+        let x1c = leaf_if(&self.gather_seq(&x1)?, cut)?;
+        let a_part = self.attention(l, &x1c, ctx)?;
+        let a_c = leaf_if(&self.scatter_seq(&a_part)?, cut)?;
+        let a = self.add_bias(a_c.shallow_clone(), l.o.b)?;
+        let h2 = h.f_add(&a).ctx("residual")?;
+        let x2 = self.rms(&h2, l.post_norm)?;
+        Ok(SpAttn {
+            x1,
+            x1c,
+            a_part,
+            a_c,
+            h2,
+            x2,
+        })
+    }
+
+    /// One decoder layer with a dense MLP and SP: [`TpModel::sp_attention_block`], then `x2`
+    /// all-gathered (`x2c`) before gate/up and down's partial sums reduce-scattered (`m_c`).
+    fn sp_layer(&self, l: &Layer, h: &Tensor, ctx: &Ctx, cut: bool) -> Result<SpTrace> {
+        let Ffn::Dense { gate, up, down } = l.ffn else {
+            return Err(MegatronError::Api(verl_plugin_api::Error::failed(
+                "internal: a MoE layer traced as a dense one",
+            )));
+        };
+        let attn = self.sp_attention_block(l, h, ctx, cut)?;
+        let x2c = leaf_if(&self.gather_seq(&attn.x2)?, cut)?;
+        let m_part = self.mlp(gate, up, down, &x2c)?;
+        let m_c = leaf_if(&self.scatter_seq(&m_part)?, cut)?;
+        let m = self.add_bias(m_c.shallow_clone(), down.b)?;
+        let out = attn.h2.f_add(&m).ctx("residual")?;
+        Ok(SpTrace {
+            attn,
+            x2c,
+            m_part,
+            m_c,
+            out,
+        })
+    }
+
+    /// The backward of [`TpModel::sp_attention_block`] from the gradient `g_x2` of the
+    /// post-attention norm's output (shard) and `grad_res` of the residual stream `h2` (shard):
+    /// the norm and residual segment, o_proj's output gradient all-gathered (the backward of the
+    /// reduce-scatter), the attention segment, its input gradient reduce-scattered (the backward
+    /// of the all-gather), and the input norm. Returns the gradient of the layer input `h`.
+    fn sp_attention_backward(
+        &self,
+        l: &Layer,
+        h: &Tensor,
+        a: &SpAttn,
+        g_x2: &Tensor,
+        grad_res: &Tensor,
+        sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        let root = surrogate(&a.x2, g_x2)?
+            .f_add(&surrogate(&a.h2, grad_res)?)
+            .ctx("surrogate")?;
+        let mut params = vec![l.post_norm];
+        params.extend(l.o.b);
+        let g = self.backward(&root, &[&a.a_c, h], &params, true, sink)?;
+        let g_a = self.gather_seq(&g[0])?;
+        let through_residual = g[1].shallow_clone();
+        let root = surrogate(&a.a_part, &g_a)?;
+        let g = self.backward(&root, &[&a.x1c], &l.attention_inner_params(), false, sink)?;
+        let g_x1 = self.scatter_seq(&g[0])?;
+        let root = surrogate(&a.x1, &g_x1)?;
+        let g = self.backward(&root, &[h], &[l.in_norm], false, sink)?;
+        through_residual.f_add(&g[0]).ctx("input gradient")
+    }
+
+    /// [`TpModel::layer_backward`] with SP.
+    fn sp_layer_backward(
+        &self,
+        l: &Layer,
+        saved: &Tensor,
+        grad_out: &Tensor,
+        ctx: &Ctx,
+        sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        let Ffn::Dense { gate, up, down } = l.ffn else {
+            return Err(MegatronError::Api(verl_plugin_api::Error::failed(
+                "internal: a MoE layer chained as a dense one",
+            )));
+        };
+        let h = leaf_if(saved, true)?;
+        let tr = self.sp_layer(l, &h, ctx, true)?;
+        // Residual add: the reduce-scattered MLP output and down's bias get `grad_out`.
+        let root = surrogate(&tr.out, grad_out)?;
+        let bias: Vec<usize> = down.b.into_iter().collect();
+        let g = self.backward(&root, &[&tr.m_c], &bias, true, sink)?;
+        let g_m = self.gather_seq(&g[0])?;
+        let mut params = vec![];
+        for lin in [gate, up] {
+            params.push(lin.w);
+            params.extend(lin.b);
+        }
+        params.push(down.w);
+        let root = surrogate(&tr.m_part, &g_m)?;
+        let g = self.backward(&root, &[&tr.x2c], &params, false, sink)?;
+        let g_x2 = self.scatter_seq(&g[0])?;
+        self.sp_attention_backward(l, &h, &tr.attn, &g_x2, grad_out, sink)
     }
 
     /// Masks and RoPE tables for one forward (no KV cache: training and scoring only).
@@ -980,9 +1272,19 @@ impl TpModel {
                 format!("{:?} {:?}", ids.kind(), s),
             ));
         }
-        let (t, device) = (s[1], ids.device());
+        let (t0, device) = (s[1], ids.device());
+        // With SP the sequence is padded up to a multiple of the tensor-parallel size: masked
+        // positions at the end that no real query attends to.
+        let t = self.padded_len(t0);
+        let pad = |x: &Tensor| -> Result<Tensor> {
+            match t > t0 {
+                true => x.f_constant_pad_nd([0, t - t0]).ctx("sequence padding"),
+                false => Ok(x.shallow_clone()),
+            }
+        };
+        let (ids, mask, positions) = (pad(ids)?, pad(mask)?, pad(positions)?);
         let new_mask = mask.f_ne(0).ctx("mask")?;
-        let (cos, sin) = cos_sin(&self.inv_freq, positions, self.dtype)?;
+        let (cos, sin) = cos_sin(&self.inv_freq, &positions, self.dtype)?;
         // Same rule as verl-nn: causal, real keys only, sliding windows; a padding query attends to
         // itself so that SDPA never sees an all-false row (NaN in the gradients).
         let build = || -> std::result::Result<Vec<(Option<i64>, Tensor)>, tch::TchError> {
@@ -1014,6 +1316,9 @@ impl TpModel {
             Ok(masks)
         };
         Ok(Ctx {
+            ids,
+            t: t0,
+            t_pad: t,
             valid: new_mask.shallow_clone(),
             cos: cos.f_unsqueeze(1).ctx("rope")?,
             sin: sin.f_unsqueeze(1).ctx("rope")?,
@@ -1049,13 +1354,21 @@ impl TpModel {
         positions: &Tensor,
     ) -> Result<Tensor> {
         let acts = self.stage_forward(ids, mask, positions, None)?;
-        self.final_hidden(&acts.out)
+        self.final_hidden(&acts)
     }
 
-    /// The final norm of the last stage's output. No autograd.
-    pub fn final_hidden(&self, out: &Tensor) -> Result<Tensor> {
+    /// The final norm of the last stage's output `[B, T, H]`, replicated on every
+    /// tensor-parallel rank (with SP, all-gathered from the sequence shards and unpadded). No
+    /// autograd.
+    pub fn final_hidden(&self, acts: &StageActs) -> Result<Tensor> {
         let _guard = tch::no_grad_guard();
-        self.rms(out, self.need_norm()?)
+        let h = self.rms(&acts.out, self.need_norm()?)?;
+        if !self.sp {
+            return Ok(h);
+        }
+        self.gather_seq(&h)?
+            .f_narrow(1, 0, acts.ctx.t)
+            .ctx("unpad sequence")
     }
 
     /// This stage's forward of one micro-batch without autograd: the first stage embeds `ids`,
@@ -1072,7 +1385,7 @@ impl TpModel {
         let _guard = tch::no_grad_guard();
         let ctx = self.prepare(ids, mask, positions)?;
         let mut h = match (self.stage.is_first(), input) {
-            (true, _) => self.embed(ids)?,
+            (true, _) => self.embed_input(&ctx.ids)?,
             (false, Some(x)) => x.shallow_clone(),
             (false, None) => {
                 return Err(MegatronError::Api(verl_plugin_api::Error::failed(format!(
@@ -1081,6 +1394,15 @@ impl TpModel {
                 ))))
             }
         };
+        let want = self.local_len(ctx.t);
+        if h.size().get(1) != Some(&want) {
+            return Err(MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                "internal: pipeline stage {} got an activation of shape {:?}, expected {want} positions",
+                self.stage.index,
+                h.size()
+            ))));
+        }
+        LAST_RESIDUAL.with(|c| c.set(Some((want, ctx.t))));
         let mut inputs = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             let next = self.layer_out(l, &h, &ctx)?;
@@ -1213,7 +1535,23 @@ impl TpModel {
                     inputs[k].f_zeros_like().ctx("zero gradient")?
                 });
             } else if g.defined() {
-                sink(params[k - inputs.len()], g)?;
+                let i = params[k - inputs.len()];
+                if self.sp && self.seq_sharded[i] {
+                    // A replicated parameter applied to this rank's sequence shard: its gradient
+                    // is a partial sum over the tensor-parallel group.
+                    let mut g = g
+                        .f_contiguous()
+                        .and_then(|g| g.f_detach_copy())
+                        .ctx("gradient")?;
+                    self.tp.all_reduce(
+                        &mut g,
+                        ReduceOp::Sum,
+                        "all_reduce (sequence-parallel parameter gradient)",
+                    )?;
+                    sink(i, &g)?;
+                } else {
+                    sink(i, g)?;
+                }
             }
         }
         Ok(out)
@@ -1234,7 +1572,7 @@ impl TpModel {
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(Tensor, T)> {
         let acts = self.stage_forward(ids, mask, positions, None)?;
-        let (grad, loss, side) = self.head_backward(&acts.out, sink, loss_fn)?;
+        let (grad, loss, side) = self.head_backward(&acts, sink, loss_fn)?;
         self.stage_backward(ids, acts, &grad, moe, sink)?;
         Ok((loss, side))
     }
@@ -1244,7 +1582,7 @@ impl TpModel {
     /// detached loss and the loss function's side values.
     pub fn head_backward<T>(
         &self,
-        out: &Tensor,
+        acts: &StageActs,
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(Tensor, Tensor, T)> {
@@ -1254,10 +1592,20 @@ impl TpModel {
                 .and_then(|d| d.f_set_requires_grad(true))
                 .ctx("leaf")
         };
-        // The final norm's output is cut because a vocab-parallel head consumes it.
-        let hl = leaf(out)?;
+        // The final norm's output is cut because a vocab-parallel head consumes it. With SP the
+        // norm runs on this rank's sequence shard and its output is all-gathered (and unpadded)
+        // before the head.
+        let hl = leaf(&acts.out)?;
         let hf = self.rms(&hl, norm)?;
-        let hc = leaf(&hf)?;
+        let hc = match self.sp {
+            true => leaf(
+                &self
+                    .gather_seq(&hf)?
+                    .f_narrow(1, 0, acts.ctx.t)
+                    .ctx("unpad sequence")?,
+            )?,
+            false => leaf(&hf)?,
+        };
         let (loss, side) = loss_fn(&hc)?;
         if loss.numel() != 1 {
             return Err(MegatronError::config(
@@ -1267,9 +1615,21 @@ impl TpModel {
             ));
         }
         let g = self.backward(&loss, &[&hc], &self.head_params(), false, sink)?;
-        let ghc = match head {
-            Head::Lm(_) => self.reduce_grad(g[0].shallow_clone())?,
-            Head::Value { .. } => g[0].shallow_clone(),
+        let ghc = match (head, self.sp) {
+            (Head::Lm(_), false) => self.reduce_grad(g[0].shallow_clone())?,
+            (Head::Value { .. }, false) => g[0].shallow_clone(),
+            (head, true) => {
+                let padded = g[0]
+                    .f_constant_pad_nd([0, 0, 0, acts.ctx.t_pad - acts.ctx.t])
+                    .ctx("pad gradient")?;
+                match head {
+                    // The vocab-parallel head's input gradients are partial sums: the backward
+                    // of the all-gather is a reduce-scatter.
+                    Head::Lm(_) => self.scatter_seq(&padded)?,
+                    // A replicated head's are complete on every rank: take this rank's block.
+                    Head::Value { .. } => self.shard_seq(&padded)?,
+                }
+            }
         };
         let root = surrogate(&hf, &ghc)?;
         let grad = self.backward(&root, &[&hl], &[norm], false, sink)?[0].shallow_clone();
@@ -1294,6 +1654,9 @@ impl TpModel {
         let mut grad = grad_out.shallow_clone();
         for (l, saved) in self.layers.iter().zip(inputs).rev() {
             grad = match &l.ffn {
+                Ffn::Dense { .. } if self.sp => {
+                    self.sp_layer_backward(l, &saved, &grad, &ctx, sink)?
+                }
                 Ffn::Dense { .. } => self.layer_backward(l, &saved, &grad, &ctx, sink)?,
                 Ffn::Moe { .. } => self.moe_layer_backward(l, &saved, &grad, &ctx, moe, sink)?,
             };
@@ -1301,7 +1664,13 @@ impl TpModel {
         if !self.stage.is_first() {
             return Ok(Some(grad));
         }
-        let e = self.embed(ids)?;
+        // The ids as the forward embedded them (padded with SP) are kept in `ctx`.
+        let _ = ids;
+        let (e, grad) = match self.sp {
+            // The backward of the embedding's reduce-scatter is an all-gather.
+            true => (self.embed_partial(&ctx.ids)?, self.gather_seq(&grad)?),
+            false => (self.embed(&ctx.ids)?, grad),
+        };
         if e.requires_grad() {
             let root = surrogate(&e, &grad)?;
             self.backward(&root, &[], &[self.need_embed()?], false, sink)?;
@@ -1367,8 +1736,23 @@ impl TpModel {
             )));
         };
         let h = leaf_if(saved, true)?;
-        let (x1, x1c, h2, x2) = self.attention_block(l, &h, ctx, true)?;
-        let x2d = x2.f_detach().ctx("moe input")?;
+        // With SP the MoE block runs on the whole sequence: the post-attention norm's output is
+        // all-gathered before it (the block and its router see exactly the tokens of the run
+        // without SP) and each rank keeps its sequence block of the (replicated) output, so the
+        // output gradient is the all-gather of the shards' gradients and the input gradient
+        // (complete on every rank) is narrowed to this rank's block.
+        let (attn, x2d, gy) = match self.sp {
+            true => {
+                let a = self.sp_attention_block(l, &h, ctx, true)?;
+                let x2g = self.gather_seq(&a.x2)?;
+                (Err(a), x2g, self.gather_seq(grad_out)?)
+            }
+            false => {
+                let t = self.attention_block(l, &h, ctx, true)?;
+                let x2d = t.3.f_detach().ctx("moe input")?;
+                (Ok(t), x2d, grad_out.shallow_clone())
+            }
+        };
         let mut block_sink = |k: usize, g: &Tensor| -> Result<()> {
             let i = *index.get(k).ok_or_else(|| {
                 MegatronError::Api(verl_plugin_api::Error::failed(format!(
@@ -1377,13 +1761,8 @@ impl TpModel {
             })?;
             sink(i, g)
         };
-        let r = block.forward_backward(
-            &x2d,
-            Some(&ctx.valid),
-            grad_out,
-            moe.aux_scale,
-            &mut block_sink,
-        )?;
+        let r =
+            block.forward_backward(&x2d, Some(&ctx.valid), &gy, moe.aux_scale, &mut block_sink)?;
         if moe.record {
             self.moe_load
                 .lock()
@@ -1394,6 +1773,13 @@ impl TpModel {
                 })?
                 .add(*layer, &r.stats)?;
         }
+        let (x1, x1c, h2, x2) = match attn {
+            Ok(t) => t,
+            Err(a) => {
+                let g_x2 = self.shard_seq(&r.grad_x)?;
+                return self.sp_attention_backward(l, &h, &a, &g_x2, grad_out, sink);
+            }
+        };
         let root = surrogate(&x2, &r.grad_x)?
             .f_add(&surrogate(&h2, grad_out)?)
             .ctx("surrogate")?;

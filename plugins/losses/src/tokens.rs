@@ -83,7 +83,7 @@ impl ChunkedLmHead {
         for (start, len) in chunks(n, self.chunk_tokens) {
             let h = hidden.f_narrow(0, start, len).op("ChunkedLmHead")?;
             let t = targets.f_narrow(0, start, len).op("ChunkedLmHead")?;
-            let (lp, ent) = self.chunk_stats(&h, weight, &t)?;
+            let (lp, ent) = self.chunk_stats(&h, weight, &t, false)?;
             lps.push(lp);
             if let Some(e) = ent {
                 ents.push(e);
@@ -229,7 +229,7 @@ impl ChunkedLmHead {
                 .f_set_requires_grad(true)
                 .op(OP)?;
             let t = targets.f_narrow(0, start, len).op(OP)?;
-            let (lp, ent) = self.chunk_stats(&h, &weight_leaf, &t)?;
+            let (lp, ent) = self.chunk_stats(&h, &weight_leaf, &t, true)?;
             let mut surrogate = lp
                 .f_mul(&g_lp.f_narrow(0, start, len).op(OP)?)
                 .op(OP)?
@@ -294,11 +294,14 @@ impl ChunkedLmHead {
         hidden: &Tensor,
         weight: &Tensor,
         targets: &Tensor,
+        differentiable: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         const OP: &str = "ChunkedLmHead";
         // fp32 logits straight from the GEMM (no bf16 rounding), as the rollout engine samples
-        // from: its log-probs and these then agree to bf16 noise in the hidden states only.
-        let raw = if work_kind(hidden) == Kind::Float {
+        // from: its log-probs and these then agree to bf16 noise in the hidden states only. That
+        // GEMM has no derivative, so the recomputation under autograd (whose values are not
+        // reported, only differentiated) keeps `linear`.
+        let raw = if work_kind(hidden) == Kind::Float && !differentiable {
             verl_nn::linear_fp32(hidden, weight).op(OP)?
         } else {
             hidden

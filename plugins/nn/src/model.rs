@@ -1133,12 +1133,16 @@ fn check_shape(what: &str, t: &Tensor, expected: &[i64]) -> Result<()> {
 /// `x · wᵀ` with fp32 output (`x` `[N, H]`, `w` `[V, H]`): LM-head logits. For bf16/f16 inputs
 /// on CUDA the GEMM accumulates in fp32 and writes fp32, so logits are not rounded to 8 bits of
 /// mantissa (the rollout engine and the training forward then agree to ~1e-3 in log-prob instead
-/// of ~1e-2); elsewhere `linear` in the input dtype, then a cast.
+/// of ~1e-2); elsewhere, and under autograd (the fp32-output GEMM has no derivative), `linear` in
+/// the input dtype, then a cast.
 pub fn linear_fp32(x: &Tensor, w: &Tensor) -> std::result::Result<Tensor, tch::TchError> {
     let half = matches!(x.kind(), Kind::BFloat16 | Kind::Half);
     if half && x.device().is_cuda() && x.dim() == 2 {
+        // No derivative for this GEMM: under autograd with an input that needs one, `linear`.
         if let Ok(out) = x.f_mm_dtype(&w.f_tr()?, Kind::Float) {
-            return Ok(out);
+            if !out.requires_grad() {
+                return Ok(out);
+            }
         }
     }
     x.f_linear(w, None::<&Tensor>)?.f_to_kind(Kind::Float)

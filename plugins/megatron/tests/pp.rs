@@ -78,29 +78,7 @@ fn actor_steps(megatron: Option<Shape>, model: &Path, distributed: bool) -> Vec<
         };
         let dp_rank = a.data_parallel().rank as usize;
         assert_eq!(a.data_parallel().size as usize, dp);
-        let opts = LogProbOptions {
-            with_entropy: true,
-            ..LogProbOptions::default()
-        };
-        let first = shard_rows(&global_batch(100), dp_rank, dp);
-        let lp0 = f32s(&a.compute_log_prob(&first, &opts).unwrap(), col::LOG_PROBS);
-        let mut metrics = Vec::new();
-        let mut last = first;
-        for step in 0..3 {
-            let b = shard_rows(&global_batch(100 + step), dp_rank, dp);
-            let m = a
-                .update(
-                    &b,
-                    &UpdateOptions {
-                        global_step: step + 1,
-                        ..UpdateOptions::default()
-                    },
-                )
-                .unwrap();
-            metrics.push(m.into_iter().collect());
-            last = b;
-        }
-        let lp = f32s(&a.compute_log_prob(&last, &opts).unwrap(), col::LOG_PROBS);
+        let (metrics, lp0, lp) = three_updates(&mut a, dp_rank, dp);
         (metrics, export(&mut a, rank), lp0, lp, dp_rank)
     })
 }

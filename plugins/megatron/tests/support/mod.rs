@@ -15,7 +15,7 @@ use tch::{Kind, Tensor};
 use verl_comm::StoreServer;
 use verl_nn::{HeadKind, ModelConfig, ModelOptions, SaveOptions, Transformer};
 use verl_plugin_api::client::ActorClient;
-use verl_plugin_api::{col, Batch, InitArgs, Rendezvous, Role};
+use verl_plugin_api::{col, Batch, InitArgs, LogProbOptions, Rendezvous, Role, UpdateOptions};
 
 pub const VOCAB: i64 = 40;
 pub const PL: usize = 4;
@@ -304,6 +304,40 @@ pub fn read_weights(dir: &Path) -> Weights {
         .unwrap()
         .into_iter()
         .collect()
+}
+
+/// The parity tests' actor run on data-parallel rank `dp_rank` of `dp`: log-probs (with entropy)
+/// of step 100's batch, three updates on batches 100..103, then log-probs of the last batch.
+/// Returns `(per-step metrics, log-probs before, log-probs after)`.
+pub fn three_updates(
+    a: &mut ActorClient,
+    dp_rank: usize,
+    dp: usize,
+) -> (Vec<Metrics>, Vec<f32>, Vec<f32>) {
+    let opts = LogProbOptions {
+        with_entropy: true,
+        ..LogProbOptions::default()
+    };
+    let first = shard_rows(&global_batch(100), dp_rank, dp);
+    let lp0 = f32s(&a.compute_log_prob(&first, &opts).unwrap(), col::LOG_PROBS);
+    let mut metrics = Vec::new();
+    let mut last = first;
+    for step in 0..3 {
+        let b = shard_rows(&global_batch(100 + step), dp_rank, dp);
+        let m = a
+            .update(
+                &b,
+                &UpdateOptions {
+                    global_step: step + 1,
+                    ..UpdateOptions::default()
+                },
+            )
+            .unwrap();
+        metrics.push(m.into_iter().collect());
+        last = b;
+    }
+    let lp = f32s(&a.compute_log_prob(&last, &opts).unwrap(), col::LOG_PROBS);
+    (metrics, lp0, lp)
 }
 
 pub fn export(actor: &mut ActorClient, rank: usize) -> Option<Weights> {

@@ -83,6 +83,8 @@ fn cuda_include(torch: &Torch) -> Option<PathBuf> {
 fn main() {
     println!("cargo:rerun-if-changed=src/shim.cpp");
     println!("cargo:rerun-if-changed=src/paged_attention.cpp");
+    println!("cargo:rerun-if-changed=src/cuda_rt.h");
+    println!("cargo:rerun-if-changed=src/row_kernels.cpp");
     for var in [
         "LIBTORCH",
         "LIBTORCH_CXX11_ABI",
@@ -112,6 +114,7 @@ fn main() {
         .cpp(true)
         .file("src/shim.cpp")
         .file("src/paged_attention.cpp")
+        .file("src/row_kernels.cpp")
         .includes(&torch.includes)
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={}", torch.cxx11_abi))

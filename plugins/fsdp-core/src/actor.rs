@@ -501,6 +501,7 @@ impl FsdpActor {
                 )?;
                 let parts = same_micro_batch_count(dp, parts)?;
                 for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
+                    let mut timer = verl_nn::profile::start(device);
                     let dummy = *dummy;
                     let idx = index_tensor(part, device)?;
                     let layout = RowLayout::new(&seqs, part, padding)?;
@@ -510,6 +511,7 @@ impl FsdpActor {
                     // Taken before the call: on several ranks the head unit holds its full values
                     // while the loss runs.
                     let weight = lm_head(&train.model)?;
+                    verl_nn::profile::lap(&mut timer, "train/micro_prep");
                     let res = train.forward_backward_hidden_with(
                         dp,
                         &layout.input_ids,
@@ -540,6 +542,7 @@ impl FsdpActor {
                         Ok(v) => v,
                         Err(e) => return Err(fail(train, e)),
                     };
+                    let mut timer = verl_nn::profile::start(device);
                     if dummy {
                         continue;
                     }
@@ -561,6 +564,7 @@ impl FsdpActor {
                         }
                     }
                     train.after_backward()?;
+                    verl_nn::profile::lap(&mut timer, "train/after_backward");
                     for (name, v) in &m {
                         match name.as_str() {
                             "actor/pg_loss" | "actor/kl_loss" => acc.add(name, *v),
@@ -575,8 +579,10 @@ impl FsdpActor {
                     dp.all_reduce_sum(&mut e)?;
                     acc.push_global("actor/entropy", e[0]);
                 }
+                let mut timer = verl_nn::profile::start(device);
                 let grad_norm =
                     train.finish_mini_batch(dp, lr, "actor", o.global_step, epoch, mi)?;
+                verl_nn::profile::lap(&mut timer, "train/optimizer_step");
                 acc.push_global("actor/grad_norm", grad_norm);
             }
         }
@@ -585,6 +591,9 @@ impl FsdpActor {
         acc.push_global("actor/lr", lr);
         crate::metrics::push_gpu_memory(&mut acc, dp, device)?;
         acc.reduce(dp)?;
+        if let Some(r) = verl_nn::profile::take_report() {
+            tracing::info!("actor update phases (VERL_PROFILE):\n{r}");
+        }
         Ok(acc.into_metrics())
     }
 

@@ -4,6 +4,10 @@ use thiserror::Error;
 /// found; tensor errors name the argument, the expected and the found shape or dtype.
 #[derive(Debug, Error)]
 pub enum LossError {
+    /// A fused CUDA kernel of the torch extension (the LM head's log-prob / entropy) failed.
+    #[error("LM head kernel: {0}")]
+    Kernel(#[from] verl_torch_ext::TorchExtError),
+
     /// A name-valued config key (`policy_loss.loss_mode`, `loss_agg_mode`, `kl_loss_type`) holds a name we do
     /// not know.
     #[error("config key `{key}`: unknown value {found:?}; valid values: {}{}", valid.join(", "), note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default())]

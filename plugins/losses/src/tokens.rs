@@ -40,6 +40,9 @@ pub fn logprobs_from_logits(logits: &Tensor, labels: &Tensor) -> Result<Tensor> 
     picked.f_sub(&logits.f_logsumexp(-1, false).op(OP)?).op(OP)
 }
 
+/// A chunk's per-token `(logsumexp, E_p[logits / T])`, kept from the fused forward for the backward.
+type ChunkConstants = (Tensor, Tensor);
+
 /// Options of the chunked LM-head computation.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ChunkedLmHead {
@@ -77,26 +80,82 @@ impl ChunkedLmHead {
     ) -> Result<TokenStats> {
         self.check(hidden, weight, targets)?;
         let _guard = tch::no_grad_guard();
+        Ok(self.forward_kept(hidden, weight, targets)?.0)
+    }
+
+    /// Whether the fused CUDA kernels compute the statistics (and their gradient): hidden states
+    /// on a CUDA device in fp32/bf16/f16, unless `VERL_HEAD_KERNEL=0`. The torch path (CPU, fp64)
+    /// computes the same quantities with separate ops.
+    fn fused(&self, hidden: &Tensor) -> bool {
+        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        hidden.kind() != Kind::Double
+            && verl_torch_ext::row_kernels_available(hidden.device())
+            && *ENABLED.get_or_init(|| std::env::var("VERL_HEAD_KERNEL").as_deref() != Ok("0"))
+    }
+
+    /// fp32 logits of a chunk, no autograd (the GEMM writes fp32 straight from its accumulator).
+    fn chunk_logits(hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
+        const OP: &str = "ChunkedLmHead";
+        let _guard = tch::no_grad_guard();
+        if hidden.kind() == Kind::Float {
+            hidden
+                .f_linear(weight, None::<Tensor>)
+                .op(OP)?
+                .f_contiguous()
+                .op(OP)
+        } else {
+            verl_nn::linear_fp32(hidden, weight)
+                .op(OP)?
+                .f_contiguous()
+                .op(OP)
+        }
+    }
+
+    /// [`ChunkedLmHead::forward`], plus each chunk's `(lse, mean)` when the fused kernels ran
+    /// (the backward's per-token constants).
+    fn forward_kept(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(TokenStats, Option<Vec<ChunkConstants>>)> {
+        const OP: &str = "ChunkedLmHead";
+        let _guard = tch::no_grad_guard();
         let n = hidden.size()[0];
+        let fused = self.fused(hidden);
         let mut lps = Vec::new();
         let mut ents = Vec::new();
+        let mut kept = Vec::new();
         for (start, len) in chunks(n, self.chunk_tokens) {
-            let h = hidden.f_narrow(0, start, len).op("ChunkedLmHead")?;
-            let t = targets.f_narrow(0, start, len).op("ChunkedLmHead")?;
-            let (lp, ent) = self.chunk_stats(&h, weight, &t, false)?;
-            lps.push(lp);
-            if let Some(e) = ent {
-                ents.push(e);
+            let h = hidden.f_narrow(0, start, len).op(OP)?;
+            let t = targets.f_narrow(0, start, len).op(OP)?;
+            if fused {
+                let logits = Self::chunk_logits(&h, weight)?;
+                let t = t.f_contiguous().op(OP)?;
+                let s =
+                    verl_torch_ext::token_stats(&logits, &t, self.temperature, self.with_entropy)?;
+                lps.push(s.log_probs);
+                if let Some(e) = s.entropy {
+                    ents.push(e);
+                }
+                kept.push((s.lse, s.mean));
+            } else {
+                let (lp, ent) = self.chunk_stats(&h, weight, &t, false)?;
+                lps.push(lp);
+                if let Some(e) = ent {
+                    ents.push(e);
+                }
             }
         }
-        Ok(TokenStats {
+        let stats = TokenStats {
             log_probs: cat(&lps, hidden)?,
             entropy: if self.with_entropy {
                 Some(cat(&ents, hidden)?)
             } else {
                 None
             },
-        })
+        };
+        Ok((stats, fused.then_some(kept)))
     }
 
     /// Forward, loss and backward in one call, with the logits recomputed chunk by chunk in the backward pass.
@@ -176,7 +235,8 @@ impl ChunkedLmHead {
         F: FnOnce(&Tensor, Option<&Tensor>) -> Result<Tensor>,
     {
         const OP: &str = "ChunkedLmHead::loss_and_backward";
-        let stats = self.forward(hidden, weight, targets)?;
+        self.check(hidden, weight, targets)?;
+        let (stats, kept) = self.forward_kept(hidden, weight, targets)?;
         let lp_leaf = stats
             .log_probs
             .f_detach()
@@ -222,7 +282,60 @@ impl ChunkedLmHead {
         let acc_kind = work_kind(weight);
         let mut g_hidden = Vec::new();
         let mut g_weight: Option<Tensor> = None;
-        for (start, len) in chunks(hidden.size()[0], self.chunk_tokens) {
+        for (ci, (start, len)) in chunks(hidden.size()[0], self.chunk_tokens).enumerate() {
+            if let Some(kept) = &kept {
+                // Fused: the logits' gradient from one kernel over recomputed fp32 logits, then
+                // the head's two GEMMs by hand (no autograd graph over [C, V] tensors).
+                let _guard = tch::no_grad_guard();
+                let h = hidden_d.f_narrow(0, start, len).op(OP)?;
+                let t = targets
+                    .f_narrow(0, start, len)
+                    .op(OP)?
+                    .f_contiguous()
+                    .op(OP)?;
+                let logits = Self::chunk_logits(&h, &weight_leaf)?;
+                let (lse, mean) = &kept[ci];
+                let f32c = |g: &Tensor| -> Result<Tensor> {
+                    g.f_narrow(0, start, len)
+                        .op(OP)?
+                        .f_to_kind(Kind::Float)
+                        .op(OP)?
+                        .f_contiguous()
+                        .op(OP)
+                };
+                let g_lp_c = f32c(&g_lp)?;
+                let g_ent_c = match &g_ent {
+                    Some(g) => Some(f32c(g)?),
+                    None => None,
+                };
+                let g_logits = verl_torch_ext::token_stats_grad(
+                    &logits,
+                    &t,
+                    lse,
+                    mean,
+                    &g_lp_c,
+                    g_ent_c.as_ref(),
+                    self.temperature,
+                    h.kind(),
+                )?;
+                drop(logits);
+                let w = weight_leaf.f_detach().op(OP)?;
+                g_hidden.push(g_logits.f_mm(&w.f_to_kind(h.kind()).op(OP)?).op(OP)?);
+                if want_weight_grad {
+                    let gw = g_logits
+                        .f_tr()
+                        .op(OP)?
+                        .f_mm(&h)
+                        .op(OP)?
+                        .f_to_kind(acc_kind)
+                        .op(OP)?;
+                    g_weight = Some(match g_weight {
+                        None => gw,
+                        Some(acc) => acc.f_add(&gw).op(OP)?,
+                    });
+                }
+                continue;
+            }
             let h = hidden_d
                 .f_narrow(0, start, len)
                 .op(OP)?

@@ -113,3 +113,50 @@ fn actor_loss_on_cuda_matches_cpu_in_f64() {
     }
     assert!(max_rel_err(&g_gpu, &g_cpu, 1e-12) < 1e-10);
 }
+
+/// On CUDA the chunked head runs the fused kernels (statistics in one pass, the logits' gradient
+/// in one more, the head's GEMMs by hand): in fp32 they must match full-logits autograd in fp64,
+/// entropy term and temperature included, across several chunks.
+#[test]
+fn fused_lm_head_matches_full_logits_autograd_in_fp32() {
+    let Some(dev) = cuda() else { return };
+    tch::manual_seed(4);
+    let (n, h, v) = (300i64, 64i64, 5000i64);
+    let hidden = Tensor::randn([n, h], (Kind::Float, dev));
+    let w = Tensor::randn([v, h], (Kind::Float, dev)) * 0.1;
+    let targets = Tensor::randint(v, [n], (Kind::Int64, dev));
+    let adv = Tensor::randn([n], (Kind::Float, dev));
+    let temperature = 0.7;
+
+    let h64 = hidden.to_kind(Kind::Double).set_requires_grad(true);
+    let w64 = w.to_kind(Kind::Double).set_requires_grad(true);
+    let x = h64.matmul(&w64.tr()) / temperature;
+    let lse = x.logsumexp([-1i64].as_slice(), false);
+    let lp_ref = x.gather(-1, &targets.unsqueeze(-1), false).squeeze_dim(-1) - &lse;
+    let ent_ref = &lse
+        - (x.softmax(-1, Kind::Double) * &x).sum_dim_intlist(
+            [-1i64].as_slice(),
+            false,
+            Kind::Double,
+        );
+    let adv64 = adv.to_kind(Kind::Double);
+    ((&lp_ref * &adv64).mean(Kind::Double).neg() + ent_ref.mean(Kind::Double) * 0.01).backward();
+
+    let hl = hidden.set_requires_grad(true);
+    let wl = w.set_requires_grad(true);
+    let head = ChunkedLmHead::new(128, temperature, true);
+    let (_loss, stats) = head
+        .loss_and_backward(&hl, &wl, &targets, |lp, ent| {
+            Ok((lp * &adv).mean(Kind::Float).neg() + ent.unwrap().mean(Kind::Float) * 0.01)
+        })
+        .unwrap();
+    let lp_err = max_rel_err(&to_vec(&stats.log_probs), &to_vec(&lp_ref), 1.0);
+    let ent_err = max_rel_err(&to_vec(&stats.entropy.unwrap()), &to_vec(&ent_ref), 1.0);
+    let gh = max_rel_err(&to_vec(&hl.grad()), &to_vec(&h64.grad()), 1e-4);
+    let gw = max_rel_err(&to_vec(&wl.grad()), &to_vec(&w64.grad()), 1e-4);
+    eprintln!(
+        "fused fp32 head: lp {lp_err:.1e} entropy {ent_err:.1e} grad h {gh:.1e} grad W {gw:.1e}"
+    );
+    assert!(lp_err < 1e-4 && ent_err < 1e-4, "values {lp_err} {ent_err}");
+    assert!(gh < 1e-3 && gw < 1e-3, "grads {gh} {gw}");
+}

@@ -105,9 +105,26 @@ pub(crate) struct RmsNorm {
     pub eps: f64,
 }
 
+/// Whether CUDA RMSNorms use libtorch's fused kernel (`at::rms_norm`: one kernel forward and
+/// one backward, normalising and scaling in fp32 with one rounding) instead of HF's op sequence
+/// (seven kernels, the normalised value rounded to the input dtype before the scale). Off with
+/// `VERL_FUSED_RMSNORM=0`; CPU always runs HF's sequence.
+fn fused_rms_norm() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VERL_FUSED_RMSNORM").as_deref() != Ok("0"))
+}
+
 impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let kind = x.kind();
+        if matches!(x.device(), Device::Cuda(_))
+            && kind == self.weight.kind()
+            && kind != Kind::Double
+            && fused_rms_norm()
+        {
+            let dim = self.weight.size();
+            return Ok(x.f_rms_norm(dim.as_slice(), Some(&self.weight), self.eps)?);
+        }
         let xf = x.f_to_kind(Kind::Float)?;
         let var = xf
             .f_pow_tensor_scalar(2)?

@@ -18,6 +18,7 @@ pub mod config;
 pub mod error;
 mod layers;
 pub mod model;
+pub mod profile;
 
 pub use checkpoint::{Checkpoint, LoadReport, SaveOptions};
 pub use config::{Arch, ModelConfig, MoeConfig, RopeScaling};

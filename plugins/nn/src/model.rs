@@ -663,15 +663,19 @@ impl Transformer {
         F: FnOnce(&Tensor) -> Result<Tensor>,
     {
         if !self.checkpointing {
+            let mut timer = crate::profile::start(self.device());
             let out = match output {
                 Output::Head => self.forward(input_ids, attention_mask, position_ids, None)?,
                 Output::Hidden => {
                     self.forward_hidden(input_ids, attention_mask, position_ids, None)?
                 }
             };
+            crate::profile::lap(&mut timer, "train/forward");
             let loss = loss_fn(&out)?;
             check_scalar(&loss)?;
+            crate::profile::lap(&mut timer, "train/loss_fn");
             loss.f_backward()?;
+            crate::profile::lap(&mut timer, "train/backward");
             return Ok(loss.f_detach()?);
         }
         let ctx = self.prepare(input_ids, attention_mask, position_ids, None)?;

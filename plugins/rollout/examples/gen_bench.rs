@@ -129,6 +129,14 @@ fn config(name: &str) -> Result<ModelConfig, String> {
 }
 
 fn main() -> ExitCode {
+    // Engine logs (e.g. the VERL_PROFILE phase table) on stderr, at RUST_LOG's level (info).
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -15,7 +15,7 @@ pub enum RolloutError {
     #[error("rollout libtorch call failed: {0}")]
     Torch(#[from] tch::TchError),
 
-    #[error("rollout CUDA graph: {0}")]
+    #[error("rollout CUDA extension (graphs, kernels): {0}")]
     Graph(#[from] verl_torch_ext::TorchExtError),
 }
 

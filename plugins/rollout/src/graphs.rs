@@ -11,8 +11,10 @@
 //!
 //! A bucket is captured on its second use (one-off shapes stay eager), into one private memory
 //! pool shared by all of this call's graphs, and lives as long as the call's KV pool (the graphs
-//! hold its addresses). Inputs go through one static index buffer per graph; the logits come back
-//! in the graph's static output. Any capture failure logs once and leaves the call eager.
+//! hold its addresses). Sampling is captured too: inputs go through one static index buffer and
+//! one static uniforms buffer per graph, and the sampled tokens (and their log-probs) come back in
+//! the graph's static outputs, so a step is two small uploads, one replay and one small download.
+//! Any capture failure logs once and leaves the call eager.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -24,6 +26,7 @@ use verl_torch_ext::CudaGraph;
 use crate::error::Result;
 use crate::paged_attn::{self, DeviceBatch, HostBatch, KvPool};
 use crate::params::EngineConfig;
+use crate::sampler::Sampler;
 
 /// Uses of a bucket before it is captured.
 const CAPTURE_AFTER_USES: usize = 2;
@@ -32,8 +35,12 @@ struct Captured {
     graph: CudaGraph,
     /// The static index buffer the graph reads (`HostBatch::flat` layout).
     input: Tensor,
-    /// The static logits `[batch bucket, vocab]` the graph writes.
-    logits: Tensor,
+    /// The static uniforms `[batch bucket]` the sampler reads (`None` when greedy).
+    uniforms: Option<Tensor>,
+    /// The static sampled tokens `[batch bucket]` the graph writes.
+    tokens: Tensor,
+    /// Their log-probs, when the call returns them.
+    log_probs: Option<Tensor>,
 }
 
 pub(crate) struct DecodeGraphs {
@@ -116,14 +123,17 @@ impl DecodeGraphs {
         Some((sb, nbb))
     }
 
-    /// The logits `[batch.s, vocab]` of a decode step run through a graph, or `None` when the
-    /// caller should run it eagerly (no bucket, not captured yet, or graphs failed).
+    /// The sampled tokens `[batch.s]` (and their log-probs) of a decode step run through a graph,
+    /// sampling included, or `None` when the caller should run it eagerly (no bucket, not
+    /// captured yet, or graphs failed). `uniforms`: one per row (`None` when greedy).
     pub fn decode(
         &mut self,
         model: &Transformer,
         pool: &KvPool,
         batch: &HostBatch,
-    ) -> Result<Option<Tensor>> {
+        sampler: &Sampler,
+        uniforms: Option<&[f32]>,
+    ) -> Result<Option<(Tensor, Option<Tensor>)>> {
         if self.disabled || batch.t != 1 {
             return Ok(None);
         }
@@ -132,13 +142,18 @@ impl DecodeGraphs {
         };
         let padded = batch.padded(key.0, key.1);
         let flat = padded.flat();
+        let padded_u: Option<Vec<f32>> = uniforms.map(|u| {
+            let mut v = vec![0.0f32; key.0];
+            v[..u.len()].copy_from_slice(u);
+            v
+        });
         if !self.graphs.contains_key(&key) {
             let uses = self.uses.entry(key).or_insert(0);
             *uses += 1;
             if *uses < CAPTURE_AFTER_USES {
                 return Ok(None);
             }
-            match self.capture(model, pool, &padded, &flat) {
+            match self.capture(model, pool, &padded, &flat, sampler, padded_u.as_deref()) {
                 Ok(c) => {
                     self.graphs.insert(key, c);
                     self.pool_owner.get_or_insert(key);
@@ -154,9 +169,19 @@ impl DecodeGraphs {
         let src = paged_attn::upload_i64(&flat, model.device())?;
         let mut input = c.input.shallow_clone();
         input.f_copy_(&src)?;
+        if let (Some(dst), Some(u)) = (&c.uniforms, &padded_u) {
+            let src = paged_attn::upload_f32(u, model.device())?;
+            let mut dst = dst.shallow_clone();
+            dst.f_copy_(&src)?;
+        }
         c.graph.replay()?;
         self.replays += 1;
-        Ok(Some(c.logits.f_narrow(0, 0, batch.s as i64)?))
+        let s = batch.s as i64;
+        let lp = match &c.log_probs {
+            Some(l) => Some(l.f_narrow(0, 0, s)?),
+            None => None,
+        };
+        Ok(Some((c.tokens.f_narrow(0, 0, s)?, lp)))
     }
 
     fn capture(
@@ -165,26 +190,43 @@ impl DecodeGraphs {
         pool: &KvPool,
         padded: &HostBatch,
         flat: &[i64],
+        sampler: &Sampler,
+        uniforms: Option<&[f32]>,
     ) -> Result<Captured> {
         let start = Instant::now();
-        let input = Tensor::f_zeros([flat.len() as i64], (Kind::Int64, model.device()))?;
-        let src = paged_attn::upload_i64(flat, model.device())?;
+        let dev = model.device();
+        let input = Tensor::f_zeros([flat.len() as i64], (Kind::Int64, dev))?;
+        let src = paged_attn::upload_i64(flat, dev)?;
         let mut dst = input.shallow_clone();
         dst.f_copy_(&src)?;
+        let u_static = match uniforms {
+            Some(u) => {
+                let t = Tensor::f_zeros([u.len() as i64], (Kind::Float, dev))?;
+                let src = paged_attn::upload_f32(u, dev)?;
+                let mut dst = t.shallow_clone();
+                dst.f_copy_(&src)?;
+                Some(t)
+            }
+            None => None,
+        };
         let share = self
             .pool_owner
             .and_then(|k| self.graphs.get(&k))
             .map(|c| &c.graph);
-        let (graph, logits) = verl_torch_ext::capture(share, 1, || -> Result<Tensor> {
-            let dev = DeviceBatch::from_flat(&input, padded.s, 1, padded.nb, false)?;
-            paged_attn::forward_device(model, pool, &dev)
-        })?;
+        let (graph, (tokens, log_probs)) =
+            verl_torch_ext::capture(share, 1, || -> Result<(Tensor, Option<Tensor>)> {
+                let dev_batch = DeviceBatch::from_flat(&input, padded.s, 1, padded.nb, false)?;
+                let logits = paged_attn::forward_device(model, pool, &dev_batch)?;
+                sampler.sample(&logits, u_static.as_ref())
+            })?;
         self.captured += 1;
         self.capture_secs += start.elapsed().as_secs_f64();
         Ok(Captured {
             graph,
             input,
-            logits,
+            uniforms: u_static,
+            tokens,
+            log_probs,
         })
     }
 }

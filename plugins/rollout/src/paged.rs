@@ -270,6 +270,9 @@ impl<'a> Engine<'a> {
         if let Some(t) = self.first_token_at {
             stats.decode_secs = t.elapsed().as_secs_f64();
         }
+        if let Some(r) = verl_nn::profile::take_report() {
+            tracing::info!("generation phases (VERL_PROFILE):\n{r}");
+        }
         Ok(())
     }
 
@@ -370,6 +373,7 @@ impl<'a> Engine<'a> {
             return Ok(false);
         }
         self.waiting.drain(..plan.len());
+        let mut timer = verl_nn::profile::start(self.model.device());
 
         // Block tables for the sequences that compute, then one forward for all of them.
         let mut extend: Vec<(usize, usize)> = Vec::new();
@@ -459,7 +463,8 @@ impl<'a> Engine<'a> {
         };
         let admitted: Vec<usize> = plan.iter().map(|&(s, _)| s).collect();
         self.running.extend_from_slice(&admitted);
-        self.sample(&admitted, &logits, out)?;
+        verl_nn::profile::lap(&mut timer, "prefill/forward");
+        self.sample(&admitted, &logits, out, "prefill")?;
         if self.first_token_at.is_none() {
             stats.prefill_secs = self.job.start.elapsed().as_secs_f64();
             self.first_token_at = Some(Instant::now());
@@ -467,24 +472,60 @@ impl<'a> Engine<'a> {
         Ok(true)
     }
 
-    /// Samples the next token of each of `seqs` (rows of `logits`), records it, and retires the
-    /// sequences that finished.
-    fn sample(&mut self, seqs: &[usize], logits: &Tensor, out: &mut Outputs) -> Result<()> {
-        let sampler = &self.job.sampler;
-        let uniforms = if sampler.is_greedy() {
-            None
-        } else {
-            let u: Vec<f32> = seqs
-                .iter()
+    /// The sampling uniforms of `seqs` (`None` when greedy): each sequence's own stream at its
+    /// next position.
+    fn uniforms(&self, seqs: &[usize]) -> Option<Vec<f32>> {
+        if self.job.sampler.is_greedy() {
+            return None;
+        }
+        Some(
+            seqs.iter()
                 .map(|&s| {
                     let seq = &self.seqs[s];
                     rng::uniform(seq.key, seq.out.len() as u64) as f32
                 })
-                .collect();
-            Some(paged_attn::upload_f32(&u, self.model.device())?)
+                .collect(),
+        )
+    }
+
+    /// Samples the next token of each of `seqs` (rows of `logits`), records it, and retires the
+    /// sequences that finished.
+    fn sample(
+        &mut self,
+        seqs: &[usize],
+        logits: &Tensor,
+        out: &mut Outputs,
+        phase: &'static str,
+    ) -> Result<()> {
+        let mut timer = verl_nn::profile::start(self.model.device());
+        let uniforms = match self.uniforms(seqs) {
+            Some(u) => Some(paged_attn::upload_f32(&u, self.model.device())?),
+            None => None,
         };
-        let (tokens, lp) = sampler.sample(logits, uniforms.as_ref())?;
-        let (tokens, lps) = fetch_samples(&tokens, lp.as_ref())?;
+        let (tokens, lp) = self.job.sampler.sample(logits, uniforms.as_ref())?;
+        verl_nn::profile::lap(
+            &mut timer,
+            if phase == "decode" {
+                "decode/sample"
+            } else {
+                "prefill/sample"
+            },
+        );
+        self.record(seqs, &tokens, lp.as_ref(), out, phase)
+    }
+
+    /// Downloads the sampled `tokens` (and log-probs) of `seqs`, records them, and retires the
+    /// sequences that finished.
+    fn record(
+        &mut self,
+        seqs: &[usize],
+        tokens: &Tensor,
+        lp: Option<&Tensor>,
+        out: &mut Outputs,
+        phase: &'static str,
+    ) -> Result<()> {
+        let mut timer = verl_nn::profile::start(self.model.device());
+        let (tokens, lps) = fetch_samples(tokens, lp)?;
         let params = &self.job.params;
         let m = params.max_new_tokens;
         let mut done = Vec::new();
@@ -512,6 +553,14 @@ impl<'a> Engine<'a> {
             }
             self.running.retain(|s| !done.contains(s));
         }
+        verl_nn::profile::lap(
+            &mut timer,
+            if phase == "decode" {
+                "decode/fetch_bookkeeping"
+            } else {
+                "prefill/fetch_bookkeeping"
+            },
+        );
         Ok(())
     }
 
@@ -533,6 +582,7 @@ impl<'a> Engine<'a> {
     }
 
     fn decode_step(&mut self, out: &mut Outputs, stats: &mut GenerationStats) -> Result<()> {
+        let mut timer = verl_nn::profile::start(self.model.device());
         while self.decode_needs() > self.pool.num_free() {
             let victim = self.running.pop().ok_or_else(|| {
                 RolloutError::input(
@@ -587,20 +637,34 @@ impl<'a> Engine<'a> {
             })?;
             batch.set_row(r, &[last], seq.cached, &seq.table, bs);
         }
+        verl_nn::profile::lap(&mut timer, "decode/host_batch");
+        let running = self.running.clone();
+        let uniforms = self.uniforms(&running);
         let graphed = match self.graphs.as_mut() {
-            Some(g) => g.decode(self.model, &self.kv, &batch)?,
+            Some(g) => g.decode(
+                self.model,
+                &self.kv,
+                &batch,
+                &self.job.sampler,
+                uniforms.as_deref(),
+            )?,
             None => None,
         };
-        let logits = match graphed {
-            Some(l) => l,
-            None => paged_attn::forward(self.model, &self.kv, &batch)?,
-        };
         stats.decode_steps += 1;
-        stats.decode_tokens += self.running.len();
-        for &s in &self.running {
+        stats.decode_tokens += running.len();
+        for &s in &running {
             self.seqs[s].cached += 1;
         }
-        let running = self.running.clone();
-        self.sample(&running, &logits, out)
+        match graphed {
+            Some((tokens, lp)) => {
+                verl_nn::profile::lap(&mut timer, "decode/graph_forward_sample");
+                self.record(&running, &tokens, lp.as_ref(), out, "decode")
+            }
+            None => {
+                let logits = paged_attn::forward(self.model, &self.kv, &batch)?;
+                verl_nn::profile::lap(&mut timer, "decode/forward");
+                self.sample(&running, &logits, out, "decode")
+            }
+        }
     }
 }

@@ -49,6 +49,16 @@ impl Sampler {
         self.greedy
     }
 
+    /// Whether `sample` on `device` runs the fused CUDA kernel ([`verl_torch_ext::sample_rows`]):
+    /// no top-k/top-p filter, a CUDA device, and not turned off with `VERL_SAMPLING_KERNEL=0`.
+    pub fn uses_kernel(&self, device: tch::Device) -> bool {
+        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        self.top_k.is_none()
+            && self.top_p.is_none()
+            && verl_torch_ext::row_kernels_available(device)
+            && *ENABLED.get_or_init(|| std::env::var("VERL_SAMPLING_KERNEL").as_deref() != Ok("0"))
+    }
+
     /// `logits`: `[R, V]` (any float kind); `uniforms`: float `[R]` in `[0, 1)` on the logits'
     /// device, one per row (unused when greedy). Returns int64 tokens `[R]` and, when asked,
     /// float32 log-probs `[R]` of those tokens under `log_softmax(logits / temperature)`.
@@ -57,6 +67,30 @@ impl Sampler {
         logits: &Tensor,
         uniforms: Option<&Tensor>,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        if self.uses_kernel(logits.device()) {
+            // One kernel: two passes over each row instead of a softmax, a cumsum, comparisons
+            // and a log-softmax over [rows, vocab] fp32 tensors. Same inverse CDF in vocabulary
+            // order (fp32 sums in another order: a draw within rounding of a boundary may take
+            // the neighbouring token).
+            let logits = logits.f_to_kind(Kind::Float)?.f_contiguous()?;
+            let u = match (self.greedy, uniforms) {
+                (true, _) => None,
+                (false, Some(u)) => Some(u.f_to_kind(Kind::Float)?.f_contiguous()?),
+                (false, None) => {
+                    return Err(RolloutError::input(
+                        "sampler uniforms",
+                        "one per row",
+                        "none",
+                    ))
+                }
+            };
+            return Ok(verl_torch_ext::sample_rows(
+                &logits,
+                u.as_ref(),
+                self.temperature,
+                self.log_probs,
+            )?);
+        }
         let logits = logits.f_to_kind(Kind::Float)?;
         let scaled = if self.temperature != 1.0 {
             logits.f_div_scalar(self.temperature)?

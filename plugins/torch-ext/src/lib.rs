@@ -5,6 +5,9 @@
 //!   run on the default stream), replay on the current stream, and private memory pools shared
 //!   between graphs. Available when the libtorch build has CUDA ([`cuda_graphs_compiled`]).
 //! * [`fused_adamw`]: `torch.optim.AdamW(fused=True)`'s multi-tensor kernel (CPU and CUDA).
+//! * [`paged_decode_attention`]: decode attention over a block-paged KV cache (CUDA, NVRTC).
+//! * [`sample_rows`], [`token_stats`], [`token_stats_grad`]: fused per-row kernels over fp32
+//!   logits for sampling and for the LM head's log-probs / entropy (CUDA, NVRTC).
 //!
 //! Tensors cross the boundary as tch's `at::Tensor*` handles; C++ exceptions come back as
 //! [`TorchExtError`]s, never as unwinding.
@@ -15,7 +18,9 @@ use std::ptr::NonNull;
 use tch::Tensor;
 
 mod paged_attention;
+mod row_kernels;
 pub use paged_attention::*;
+pub use row_kernels::*;
 
 /// Errors of this crate: a libtorch call that raised, or inputs it was not given right.
 #[derive(Debug, thiserror::Error)]

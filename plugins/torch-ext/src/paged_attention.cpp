@@ -39,11 +39,8 @@
 #ifdef VERL_WITH_CUDA
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <dirent.h>
-#include <dlfcn.h>
-#include <limits.h>
-#include <nvrtc.h>
+
+#include "cuda_rt.h"
 
 #include <cmath>
 #include <map>
@@ -549,352 +546,48 @@ const std::string& full_source() {
 
 VT_PA_PARAMS_DEF
 
-// ---- libcuda (driver API), opened with dlopen ----------------------------------------------
-typedef int CUresult_t;
-typedef int CUdevice_t;
-typedef void* CUcontext_t;
-typedef void* CUmodule_t;
-typedef void* CUfunction_t;
-typedef void* CUstream_t;
-constexpr int kAttrMultiprocessorCount = 16;   // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-constexpr int kAttrComputeCapMajor = 75;       // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
-constexpr int kAttrComputeCapMinor = 76;       // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+using namespace vt_rt;
 
-struct CudaApi {
-  CUresult_t (*cuInit)(unsigned int);
-  CUresult_t (*cuGetErrorString)(CUresult_t, const char**);
-  CUresult_t (*cuDeviceGet)(CUdevice_t*, int);
-  CUresult_t (*cuDeviceGetAttribute)(int*, int, CUdevice_t);
-  CUresult_t (*cuDevicePrimaryCtxRetain)(CUcontext_t*, CUdevice_t);
-  CUresult_t (*cuCtxGetCurrent)(CUcontext_t*);
-  CUresult_t (*cuCtxSetCurrent)(CUcontext_t);
-  CUresult_t (*cuModuleLoadData)(CUmodule_t*, const void*);
-  CUresult_t (*cuModuleGetFunction)(CUfunction_t*, CUmodule_t, const char*);
-  CUresult_t (*cuLaunchKernel)(CUfunction_t, unsigned, unsigned, unsigned, unsigned, unsigned,
-                               unsigned, unsigned, CUstream_t, void**, void**);
-  std::string error;  // non-empty: unusable
-};
-
-template <typename P>
-bool load_sym(void* lib, const char* name, P& out, std::string& error) {
-  out = reinterpret_cast<P>(dlsym(lib, name));
-  if (out == nullptr && error.empty()) {
-    error = std::string("symbol ") + name + " not found";
-  }
-  return out != nullptr;
-}
-
-const CudaApi& cuda_api() {
-  static const CudaApi api = [] {
-    CudaApi a{};
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (lib == nullptr) {
-      const char* e = dlerror();
-      a.error = std::string("dlopen(libcuda.so.1) failed (is the NVIDIA driver installed?): ") +
-                (e ? e : "unknown error");
-      return a;
-    }
-    std::string err;
-    load_sym(lib, "cuInit", a.cuInit, err);
-    load_sym(lib, "cuGetErrorString", a.cuGetErrorString, err);
-    load_sym(lib, "cuDeviceGet", a.cuDeviceGet, err);
-    load_sym(lib, "cuDeviceGetAttribute", a.cuDeviceGetAttribute, err);
-    load_sym(lib, "cuDevicePrimaryCtxRetain", a.cuDevicePrimaryCtxRetain, err);
-    load_sym(lib, "cuCtxGetCurrent", a.cuCtxGetCurrent, err);
-    load_sym(lib, "cuCtxSetCurrent", a.cuCtxSetCurrent, err);
-    load_sym(lib, "cuModuleLoadData", a.cuModuleLoadData, err);
-    load_sym(lib, "cuModuleGetFunction", a.cuModuleGetFunction, err);
-    load_sym(lib, "cuLaunchKernel", a.cuLaunchKernel, err);
-    if (!err.empty()) {
-      a.error = "libcuda.so.1: " + err;
-      return a;
-    }
-    const CUresult_t r = a.cuInit(0);
-    if (r != 0) {
-      a.error = "cuInit failed with CUDA error " + std::to_string(r);
-    }
-    return a;
-  }();
-  return api;
-}
-
-void cu_check(CUresult_t r, const char* what) {
-  if (r == 0) return;
-  const CudaApi& a = cuda_api();
-  const char* msg = nullptr;
-  if (a.cuGetErrorString != nullptr) a.cuGetErrorString(r, &msg);
-  throw std::runtime_error(std::string("paged attention: ") + what + " failed: CUDA error " +
-                           std::to_string(r) + (msg ? std::string(" (") + msg + ")" : ""));
-}
-
-const CudaApi& cuda_checked() {
-  const CudaApi& a = cuda_api();
-  if (!a.error.empty()) throw std::runtime_error("paged attention: " + a.error);
-  return a;
-}
-
-// ---- libnvrtc, opened with dlopen ------------------------------------------------------------
-struct NvrtcApi {
-  decltype(&nvrtcGetErrorString) getErrorString;
-  decltype(&nvrtcVersion) version;
-  decltype(&nvrtcCreateProgram) createProgram;
-  decltype(&nvrtcDestroyProgram) destroyProgram;
-  decltype(&nvrtcCompileProgram) compileProgram;
-  decltype(&nvrtcGetProgramLogSize) getProgramLogSize;
-  decltype(&nvrtcGetProgramLog) getProgramLog;
-  decltype(&nvrtcGetPTXSize) getPTXSize;
-  decltype(&nvrtcGetPTX) getPTX;
-  decltype(&nvrtcGetCUBINSize) getCUBINSize;
-  decltype(&nvrtcGetCUBIN) getCUBIN;
-  decltype(&nvrtcGetNumSupportedArchs) getNumSupportedArchs;
-  decltype(&nvrtcGetSupportedArchs) getSupportedArchs;
-  std::string path;
-  std::string error;
-};
-
-// The directory of torch's CUDA libraries (libc10_cuda.so sits next to libtorch_cuda.so).
-std::string torch_lib_dir() {
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<void*>(&c10::cuda::getCurrentCUDAStream), &info) == 0 ||
-      info.dli_fname == nullptr) {
-    return "";
-  }
-  char resolved[PATH_MAX];
-  std::string file = realpath(info.dli_fname, resolved) ? resolved : info.dli_fname;
-  const auto slash = file.rfind('/');
-  return slash == std::string::npos ? "" : file.substr(0, slash);
-}
-
-// libnvrtc opens libnvrtc-builtins.so.<version> by bare name at compile time, which fails when
-// its directory is not on the loader's search path (the pip wheel's case). Loading it first from
-// libnvrtc's own directory makes that lookup find the already-loaded library by its soname.
-void preload_nvrtc_builtins(void* nvrtc) {
-  void* sym = dlsym(nvrtc, "nvrtcVersion");
-  Dl_info info{};
-  if (sym == nullptr || dladdr(sym, &info) == 0 || info.dli_fname == nullptr) return;
-  char resolved[PATH_MAX];
-  std::string file = realpath(info.dli_fname, resolved) ? resolved : info.dli_fname;
-  const auto slash = file.rfind('/');
-  if (slash == std::string::npos) return;
-  const std::string dir = file.substr(0, slash);
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return;
-  std::vector<std::string> names;
-  while (dirent* e = readdir(d)) {
-    const std::string n = e->d_name;
-    if (n.rfind("libnvrtc-builtins.so", 0) == 0) names.push_back(n);
-  }
-  closedir(d);
-  for (const auto& n : names) dlopen((dir + "/" + n).c_str(), RTLD_NOW | RTLD_GLOBAL);
-}
-
-const NvrtcApi& nvrtc_api() {
-  static const NvrtcApi api = [] {
-    NvrtcApi a{};
-    std::vector<std::string> candidates;
-    if (const char* env = std::getenv("VERL_NVRTC_PATH")) {
-      if (*env) candidates.push_back(env);
-    }
-    const std::string dir = torch_lib_dir();
-    if (!dir.empty()) {
-      candidates.push_back(dir + "/../../nvidia/cu13/lib/libnvrtc.so.13");
-      candidates.push_back(dir + "/libnvrtc.so.13");
-    }
-    candidates.push_back("libnvrtc.so.13");
-    candidates.push_back("libnvrtc.so");
-    std::string tried;
-    void* lib = nullptr;
-    for (const auto& c : candidates) {
-      lib = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (lib != nullptr) {
-        a.path = c;
-        break;
-      }
-      const char* e = dlerror();
-      tried += "\n  " + c + ": " + (e ? e : "not found");
-    }
-    if (lib == nullptr) {
-      a.error = "could not load libnvrtc (set VERL_NVRTC_PATH to its path); tried:" + tried;
-      return a;
-    }
-    preload_nvrtc_builtins(lib);
-    std::string err;
-    load_sym(lib, "nvrtcGetErrorString", a.getErrorString, err);
-    load_sym(lib, "nvrtcVersion", a.version, err);
-    load_sym(lib, "nvrtcCreateProgram", a.createProgram, err);
-    load_sym(lib, "nvrtcDestroyProgram", a.destroyProgram, err);
-    load_sym(lib, "nvrtcCompileProgram", a.compileProgram, err);
-    load_sym(lib, "nvrtcGetProgramLogSize", a.getProgramLogSize, err);
-    load_sym(lib, "nvrtcGetProgramLog", a.getProgramLog, err);
-    load_sym(lib, "nvrtcGetPTXSize", a.getPTXSize, err);
-    load_sym(lib, "nvrtcGetPTX", a.getPTX, err);
-    load_sym(lib, "nvrtcGetCUBINSize", a.getCUBINSize, err);
-    load_sym(lib, "nvrtcGetCUBIN", a.getCUBIN, err);
-    load_sym(lib, "nvrtcGetNumSupportedArchs", a.getNumSupportedArchs, err);
-    load_sym(lib, "nvrtcGetSupportedArchs", a.getSupportedArchs, err);
-    if (!err.empty()) a.error = a.path + ": " + err;
-    return a;
-  }();
-  return api;
-}
-
-const NvrtcApi& nvrtc_checked() {
-  const NvrtcApi& a = nvrtc_api();
-  if (!a.error.empty()) throw std::runtime_error("paged attention: " + a.error);
-  return a;
-}
-
-struct Binary {
-  std::string image;  // CUBIN or NUL-terminated PTX
-  std::string log;
-  std::string target;
-};
-
-// Compiles the kernels for (dtype 0/1/2, head_dim, tensor cores?) for compute capability `arch`
-// (e.g. 90): a CUBIN for sm_<arch> when NVRTC knows it, else PTX for the newest virtual
-// architecture below it (the driver finishes it).
+// Compiles the paged-attention kernels for (dtype 0/1/2, head_dim, tensor cores?) for compute
+// capability `arch`.
 Binary compile_program(int dtype, int head_dim, bool tc, int arch, bool verbose) {
-  const NvrtcApi& nv = nvrtc_checked();
-  int n_archs = 0;
-  std::vector<int> archs;
-  if (nv.getNumSupportedArchs(&n_archs) == NVRTC_SUCCESS && n_archs > 0) {
-    archs.resize(static_cast<size_t>(n_archs));
-    if (nv.getSupportedArchs(archs.data()) != NVRTC_SUCCESS) archs.clear();
-  }
-  bool exact = archs.empty();
-  int virt = 0;
-  for (int a : archs) {
-    if (a == arch) exact = true;
-    if (a <= arch && a > virt) virt = a;
-  }
-  if (!exact && virt == 0) {
-    std::ostringstream s;
-    s << "paged attention: NVRTC (" << nv.path << ") supports no architecture <= sm_" << arch;
-    throw std::runtime_error(s.str());
-  }
-  Binary bin;
-  bin.target = exact ? "sm_" + std::to_string(arch) : "compute_" + std::to_string(virt);
   std::vector<std::string> opts = {
-      "--gpu-architecture=" + bin.target,
-      "-std=c++17",
       "-DVT_DTYPE=" + std::to_string(dtype),
       "-DVT_HEAD_DIM=" + std::to_string(head_dim),
   };
   if (tc) opts.push_back("-DVT_WITH_TC");
-  if (verbose && exact) opts.push_back("--ptxas-options=-v");
-  std::vector<const char*> argv;
-  for (const auto& o : opts) argv.push_back(o.c_str());
-
-  nvrtcProgram prog = nullptr;
-  nvrtcResult r = nv.createProgram(&prog, full_source().c_str(), "verl_paged_attention.cu", 0,
-                                   nullptr, nullptr);
-  if (r != NVRTC_SUCCESS) {
-    throw std::runtime_error(std::string("paged attention: nvrtcCreateProgram: ") +
-                             nv.getErrorString(r));
+  try {
+    return compile_source(full_source(), "verl_paged_attention", opts, arch, verbose);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("paged attention (") + (tc ? "tensor-core" : "CUDA-core") +
+                             " kernel, dtype " + std::to_string(dtype) + ", head_dim " +
+                             std::to_string(head_dim) + "): " + e.what());
   }
-  std::unique_ptr<nvrtcProgram, void (*)(nvrtcProgram*)> guard(&prog, [](nvrtcProgram* p) {
-    nvrtc_api().destroyProgram(p);
-  });
-  r = nv.compileProgram(prog, static_cast<int>(argv.size()), argv.data());
-  size_t log_size = 0;
-  if (nv.getProgramLogSize(prog, &log_size) == NVRTC_SUCCESS && log_size > 1) {
-    bin.log.resize(log_size);
-    nv.getProgramLog(prog, &bin.log[0]);
-    bin.log.resize(std::strlen(bin.log.c_str()));
-  }
-  if (r != NVRTC_SUCCESS) {
-    std::ostringstream s;
-    s << "paged attention: NVRTC compilation failed (" << nv.getErrorString(r) << ") for "
-      << (tc ? "tensor-core" : "CUDA-core") << " kernel, dtype " << dtype << ", head_dim "
-      << head_dim << ", " << bin.target << ", options:";
-    for (const auto& o : opts) s << ' ' << o;
-    s << "\n" << bin.log;
-    throw std::runtime_error(s.str());
-  }
-  size_t size = 0;
-  if (exact) {
-    r = nv.getCUBINSize(prog, &size);
-    if (r == NVRTC_SUCCESS) {
-      bin.image.resize(size);
-      r = nv.getCUBIN(prog, &bin.image[0]);
-    }
-  } else {
-    r = nv.getPTXSize(prog, &size);
-    if (r == NVRTC_SUCCESS) {
-      bin.image.resize(size);
-      r = nv.getPTX(prog, &bin.image[0]);
-    }
-  }
-  if (r != NVRTC_SUCCESS) {
-    throw std::runtime_error(std::string("paged attention: reading the compiled kernel: ") +
-                             nv.getErrorString(r));
-  }
-  return bin;
 }
 
 // ---- compiled-kernel cache and launch ---------------------------------------------------------
-struct DeviceInfo {
-  int arch = 0;
-  int sms = 0;
-  CUcontext_t primary = nullptr;
-};
-
 struct Kernels {
   CUfunction_t main = nullptr;
   CUfunction_t reduce = nullptr;
 };
 
-std::mutex g_mu;
-std::map<int, DeviceInfo> g_devices;
 std::map<std::tuple<int, int, int, int>, Kernels> g_kernels;  // (tc, dtype, head_dim, device)
-
-// Makes the device's primary context (the one the CUDA runtime and torch use) current.
-const DeviceInfo& device_info(int index) {
-  const CudaApi& cu = cuda_checked();
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_devices.find(index);
-  if (it == g_devices.end()) {
-    DeviceInfo info;
-    CUdevice_t dev = 0;
-    cu_check(cu.cuDeviceGet(&dev, index), "cuDeviceGet");
-    int major = 0, minor = 0;
-    cu_check(cu.cuDeviceGetAttribute(&major, kAttrComputeCapMajor, dev), "cuDeviceGetAttribute");
-    cu_check(cu.cuDeviceGetAttribute(&minor, kAttrComputeCapMinor, dev), "cuDeviceGetAttribute");
-    cu_check(cu.cuDeviceGetAttribute(&info.sms, kAttrMultiprocessorCount, dev),
-             "cuDeviceGetAttribute");
-    info.arch = major * 10 + minor;
-    cu_check(cu.cuDevicePrimaryCtxRetain(&info.primary, dev), "cuDevicePrimaryCtxRetain");
-    it = g_devices.emplace(index, info).first;
-  }
-  return it->second;
-}
-
-void make_current(const DeviceInfo& info) {
-  const CudaApi& cu = cuda_checked();
-  CUcontext_t cur = nullptr;
-  cu_check(cu.cuCtxGetCurrent(&cur), "cuCtxGetCurrent");
-  if (cur != info.primary) cu_check(cu.cuCtxSetCurrent(info.primary), "cuCtxSetCurrent");
-}
 
 Kernels kernels_for(bool tc, int dtype, int head_dim, int index, const DeviceInfo& info) {
   const auto key = std::make_tuple(tc ? 1 : 0, dtype, head_dim, index);
   {
-    std::lock_guard<std::mutex> lock(g_mu);
+    std::lock_guard<std::mutex> lock(rt_mutex());
     auto it = g_kernels.find(key);
     if (it != g_kernels.end()) return it->second;
   }
   // Compile outside the lock; a concurrent first call may compile twice (the first insert wins).
   const Binary bin = compile_program(dtype, head_dim, tc, info.arch, false);
-  const CudaApi& cu = cuda_checked();
-  CUmodule_t mod = nullptr;
-  cu_check(cu.cuModuleLoadData(&mod, bin.image.data()),
-           ("cuModuleLoadData (" + bin.target + ")").c_str());
+  const auto fns = load_functions(bin, {"vt_pa_main", "vt_pa_reduce"});
   Kernels k;
-  cu_check(cu.cuModuleGetFunction(&k.main, mod, "vt_pa_main"), "cuModuleGetFunction(vt_pa_main)");
-  cu_check(cu.cuModuleGetFunction(&k.reduce, mod, "vt_pa_reduce"),
-           "cuModuleGetFunction(vt_pa_reduce)");
-  std::lock_guard<std::mutex> lock(g_mu);
-  return g_kernels.emplace(key, k).first->second;  // modules are never unloaded
+  k.main = fns[0];
+  k.reduce = fns[1];
+  std::lock_guard<std::mutex> lock(rt_mutex());
+  return g_kernels.emplace(key, k).first->second;
 }
 
 std::string shape_str(const at::Tensor& t) {
@@ -1073,7 +766,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     p.part_lse = part_lse.data_ptr<float>();
   }
   const CudaApi& cu = cuda_checked();
-  CUstream_t stream = reinterpret_cast<CUstream_t>(c10::cuda::getCurrentCUDAStream(index).stream());
+  CUstream_t stream = current_stream(index);
   void* args[] = {&p};
   cu_check(cu.cuLaunchKernel(k.main, static_cast<unsigned>(S), static_cast<unsigned>(KVH * chunks),
                              static_cast<unsigned>(parts), 128, 1, 1, 0, stream, args, nullptr),

@@ -1,0 +1,623 @@
+// Row kernels over fp32 logits [rows, vocab], one thread block per row, compiled at run time with
+// NVRTC (see cuda_rt.h) and launched on libtorch's current stream (graph-capturable):
+//
+// * vt_sample_rows: next-token sampling without top-k/top-p. Greedy: the first maximal logit.
+//   Else the inverse CDF in vocabulary order at u * total (the first token whose cumulative
+//   exp(x/T - max) exceeds it), which is what the torch sampler computes, in two passes over the
+//   row instead of a softmax, a cumsum and several comparisons over [rows, vocab] tensors. Also
+//   writes the token's log-probability under log_softmax(x / T).
+// * vt_token_stats: per row, log_softmax(x/T)[target], logsumexp(x/T), E_p[x/T] and the entropy
+//   logsumexp - E_p[x/T], in one pass (an online max / sum / weighted sum).
+// * vt_token_stats_grad: the gradient of g_lp * log_prob + g_ent * entropy with respect to the
+//   raw logits, (g_lp (onehot - p) - g_ent p (x/T - E)) / T, written in the caller's dtype; the
+//   LM head's backward GEMMs then take it straight.
+//
+// Every extern "C" function reports C++ exceptions as a heap string freed with vt_free_error.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+#include <string>
+
+#ifdef VERL_WITH_CUDA
+#include <c10/core/DeviceGuard.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "cuda_rt.h"
+#endif
+
+#define VT_ROW_PARAMS_DEF                                                                 \
+  struct VtRowParams {                                                                    \
+    const float* logits;      /* [R, V] */                                                \
+    const long long* targets; /* [R] (stats, grad) */                                     \
+    const float* uniforms;    /* [R] (sample; null: greedy) */                            \
+    long long* tokens;        /* [R] (sample out) */                                      \
+    float* out_lp;            /* [R] (sample: nullable; stats) */                         \
+    float* out_ent;           /* [R] (stats; nullable) */                                 \
+    float* lse;               /* [R] (stats out, grad in) */                              \
+    float* mean;              /* [R] E_p[x/T] (stats out, grad in) */                     \
+    const float* g_lp;        /* [R] (grad) */                                            \
+    const float* g_ent;       /* [R] (grad; nullable) */                                  \
+    void* grad;               /* [R, V] (grad out) */                                     \
+    long long vocab;                                                                      \
+    float temperature;                                                                    \
+    int grad_dtype;           /* 0 fp32, 1 bf16, 2 fp16 */                                \
+  };
+
+#define VT_ROW_STR_(...) #__VA_ARGS__
+#define VT_ROW_STR(...) VT_ROW_STR_(__VA_ARGS__)
+
+namespace {
+
+const char* const kRowSource = R"VTROW(
+#define THREADS 512
+#define WARPS (THREADS / 32)
+
+__device__ __forceinline__ float vt_neg_inf() { return __int_as_float(0xff800000); }
+
+// Scaled logit: x / T exactly as torch's division computes it (T == 1: x).
+__device__ __forceinline__ float vt_scaled(float x, float t) { return t == 1.0f ? x : x / t; }
+
+// Online (max, sum exp(x - max), sum exp(x - max) * x) state.
+struct Acc {
+  float m, s, w;
+};
+
+__device__ __forceinline__ void acc_add(Acc& a, float x) {
+  if (x == vt_neg_inf()) return;  // exp(-inf) = 0 adds nothing (and -inf * 0 is NaN)
+  if (x > a.m) {
+    const float c = a.m == vt_neg_inf() ? 0.0f : expf(a.m - x);
+    a.s = a.s * c + 1.0f;
+    a.w = a.w * c + x;
+    a.m = x;
+  } else {
+    const float e = expf(x - a.m);
+    a.s += e;
+    a.w += e * x;
+  }
+}
+
+__device__ __forceinline__ Acc acc_merge(Acc a, Acc b) {
+  if (b.m == vt_neg_inf()) return a;
+  if (a.m == vt_neg_inf()) return b;
+  const float m = fmaxf(a.m, b.m);
+  const float ca = expf(a.m - m), cb = expf(b.m - m);
+  Acc r;
+  r.m = m;
+  r.s = a.s * ca + b.s * cb;
+  r.w = a.w * ca + b.w * cb;
+  return r;
+}
+
+// Whole-block reduction of the state (every thread gets the result).
+__device__ Acc block_acc(Acc a) {
+  __shared__ Acc part[WARPS];
+  __shared__ Acc total;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) {
+    Acc b;
+    b.m = __shfl_xor_sync(0xffffffffu, a.m, o);
+    b.s = __shfl_xor_sync(0xffffffffu, a.s, o);
+    b.w = __shfl_xor_sync(0xffffffffu, a.w, o);
+    a = acc_merge(a, b);
+  }
+  if (lane == 0) part[warp] = a;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Acc r = part[0];
+    for (int i = 1; i < WARPS; ++i) r = acc_merge(r, part[i]);
+    total = r;
+  }
+  __syncthreads();
+  return total;
+}
+
+// (value, index) arg-max: larger value, then smaller index.
+__device__ __forceinline__ void arg_better(float& v, long long& i, float v2, long long i2) {
+  if (v2 > v || (v2 == v && i2 >= 0 && (i < 0 || i2 < i))) {
+    v = v2;
+    i = i2;
+  }
+}
+
+__device__ long long block_argmax(float v, long long i) {
+  __shared__ float pv[WARPS];
+  __shared__ long long pi[WARPS];
+  __shared__ long long best;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+    const long long i2 = __shfl_xor_sync(0xffffffffu, i, o);
+    arg_better(v, i, v2, i2);
+  }
+  if (lane == 0) {
+    pv[warp] = v;
+    pi[warp] = i;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float bv = pv[0];
+    long long bi = pi[0];
+    for (int k = 1; k < WARPS; ++k) arg_better(bv, bi, pv[k], pi[k]);
+    best = bi;
+  }
+  __syncthreads();
+  return best;
+}
+
+// The row's scaled-logit state, thread-strided (coalesced).
+__device__ Acc row_acc(const float* row, long long V, float t) {
+  Acc a;
+  a.m = vt_neg_inf();
+  a.s = 0.0f;
+  a.w = 0.0f;
+  for (long long v = threadIdx.x; v < V; v += THREADS) acc_add(a, vt_scaled(row[v], t));
+  return block_acc(a);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) vt_sample_rows(const VtRowParams p) {
+  const long long r = blockIdx.x;
+  const long long V = p.vocab;
+  const float* row = p.logits + r * V;
+  const float t = p.temperature;
+  __shared__ long long chosen;
+  // The scaled-logit state: the sampling CDF's scale and the log-probability's normaliser.
+  Acc a;
+  a.m = 0.0f;
+  a.s = 1.0f;
+  a.w = 0.0f;
+  if (p.uniforms != nullptr || p.out_lp != nullptr) a = row_acc(row, V, t);
+  if (p.uniforms == nullptr) {
+    float bv = vt_neg_inf();
+    long long bi = -1;
+    for (long long v = threadIdx.x; v < V; v += THREADS) arg_better(bv, bi, row[v], v);
+    const long long best = block_argmax(bv, bi);
+    if (threadIdx.x == 0) chosen = best < 0 ? 0 : best;
+  } else {
+    const float M = a.m;
+    // Contiguous segments, one per warp, in tiles of 32 lanes x 4 consecutive tokens.
+    const long long seg = ((V + WARPS - 1) / WARPS + 127) / 128 * 128;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ float seg_sum[WARPS];
+    __shared__ int owner;
+    __shared__ float before;
+    __shared__ float target;
+    {
+      const long long lo = warp * seg, hi = min(V, lo + seg);
+      float s = 0.0f;
+      for (long long base = lo; base < hi; base += 128) {
+        const long long v0 = base + lane * 4;
+        for (int k = 0; k < 4; ++k) {
+          const long long v = v0 + k;
+          if (v < hi) s += expf(vt_scaled(row[v], t) - M);
+        }
+      }
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) seg_sum[warp] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.0f;
+      for (int w = 0; w < WARPS; ++w) total += seg_sum[w];
+      const float tgt = p.uniforms[r] * total;
+      float acc = 0.0f;
+      int own = -1, last = 0;
+      float own_before = 0.0f, last_before = 0.0f;
+      for (int w = 0; w < WARPS; ++w) {
+        if (seg_sum[w] > 0.0f) {
+          last = w;
+          last_before = acc;
+        }
+        if (own < 0 && acc + seg_sum[w] > tgt && seg_sum[w] > 0.0f) {
+          own = w;
+          own_before = acc;
+        }
+        acc += seg_sum[w];
+      }
+      if (own < 0) {  // u * total rounded up to total: the last token with mass
+        own = last;
+        own_before = last_before;
+      }
+      owner = own;
+      before = own_before;
+      target = tgt;
+      chosen = -1;
+    }
+    __syncthreads();
+    if (warp == owner) {
+      const long long lo = warp * seg, hi = min(V, lo + seg);
+      float running = before;
+      long long last_nz = -1;
+      bool found = false;
+      for (long long base = lo; base < hi && !found; base += 128) {
+        const long long v0 = base + lane * 4;
+        float e[4];
+        float ls = 0.0f;
+        for (int k = 0; k < 4; ++k) {
+          const long long v = v0 + k;
+          e[k] = v < hi ? expf(vt_scaled(row[v], t) - M) : 0.0f;
+          if (e[k] > 0.0f) last_nz = v;
+          ls += e[k];
+        }
+        float incl = ls;
+        for (int o = 1; o < 32; o <<= 1) {
+          const float n = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += n;
+        }
+        const float tile = __shfl_sync(0xffffffffu, incl, 31);
+        if (running + tile > target) {
+          const unsigned hit = __ballot_sync(0xffffffffu, running + incl > target);
+          const int l = __ffs(hit) - 1;
+          if (lane == l) {
+            float c = running + (incl - ls);
+            long long pick = -1, nz = -1;
+            for (int k = 0; k < 4; ++k) {
+              if (e[k] > 0.0f) nz = v0 + k;
+              c += e[k];
+              if (pick < 0 && c > target && e[k] > 0.0f) pick = v0 + k;
+            }
+            chosen = pick >= 0 ? pick : nz;
+          }
+          found = true;
+        }
+        running += tile;
+      }
+      __syncwarp();
+      if (!found || chosen < 0) {
+        // Rounding left the target past this segment's walk: its last token with mass.
+        for (int o = 16; o > 0; o >>= 1) {
+          const long long n = __shfl_xor_sync(0xffffffffu, last_nz, o);
+          if (n > last_nz) last_nz = n;
+        }
+        if (lane == 0 && chosen < 0) chosen = last_nz < 0 ? lo : last_nz;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    p.tokens[r] = chosen;
+    if (p.out_lp != nullptr) p.out_lp[r] = vt_scaled(row[chosen], t) - (a.m + logf(a.s));
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) vt_token_stats(const VtRowParams p) {
+  const long long r = blockIdx.x;
+  const long long V = p.vocab;
+  const float* row = p.logits + r * V;
+  const Acc a = row_acc(row, V, p.temperature);
+  if (threadIdx.x == 0) {
+    const float lse = a.m + logf(a.s);
+    const float mean = a.w / a.s;
+    const long long tg = p.targets[r];
+    p.out_lp[r] = (tg >= 0 && tg < V) ? vt_scaled(row[tg], p.temperature) - lse
+                                      : __int_as_float(0x7fc00000);
+    if (p.out_ent != nullptr) p.out_ent[r] = lse - mean;
+    p.lse[r] = lse;
+    p.mean[r] = mean;
+  }
+}
+
+__device__ __forceinline__ void vt_store(void* base, int dtype, long long i, float g) {
+  if (dtype == 0) {
+    static_cast<float*>(base)[i] = g;
+  } else if (dtype == 1) {
+    // round to nearest even (finite values; NaN stays NaN)
+    unsigned int u = __float_as_uint(g);
+    unsigned short h;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      h = 0x7fc0;
+    } else {
+      u += 0x7fffu + ((u >> 16) & 1u);
+      h = static_cast<unsigned short>(u >> 16);
+    }
+    static_cast<unsigned short*>(base)[i] = h;
+  } else {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(g));
+    static_cast<unsigned short*>(base)[i] = h;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) vt_token_stats_grad(const VtRowParams p) {
+  const long long r = blockIdx.x;
+  const long long V = p.vocab;
+  const float* row = p.logits + r * V;
+  const float t = p.temperature;
+  const float lse = p.lse[r], mean = p.mean[r], glp = p.g_lp[r];
+  const float gent = p.g_ent != nullptr ? p.g_ent[r] : 0.0f;
+  const long long tg = p.targets[r];
+  const float inv_t = 1.0f / t;
+  for (long long v = threadIdx.x; v < V; v += THREADS) {
+    const float xs = vt_scaled(row[v], t);
+    const float pr = expf(xs - lse);
+    float g = -glp * pr - gent * pr * (xs - mean);
+    if (v == tg) g += glp;
+    vt_store(p.grad, p.grad_dtype, r * V + v, t == 1.0f ? g : g * inv_t);
+  }
+}
+)VTROW";
+
+char* row_error_string(const std::string& message) {
+  char* out = static_cast<char*>(std::malloc(message.size() + 1));
+  if (out != nullptr) std::memcpy(out, message.c_str(), message.size() + 1);
+  return out;
+}
+
+template <typename F>
+char* row_guarded(F&& f) {
+  try {
+    f();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return row_error_string(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return row_error_string(e.what());
+  } catch (...) {
+    return row_error_string("unknown C++ exception");
+  }
+}
+
+const std::string& row_source() {
+  static const std::string src = std::string("// verl-rs row kernels\n") +
+                                 VT_ROW_STR(VT_ROW_PARAMS_DEF) + "\n" + kRowSource;
+  return src;
+}
+
+#ifdef VERL_WITH_CUDA
+
+VT_ROW_PARAMS_DEF
+
+using namespace vt_rt;
+
+constexpr unsigned kThreads = 512;
+
+struct RowKernels {
+  CUfunction_t sample = nullptr;
+  CUfunction_t stats = nullptr;
+  CUfunction_t grad = nullptr;
+};
+
+std::map<int, RowKernels> g_row_kernels;  // by device
+
+RowKernels row_kernels(int index, const DeviceInfo& info) {
+  {
+    std::lock_guard<std::mutex> lock(rt_mutex());
+    auto it = g_row_kernels.find(index);
+    if (it != g_row_kernels.end()) return it->second;
+  }
+  const Binary bin = compile_source(row_source(), "verl_row_kernels", {}, info.arch, false);
+  const auto fns = load_functions(bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad"});
+  RowKernels k;
+  k.sample = fns[0];
+  k.stats = fns[1];
+  k.grad = fns[2];
+  std::lock_guard<std::mutex> lock(rt_mutex());
+  return g_row_kernels.emplace(index, k).first->second;
+}
+
+std::string sizes_str(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+[[noreturn]] void bad(const std::string& what, const std::string& expected,
+                      const std::string& found) {
+  throw std::invalid_argument("row kernel " + what + ": expected " + expected + ", found " + found);
+}
+
+// A contiguous tensor on `device` with `dim` dimensions, `rows` leading size and `kind`.
+void check(const at::Tensor* t, const char* name, int64_t dim, int64_t rows,
+           c10::ScalarType kind, const at::Device& device) {
+  if (t == nullptr || !t->defined()) bad(name, "a tensor", "none");
+  if (t->device() != device) bad(std::string(name) + " device", device.str(), t->device().str());
+  if (t->dim() != dim || t->size(0) != rows) {
+    bad(std::string(name) + " shape", std::to_string(dim) + " dims with " + std::to_string(rows) +
+                                          " rows",
+        sizes_str(*t));
+  }
+  if (t->scalar_type() != kind) {
+    bad(std::string(name) + " dtype", c10::toString(kind), c10::toString(t->scalar_type()));
+  }
+  if (!t->is_contiguous()) bad(name, "a contiguous tensor", "a strided one");
+}
+
+struct Launch {
+  VtRowParams p{};
+  int64_t rows = 0;
+  int index = 0;
+  RowKernels k;
+};
+
+Launch prepare(const at::Tensor* logits, double temperature) {
+  if (logits == nullptr || !logits->defined() || !logits->is_cuda()) {
+    bad("logits", "a CUDA tensor", logits && logits->defined() ? logits->device().str() : "none");
+  }
+  check(logits, "logits [rows, vocab]", 2, logits->size(0), c10::ScalarType::Float,
+        logits->device());
+  if (!(temperature > 0.0) || !std::isfinite(temperature)) {
+    bad("temperature", "a finite value > 0", std::to_string(temperature));
+  }
+  if (logits->size(0) > 0x7fffffff) bad("rows", "< 2^31", std::to_string(logits->size(0)));
+  Launch l;
+  l.rows = logits->size(0);
+  l.index = logits->device().index();
+  l.p.logits = logits->data_ptr<float>();
+  l.p.vocab = logits->size(1);
+  l.p.temperature = static_cast<float>(temperature);
+  if (l.p.vocab < 1) bad("vocab", ">= 1", std::to_string(l.p.vocab));
+  return l;
+}
+
+void launch(Launch& l, CUfunction_t fn, const char* what) {
+  if (l.rows == 0) return;
+  const CudaApi& cu = cuda_checked();
+  void* args[] = {&l.p};
+  cu_check(cu.cuLaunchKernel(fn, static_cast<unsigned>(l.rows), 1, 1, kThreads, 1, 1, 0,
+                             current_stream(l.index), args, nullptr),
+           what);
+}
+
+void sample(const at::Tensor* logits, const at::Tensor* uniforms, double temperature,
+            const at::Tensor* tokens, const at::Tensor* lp) {
+  Launch l = prepare(logits, temperature);
+  const at::Device dev = logits->device();
+  c10::DeviceGuard guard(dev);
+  check(tokens, "tokens [rows]", 1, l.rows, c10::ScalarType::Long, dev);
+  if (uniforms != nullptr) {
+    check(uniforms, "uniforms [rows]", 1, l.rows, c10::ScalarType::Float, dev);
+    l.p.uniforms = uniforms->data_ptr<float>();
+  }
+  if (lp != nullptr) {
+    check(lp, "log_probs [rows]", 1, l.rows, c10::ScalarType::Float, dev);
+    l.p.out_lp = lp->data_ptr<float>();
+  }
+  l.p.tokens = reinterpret_cast<long long*>(tokens->data_ptr<int64_t>());
+  const DeviceInfo& info = device_info(l.index);
+  make_current(info);
+  l.k = row_kernels(l.index, info);
+  launch(l, l.k.sample, "cuLaunchKernel(vt_sample_rows)");
+}
+
+void stats(const at::Tensor* logits, const at::Tensor* targets, double temperature,
+           const at::Tensor* lp, const at::Tensor* ent, const at::Tensor* lse,
+           const at::Tensor* mean) {
+  Launch l = prepare(logits, temperature);
+  const at::Device dev = logits->device();
+  c10::DeviceGuard guard(dev);
+  check(targets, "targets [rows]", 1, l.rows, c10::ScalarType::Long, dev);
+  check(lp, "log_probs [rows]", 1, l.rows, c10::ScalarType::Float, dev);
+  check(lse, "lse [rows]", 1, l.rows, c10::ScalarType::Float, dev);
+  check(mean, "mean [rows]", 1, l.rows, c10::ScalarType::Float, dev);
+  if (ent != nullptr) {
+    check(ent, "entropy [rows]", 1, l.rows, c10::ScalarType::Float, dev);
+    l.p.out_ent = ent->data_ptr<float>();
+  }
+  l.p.targets = reinterpret_cast<const long long*>(targets->data_ptr<int64_t>());
+  l.p.out_lp = lp->data_ptr<float>();
+  l.p.lse = lse->data_ptr<float>();
+  l.p.mean = mean->data_ptr<float>();
+  const DeviceInfo& info = device_info(l.index);
+  make_current(info);
+  l.k = row_kernels(l.index, info);
+  launch(l, l.k.stats, "cuLaunchKernel(vt_token_stats)");
+}
+
+void stats_grad(const at::Tensor* logits, const at::Tensor* targets, const at::Tensor* lse,
+                const at::Tensor* mean, const at::Tensor* g_lp, const at::Tensor* g_ent,
+                double temperature, const at::Tensor* grad) {
+  Launch l = prepare(logits, temperature);
+  const at::Device dev = logits->device();
+  c10::DeviceGuard guard(dev);
+  check(targets, "targets [rows]", 1, l.rows, c10::ScalarType::Long, dev);
+  check(lse, "lse [rows]", 1, l.rows, c10::ScalarType::Float, dev);
+  check(mean, "mean [rows]", 1, l.rows, c10::ScalarType::Float, dev);
+  check(g_lp, "g_log_probs [rows]", 1, l.rows, c10::ScalarType::Float, dev);
+  if (g_ent != nullptr) {
+    check(g_ent, "g_entropy [rows]", 1, l.rows, c10::ScalarType::Float, dev);
+    l.p.g_ent = g_ent->data_ptr<float>();
+  }
+  if (grad == nullptr || !grad->defined()) bad("grad", "a tensor", "none");
+  switch (grad->scalar_type()) {
+    case c10::ScalarType::Float:
+      l.p.grad_dtype = 0;
+      break;
+    case c10::ScalarType::BFloat16:
+      l.p.grad_dtype = 1;
+      break;
+    case c10::ScalarType::Half:
+      l.p.grad_dtype = 2;
+      break;
+    default:
+      bad("grad dtype", "float32, bfloat16 or float16", c10::toString(grad->scalar_type()));
+  }
+  check(grad, "grad [rows, vocab]", 2, l.rows, grad->scalar_type(), dev);
+  if (grad->size(1) != l.p.vocab) bad("grad shape", sizes_str(*logits), sizes_str(*grad));
+  l.p.targets = reinterpret_cast<const long long*>(targets->data_ptr<int64_t>());
+  l.p.lse = lse->data_ptr<float>();
+  l.p.mean = mean->data_ptr<float>();
+  l.p.g_lp = g_lp->data_ptr<float>();
+  l.p.grad = grad->data_ptr();
+  const DeviceInfo& info = device_info(l.index);
+  make_current(info);
+  l.k = row_kernels(l.index, info);
+  launch(l, l.k.grad, "cuLaunchKernel(vt_token_stats_grad)");
+}
+
+#endif  // VERL_WITH_CUDA
+
+[[noreturn]] void no_cuda() {
+  throw std::runtime_error("row kernels: this build of the torch extension has no CUDA");
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* vt_row_kernels_source() { return row_source().c_str(); }
+
+// Compiles the row kernels for compute capability `arch` without a GPU; `*log` (nullable; free
+// with vt_free_error) receives NVRTC's log with ptxas' register/spill report.
+char* vt_row_kernels_compile_check(int arch, char** log) {
+  if (log != nullptr) *log = nullptr;
+  return row_guarded([&] {
+#ifdef VERL_WITH_CUDA
+    const Binary bin = compile_source(row_source(), "verl_row_kernels", {}, arch, true);
+    if (log != nullptr) {
+      *log = row_error_string("target " + bin.target + ", " + std::to_string(bin.image.size()) +
+                              " bytes\n" + bin.log);
+    }
+#else
+    (void)arch;
+    no_cuda();
+#endif
+  });
+}
+
+char* vt_sample_rows(at::Tensor* logits, at::Tensor* uniforms, double temperature,
+                     at::Tensor* tokens, at::Tensor* log_probs) {
+  return row_guarded([&] {
+#ifdef VERL_WITH_CUDA
+    sample(logits, uniforms, temperature, tokens, log_probs);
+#else
+    (void)logits, (void)uniforms, (void)temperature, (void)tokens, (void)log_probs;
+    no_cuda();
+#endif
+  });
+}
+
+char* vt_token_stats(at::Tensor* logits, at::Tensor* targets, double temperature,
+                     at::Tensor* log_probs, at::Tensor* entropy, at::Tensor* lse,
+                     at::Tensor* mean) {
+  return row_guarded([&] {
+#ifdef VERL_WITH_CUDA
+    stats(logits, targets, temperature, log_probs, entropy, lse, mean);
+#else
+    (void)logits, (void)targets, (void)temperature, (void)log_probs, (void)entropy, (void)lse,
+        (void)mean;
+    no_cuda();
+#endif
+  });
+}
+
+char* vt_token_stats_grad(at::Tensor* logits, at::Tensor* targets, at::Tensor* lse,
+                          at::Tensor* mean, at::Tensor* g_log_probs, at::Tensor* g_entropy,
+                          double temperature, at::Tensor* grad) {
+  return row_guarded([&] {
+#ifdef VERL_WITH_CUDA
+    stats_grad(logits, targets, lse, mean, g_log_probs, g_entropy, temperature, grad);
+#else
+    (void)logits, (void)targets, (void)lse, (void)mean, (void)g_log_probs, (void)g_entropy,
+        (void)temperature, (void)grad;
+    no_cuda();
+#endif
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,205 @@
+//! Fused per-row kernels over fp32 logits `[rows, vocab]` (CUDA, compiled at run time by NVRTC;
+//! see `src/row_kernels.cpp`): next-token sampling, and the log-prob / entropy statistics of an
+//! LM head with their gradient. Each reads a row once or twice where the equivalent torch ops make
+//! five to ten passes over `[rows, vocab]` fp32 tensors. Callers keep a torch path for CPU
+//! ([`row_kernels_available`]).
+
+use std::ffi::{c_char, CStr};
+
+use tch::{Device, Kind, Tensor};
+
+use crate::{check, vt_free_error, Result, TorchExtError};
+
+type CTensor = *const torch_sys::C_tensor;
+
+extern "C" {
+    fn vt_row_kernels_compile_check(arch: i32, log: *mut *mut c_char) -> *mut c_char;
+    fn vt_sample_rows(
+        logits: CTensor,
+        uniforms: CTensor,
+        temperature: f64,
+        tokens: CTensor,
+        log_probs: CTensor,
+    ) -> *mut c_char;
+    fn vt_token_stats(
+        logits: CTensor,
+        targets: CTensor,
+        temperature: f64,
+        log_probs: CTensor,
+        entropy: CTensor,
+        lse: CTensor,
+        mean: CTensor,
+    ) -> *mut c_char;
+    #[allow(clippy::too_many_arguments)]
+    fn vt_token_stats_grad(
+        logits: CTensor,
+        targets: CTensor,
+        lse: CTensor,
+        mean: CTensor,
+        g_log_probs: CTensor,
+        g_entropy: CTensor,
+        temperature: f64,
+        grad: CTensor,
+    ) -> *mut c_char;
+}
+
+fn ptr(t: Option<&Tensor>) -> CTensor {
+    t.map_or(std::ptr::null(), |t| t.as_ptr())
+}
+
+fn torch(op: &'static str) -> impl Fn(tch::TchError) -> TorchExtError {
+    move |e| TorchExtError::Torch {
+        op,
+        message: e.to_string(),
+    }
+}
+
+/// Whether the row kernels can run on `device` with this build (a CUDA device and a shim
+/// compiled with CUDA).
+pub fn row_kernels_available(device: Device) -> bool {
+    matches!(device, Device::Cuda(_)) && crate::cuda_graphs_compiled()
+}
+
+/// Compiles the row kernels for compute capability `arch` (e.g. 90) with NVRTC, without a GPU;
+/// returns NVRTC's log (ptxas' register and spill report). Fails with the compiler log.
+pub fn row_kernels_compile_check(arch: u32) -> Result<String> {
+    let mut log: *mut c_char = std::ptr::null_mut();
+    // SAFETY: a plain value in, an optional malloc'ed log out (freed below).
+    let err = unsafe { vt_row_kernels_compile_check(arch as i32, &mut log) };
+    let text = if log.is_null() {
+        String::new()
+    } else {
+        // SAFETY: a NUL-terminated string malloc'ed by the shim, freed once here.
+        let t = unsafe { CStr::from_ptr(log) }
+            .to_string_lossy()
+            .into_owned();
+        unsafe { vt_free_error(log) };
+        t
+    };
+    check("NVRTC row kernels", err)?;
+    Ok(text)
+}
+
+/// Samples one token per row of `logits` (fp32 `[rows, vocab]`, contiguous, CUDA) without
+/// top-k/top-p filtering. `uniforms` (fp32 `[rows]` in `[0, 1)`): the inverse CDF of
+/// `softmax(logits / temperature)` in vocabulary order at `u`; `None`: greedy (the first maximal
+/// logit). Writes int64 `tokens` `[rows]` and, when given, fp32 `log_probs` `[rows]` of those
+/// tokens under `log_softmax(logits / temperature)`. Asynchronous; graph-capturable after a first
+/// uncaptured call (which compiles the kernels).
+pub fn sample_rows_out(
+    logits: &Tensor,
+    uniforms: Option<&Tensor>,
+    temperature: f64,
+    tokens: &Tensor,
+    log_probs: Option<&Tensor>,
+) -> Result<()> {
+    // SAFETY: live tch tensors (or null) borrowed for the call; the shim validates them.
+    let err = unsafe {
+        vt_sample_rows(
+            logits.as_ptr(),
+            ptr(uniforms),
+            temperature,
+            tokens.as_ptr(),
+            ptr(log_probs),
+        )
+    };
+    check("sample_rows", err)
+}
+
+/// [`sample_rows_out`] into new tensors: `(tokens, log_probs if want_log_probs)`.
+pub fn sample_rows(
+    logits: &Tensor,
+    uniforms: Option<&Tensor>,
+    temperature: f64,
+    want_log_probs: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let rows = logits.size().first().copied().unwrap_or(0);
+    let dev = logits.device();
+    let tokens = Tensor::f_empty([rows], (Kind::Int64, dev)).map_err(torch("empty"))?;
+    let lp = if want_log_probs {
+        Some(Tensor::f_empty([rows], (Kind::Float, dev)).map_err(torch("empty"))?)
+    } else {
+        None
+    };
+    sample_rows_out(logits, uniforms, temperature, &tokens, lp.as_ref())?;
+    Ok((tokens, lp))
+}
+
+/// Per-row statistics of `softmax(logits / temperature)`, all fp32 `[rows]`.
+#[derive(Debug)]
+pub struct RowStats {
+    /// `log_softmax(logits / T)[target]`.
+    pub log_probs: Tensor,
+    /// `logsumexp - E_p[logits / T]`, when asked.
+    pub entropy: Option<Tensor>,
+    /// `logsumexp(logits / T)`.
+    pub lse: Tensor,
+    /// `E_p[logits / T]`.
+    pub mean: Tensor,
+}
+
+/// [`RowStats`] of fp32 `logits` `[rows, vocab]` (contiguous, CUDA) at int64 `targets` `[rows]`,
+/// in one pass over each row. An out-of-range target gives a NaN log-prob.
+pub fn token_stats(
+    logits: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    with_entropy: bool,
+) -> Result<RowStats> {
+    let rows = logits.size().first().copied().unwrap_or(0);
+    let opts = (Kind::Float, logits.device());
+    let new = || Tensor::f_empty([rows], opts).map_err(torch("empty"));
+    let (log_probs, lse, mean) = (new()?, new()?, new()?);
+    let entropy = if with_entropy { Some(new()?) } else { None };
+    // SAFETY: live tch tensors (or null) borrowed for the call; the shim validates them.
+    let err = unsafe {
+        vt_token_stats(
+            logits.as_ptr(),
+            targets.as_ptr(),
+            temperature,
+            log_probs.as_ptr(),
+            ptr(entropy.as_ref()),
+            lse.as_ptr(),
+            mean.as_ptr(),
+        )
+    };
+    check("token_stats", err)?;
+    Ok(RowStats {
+        log_probs,
+        entropy,
+        lse,
+        mean,
+    })
+}
+
+/// The gradient with respect to the raw `logits` of `Σ g_lp·log_prob + Σ g_ent·entropy` (the
+/// [`token_stats`] of the same logits, whose `lse` and `mean` it takes), as a new `[rows, vocab]`
+/// tensor of `kind` (fp32, bf16 or f16): `(g_lp·(onehot − p) − g_ent·p·(x/T − E)) / T`.
+#[allow(clippy::too_many_arguments)]
+pub fn token_stats_grad(
+    logits: &Tensor,
+    targets: &Tensor,
+    lse: &Tensor,
+    mean: &Tensor,
+    g_log_probs: &Tensor,
+    g_entropy: Option<&Tensor>,
+    temperature: f64,
+    kind: Kind,
+) -> Result<Tensor> {
+    let grad = Tensor::f_empty(logits.size(), (kind, logits.device())).map_err(torch("empty"))?;
+    // SAFETY: live tch tensors (or null) borrowed for the call; the shim validates them.
+    let err = unsafe {
+        vt_token_stats_grad(
+            logits.as_ptr(),
+            targets.as_ptr(),
+            lse.as_ptr(),
+            mean.as_ptr(),
+            g_log_probs.as_ptr(),
+            ptr(g_entropy),
+            temperature,
+            grad.as_ptr(),
+        )
+    };
+    check("token_stats_grad", err)?;
+    Ok(grad)
+}

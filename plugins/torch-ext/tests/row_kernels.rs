@@ -1,0 +1,210 @@
+//! The fused row kernels: NVRTC compiles them for sm_80 and sm_90 on any machine; on a GPU they
+//! match the torch formulas (sampling's inverse CDF, log-softmax, entropy and their gradient by
+//! autograd). The GPU tests skip where there is no CUDA device.
+
+use tch::{Device, Kind, Tensor};
+use verl_torch_ext::{
+    cuda_graphs_compiled, row_kernels_available, row_kernels_compile_check, sample_rows,
+    token_stats, token_stats_grad,
+};
+
+#[test]
+fn compiles_for_ampere_and_hopper() {
+    if !cuda_graphs_compiled() {
+        eprintln!("skipped: torch-ext built without CUDA headers");
+        return;
+    }
+    for arch in [80, 90] {
+        let log = row_kernels_compile_check(arch).unwrap_or_else(|e| panic!("sm_{arch}: {e}"));
+        assert!(
+            log.contains(&format!("sm_{arch}")) || log.contains("compute_"),
+            "{log}"
+        );
+        assert!(
+            !log.contains("spill stores") || log.contains("0 bytes spill stores"),
+            "{log}"
+        );
+    }
+}
+
+fn gpu() -> Option<Device> {
+    let d = Device::cuda_if_available();
+    if row_kernels_available(d) {
+        Some(d)
+    } else {
+        eprintln!("skipped: no CUDA device");
+        None
+    }
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
+        .abs()
+        .max()
+        .double_value(&[])
+}
+
+/// The torch sampler's inverse CDF in vocabulary order (what `verl_rollout`'s sampler computes
+/// without top-k/top-p), in fp64 so that its boundaries are exact.
+fn torch_inverse_cdf(logits: &Tensor, u: &Tensor, t: f64) -> Tensor {
+    let probs = (logits.to_kind(Kind::Double) / t).softmax(-1, Kind::Double);
+    let cdf = probs.cumsum(-1, Kind::Double);
+    let total = cdf.narrow(1, cdf.size()[1] - 1, 1);
+    let target = u.to_kind(Kind::Double).unsqueeze(-1) * total;
+    cdf.le_tensor(&target)
+        .sum_dim_intlist([-1i64].as_slice(), false, Kind::Int64)
+        .clamp_max(cdf.size()[1] - 1)
+}
+
+#[test]
+fn sampling_matches_the_inverse_cdf_and_greedy_argmax() {
+    let Some(dev) = gpu() else { return };
+    tch::manual_seed(11);
+    for (rows, vocab, t) in [(7i64, 151_936i64, 1.0f64), (300, 1000, 0.7), (1, 5, 1.3)] {
+        let logits = Tensor::randn([rows, vocab], (Kind::Float, dev)) * 3.0;
+        let u = Tensor::rand([rows], (Kind::Float, dev));
+        let (tok, lp) = sample_rows(&logits, Some(&u), t, true).unwrap();
+        let want = torch_inverse_cdf(&logits, &u, t);
+        let same = tok.eq_tensor(&want).sum(Kind::Int64).int64_value(&[]);
+        // fp32 sums in another order than fp64's: a draw within rounding of a boundary may pick
+        // the neighbour, never anything else.
+        assert!(
+            same >= rows - 1,
+            "{same} of {rows} rows agree (vocab {vocab}, T {t})"
+        );
+        let off = (&tok - &want).abs().max().int64_value(&[]);
+        assert!(off <= 1, "a draw {off} tokens from the fp64 one");
+        let want_lp = (logits.to_kind(Kind::Double) / t)
+            .log_softmax(-1, Kind::Double)
+            .gather(-1, &want.unsqueeze(-1), false)
+            .squeeze_dim(-1);
+        let lp = lp.unwrap();
+        let (again, _) = sample_rows(&logits, Some(&u), t, false).unwrap();
+        assert!(again.equal(&tok), "sampling is deterministic");
+        let diff = (lp.to_kind(Kind::Double) - want_lp)
+            .abs()
+            .masked_select(&want.eq_tensor(&tok))
+            .max()
+            .double_value(&[]);
+        assert!(diff < 1e-4, "log-prob differs by {diff}");
+        // Greedy: the first maximal logit, and its log-prob.
+        let (g, glp) = sample_rows(&logits, None, t, true).unwrap();
+        assert_eq!(
+            Vec::<i64>::try_from(&g).unwrap(),
+            Vec::<i64>::try_from(&logits.argmax(-1, false)).unwrap()
+        );
+        let want_g = (logits.to_kind(Kind::Double) / t)
+            .log_softmax(-1, Kind::Double)
+            .gather(-1, &g.unsqueeze(-1), false)
+            .squeeze_dim(-1);
+        assert!(max_abs(&glp.unwrap(), &want_g) < 1e-4);
+    }
+    // Extremes: u = 0 takes the first token with mass, u just below 1 the last one; a
+    // one-hot row always gives its token.
+    let mut logits = Tensor::full([3, 4096], f64::NEG_INFINITY, (Kind::Float, dev));
+    let _ = logits.get(0).narrow(0, 100, 3).fill_(0.0);
+    let _ = logits.get(1).narrow(0, 100, 3).fill_(0.0);
+    let _ = logits.get(2).narrow(0, 4000, 1).fill_(5.0);
+    let u = Tensor::from_slice(&[0.0f32, 0.999_999_9, 0.5]).to_device(dev);
+    let (tok, lp) = sample_rows(&logits, Some(&u), 1.0, true).unwrap();
+    assert_eq!(Vec::<i64>::try_from(&tok).unwrap(), vec![100, 102, 4000]);
+    let lp = Vec::<f32>::try_from(&lp.unwrap()).unwrap();
+    assert!(
+        (lp[0] - (1.0f32 / 3.0).ln()).abs() < 1e-6 && lp[2].abs() < 1e-6,
+        "{lp:?}"
+    );
+    logits = logits.zeros_like();
+    let (tok, _) = sample_rows(&logits, None, 1.0, false).unwrap();
+    assert_eq!(
+        Vec::<i64>::try_from(&tok).unwrap(),
+        vec![0, 0, 0],
+        "ties: first index"
+    );
+}
+
+#[test]
+fn stats_and_gradient_match_autograd() {
+    let Some(dev) = gpu() else { return };
+    tch::manual_seed(12);
+    for (rows, vocab, t) in [(64i64, 151_936i64, 1.0f64), (33, 777, 0.6)] {
+        let logits = Tensor::randn([rows, vocab], (Kind::Float, dev)) * 2.0;
+        let targets = Tensor::randint(vocab, [rows], (Kind::Int64, dev));
+        let s = token_stats(&logits, &targets, t, true).unwrap();
+        // autograd reference in fp64
+        let x = logits
+            .to_kind(Kind::Double)
+            .detach()
+            .set_requires_grad(true);
+        let xs = &x / t;
+        let lse = xs.logsumexp([-1i64].as_slice(), false);
+        let lp = xs.gather(-1, &targets.unsqueeze(-1), false).squeeze_dim(-1) - &lse;
+        let p = xs.softmax(-1, Kind::Double);
+        let mean = (&p * &xs).sum_dim_intlist([-1i64].as_slice(), false, Kind::Double);
+        let ent = &lse - &mean;
+        assert!(max_abs(&s.log_probs, &lp) < 1e-4, "log-probs");
+        assert!(max_abs(s.entropy.as_ref().unwrap(), &ent) < 1e-4, "entropy");
+        assert!(max_abs(&s.lse, &lse) < 1e-4, "lse");
+        assert!(max_abs(&s.mean, &mean) < 1e-4, "mean");
+        let g_lp = Tensor::randn([rows], (Kind::Float, dev));
+        let g_ent = Tensor::randn([rows], (Kind::Float, dev));
+        let obj = (&lp * g_lp.to_kind(Kind::Double)).sum(Kind::Double)
+            + (&ent * g_ent.to_kind(Kind::Double)).sum(Kind::Double);
+        let want = Tensor::run_backward(&[&obj], &[&x], false, false)[0].shallow_clone();
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let g = token_stats_grad(
+                &logits,
+                &targets,
+                &s.lse,
+                &s.mean,
+                &g_lp,
+                Some(&g_ent),
+                t,
+                kind,
+            )
+            .unwrap();
+            assert_eq!(g.kind(), kind);
+            let scale = want.abs().max().double_value(&[]);
+            let tol = if kind == Kind::Float { 1e-5 } else { 1e-2 };
+            let d = max_abs(&g, &want);
+            assert!(
+                d <= tol * scale.max(1.0),
+                "{kind:?}: gradient differs by {d}"
+            );
+        }
+        // Without the entropy term.
+        let g = token_stats_grad(
+            &logits,
+            &targets,
+            &s.lse,
+            &s.mean,
+            &g_lp,
+            None,
+            t,
+            Kind::Float,
+        )
+        .unwrap();
+        let obj = (&lp * g_lp.to_kind(Kind::Double)).sum(Kind::Double);
+        let want = Tensor::run_backward(&[&obj], &[&x], false, false)[0].shallow_clone();
+        assert!(max_abs(&g, &want) < 1e-5);
+    }
+}
+
+#[test]
+fn bad_inputs_name_the_argument() {
+    let Some(dev) = gpu() else { return };
+    let logits = Tensor::zeros([4, 10], (Kind::BFloat16, dev));
+    let e = sample_rows(&logits, None, 1.0, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("logits") && e.contains("dtype"), "{e}");
+    let logits = Tensor::zeros([4, 10], (Kind::Float, dev));
+    let u = Tensor::zeros([3], (Kind::Float, dev));
+    let e = sample_rows(&logits, Some(&u), 1.0, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("uniforms"), "{e}");
+    let e = sample_rows(&logits, None, 0.0, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("temperature"), "{e}");
+}

@@ -6,9 +6,9 @@
 //! `master.safetensors` holds the fp32 master weights and `optim.safetensors` the AdamW moments
 //! (`exp_avg.<name>`, `exp_avg_sq.<name>`), all under HF parameter names; `state.json` records the
 //! format, the role, the layout it was written at and the counters. Loading at any
-//! tensor-/pipeline-/data-parallel size slices each rank's part out of the whole tensors (a stage
-//! reads only its own layers), so 2→1 and 1→2 resharding is the ordinary path, not a special
-//! case. Rank 0 writes; every rank takes part in
+//! tensor-/pipeline-/virtual-pipeline-/data-parallel size slices each rank's part out of the whole
+//! tensors (a stage reads only its own layers, those of each of its model chunks), so 2→1 and 1→2
+//! resharding is the ordinary path, not a special case. Rank 0 writes; every rank takes part in
 //! the gathers.
 
 use std::collections::HashMap;
@@ -129,18 +129,21 @@ pub fn load(
         ));
     }
     let saved = |k: &str| field("layout").get(k).and_then(|v| v.as_u64()).unwrap_or(1) as usize;
-    let (saved_tp, saved_pp, saved_ep) = (
+    let (saved_tp, saved_pp, saved_vpp, saved_ep) = (
         saved("tensor_model_parallel_size"),
         saved("pipeline_model_parallel_size"),
+        saved("virtual_pipeline_model_parallel_size"),
         saved("expert_model_parallel_size"),
     );
-    if (saved_tp, saved_pp, saved_ep) != (par.layout.tp, par.layout.pp, par.layout.ep) {
+    let l = &par.layout;
+    if (saved_tp, saved_pp, saved_vpp, saved_ep) != (l.tp, l.pp, l.vpp, l.ep) {
         tracing::info!(
-            "{}: written at tensor_model_parallel_size={saved_tp} pipeline_model_parallel_size={saved_pp} expert_model_parallel_size={saved_ep}, resharded for {} × {} × {}",
+            "{}: written at tensor_model_parallel_size={saved_tp} pipeline_model_parallel_size={saved_pp} virtual_pipeline_model_parallel_size={saved_vpp} expert_model_parallel_size={saved_ep}, resharded for {} × {} × {} × {}",
             dir.display(),
-            par.layout.tp,
-            par.layout.pp,
-            par.layout.ep
+            l.tp,
+            l.pp,
+            l.vpp,
+            l.ep
         );
     }
     let count = |k: &str| -> Result<u64> {

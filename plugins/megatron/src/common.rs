@@ -47,15 +47,6 @@ pub fn role_layout(
         key: format!("{prefix}.{k}"),
         what: what.into(),
     };
-    if layout.vpp > 1 {
-        return Err(unsupported(
-            "virtual_pipeline_model_parallel_size",
-            &format!(
-                "the interleaved pipeline schedule ({} model chunks per stage; leave it null for the 1F1B schedule over pipeline_model_parallel_size={} stages)",
-                layout.vpp, layout.pp
-            ),
-        ));
-    }
     if layout.cp > 1 {
         return Err(unsupported(
             "context_parallel_size",
@@ -245,6 +236,7 @@ pub fn gather_live_model(model: &TpModel, par: &Parallel) -> Result<HashMap<Stri
         model.config(),
         model.head_kind(),
         &par.pp,
+        model.stage().chunks,
         out,
         model.dtype(),
     )

@@ -1,6 +1,7 @@
 //! verl-megatron: the Megatron backend plugin — Actor, Reference and Critic with tensor parallelism
 //! (vocab-parallel embedding and log-probs, column/row-parallel projections), pipeline parallelism
-//! (decoder layers split evenly over stages, the 1F1B schedule) and data parallelism (optionally
+//! (decoder layers split evenly over stages, the 1F1B schedule or, with virtual pipeline
+//! parallelism, Megatron's interleaved 1F1B over several model chunks per stage) and data parallelism (optionally
 //! with Megatron's distributed optimizer) over the remaining ranks, and expert parallelism for
 //! mixture-of-experts models (the routed experts shared out over groups of data-parallel ranks,
 //! [`moe`]), in Megatron's rank order and with verl's `*.megatron.*` keys.
@@ -33,8 +34,8 @@ pub use error::MegatronError;
 
 pub struct MegatronPlugin;
 
-const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP, sequence parallelism: residual stream and norms sharded along the sequence with all-gather / reduce-scatter around the parallel linears) × pipeline parallel (layers split evenly over stages, 1F1B schedule, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional) × expert parallel for Mixtral / Qwen2-MoE / Qwen3-MoE (routed experts sharded over data-parallel ranks with all-to-all token dispatch, each expert split over the tensor-parallel group: expert_tensor_parallel_size = tensor_model_parallel_size; Switch load-balancing loss and per-expert load metrics); generation on a gathered TP=1 copy; checkpoints reshard across TP/PP/DP/EP sizes";
-const PLANNED: &str = "planned: the interleaved (virtual) pipeline schedule, context parallelism, expert_tensor_parallel_size different from tensor_model_parallel_size";
+const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP, sequence parallelism: residual stream and norms sharded along the sequence with all-gather / reduce-scatter around the parallel linears) × pipeline parallel (layers split evenly over stages, 1F1B schedule, or with virtual_pipeline_model_parallel_size Megatron's interleaved 1F1B schedule over model chunks holding virtual stage chunk × pp + stage, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional) × expert parallel for Mixtral / Qwen2-MoE / Qwen3-MoE (routed experts sharded over data-parallel ranks with all-to-all token dispatch, each expert split over the tensor-parallel group: expert_tensor_parallel_size = tensor_model_parallel_size; Switch load-balancing loss and per-expert load metrics); generation on a gathered TP=1 copy; checkpoints reshard across TP/PP/VPP/DP/EP sizes";
+const PLANNED: &str = "planned: context parallelism, expert_tensor_parallel_size different from tensor_model_parallel_size";
 
 impl BackendPlugin for MegatronPlugin {
     fn info() -> PluginInfo {
@@ -96,7 +97,7 @@ mod tests {
         );
         assert!(
             h.description
-                .contains("planned: the interleaved (virtual) pipeline schedule"),
+                .contains("interleaved 1F1B schedule over model chunks"),
             "{}",
             h.description
         );

@@ -184,6 +184,21 @@ impl Group {
             .map_err(self.err(what))
     }
 
+    /// Sends `out` to member `dst` while receiving `into` from member `src` (the two may differ: a
+    /// ring shift of the interleaved pipeline schedule), without either half blocking the other.
+    pub fn send_recv(
+        &self,
+        out: &Tensor,
+        dst: usize,
+        into: &mut Tensor,
+        src: usize,
+        what: &'static str,
+    ) -> Result<()> {
+        self.comm_or_alone(what)?
+            .send_recv(out, dst, into, src)
+            .map_err(self.err(what))
+    }
+
     fn comm_or_alone(&self, what: &'static str) -> Result<&dyn Communicator> {
         self.comm.as_deref().ok_or_else(|| {
             MegatronError::Api(verl_plugin_api::Error::failed(format!(
@@ -480,6 +495,7 @@ impl Parallel {
         crate::tp::Stage {
             index: self.coords.pp,
             count: self.layout.pp,
+            chunks: self.layout.vpp.max(1),
         }
     }
 

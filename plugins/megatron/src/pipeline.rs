@@ -15,6 +15,18 @@
 //! ([`Op::SendForwardRecvBackward`], [`Op::SendBackwardRecvForward`]), which is what keeps a
 //! blocking send (NCCL's) from deadlocking. With one stage the schedule is F0 B0 F1 B1 …: the
 //! same code path trains PP = 1.
+//!
+//! With virtual pipeline parallelism (`virtual_pipeline_model_parallel_size` = `v` model chunks
+//! per stage) chunk `c` of stage `s` is virtual stage `c·p + s`: activations go from chunk `c` of
+//! stage `s` to chunk `c` of stage `s + 1`, and from the last stage's chunk `c` to the first
+//! stage's chunk `c + 1` (a ring). Training follows Megatron-core's interleaved 1F1B
+//! ([`interleaved`]): units (micro-batch, chunk) in the schedule table's order (micro-batches in
+//! groups of `p`, each group through every chunk), `min((p - s - 1)·2 + (v - 1)·p, m·v)` warm-up
+//! forwards on stage `s`, then one forward and one backward, then the remaining backwards (with
+//! `m` not a multiple of `p` the remainder joins the last group and the warm-up counts that
+//! group's size instead of `p`: [`interleaved_warmup`]). The transfers are laid out in lock-step rounds where every send meets its receive in the same
+//! round and the same half (activations, then gradients), which is deadlock-free with blocking
+//! sends for any number of micro-batches.
 
 use std::collections::HashMap;
 
@@ -105,6 +117,253 @@ pub fn one_f_one_b(stage: usize, stages: usize, micro: usize) -> Vec<Op> {
     ops
 }
 
+/// Every stage's schedule (indexed by stage), or why the schedule cannot run.
+pub type Plans = std::result::Result<Vec<Vec<Step>>, String>;
+
+/// One micro-batch through one model chunk: the unit of work of the interleaved schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Unit {
+    pub chunk: usize,
+    pub micro: usize,
+}
+
+/// One step of a stage's interleaved (virtual pipeline) schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    Forward(Unit),
+    Backward(Unit),
+    /// One lock-step transfer with both ring neighbours, in two halves that every stage runs in
+    /// the same order: first the activations (send `send_act`'s output to the next stage while
+    /// receiving `recv_act`'s input from the previous one), then the gradients (send
+    /// `send_grad`'s input gradient to the previous stage while receiving `recv_grad`'s output
+    /// gradient from the next one). The last stage's next is the first (chunk `c` feeds chunk
+    /// `c + 1`) and the first's previous is the last.
+    Comm {
+        send_act: Option<Unit>,
+        recv_act: Option<Unit>,
+        send_grad: Option<Unit>,
+        recv_grad: Option<Unit>,
+    },
+}
+
+/// The order of the units of `micro` micro-batches through `chunks` model chunks of `stages`
+/// stages (Megatron-core's schedule table): micro-batches in groups of `stages`, each group
+/// through chunk 0, then chunk 1, …; backwards take the chunks of a group in reverse. With `micro`
+/// a multiple of `stages`, forward unit `k` is chunk `(k / stages) % chunks` of micro-batch
+/// `(k / (stages · chunks)) · stages + k % stages`. Otherwise the remainder joins the last group
+/// (Megatron's `microbatch_group_size_per_vp_stage` larger than the stage count for that group):
+/// a group shorter than the stage count would make the ring of stages wait on itself.
+pub fn virtual_order(stages: usize, chunks: usize, micro: usize, backward: bool) -> Vec<Unit> {
+    let mut out = Vec::with_capacity(micro * chunks);
+    let group = stages.max(1);
+    let mut start = 0;
+    while start < micro {
+        // A remainder joins the last full group (a group shorter than the stage count makes the
+        // ring wait on itself).
+        let end = if micro - start < 2 * group {
+            micro
+        } else {
+            start + group
+        };
+        for c in 0..chunks {
+            let chunk = if backward { chunks - 1 - c } else { c };
+            out.extend((start..end).map(|micro| Unit { chunk, micro }));
+        }
+        start = end;
+    }
+    out
+}
+
+/// Megatron's warm-up depth of the interleaved schedule on `stage`: `(stages - stage - 1) · 2 +
+/// (chunks - 1) · group` forwards before the first backward, at most every unit, where `group` is
+/// the schedule table's group size, `stages` (Megatron's `microbatch_group_size_per_vp_stage`).
+/// When `micro` is not a multiple of `stages` the last group holds `stages + micro % stages`
+/// micro-batches ([`virtual_order`]) and the warm-up grows to match it: the last stage must have
+/// run a unit's forward through every chunk before the backward comes back to it.
+pub fn interleaved_warmup(stage: usize, stages: usize, chunks: usize, micro: usize) -> usize {
+    let group = if micro > stages {
+        stages + micro % stages
+    } else {
+        stages
+    };
+    ((stages - stage - 1) * 2 + (chunks - 1) * group).min(micro * chunks)
+}
+
+/// Where unit `u`'s output goes from `stage`: the same chunk of the next stage, or from the last
+/// stage the next chunk of the first; `None` after the last virtual stage (the head's input).
+fn act_dest(stage: usize, stages: usize, chunks: usize, u: Unit) -> Option<(usize, Unit)> {
+    if stage + 1 < stages {
+        Some((stage + 1, u))
+    } else if u.chunk + 1 < chunks {
+        Some((
+            0,
+            Unit {
+                chunk: u.chunk + 1,
+                micro: u.micro,
+            },
+        ))
+    } else {
+        None
+    }
+}
+
+/// Where unit `u`'s input gradient goes from `stage`: the mirror image of [`act_dest`]; `None`
+/// before the first virtual stage (the embedding's output).
+fn grad_dest(stage: usize, stages: usize, u: Unit) -> Option<(usize, Unit)> {
+    if stage > 0 {
+        Some((stage - 1, u))
+    } else if u.chunk > 0 {
+        Some((
+            stages - 1,
+            Unit {
+                chunk: u.chunk - 1,
+                micro: u.micro,
+            },
+        ))
+    } else {
+        None
+    }
+}
+
+/// Lays the stages' compute orders (`orders[s]`: `(is_backward, unit)`) out in lock-step time
+/// and adds the transfers: at each step every stage runs its next unit if that unit's input (or
+/// output gradient) has arrived, then every stage that produced something for a neighbour posts
+/// one [`Step::Comm`] together with that neighbour (which gets the data for a later step). Each
+/// transfer has both ends in the same step and the same half, so with blocking sends (NCCL's, or
+/// a rendezvous) no stage can wait on a neighbour that waits on something later: the schedule
+/// cannot deadlock. Fails if the orders cannot run (a unit waits for data that never comes).
+fn lay_out(stages: usize, chunks: usize, micro: usize, orders: &[Vec<(bool, Unit)>]) -> Plans {
+    let n = micro * chunks;
+    let idx = |u: Unit| u.chunk * micro + u.micro;
+    let mut have_act = vec![vec![false; n]; stages];
+    let mut have_grad = vec![vec![false; n]; stages];
+    let mut done_fwd = vec![vec![false; n]; stages];
+    let mut pc = vec![0usize; stages];
+    let mut steps: Vec<Vec<Step>> = vec![Vec::new(); stages];
+    while (0..stages).any(|s| pc[s] < orders[s].len()) {
+        let mut produced: Vec<Option<(bool, Unit)>> = vec![None; stages];
+        for s in 0..stages {
+            let Some(&(bwd, u)) = orders[s].get(pc[s]) else {
+                continue;
+            };
+            if bwd && !done_fwd[s][idx(u)] {
+                return Err(format!(
+                    "stage {s} of {stages} × {chunks} chunks × {micro} micro-batches would run the backward of {u:?} before its forward"
+                ));
+            }
+            let ready = if bwd {
+                (s + 1 == stages && u.chunk + 1 == chunks) || have_grad[s][idx(u)]
+            } else {
+                (s == 0 && u.chunk == 0) || have_act[s][idx(u)]
+            };
+            if ready {
+                steps[s].push(if bwd {
+                    Step::Backward(u)
+                } else {
+                    Step::Forward(u)
+                });
+                pc[s] += 1;
+                done_fwd[s][idx(u)] |= !bwd;
+                produced[s] = Some((bwd, u));
+            }
+        }
+        if produced.iter().all(|p| p.is_none()) {
+            return Err(format!(
+                "the interleaved schedule of {stages} stages × {chunks} chunks × {micro} micro-batches is stuck at {pc:?}"
+            ));
+        }
+        let mut comm = vec![(None, None, None, None); stages];
+        for (s, p) in produced.iter().enumerate() {
+            match *p {
+                Some((false, u)) => {
+                    if let Some((d, du)) = act_dest(s, stages, chunks, u) {
+                        comm[s].0 = Some(u);
+                        comm[d].1 = Some(du);
+                        have_act[d][idx(du)] = true;
+                    }
+                }
+                Some((true, u)) => {
+                    if let Some((d, du)) = grad_dest(s, stages, u) {
+                        comm[s].2 = Some(u);
+                        comm[d].3 = Some(du);
+                        have_grad[d][idx(du)] = true;
+                    }
+                }
+                None => {}
+            }
+        }
+        for (s, c) in comm.into_iter().enumerate() {
+            if c != (None, None, None, None) {
+                steps[s].push(Step::Comm {
+                    send_act: c.0,
+                    recv_act: c.1,
+                    send_grad: c.2,
+                    recv_grad: c.3,
+                });
+            }
+        }
+    }
+    Ok(steps)
+}
+
+/// Megatron-core's interleaved 1F1B schedule (`forward_backward_pipelining_with_interleaving`)
+/// of every stage, for `stages` stages of `chunks` model chunks each over `micro` micro-batches:
+/// stage `s` runs [`interleaved_warmup`] forwards in [`virtual_order`], then alternates one
+/// forward and one backward (backwards in the reversed-chunk order), then drains the remaining
+/// backwards; the transfers are laid out by [`lay_out`]. Every stage computes the same plan.
+pub fn interleaved(stages: usize, chunks: usize, micro: usize) -> Plans {
+    interleaved_with_extra_warmup(stages, chunks, micro).map(|(plan, _)| plan)
+}
+
+/// [`interleaved`] and the extra warm-up forwards it needed. None has been seen to need any (the
+/// tests check every layout up to 6 stages × 4 chunks × 24 micro-batches); should a layout need
+/// them, every stage warms up by the fewest extra forwards that make the plan run (at most all of
+/// them, which always runs) instead of failing.
+pub fn interleaved_with_extra_warmup(
+    stages: usize,
+    chunks: usize,
+    micro: usize,
+) -> std::result::Result<(Vec<Vec<Step>>, usize), String> {
+    let fwd = virtual_order(stages, chunks, micro, false);
+    let bwd = virtual_order(stages, chunks, micro, true);
+    let n = fwd.len();
+    let mut first_error = None;
+    for extra in 0..=n {
+        let orders: Vec<Vec<(bool, Unit)>> = (0..stages)
+            .map(|s| {
+                let w = (interleaved_warmup(s, stages, chunks, micro) + extra).min(n);
+                let mut o: Vec<(bool, Unit)> = fwd[..w].iter().map(|&u| (false, u)).collect();
+                for k in 0..n - w {
+                    o.push((false, fwd[w + k]));
+                    o.push((true, bwd[k]));
+                }
+                o.extend(bwd[n - w..].iter().map(|&u| (true, u)));
+                o
+            })
+            .collect();
+        match lay_out(stages, chunks, micro, &orders) {
+            Ok(plan) => return Ok((plan, extra)),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+        if (0..stages).all(|s| interleaved_warmup(s, stages, chunks, micro) + extra >= n) {
+            break;
+        }
+    }
+    Err(first_error.unwrap_or_default())
+}
+
+/// The forward-only schedule of the interleaved pipeline (scoring): every unit in
+/// [`virtual_order`], with the transfers laid out as for training.
+pub fn interleaved_forward(stages: usize, chunks: usize, micro: usize) -> Plans {
+    let fwd = virtual_order(stages, chunks, micro, false);
+    let orders: Vec<Vec<(bool, Unit)>> = (0..stages)
+        .map(|_| fwd.iter().map(|&u| (false, u)).collect())
+        .collect();
+    lay_out(stages, chunks, micro, &orders)
+}
+
 /// The model inputs of one micro-batch (what fixes its activation shape `[rows, T, H]`).
 pub struct MicroInput<'a> {
     pub ids: &'a Tensor,
@@ -164,6 +423,9 @@ pub fn train_1f1b<T>(
             "pipeline group rank {} of {} does not match model stage {} of {}",
             pp.rank, pp.size, stage.index, stage.count
         )));
+    }
+    if stage.chunks > 1 {
+        return train_interleaved(model, pp, micro, sink, loss_fn);
     }
     let mut slots: Vec<Slot> = (0..micro.len()).map(|_| Slot::default()).collect();
     let mut results: Vec<Option<(Tensor, T)>> = (0..micro.len()).map(|_| None).collect();
@@ -251,6 +513,9 @@ pub fn forward_only(
 ) -> Result<()> {
     let _guard = tch::no_grad_guard();
     let stage = model.stage();
+    if stage.chunks > 1 {
+        return forward_interleaved(model, pp, micro, head);
+    }
     for (i, m) in micro.iter().enumerate() {
         let input = if stage.is_first() {
             None
@@ -270,6 +535,171 @@ pub fn forward_only(
     Ok(())
 }
 
+/// The plan of this rank's stage, or the error that says why there is none.
+fn plan(stage: Stage, micro: usize, make: fn(usize, usize, usize) -> Plans) -> Result<Vec<Step>> {
+    make(stage.count, stage.chunks, micro)
+        .map(|mut all| all.swap_remove(stage.index))
+        .map_err(|e| internal(format!("internal: {e}")))
+}
+
+/// Runs one [`Step::Comm`] half: `out` to `next` and/or `into` from `prev` at once.
+fn ring_transfer(
+    pp: &Group,
+    out: Option<Tensor>,
+    into: Option<&mut Tensor>,
+    (next, prev): (usize, usize),
+    what: &'static str,
+) -> Result<()> {
+    match (out, into) {
+        (Some(o), Some(i)) => pp.send_recv(&o, next, i, prev, what),
+        (Some(o), None) => pp.send(&o, next, what),
+        (None, Some(i)) => pp.recv(i, prev, what),
+        (None, None) => Ok(()),
+    }
+}
+
+/// [`train_1f1b`] for a stage of several model chunks: Megatron's interleaved schedule
+/// ([`interleaved`]). Parameter gradients go to `sink`; `loss_fn(i, hidden)` runs on the last
+/// stage, in micro-batch order, as the backward of the last chunk reaches micro-batch `i`.
+fn train_interleaved<T>(
+    model: &TpModel,
+    pp: &Group,
+    micro: &[MicroInput],
+    sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    loss_fn: &mut LossFn<T>,
+) -> Result<Vec<Option<(Tensor, T)>>> {
+    let stage = model.stage();
+    let (m, chunks) = (micro.len(), stage.chunks);
+    let steps = plan(stage, m, interleaved)?;
+    let mut slots: Vec<Slot> = (0..m * chunks).map(|_| Slot::default()).collect();
+    let mut results: Vec<Option<(Tensor, T)>> = (0..m).map(|_| None).collect();
+    let at = |u: Unit| u.chunk * m + u.micro;
+    let ring = (
+        (stage.index + 1) % stage.count,
+        (stage.index + stage.count - 1) % stage.count,
+    );
+    let (ring_fwd, ring_bwd) = (ring, (ring.1, ring.0));
+    let take = |t: &mut Option<Tensor>, what: &str, u: Unit| {
+        t.take()
+            .ok_or_else(|| internal(format!("interleaved 1F1B: no {what} for {u:?}")))
+    };
+    for step in steps {
+        match step {
+            Step::Forward(u) => {
+                let mi = &micro[u.micro];
+                let input = slots[at(u)].input.take();
+                let acts =
+                    model.chunk_forward(u.chunk, mi.ids, mi.mask, mi.positions, input.as_ref())?;
+                slots[at(u)].acts = Some(acts);
+            }
+            Step::Backward(u) => {
+                let acts = slots[at(u)]
+                    .acts
+                    .take()
+                    .ok_or_else(|| internal(format!("interleaved 1F1B: {u:?} has no forward")))?;
+                let grad_out = if stage.is_last() && u.chunk + 1 == chunks {
+                    let (g, loss, side) =
+                        model.head_backward(&acts, sink, |h| loss_fn(u.micro, h))?;
+                    results[u.micro] = Some((loss, side));
+                    g
+                } else {
+                    take(&mut slots[at(u)].grad_out, "output gradient", u)?
+                };
+                let mi = &micro[u.micro];
+                slots[at(u)].grad_in =
+                    model.stage_backward(mi.ids, acts, &grad_out, mi.moe, sink)?;
+            }
+            Step::Comm {
+                send_act,
+                recv_act,
+                send_grad,
+                recv_grad,
+            } => {
+                let out = send_act
+                    .map(|u| output(&slots[at(u)], u.micro))
+                    .transpose()?;
+                let mut x = recv_act
+                    .map(|u| buffer(model, &micro[u.micro]))
+                    .transpose()?;
+                ring_transfer(pp, out, x.as_mut(), ring_fwd, "send_recv (activations)")?;
+                if let (Some(u), Some(x)) = (recv_act, x) {
+                    slots[at(u)].input = Some(x);
+                }
+                let g = send_grad
+                    .map(|u| take(&mut slots[at(u)].grad_in, "input gradient", u))
+                    .transpose()?;
+                let mut gin = recv_grad
+                    .map(|u| buffer(model, &micro[u.micro]))
+                    .transpose()?;
+                ring_transfer(pp, g, gin.as_mut(), ring_bwd, "send_recv (gradients)")?;
+                if let (Some(u), Some(g)) = (recv_grad, gin) {
+                    slots[at(u)].grad_out = Some(g);
+                }
+            }
+        }
+    }
+    Ok(results)
+}
+
+/// [`forward_only`] for a stage of several model chunks ([`interleaved_forward`]): every
+/// micro-batch through every chunk, the last chunk of the last stage calling `head`.
+fn forward_interleaved(
+    model: &TpModel,
+    pp: &Group,
+    micro: &[MicroInput],
+    head: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+) -> Result<()> {
+    let stage = model.stage();
+    let (m, chunks) = (micro.len(), stage.chunks);
+    let steps = plan(stage, m, interleaved_forward)?;
+    let at = |u: Unit| u.chunk * m + u.micro;
+    let mut inputs: Vec<Option<Tensor>> = (0..m * chunks).map(|_| None).collect();
+    let mut outputs: Vec<Option<Tensor>> = (0..m * chunks).map(|_| None).collect();
+    let ring = (
+        (stage.index + 1) % stage.count,
+        (stage.index + stage.count - 1) % stage.count,
+    );
+    for step in steps {
+        match step {
+            Step::Forward(u) => {
+                let mi = &micro[u.micro];
+                let input = inputs[at(u)].take();
+                let acts =
+                    model.chunk_forward(u.chunk, mi.ids, mi.mask, mi.positions, input.as_ref())?;
+                if stage.is_last() && u.chunk + 1 == chunks {
+                    head(u.micro, &model.final_hidden(&acts)?)?;
+                } else {
+                    outputs[at(u)] = Some(acts.out.f_contiguous().ctx("stage output")?);
+                }
+            }
+            Step::Comm {
+                send_act, recv_act, ..
+            } => {
+                let out = send_act
+                    .map(|u| {
+                        outputs[at(u)].take().ok_or_else(|| {
+                            internal(format!("interleaved forward: {u:?} has no output"))
+                        })
+                    })
+                    .transpose()?;
+                let mut x = recv_act
+                    .map(|u| buffer(model, &micro[u.micro]))
+                    .transpose()?;
+                ring_transfer(pp, out, x.as_mut(), ring, "send_recv (activations)")?;
+                if let (Some(u), Some(x)) = (recv_act, x) {
+                    inputs[at(u)] = Some(x);
+                }
+            }
+            Step::Backward(u) => {
+                return Err(internal(format!(
+                    "internal: a backward of {u:?} in a forward-only schedule"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Whole tensors of every stage, by HF name, on every member of the pipeline group: each stage
 /// contributes `mine` (its own parameters' whole tensors, in `kind`) and receives the others'. A
 /// name held by several stages (a tied embedding's copy on the last stage) is taken from the
@@ -278,6 +708,7 @@ pub fn gather_stages(
     cfg: &ModelConfig,
     head: HeadKind,
     pp: &Group,
+    chunks: usize,
     mine: HashMap<String, Tensor>,
     kind: Kind,
 ) -> Result<HashMap<String, Tensor>> {
@@ -297,6 +728,7 @@ pub fn gather_stages(
             Stage {
                 index: s,
                 count: pp.size,
+                chunks,
             },
         )?
         .into_iter()
@@ -578,6 +1010,285 @@ mod tests {
                 .count();
             // The warm-up forwards plus the first steady forward.
             assert_eq!(warm, 4 - s, "stage {s}");
+        }
+    }
+
+    /// One half of a [`Step::Comm`] as a rank posts it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Half {
+        ActSend(Unit),
+        ActRecv(Unit),
+        GradSend(Unit),
+        GradRecv(Unit),
+    }
+
+    enum Item {
+        Compute(Step),
+        /// The halves of one transfer call, with which are complete.
+        Transfer(Vec<(Half, bool)>),
+    }
+
+    fn items(steps: &[Step]) -> Vec<Item> {
+        let mut out = Vec::new();
+        for &st in steps {
+            match st {
+                Step::Comm {
+                    send_act,
+                    recv_act,
+                    send_grad,
+                    recv_grad,
+                } => {
+                    let a: Vec<(Half, bool)> = send_act
+                        .map(Half::ActSend)
+                        .into_iter()
+                        .chain(recv_act.map(Half::ActRecv))
+                        .map(|h| (h, false))
+                        .collect();
+                    let g: Vec<(Half, bool)> = send_grad
+                        .map(Half::GradSend)
+                        .into_iter()
+                        .chain(recv_grad.map(Half::GradRecv))
+                        .map(|h| (h, false))
+                        .collect();
+                    assert!(!a.is_empty() || !g.is_empty(), "an empty transfer");
+                    for t in [a, g] {
+                        if !t.is_empty() {
+                            out.push(Item::Transfer(t));
+                        }
+                    }
+                }
+                st => out.push(Item::Compute(st)),
+            }
+        }
+        out
+    }
+
+    /// Runs every stage's interleaved schedule with rendezvous semantics (a send completes only
+    /// when the peer's current call posts the matching receive; the two halves of one call are
+    /// posted together), with first-in-first-out channels between neighbours: a receive posted
+    /// for another unit than the one in flight on its channel fails the test, and so does a
+    /// deadlock. Checks the data dependencies, that every unit of every chunk gets exactly one
+    /// forward and one backward (after it), and the in-flight bound `warm-up + 1`.
+    fn simulate_interleaved(stages: usize, chunks: usize, micro: usize, train: bool) {
+        let plans = if train {
+            interleaved(stages, chunks, micro).unwrap()
+        } else {
+            interleaved_forward(stages, chunks, micro).unwrap()
+        };
+        let what = format!("{stages} stages × {chunks} chunks × {micro} micro-batches");
+        let n = micro * chunks;
+        let at = |u: Unit| u.chunk * micro + u.micro;
+        let mut items: Vec<Vec<Item>> = plans.iter().map(|p| items(p)).collect();
+        let mut pc = vec![0usize; stages];
+        let mut have_act = vec![vec![false; n]; stages];
+        let mut have_grad = vec![vec![false; n]; stages];
+        let mut fwd = vec![vec![0usize; n]; stages];
+        let mut bwd = vec![vec![0usize; n]; stages];
+        let mut max_in_flight = vec![0usize; stages];
+        let next = |s: usize| (s + 1) % stages;
+        let prev = |s: usize| (s + stages - 1) % stages;
+        loop {
+            if (0..stages).all(|s| pc[s] == items[s].len()) {
+                break;
+            }
+            let mut progressed = false;
+            // Match posted sends with the peers' posted receives.
+            for s in 0..stages {
+                let Some(Item::Transfer(halves)) = items[s].get(pc[s]) else {
+                    continue;
+                };
+                let sends: Vec<(usize, Half)> = halves
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (h, done))| {
+                        !done && matches!(h, Half::ActSend(_) | Half::GradSend(_))
+                    })
+                    .map(|(j, (h, _))| (j, *h))
+                    .collect();
+                for (j, h) in sends {
+                    let (peer, want) = match h {
+                        Half::ActSend(u) => {
+                            assert!(fwd[s][at(u)] == 1, "{what}: stage {s} sends {u:?} unrun");
+                            let (d, du) = act_dest(s, stages, chunks, u).expect("a destination");
+                            assert_eq!(d, next(s));
+                            (d, Half::ActRecv(du))
+                        }
+                        Half::GradSend(u) => {
+                            assert!(bwd[s][at(u)] == 1, "{what}: stage {s} sends {u:?} unrun");
+                            let (d, du) = grad_dest(s, stages, u).expect("a destination");
+                            assert_eq!(d, prev(s));
+                            (d, Half::GradRecv(du))
+                        }
+                        _ => unreachable!(),
+                    };
+                    let Some(Item::Transfer(theirs)) = items[peer].get_mut(pc[peer]) else {
+                        continue;
+                    };
+                    // The first pending receive of the peer on this channel must be this one.
+                    let pending = theirs.iter_mut().find(|(hh, done)| {
+                        !done
+                            && match hh {
+                                Half::ActRecv(_) => prev(peer) == s,
+                                Half::GradRecv(_) => next(peer) == s,
+                                _ => false,
+                            }
+                    });
+                    let Some((got, done)) = pending else {
+                        continue;
+                    };
+                    // With two stages activations and gradients share the channel: a pending
+                    // receive of the other kind would take this message.
+                    assert_eq!(*got, want, "{what}: stage {peer} receives out of order");
+                    *done = true;
+                    match want {
+                        Half::ActRecv(du) => have_act[peer][at(du)] = true,
+                        Half::GradRecv(du) => have_grad[peer][at(du)] = true,
+                        _ => unreachable!(),
+                    }
+                    if let Some(Item::Transfer(mine)) = items[s].get_mut(pc[s]) {
+                        mine[j].1 = true;
+                    }
+                    progressed = true;
+                }
+            }
+            for s in 0..stages {
+                let w = interleaved_warmup(s, stages, chunks, micro);
+                match items[s].get(pc[s]) {
+                    None => continue,
+                    Some(Item::Transfer(halves)) => {
+                        if halves.iter().all(|(_, d)| *d) {
+                            pc[s] += 1;
+                            progressed = true;
+                        }
+                    }
+                    Some(Item::Compute(Step::Forward(u))) => {
+                        let u = *u;
+                        assert!(
+                            (s == 0 && u.chunk == 0) || have_act[s][at(u)],
+                            "{what}: stage {s} runs {u:?} before its input"
+                        );
+                        fwd[s][at(u)] += 1;
+                        let in_flight = (0..n).filter(|&k| fwd[s][k] > bwd[s][k]).count();
+                        max_in_flight[s] = max_in_flight[s].max(in_flight);
+                        if train {
+                            assert!(
+                                in_flight <= w + 1,
+                                "{what}: stage {s} holds {in_flight} units (warm-up {w})"
+                            );
+                        }
+                        pc[s] += 1;
+                        progressed = true;
+                    }
+                    Some(Item::Compute(Step::Backward(u))) => {
+                        let u = *u;
+                        assert!(fwd[s][at(u)] == 1, "{what}: stage {s} B{u:?} before F");
+                        assert!(
+                            (s + 1 == stages && u.chunk + 1 == chunks) || have_grad[s][at(u)],
+                            "{what}: stage {s} B{u:?} before its output gradient"
+                        );
+                        bwd[s][at(u)] += 1;
+                        pc[s] += 1;
+                        progressed = true;
+                    }
+                    Some(Item::Compute(Step::Comm { .. })) => unreachable!(),
+                }
+            }
+            assert!(progressed, "{what}: deadlock at {pc:?}");
+        }
+        for s in 0..stages {
+            assert!(fwd[s].iter().all(|&c| c == 1), "{what}: stage {s} forwards");
+            let want = if train { 1 } else { 0 };
+            assert!(
+                bwd[s].iter().all(|&c| c == want),
+                "{what}: stage {s} backwards"
+            );
+            if train {
+                // Warm-up + the first steady forward (when the warm-up is not everything).
+                let w = interleaved_warmup(s, stages, chunks, micro);
+                assert_eq!(max_in_flight[s], (w + 1).min(n), "{what}: stage {s}");
+            }
+        }
+    }
+
+    #[test]
+    fn interleaved_schedules_run_to_completion_without_deadlock() {
+        for stages in 2..=4 {
+            for chunks in 2..=3 {
+                for micro in 1..=(3 * stages + 1) {
+                    simulate_interleaved(stages, chunks, micro, true);
+                    simulate_interleaved(stages, chunks, micro, false);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn any_micro_batch_count_runs_with_megatron_s_warm_up() {
+        for stages in 2..=6 {
+            for chunks in 2..=4 {
+                for micro in 1..=4 * stages {
+                    let (_, extra) = interleaved_with_extra_warmup(stages, chunks, micro).unwrap();
+                    assert_eq!(extra, 0, "{stages} × {chunks} × {micro}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn virtual_order_follows_megatron() {
+        // 2 stages × 2 chunks × 4 micro-batches: k → chunk (k / 2) % 2, micro (k / 4) · 2 + k % 2.
+        let f = virtual_order(2, 2, 4, false);
+        let want: Vec<(usize, usize)> =
+            (0..8).map(|k| ((k / 2) % 2, (k / 4) * 2 + k % 2)).collect();
+        assert_eq!(
+            f.iter().map(|u| (u.chunk, u.micro)).collect::<Vec<_>>(),
+            want
+        );
+        let b = virtual_order(2, 2, 4, true);
+        assert_eq!(
+            b.iter().map(|u| (u.chunk, u.micro)).collect::<Vec<_>>(),
+            want.iter().map(|&(c, i)| (1 - c, i)).collect::<Vec<_>>()
+        );
+        // A remainder joins the last group: 5 micro-batches over 2 stages are groups of 2 and 3.
+        let f = virtual_order(2, 2, 5, false);
+        assert_eq!(
+            f.iter().map(|u| (u.chunk, u.micro)).collect::<Vec<_>>(),
+            vec![
+                (0, 0),
+                (0, 1),
+                (1, 0),
+                (1, 1),
+                (0, 2),
+                (0, 3),
+                (0, 4),
+                (1, 2),
+                (1, 3),
+                (1, 4)
+            ]
+        );
+    }
+
+    #[test]
+    fn interleaved_compute_order_is_warm_up_then_one_forward_one_backward() {
+        let (stages, chunks, micro) = (4, 2, 8);
+        let plans = interleaved(stages, chunks, micro).unwrap();
+        let fwd = virtual_order(stages, chunks, micro, false);
+        let bwd = virtual_order(stages, chunks, micro, true);
+        for (s, steps) in plans.iter().enumerate() {
+            let compute: Vec<Step> = steps
+                .iter()
+                .copied()
+                .filter(|st| !matches!(st, Step::Comm { .. }))
+                .collect();
+            let w = interleaved_warmup(s, stages, chunks, micro);
+            assert_eq!(w, (stages - s - 1) * 2 + (chunks - 1) * stages);
+            let mut want: Vec<Step> = fwd[..w].iter().map(|&u| Step::Forward(u)).collect();
+            for k in 0..fwd.len() - w {
+                want.push(Step::Forward(fwd[w + k]));
+                want.push(Step::Backward(bwd[k]));
+            }
+            want.extend(bwd[fwd.len() - w..].iter().map(|&u| Step::Backward(u)));
+            assert_eq!(compute, want, "stage {s}");
         }
     }
 }

@@ -41,7 +41,9 @@
 //! A model may be one pipeline stage ([`Stage`]): it then holds only its decoder layers (and the
 //! embedding on the first stage, the final norm and head on the last), and its forward and backward
 //! come in per-stage pieces ([`TpModel::stage_forward`], [`TpModel::head_backward`],
-//! [`TpModel::stage_backward`]) that the pipeline schedule strings together across ranks.
+//! [`TpModel::stage_backward`]) that the pipeline schedule strings together across ranks. With
+//! virtual pipeline parallelism a stage holds several model chunks (virtual stages) and runs one
+//! chunk at a time ([`TpModel::chunk_forward`]; the backward follows the chunk its forward ran).
 
 use std::sync::Arc;
 
@@ -261,6 +263,8 @@ impl Ctx {
 /// and RoPE tables, each layer's input (the layers are recomputed in the backward) and the stage's
 /// output.
 pub struct StageActs {
+    /// The model chunk that ran (0 without a virtual pipeline).
+    chunk: usize,
     ctx: Ctx,
     inputs: Vec<Tensor>,
     pub out: Tensor,
@@ -527,18 +531,25 @@ fn moe_layer_of(cfg: &ModelConfig, name: &str) -> Option<usize> {
     (rest.starts_with("block_sparse_moe.") || rest.starts_with("mlp.")).then_some(i)
 }
 
-/// Which pipeline stage a model is: its index among `count` stages. Stage `i` holds decoder layers
-/// `i·L/count .. (i+1)·L/count` (the layout checked that `count` divides `L`), the first stage the
-/// embedding, the last the final norm and the head.
+/// Which pipeline stage a model is: its index among `count` stages, holding `chunks` model chunks
+/// (Megatron's virtual pipeline: 1 without it). Chunk `c` of stage `i` is virtual stage
+/// `c·count + i` and holds decoder layers `v·L/(count·chunks) .. (v+1)·L/(count·chunks)` of that
+/// virtual stage `v` (the layout checked that `count·chunks` divides `L`). The first stage holds
+/// the embedding (in its chunk 0), the last the final norm and the head (in its last chunk).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stage {
     pub index: usize,
     pub count: usize,
+    pub chunks: usize,
 }
 
 impl Stage {
     pub fn single() -> Stage {
-        Stage { index: 0, count: 1 }
+        Stage {
+            index: 0,
+            count: 1,
+            chunks: 1,
+        }
     }
     pub fn is_first(&self) -> bool {
         self.index == 0
@@ -546,10 +557,17 @@ impl Stage {
     pub fn is_last(&self) -> bool {
         self.index + 1 == self.count
     }
-    /// The global indices of this stage's decoder layers.
-    pub fn layers(&self, total: usize) -> std::ops::Range<usize> {
-        let per = total / self.count.max(1);
-        self.index * per..(self.index + 1) * per
+    /// The global indices of the decoder layers of this stage's model chunk `chunk`.
+    pub fn chunk_layers(&self, total: usize, chunk: usize) -> std::ops::Range<usize> {
+        let per = total / (self.count * self.chunks).max(1);
+        let v = chunk * self.count + self.index;
+        v * per..(v + 1) * per
+    }
+    /// The global indices of this stage's decoder layers, chunk after chunk (ascending).
+    pub fn layers(&self, total: usize) -> Vec<usize> {
+        (0..self.chunks.max(1))
+            .flat_map(|c| self.chunk_layers(total, c))
+            .collect()
     }
 }
 
@@ -1374,7 +1392,8 @@ impl TpModel {
     /// This stage's forward of one micro-batch without autograd: the first stage embeds `ids`,
     /// every other stage starts from `input` (the previous stage's output). Keeps each layer's
     /// input for the recomputing backward ([`TpModel::stage_backward`]); `out` is what goes to the
-    /// next stage (the last stage's is before the final norm).
+    /// next stage (the last stage's is before the final norm). A stage of several model chunks
+    /// runs its chunk 0 ([`TpModel::chunk_forward`] runs the others).
     pub fn stage_forward(
         &self,
         ids: &Tensor,
@@ -1382,14 +1401,30 @@ impl TpModel {
         positions: &Tensor,
         input: Option<&Tensor>,
     ) -> Result<StageActs> {
+        self.chunk_forward(0, ids, mask, positions, input)
+    }
+
+    /// The forward of this stage's model chunk `chunk` (virtual pipeline stage
+    /// `chunk · stages + stage`): chunk 0 of the first stage embeds `ids`, every other chunk starts
+    /// from `input` (the previous virtual stage's output).
+    pub fn chunk_forward(
+        &self,
+        chunk: usize,
+        ids: &Tensor,
+        mask: &Tensor,
+        positions: &Tensor,
+        input: Option<&Tensor>,
+    ) -> Result<StageActs> {
         let _guard = tch::no_grad_guard();
+        let layers = self.chunk_layer_slice(chunk)?;
         let ctx = self.prepare(ids, mask, positions)?;
-        let mut h = match (self.stage.is_first(), input) {
+        let embeds = self.stage.is_first() && chunk == 0;
+        let mut h = match (embeds, input) {
             (true, _) => self.embed_input(&ctx.ids)?,
             (false, Some(x)) => x.shallow_clone(),
             (false, None) => {
                 return Err(MegatronError::Api(verl_plugin_api::Error::failed(format!(
-                    "internal: pipeline stage {} got no activation from the previous stage",
+                    "internal: pipeline stage {} (model chunk {chunk}) got no activation from the previous stage",
                     self.stage.index
                 ))))
             }
@@ -1403,16 +1438,29 @@ impl TpModel {
             ))));
         }
         LAST_RESIDUAL.with(|c| c.set(Some((want, ctx.t))));
-        let mut inputs = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
+        let mut inputs = Vec::with_capacity(layers.len());
+        for l in layers {
             let next = self.layer_out(l, &h, &ctx)?;
             inputs.push(std::mem::replace(&mut h, next));
         }
         Ok(StageActs {
+            chunk,
             ctx,
             inputs,
             out: h,
         })
+    }
+
+    /// The decoder layers of model chunk `chunk` of this stage.
+    fn chunk_layer_slice(&self, chunk: usize) -> Result<&[Layer]> {
+        let chunks = self.stage.chunks.max(1);
+        if chunk >= chunks {
+            return Err(MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                "internal: model chunk {chunk} of a stage with {chunks}"
+            ))));
+        }
+        let per = self.layers.len() / chunks;
+        Ok(&self.layers[chunk * per..(chunk + 1) * per])
     }
 
     /// Log-probabilities of `targets` (`[..]`) and optionally the entropy, from hidden states
@@ -1587,6 +1635,9 @@ impl TpModel {
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(Tensor, Tensor, T)> {
         let (norm, head) = (self.need_norm()?, self.need_head()?);
+        if acts.chunk + 1 != self.stage.chunks.max(1) {
+            return Err(self.wrong_stage("the head", "the last chunk of the last"));
+        }
         let leaf = |x: &Tensor| {
             x.f_detach()
                 .and_then(|d| d.f_set_requires_grad(true))
@@ -1649,10 +1700,15 @@ impl TpModel {
         moe: MoeMicro,
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
     ) -> Result<Option<Tensor>> {
-        let StageActs { ctx, inputs, out } = acts;
+        let StageActs {
+            chunk,
+            ctx,
+            inputs,
+            out,
+        } = acts;
         drop(out);
         let mut grad = grad_out.shallow_clone();
-        for (l, saved) in self.layers.iter().zip(inputs).rev() {
+        for (l, saved) in self.chunk_layer_slice(chunk)?.iter().zip(inputs).rev() {
             grad = match &l.ffn {
                 Ffn::Dense { .. } if self.sp => {
                     self.sp_layer_backward(l, &saved, &grad, &ctx, sink)?
@@ -1661,7 +1717,7 @@ impl TpModel {
                 Ffn::Moe { .. } => self.moe_layer_backward(l, &saved, &grad, &ctx, moe, sink)?,
             };
         }
-        if !self.stage.is_first() {
+        if !(self.stage.is_first() && chunk == 0) {
             return Ok(Some(grad));
         }
         // The ids as the forward embedded them (padded with SP) are kept in `ctx`.

@@ -447,7 +447,14 @@ impl TpTrainer {
     pub fn gather_state(&self, par: &Parallel, what: What) -> Result<HashMap<String, Tensor>> {
         let mine = self.gather_stage_state(par, what)?;
         let m = &self.model;
-        gather_stages(m.config(), m.head_kind(), &par.pp, mine, Kind::Float)
+        gather_stages(
+            m.config(),
+            m.head_kind(),
+            &par.pp,
+            m.stage().chunks,
+            mine,
+            Kind::Float,
+        )
     }
 
     /// [`TpTrainer::gather_state`] of this stage's parameters only.

@@ -2,7 +2,7 @@
 //! communicator, against the one-rank FSDP backend: metrics, updated weights and log-probs over
 //! three steps within 1e-5 for the actor (separate and tied embeddings) and the critic, every rank
 //! returning the full outputs of its data-parallel slice; checkpoints moving between PP=2 and
-//! PP=1; generation on the weights gathered from the stages; the interleaved schedule refused.
+//! PP=1; generation on the weights gathered from the stages (the interleaved schedule: vpp.rs).
 
 mod support;
 
@@ -316,28 +316,6 @@ fn generation_on_the_gathered_stages_equals_one_rank_and_reference_matches_actor
         assert_slices_match(&want_lp, &mask, 1, &[(0, lp)], "generated rows: log-probs");
         assert_eq!(lp, ref_lp, "the reference starts from the actor's weights");
     }
-}
-
-#[test]
-fn interleaved_schedule_is_refused_naming_the_key() {
-    let dir = tiny_model_with_layers(false, HeadKind::CausalLm, LAYERS);
-    let cfg = config_pp(
-        dir.path(),
-        1,
-        2,
-        true,
-        json!({"actor_rollout_ref": {"actor": {"megatron": {"virtual_pipeline_model_parallel_size": 2}}}}),
-    );
-    let mut init = InitArgs::new(Role::Actor, cfg);
-    init.world_size = 2;
-    let e = testing::actor::<MegatronPlugin>(&init).err().unwrap();
-    assert_eq!(e.kind(), verl_plugin_api::ErrorKind::NotImplemented, "{e}");
-    let s = e.to_string();
-    assert!(
-        s.contains("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size"),
-        "{s}"
-    );
-    assert!(s.contains("interleaved pipeline schedule"), "{s}");
 }
 
 #[test]

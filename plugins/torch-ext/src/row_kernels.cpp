@@ -50,6 +50,17 @@
     int grad_dtype;           /* 0 fp32, 1 bf16, 2 fp16 */                                \
   };
 
+#define VT_ROPE_PARAMS_DEF                                                                \
+  struct VtRopeParams {                                                                   \
+    const void* x;   /* [B, H, T, D], strides below (elements) */                         \
+    void* out;       /* [B, H, T, D] contiguous */                                        \
+    const void* cos; /* [B, T, D] contiguous */                                           \
+    const void* sin; /* [B, T, D] contiguous */                                           \
+    long long b, h, t, d;                                                                 \
+    long long sb, sh, st, sd;                                                             \
+    int dtype;       /* 0 fp32, 1 bf16, 2 fp16 */                                         \
+  };
+
 #define VT_ROW_STR_(...) #__VA_ARGS__
 #define VT_ROW_STR(...) VT_ROW_STR_(__VA_ARGS__)
 
@@ -341,6 +352,62 @@ extern "C" __global__ void __launch_bounds__(THREADS) vt_token_stats_grad(const 
     vt_store(p.grad, p.grad_dtype, r * V + v, t == 1.0f ? g : g * inv_t);
   }
 }
+
+// ---- rotary embedding: x * cos + rotate_half(x) * sin, rounding to the storage dtype after
+// every op exactly as the torch op sequence does (mul, neg, mul, add), so the result is
+// bit-identical to it; one thread per rotated pair (i, i + D/2).
+__device__ __forceinline__ float vt_load(const void* p, int dtype, long long i) {
+  if (dtype == 0) return static_cast<const float*>(p)[i];
+  const unsigned short h = static_cast<const unsigned short*>(p)[i];
+  if (dtype == 1) return __uint_as_float(static_cast<unsigned int>(h) << 16);
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+// Rounds to the storage dtype (and back to float).
+__device__ __forceinline__ float vt_round(float g, int dtype) {
+  if (dtype == 0) return g;
+  if (dtype == 1) {
+    unsigned int u = __float_as_uint(g);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return g;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return __uint_as_float(u & 0xffff0000u);
+  }
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(g));
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+extern "C" __global__ void __launch_bounds__(256) vt_rope(const VtRopeParams p) {
+  const long long half = p.d / 2;
+  const long long n = p.b * p.h * p.t * half;
+  for (long long idx = blockIdx.x * 256LL + threadIdx.x; idx < n; idx += gridDim.x * 256LL) {
+    const long long i = idx % half;
+    long long rest = idx / half;
+    const long long t = rest % p.t;
+    rest /= p.t;
+    const long long h = rest % p.h;
+    const long long b = rest / p.h;
+    const long long xo = b * p.sb + h * p.sh + t * p.st;
+    const float x1 = vt_load(p.x, p.dtype, xo + i * p.sd);
+    const float x2 = vt_load(p.x, p.dtype, xo + (i + half) * p.sd);
+    const long long co = (b * p.t + t) * p.d;
+    const float c1 = vt_load(p.cos, p.dtype, co + i), c2 = vt_load(p.cos, p.dtype, co + i + half);
+    const float s1 = vt_load(p.sin, p.dtype, co + i), s2 = vt_load(p.sin, p.dtype, co + i + half);
+    const float o1 = vt_round(__fadd_rn(vt_round(__fmul_rn(x1, c1), p.dtype),
+                                        vt_round(__fmul_rn(-x2, s1), p.dtype)),
+                              p.dtype);
+    const float o2 = vt_round(__fadd_rn(vt_round(__fmul_rn(x2, c2), p.dtype),
+                                        vt_round(__fmul_rn(x1, s2), p.dtype)),
+                              p.dtype);
+    const long long oo = ((b * p.h + h) * p.t + t) * p.d;
+    vt_store(p.out, p.dtype, oo + i, o1);
+    vt_store(p.out, p.dtype, oo + i + half, o2);
+  }
+}
 )VTROW";
 
 char* row_error_string(const std::string& message) {
@@ -365,13 +432,15 @@ char* row_guarded(F&& f) {
 
 const std::string& row_source() {
   static const std::string src = std::string("// verl-rs row kernels\n") +
-                                 VT_ROW_STR(VT_ROW_PARAMS_DEF) + "\n" + kRowSource;
+                                 VT_ROW_STR(VT_ROW_PARAMS_DEF) + "\n" +
+                                 VT_ROW_STR(VT_ROPE_PARAMS_DEF) + "\n" + kRowSource;
   return src;
 }
 
 #ifdef VERL_WITH_CUDA
 
 VT_ROW_PARAMS_DEF
+VT_ROPE_PARAMS_DEF
 
 using namespace vt_rt;
 
@@ -381,6 +450,7 @@ struct RowKernels {
   CUfunction_t sample = nullptr;
   CUfunction_t stats = nullptr;
   CUfunction_t grad = nullptr;
+  CUfunction_t rope = nullptr;
 };
 
 std::map<int, RowKernels> g_row_kernels;  // by device
@@ -392,11 +462,13 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
     if (it != g_row_kernels.end()) return it->second;
   }
   const Binary bin = compile_source(row_source(), "verl_row_kernels", {}, info.arch, false);
-  const auto fns = load_functions(bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad"});
+  const auto fns = load_functions(
+      bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad", "vt_rope"});
   RowKernels k;
   k.sample = fns[0];
   k.stats = fns[1];
   k.grad = fns[2];
+  k.rope = fns[3];
   std::lock_guard<std::mutex> lock(rt_mutex());
   return g_row_kernels.emplace(index, k).first->second;
 }
@@ -550,6 +622,70 @@ void stats_grad(const at::Tensor* logits, const at::Tensor* targets, const at::T
   launch(l, l.k.grad, "cuLaunchKernel(vt_token_stats_grad)");
 }
 
+int storage_code(c10::ScalarType t, const char* what) {
+  switch (t) {
+    case c10::ScalarType::Float:
+      return 0;
+    case c10::ScalarType::BFloat16:
+      return 1;
+    case c10::ScalarType::Half:
+      return 2;
+    default:
+      bad(what, "float32, bfloat16 or float16", c10::toString(t));
+  }
+}
+
+void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
+          const at::Tensor* out) {
+  if (x == nullptr || !x->defined() || !x->is_cuda()) {
+    bad("rope x", "a CUDA tensor", x && x->defined() ? x->device().str() : "none");
+  }
+  const at::Device dev = x->device();
+  if (x->dim() != 4) bad("rope x", "[B, heads, T, head_dim]", sizes_str(*x));
+  const int64_t B = x->size(0), H = x->size(1), T = x->size(2), D = x->size(3);
+  if (D % 2 != 0) bad("rope head_dim", "an even number", std::to_string(D));
+  const int dtype = storage_code(x->scalar_type(), "rope x dtype");
+  for (const at::Tensor* t : {cos, sin}) {
+    check(t, "rope cos/sin [B, T, head_dim]", 3, B, x->scalar_type(), dev);
+    if (t->size(1) != T || t->size(2) != D) {
+      bad("rope cos/sin shape", "[" + std::to_string(B) + ", " + std::to_string(T) + ", " +
+                                    std::to_string(D) + "]",
+          sizes_str(*t));
+    }
+  }
+  check(out, "rope out [B, heads, T, head_dim]", 4, B, x->scalar_type(), dev);
+  if (!out->sizes().equals(x->sizes())) bad("rope out shape", sizes_str(*x), sizes_str(*out));
+  c10::DeviceGuard guard(dev);
+  const int index = dev.index();
+  VtRopeParams p{};
+  p.x = x->data_ptr();
+  p.out = out->data_ptr();
+  p.cos = cos->data_ptr();
+  p.sin = sin->data_ptr();
+  p.b = B;
+  p.h = H;
+  p.t = T;
+  p.d = D;
+  p.sb = x->stride(0);
+  p.sh = x->stride(1);
+  p.st = x->stride(2);
+  p.sd = x->stride(3);
+  p.dtype = dtype;
+  const int64_t n = B * H * T * (D / 2);
+  if (n == 0) return;
+  const DeviceInfo& info = device_info(index);
+  make_current(info);
+  const RowKernels k = row_kernels(index, info);
+  int64_t blocks = (n + 255) / 256;
+  const int64_t cap = static_cast<int64_t>(info.sms) * 16;
+  if (blocks > cap) blocks = cap;
+  const CudaApi& cu = cuda_checked();
+  void* args[] = {&p};
+  cu_check(cu.cuLaunchKernel(k.rope, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
+                             current_stream(index), args, nullptr),
+           "cuLaunchKernel(vt_rope)");
+}
+
 #endif  // VERL_WITH_CUDA
 
 [[noreturn]] void no_cuda() {
@@ -615,6 +751,20 @@ char* vt_token_stats_grad(at::Tensor* logits, at::Tensor* targets, at::Tensor* l
 #else
     (void)logits, (void)targets, (void)lse, (void)mean, (void)g_log_probs, (void)g_entropy,
         (void)temperature, (void)grad;
+    no_cuda();
+#endif
+  });
+}
+
+// Rotary embedding of `x` [B, heads, T, head_dim] (any strides) with `cos`/`sin` [B, T,
+// head_dim] (x's dtype, contiguous) into `out` (contiguous, x's shape): bit-identical to
+// x * cos + rotate_half(x) * sin in torch ops.
+char* vt_rope(at::Tensor* x, at::Tensor* cos, at::Tensor* sin, at::Tensor* out) {
+  return row_guarded([&] {
+#ifdef VERL_WITH_CUDA
+    rope(x, cos, sin, out);
+#else
+    (void)x, (void)cos, (void)sin, (void)out;
     no_cuda();
 #endif
   });

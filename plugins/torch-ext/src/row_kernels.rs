@@ -30,6 +30,7 @@ extern "C" {
         lse: CTensor,
         mean: CTensor,
     ) -> *mut c_char;
+    fn vt_rope(x: CTensor, cos: CTensor, sin: CTensor, out: CTensor) -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
     fn vt_token_stats_grad(
         logits: CTensor,
@@ -202,4 +203,17 @@ pub fn token_stats_grad(
     };
     check("token_stats_grad", err)?;
     Ok(grad)
+}
+
+/// Rotary position embedding `x * cos + rotate_half(x) * sin` in one kernel: `x` `[B, heads, T,
+/// head_dim]` (any strides, e.g. a transposed view; fp32/bf16/f16 on CUDA), `cos`/`sin` `[B, T,
+/// head_dim]` in x's dtype (contiguous). Returns a contiguous tensor of x's shape, bit-identical
+/// to those four torch ops (every intermediate rounded to the dtype as they round it). No
+/// autograd: for inference paths.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let out = Tensor::f_empty(x.size(), (x.kind(), x.device())).map_err(torch("empty"))?;
+    // SAFETY: live tch tensors borrowed for the call; the shim validates them.
+    let err = unsafe { vt_rope(x.as_ptr(), cos.as_ptr(), sin.as_ptr(), out.as_ptr()) };
+    check("rope", err)?;
+    Ok(out)
 }

@@ -4,7 +4,7 @@
 
 use tch::{Device, Kind, Tensor};
 use verl_torch_ext::{
-    cuda_graphs_compiled, row_kernels_available, row_kernels_compile_check, sample_rows,
+    cuda_graphs_compiled, rope, row_kernels_available, row_kernels_compile_check, sample_rows,
     token_stats, token_stats_grad,
 };
 
@@ -207,4 +207,42 @@ fn bad_inputs_name_the_argument() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("temperature"), "{e}");
+}
+
+/// The rotary kernel against the torch op sequence it replaces: bit-identical in every dtype,
+/// from a transposed (non-contiguous) input as the attention layer passes it.
+#[test]
+fn rope_is_bit_identical_to_the_torch_ops() {
+    let Some(dev) = gpu() else { return };
+    tch::manual_seed(13);
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        for (b, h, t, d) in [(3i64, 5i64, 7i64, 64i64), (512, 14, 1, 64), (2, 4, 9, 128)] {
+            // [B, T, H, D] projection output viewed as [B, H, T, D].
+            let x = Tensor::randn([b, t, h, d], (Kind::Float, dev))
+                .to_kind(kind)
+                .transpose(1, 2);
+            let pos = Tensor::randint(4000, [b, t], (Kind::Int64, dev)).to_kind(Kind::Float);
+            let inv = Tensor::arange_start_step(0, d, 2, (Kind::Float, dev)) / d as f64;
+            let inv = Tensor::from(10000.0f64)
+                .to_device(dev)
+                .pow(&inv)
+                .reciprocal();
+            let freqs = pos.unsqueeze(-1) * inv;
+            let emb = Tensor::cat(&[&freqs, &freqs], -1);
+            let (cos, sin) = (emb.cos().to_kind(kind), emb.sin().to_kind(kind));
+            let (c4, s4) = (cos.unsqueeze(1), sin.unsqueeze(1));
+            let x1 = x.narrow(-1, 0, d / 2);
+            let x2 = x.narrow(-1, d / 2, d / 2);
+            let rot = Tensor::cat(&[&x2.neg(), &x1], -1);
+            let want = &x * &c4 + rot * &s4;
+            let got = rope(&x, &cos, &sin).unwrap();
+            assert!(got.is_contiguous());
+            let same = got.eq_tensor(&want).all().int64_value(&[]) == 1;
+            assert!(
+                same,
+                "{kind:?} [{b},{h},{t},{d}]: max diff {}",
+                max_abs(&got, &want)
+            );
+        }
+    }
 }

@@ -1,9 +1,14 @@
 //! The Actor role (policy: generate, log-probs, PPO update, checkpoints, HF export) and the Reference
 //! role (the same model, frozen: log-probs only) on the tensor-parallel model.
 //!
-//! Generation reshards: every rank gathers the full weights over its tensor-parallel group into a
-//! plain `verl_nn::Transformer` and runs the `verl_rollout` engine on it (rollout TP = 1, whatever
-//! the training TP). The gathered copy is kept between calls and refreshed after each update.
+//! Generation runs the `verl_rollout` engine at rollout TP = actor TP by default: every rank of a
+//! tensor-parallel group builds a `verl_nn::Transformer` holding only its own shard (local heads,
+//! MLP columns and vocabulary rows; its KV cache holds its key/value heads only) and the ranks run
+//! the engine in lock-step, all-reducing the row-parallel outputs and all-gathering the logits
+//! before sampling, so every rank samples the same tokens. With
+//! `actor_rollout_ref.rollout.tensor_model_parallel_size: 1` (and for pipeline-parallel or MoE
+//! models) every rank gathers the full weights into a TP=1 copy instead ([`crate::rollout`]). The
+//! generation model is kept between calls and rebuilt after each update.
 
 use std::path::{Path, PathBuf};
 
@@ -31,6 +36,7 @@ use crate::common::{
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::parallel::Parallel;
 use crate::pipeline::MicroInput;
+use crate::rollout::RolloutTp;
 use crate::tp::TpModel;
 use crate::train::TpTrainer;
 
@@ -63,8 +69,11 @@ pub struct MegatronActor {
     trainer_total_steps: Option<i64>,
     seed: u64,
     generate_calls: u64,
-    /// The gathered TP=1 copy generation runs on; `None` when stale.
+    /// The model generation runs on (this rank's shard, or the gathered TP=1 copy); `None` when
+    /// stale.
     rollout_model: Option<Transformer>,
+    /// Which of the two ([`crate::rollout::resolve`]).
+    rollout_tp: RolloutTp,
 }
 
 impl MegatronActor {
@@ -94,6 +103,7 @@ impl MegatronActor {
             (p, megatron_section(cfg, p, None)?)
         };
         let layout = common::role_layout(&mg, prefix, init, &model_cfg)?;
+        let rollout_tp = crate::rollout::resolve(cfg, &layout, &model_cfg)?;
         let aux_loss_coeff = common::aux_loss_coeff(&mg, prefix, &model_cfg)?;
         let dtype = compute_dtype(&mg, prefix)?;
         let role = if reference { "reference" } else { "actor" };
@@ -134,6 +144,7 @@ impl MegatronActor {
                 seed: mg.seed,
                 generate_calls: 0,
                 rollout_model: None,
+                rollout_tp,
             });
         }
         let n = actor.rollout_n.or(rollout.n).unwrap_or(1).max(1);
@@ -196,6 +207,7 @@ impl MegatronActor {
             seed: mg.seed,
             generate_calls: 0,
             rollout_model: None,
+            rollout_tp,
         })
     }
 
@@ -229,19 +241,31 @@ impl MegatronActor {
         r.map_err(|e| self.par.fail(e))
     }
 
-    /// The gathered TP=1 model (refreshed when the weights changed since the last gather).
-    fn rollout_model(&mut self) -> Result<&Transformer> {
+    /// How generation gets its model (`actor_rollout_ref.rollout.tensor_model_parallel_size`).
+    pub fn rollout_tp(&self) -> RolloutTp {
+        self.rollout_tp
+    }
+
+    /// The model generation runs on: this rank's tensor-parallel shard, or the gathered TP=1 copy
+    /// (rebuilt when the weights changed since the last call). With the gathered copy every rank
+    /// of the tensor- and pipeline-parallel groups must call this together.
+    pub fn rollout_model(&mut self) -> Result<&Transformer> {
         if self.rollout_model.is_none() {
             let m = self.model();
-            let weights = gather_live_model(m, &self.par)?;
-            let full = assemble(
-                m.config(),
-                HeadKind::CausalLm,
-                m.dtype(),
-                self.device,
-                &weights,
-            )?;
-            self.rollout_model = Some(full);
+            let model = match self.rollout_tp {
+                RolloutTp::Sharded => crate::rollout::shard_model(m, &self.par.tp, self.device)?,
+                RolloutTp::Gathered => {
+                    let weights = gather_live_model(m, &self.par)?;
+                    assemble(
+                        m.config(),
+                        HeadKind::CausalLm,
+                        m.dtype(),
+                        self.device,
+                        &weights,
+                    )?
+                }
+            };
+            self.rollout_model = Some(model);
         }
         self.rollout_model.as_ref().ok_or_else(|| {
             MegatronError::Api(ApiError::failed("internal: rollout model not built"))

@@ -10,7 +10,9 @@
 //! model ([`tp`]) and its pipeline stages ([`pipeline`]), its training mechanics ([`train`]) and
 //! layout-independent checkpoints ([`ckpt`]). It must not contain RL-loop logic (advantages, rewards, KL control, step
 //! scheduling: the host drives those), tokenize, or let a panic or tch exception cross the ABI.
-//! Generation runs on a TP=1 copy gathered from the training shards (the `verl_rollout` engine).
+//! Generation (the `verl_rollout` engine) runs tensor-parallel on the training shards themselves
+//! (rollout TP = actor TP, the default) or on a TP=1 copy gathered from them (rollout TP = 1, and
+//! pipeline-parallel or MoE models) ([`rollout`]).
 
 pub mod actor;
 pub mod ckpt;
@@ -21,6 +23,7 @@ pub mod layout;
 pub mod moe;
 pub mod parallel;
 pub mod pipeline;
+pub mod rollout;
 pub mod tp;
 pub mod train;
 
@@ -34,7 +37,7 @@ pub use error::MegatronError;
 
 pub struct MegatronPlugin;
 
-const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP, sequence parallelism: residual stream and norms sharded along the sequence with all-gather / reduce-scatter around the parallel linears) × pipeline parallel (layers split evenly over stages, 1F1B schedule, or with virtual_pipeline_model_parallel_size Megatron's interleaved 1F1B schedule over model chunks holding virtual stage chunk × pp + stage, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional) × expert parallel for Mixtral / Qwen2-MoE / Qwen3-MoE (routed experts sharded over data-parallel ranks with all-to-all token dispatch, each expert split over the tensor-parallel group: expert_tensor_parallel_size = tensor_model_parallel_size; Switch load-balancing loss and per-expert load metrics); generation on a gathered TP=1 copy; checkpoints reshard across TP/PP/VPP/DP/EP sizes";
+const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP, sequence parallelism: residual stream and norms sharded along the sequence with all-gather / reduce-scatter around the parallel linears) × pipeline parallel (layers split evenly over stages, 1F1B schedule, or with virtual_pipeline_model_parallel_size Megatron's interleaved 1F1B schedule over model chunks holding virtual stage chunk × pp + stage, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional) × expert parallel for Mixtral / Qwen2-MoE / Qwen3-MoE (routed experts sharded over data-parallel ranks with all-to-all token dispatch, each expert split over the tensor-parallel group: expert_tensor_parallel_size = tensor_model_parallel_size; Switch load-balancing loss and per-expert load metrics); generation tensor-parallel on the training shards (rollout tensor_model_parallel_size = actor TP, the default; dense models without pipeline parallelism) or on a gathered TP=1 copy (rollout TP = 1, pipeline-parallel or MoE models; re-sharding to another rollout TP is not supported); checkpoints reshard across TP/PP/VPP/DP/EP sizes";
 const PLANNED: &str = "planned: context parallelism, expert_tensor_parallel_size different from tensor_model_parallel_size";
 
 impl BackendPlugin for MegatronPlugin {

@@ -1,7 +1,8 @@
 //! Tensor parallelism (× data parallelism) run as threads of this process with a store on
 //! 127.0.0.1 and the CPU communicator, against the one-rank FSDP backend as the reference: log-probs,
 //! losses, metrics and updated weights over three steps within 1e-5 (fp32), the critic likewise,
-//! checkpoints resharded between TP=2 and TP=1, generation on the gathered TP=1 copy, HF export,
+//! checkpoints resharded between TP=2 and TP=1, generation (on the TP-sharded weights, rollout
+//! TP = actor TP; `tp_generate.rs` covers both rollout modes), HF export,
 //! layout errors.
 
 mod support;
@@ -281,7 +282,7 @@ fn generation_on_the_gathered_model_equals_one_rank_and_reference_matches_actor(
             "log-probs of the generated rows differ by {d}"
         );
         assert_eq!(lp, ref_lp, "the reference starts from the actor's weights");
-        // The rollout log-probs come from the gathered TP=1 model.
+        // The rollout log-probs come from the rollout engine on the TP-sharded model.
         let d = max_abs_diff(&f32s(g, col::ROLLOUT_LOG_PROBS), lp);
         assert!(
             d < 1e-4,

@@ -95,7 +95,14 @@ fn slice_diff(one: &[f32], mask: &[bool], dp: usize, dp_rank: usize, got: &[f32]
             .map(|(x, _)| *x)
             .collect()
     };
-    max_abs_diff(&keep(&one[range]), &keep(got))
+    // Relative to the log-prob's size, as `assert_metrics_close` compares metrics: three updates
+    // amplify fp32 reduction-order noise to ~1e-5 absolute on log-probs of magnitude ~4.
+    let (a, b) = (keep(&one[range]), keep(got));
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs() / (1.0 + x.abs()))
+        .fold(0.0, f32::max)
 }
 
 /// Every shape against one rank: metrics of every rank and step, rank 0's exported weights, every
@@ -120,7 +127,7 @@ fn check_actor_parity(tied: bool, layers: i64, micro: usize, sp: bool, shapes: &
                 let d = slice_diff(want, mask, dp_of(shape), run.4, got);
                 assert!(
                     d < TOL as f32,
-                    "{what}: rank {rank} log-probs differ by {d}"
+                    "{what}: rank {rank} log-probs differ by {d} (relative to 1 + |log-prob|)"
                 );
                 dl = dl.max(d);
             }

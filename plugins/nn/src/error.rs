@@ -93,6 +93,10 @@ pub enum NnError {
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
 
+    /// A fused CUDA kernel of the torch extension (inference paths) failed.
+    #[error("fused kernel: {0}")]
+    Kernel(#[from] verl_torch_ext::TorchExtError),
+
     /// A [`crate::ParamGate`] could not materialise, free or take the gradients of a unit (the
     /// gate keeps the underlying cause for its owner).
     #[error("parameter gate, unit {unit}: {message}")]

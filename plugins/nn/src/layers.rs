@@ -8,6 +8,7 @@ use tch::{nn, Device, Kind, Tensor};
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{NnError, Result};
 use crate::model::{AttentionBackend, AttentionCall};
+use crate::tp::TpShard;
 
 /// How freshly created parameters are filled.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -212,7 +213,38 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
 
 /// `x`: `[B, heads, T, D]`; `cos`/`sin`: `[B, 1, T, D]`.
 fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if let Some(out) = fused_rope(x, cos, sin)? {
+        return Ok(out);
+    }
     Ok(x.f_mul(cos)?.f_add(&rotate_half(x)?.f_mul(sin)?)?)
+}
+
+/// [`apply_rope`] in one CUDA kernel (bit-identical to the five torch ops, see
+/// [`verl_torch_ext::rope`]) where nothing needs a gradient: generation and scoring forwards.
+/// `None` where it does not apply (CPU, autograd, other layouts, `VERL_FUSED_ROPE=0`).
+fn fused_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let applies = matches!(x.device(), Device::Cuda(_))
+        && !x.requires_grad()
+        && !cos.requires_grad()
+        && !sin.requires_grad()
+        && x.dim() == 4
+        && cos.dim() == 4
+        && cos.size()[1] == 1
+        && cos.size() == sin.size()
+        && cos.kind() == x.kind()
+        && sin.kind() == x.kind()
+        && verl_torch_ext::row_kernels_available(x.device())
+        && *ON.get_or_init(|| std::env::var("VERL_FUSED_ROPE").as_deref() != Ok("0"));
+    if !applies {
+        return Ok(None);
+    }
+    let (c, s) = (cos.f_squeeze_dim(1)?, sin.f_squeeze_dim(1)?);
+    let (xs, cs) = (x.size(), c.size());
+    if !c.is_contiguous() || !s.is_contiguous() || cs != [xs[0], xs[2], xs[3]] {
+        return Ok(None);
+    }
+    Ok(Some(verl_torch_ext::rope(x, &c, &s)?))
 }
 
 /// Per-forward inputs shared by all layers.
@@ -300,6 +332,9 @@ pub(crate) struct Attention {
     num_kv_heads: i64,
     head_dim: i64,
     pub window: Option<i64>,
+    /// Tensor-parallel shard: this layer holds local heads only and o_proj's output is a partial
+    /// sum (see [`crate::tp`]).
+    pub tp: Option<TpShard>,
 }
 
 impl Attention {
@@ -334,6 +369,7 @@ impl Attention {
             num_kv_heads: nkv,
             head_dim: hd,
             window: cfg.layer_windows.get(layer).copied().flatten(),
+            tp: None,
         })
     }
 
@@ -431,7 +467,14 @@ impl Attention {
             t,
             self.num_heads * self.head_dim,
         ])?;
-        self.o_proj.forward(&out)
+        match &self.tp {
+            None => self.o_proj.forward(&out),
+            // Row-parallel: the local heads' partial sum, reduced, then the bias once.
+            Some(tp) => tp.reduce_with_bias(
+                &out.f_linear(&self.o_proj.weight, None::<&Tensor>)?,
+                self.o_proj.bias.as_ref(),
+            ),
+        }
     }
 }
 
@@ -473,6 +516,24 @@ impl Mlp {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let g = self.gate.forward(x)?.f_silu()?;
         self.down.forward(&g.f_mul(&self.up.forward(x)?)?)
+    }
+}
+
+impl Mlp {
+    /// One tensor-parallel shard's MLP (gate/up column-parallel, down row-parallel): the partial
+    /// sums of `down` reduced over the group, then its bias added once.
+    pub fn forward_tp(&self, x: &Tensor, tp: &TpShard) -> Result<Tensor> {
+        match &self.down.bias {
+            // Without a down bias the local MLP's output is exactly the partial sum.
+            None => tp.reduce_with_bias(&self.forward(x)?, None),
+            Some(bias) => {
+                let g = self.gate.forward(x)?.f_silu()?;
+                let partial = g
+                    .f_mul(&self.up.forward(x)?)?
+                    .f_linear(&self.down.weight, None::<&Tensor>)?;
+                tp.reduce_with_bias(&partial, Some(bias))
+            }
+        }
     }
 }
 
@@ -597,6 +658,9 @@ pub(crate) struct DecoderLayer {
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
     mlp: FeedForward,
+    /// Tensor-parallel shard (see [`crate::tp`]): the MLP holds a block of columns and its output
+    /// is a partial sum.
+    tp: Option<TpShard>,
 }
 
 impl DecoderLayer {
@@ -638,7 +702,23 @@ impl DecoderLayer {
                 cfg.rms_norm_eps,
             )?,
             mlp,
+            tp: None,
         })
+    }
+
+    /// Makes this layer one tensor-parallel shard (its parameters must already have the local
+    /// shapes of [`crate::tp`]'s layout). Dense layers only.
+    pub fn set_tp(&mut self, shard: TpShard) -> Result<()> {
+        if let FeedForward::Sparse(_) = self.mlp {
+            return Err(NnError::input(
+                "tensor-parallel layer",
+                "a dense MLP",
+                "a sparse MoE block",
+            ));
+        }
+        self.self_attn.tp = Some(shard.clone());
+        self.tp = Some(shard);
+        Ok(())
     }
 
     pub fn window(&self) -> Option<i64> {
@@ -681,9 +761,15 @@ impl DecoderLayer {
 
     /// The feed-forward block alone (dense MLP or sparse MoE) on normed hidden states `x`.
     pub fn feed_forward(&self, x: &Tensor) -> Result<Tensor> {
-        match &self.mlp {
-            FeedForward::Dense(mlp) => mlp.forward(x),
-            FeedForward::Sparse(moe) => moe.forward(x),
+        match (&self.mlp, &self.tp) {
+            (FeedForward::Dense(mlp), None) => mlp.forward(x),
+            (FeedForward::Sparse(moe), None) => moe.forward(x),
+            (FeedForward::Dense(mlp), Some(tp)) => mlp.forward_tp(x, tp),
+            (FeedForward::Sparse(_), Some(_)) => Err(NnError::input(
+                "tensor-parallel layer",
+                "a dense MLP",
+                "a sparse MoE block",
+            )),
         }
     }
 }

@@ -6,7 +6,8 @@
 //! [`AttentionBackend`] hook through which a generation engine keeps its own (paged) one; activation
 //! checkpointing ([`Transformer::forward_backward`]); the [`ParamGate`] hook through which a sharding
 //! backend materialises each [`Unit`]'s parameters around its use; loading and saving HF safetensors
-//! folders.
+//! folders; one tensor-parallel rank's shard of a dense model for inference
+//! ([`Transformer::tp_shard`], Megatron's layout, collectives through the caller's [`TpComm`]).
 //!
 //! Must not: own training loops, losses, optimizers, sampling policies or distributed sharding
 //! itself (those belong to the losses crate, the backends and the generation engine); panic (every libtorch
@@ -19,6 +20,7 @@ pub mod error;
 mod layers;
 pub mod model;
 pub mod profile;
+pub mod tp;
 
 pub use checkpoint::{Checkpoint, LoadReport, SaveOptions};
 pub use config::{Arch, ModelConfig, MoeConfig, RopeScaling};
@@ -27,3 +29,4 @@ pub use model::{
     linear_fp32, AttentionBackend, AttentionCall, HeadKind, KvCache, ModelOptions, ParamGate,
     Transformer, Unit,
 };
+pub use tp::TpComm;

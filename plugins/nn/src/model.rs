@@ -7,6 +7,7 @@ use crate::error::{NnError, Result};
 use crate::layers::{
     DecoderLayer, InitMode, KvSlot, LayerCtx, Linear, ParamFactory, RmsNorm, Rope,
 };
+use crate::tp::{TpComm, TpShard};
 
 /// Which output head sits on the final hidden states.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,6 +230,8 @@ pub struct Transformer {
     /// Indices of the final norm and the head's own parameters.
     head_params: std::ops::Range<usize>,
     tied_head: bool,
+    /// Set for one tensor-parallel shard ([`Transformer::tp_shard`]); `None`: the whole model.
+    tp: Option<TpShard>,
 }
 
 impl std::fmt::Debug for Transformer {
@@ -326,7 +329,77 @@ impl Transformer {
             head_params,
             tied_head,
             config,
+            tp: None,
         })
+    }
+
+    /// One tensor-parallel rank's shard of the model `config` describes, for inference: Megatron's
+    /// column / row / vocab-parallel layout (see [`crate::tp`]), combined over `comm`. Parameters
+    /// are zero-filled (norms ones) with this rank's local shapes under their HF names; the caller
+    /// copies its shards into [`Transformer::named_parameters`]. [`Transformer::config`] stays the
+    /// full model's; [`Transformer::shard_config`] is the per-rank one (heads, key/value heads, MLP
+    /// columns and vocabulary divided by `comm.size()`).
+    ///
+    /// Every forward makes collectives, so all ranks must run the same forwards in the same order;
+    /// the head's logits are all-gathered, so every rank gets the full `[.., vocab]` logits.
+    /// Dense models with an LM head only; no backward (the collectives are not differentiable
+    /// here), no `save_pretrained`.
+    pub fn tp_shard(
+        config: ModelConfig,
+        opts: &ModelOptions,
+        comm: std::sync::Arc<dyn TpComm>,
+    ) -> Result<Transformer> {
+        if opts.head != HeadKind::CausalLm {
+            return Err(NnError::input(
+                "tensor-parallel model head",
+                "CausalLm",
+                format!("{:?}", opts.head),
+            ));
+        }
+        let (size, rank) = (comm.size(), comm.rank());
+        let local = crate::tp::local_config(&config, size, rank)?;
+        let mut model = Transformer::build(local.clone(), opts, InitMode::Zeros)?;
+        model.set_requires_grad(false)?;
+        let shard = TpShard {
+            comm,
+            vocab_start: rank as i64 * local.vocab_size,
+            vocab_local: local.vocab_size,
+            local,
+        };
+        for layer in &mut model.layers {
+            layer.set_tp(shard.clone())?;
+        }
+        model.tp = Some(shard);
+        model.config = config;
+        Ok(model)
+    }
+
+    /// The tensor-parallel size of this model: 1 for a whole model, the group size for a shard
+    /// built by [`Transformer::tp_shard`].
+    pub fn tp_size(&self) -> usize {
+        self.tp.as_ref().map_or(1, |t| t.comm.size())
+    }
+
+    /// This rank's index in its tensor-parallel group (0 for a whole model).
+    pub fn tp_rank(&self) -> usize {
+        self.tp.as_ref().map_or(0, |t| t.comm.rank())
+    }
+
+    /// The config of the weights this rank holds: [`Transformer::config`] for a whole model; for a
+    /// tensor-parallel shard the heads, key/value heads, MLP columns and vocabulary divided by the
+    /// tensor-parallel size (what a KV cache of this rank is sized by).
+    pub fn shard_config(&self) -> &ModelConfig {
+        self.tp.as_ref().map_or(&self.config, |t| &t.local)
+    }
+
+    /// LM-head logits computed from [`Transformer::lm_head_weight`] (`[.., vocab / tp]` on a
+    /// tensor-parallel shard) -> the full `[.., vocab]` logits, all-gathered over the group. The
+    /// identity (no operation) for a whole model.
+    pub fn gather_vocab(&self, logits: Tensor) -> Result<Tensor> {
+        match &self.tp {
+            None => Ok(logits),
+            Some(tp) => tp.gather_vocab(&logits),
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -540,7 +613,7 @@ impl Transformer {
             ));
         }
         match &self.head {
-            Head::Lm(w) => Ok(hidden.f_linear(w, None::<&Tensor>)?),
+            Head::Lm(w) => self.gather_vocab(hidden.f_linear(w, None::<&Tensor>)?),
             Head::Value(lin) => Ok(lin.forward(hidden)?.f_squeeze_dim(-1)?),
             Head::Score(lin) => {
                 let scores = lin.forward(hidden)?;
@@ -629,7 +702,8 @@ impl Transformer {
     }
 
     /// The LM head matrix `[V, H]` (the embedding matrix when tied), the same tensor the model
-    /// uses; `None` for a value or score head.
+    /// uses; `None` for a value or score head. On a tensor-parallel shard this rank's rows
+    /// `[V / tp, H]`: pass logits made from it through [`Transformer::gather_vocab`].
     pub fn lm_head_weight(&self) -> Option<&Tensor> {
         match &self.head {
             Head::Lm(w) => Some(w),
@@ -662,6 +736,7 @@ impl Transformer {
     where
         F: FnOnce(&Tensor) -> Result<Tensor>,
     {
+        self.check_trainable()?;
         if !self.checkpointing {
             let mut timer = crate::profile::start(self.device());
             let out = match output {
@@ -774,6 +849,7 @@ impl Transformer {
     where
         F: FnOnce(&Tensor) -> Result<Tensor>,
     {
+        self.check_trainable()?;
         let ctx = self.prepare(input_ids, attention_mask, position_ids, None)?;
         let mut inputs: Vec<Tensor> = Vec::with_capacity(self.layers.len());
         let mut h = gated(gate, Unit::Embedding, |_| {
@@ -917,6 +993,9 @@ impl Transformer {
     }
 
     fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+        if let Some(tp) = &self.tp {
+            return tp.embed(&self.embed_tokens, input_ids, self.padding_idx);
+        }
         Ok(Tensor::f_embedding(
             &self.embed_tokens,
             input_ids,
@@ -1036,6 +1115,22 @@ impl Transformer {
             masks.push((w, m));
         }
         Ok(masks)
+    }
+
+    /// A tensor-parallel shard has no backward (its collectives are not differentiable here).
+    fn check_trainable(&self) -> Result<()> {
+        match &self.tp {
+            None => Ok(()),
+            Some(tp) => Err(NnError::input(
+                "forward-backward model",
+                "a whole model",
+                format!(
+                    "tensor-parallel shard {} of {} (inference only)",
+                    tp.comm.rank(),
+                    tp.comm.size()
+                ),
+            )),
+        }
     }
 
     /// Copies every parameter (no grad) from another model of the same config and head.

@@ -138,6 +138,15 @@ impl Job {
             None => {
                 let base = match params.seed {
                     Some(s) => s,
+                    // Every rank of a tensor-parallel model must draw the same tokens.
+                    None if model.tp_size() > 1 => {
+                        return Err(RolloutError::input(
+                            "SamplingParams.seed",
+                            "a seed (or request seeds) with a tensor-parallel model, so every \
+                             rank samples the same tokens",
+                            "None",
+                        ))
+                    }
                     None => random_seed()?,
                 };
                 (0..b as u64)

@@ -8,6 +8,12 @@
 //! counter-based seeds (a row's tokens never depend on its batch neighbours or on scheduling), EOS
 //! handling, and the rollout log-probs PPO needs (`log_softmax(logits / temperature)`).
 //!
+//! A tensor-parallel shard ([`verl_nn::Transformer::tp_shard`]) runs too: every rank of its group
+//! calls the engine with the same inputs and seed, its KV pool holds the rank's key/value heads
+//! only, the logits are all-gathered before sampling (so every rank samples the same tokens and
+//! the deterministic scheduler makes the same decisions everywhere), and decoding stays eager (no
+//! CUDA graphs).
+//!
 //! Must not: tokenize, apply chat templates, compute rewards or advantages, shard models or move
 //! weights between engines (callers own those); keep device memory after a call returns (the
 //! hybrid engine trains next); panic (every libtorch call uses tch's fallible `f_*` API and

@@ -221,11 +221,17 @@ impl<'a> Engine<'a> {
             groups,
             running: Vec::new(),
             first_token_at: None,
-            graphs: DecodeGraphs::new(
-                model,
-                config,
-                config.max_num_seqs.unwrap_or(job.rows()).min(job.rows()),
-            ),
+            // A tensor-parallel shard decodes eagerly: its collectives run outside the graph's
+            // stream capture.
+            graphs: if model.tp_size() > 1 {
+                None
+            } else {
+                DecodeGraphs::new(
+                    model,
+                    config,
+                    config.max_num_seqs.unwrap_or(job.rows()).min(job.rows()),
+                )
+            },
         })
     }
 

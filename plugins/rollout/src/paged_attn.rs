@@ -42,8 +42,9 @@ pub(crate) struct KvPool {
 impl KvPool {
     /// Zero-filled, so positions no sequence wrote (gathered but masked) hold finite values: a
     /// masked key still multiplies its value by weight 0, and `0 * NaN` would poison the output.
+    /// A tensor-parallel shard's pool holds its own key/value heads only.
     pub fn new(model: &Transformer, num_blocks: usize, block_size: usize) -> Result<KvPool> {
-        let c = model.config();
+        let c = model.shard_config();
         let (nl, nkv, hd) = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim);
         let (nb, bs) = (num_blocks as i64, block_size as i64);
         let data = Tensor::f_zeros([nl, 2, nb, bs, nkv, hd], (model.dtype(), model.device()))?;
@@ -406,7 +407,8 @@ pub(crate) fn forward_device(
     };
     match model.lm_head_weight() {
         // fp32 logits from the GEMM (see `verl_nn::linear_fp32`), as the training forward's.
-        Some(w) => Ok(verl_nn::linear_fp32(&last.f_view([dev.s, -1])?, w)?),
+        // A tensor-parallel shard's `[S, vocab / tp]` are all-gathered to `[S, vocab]`.
+        Some(w) => Ok(model.gather_vocab(verl_nn::linear_fp32(&last.f_view([dev.s, -1])?, w)?)?),
         None => Ok(model.apply_head(&last, None)?.f_squeeze_dim(1)?),
     }
 }

@@ -164,7 +164,7 @@ impl Default for EngineConfig {
 impl EngineConfig {
     /// Bytes one cached token takes in `model`'s KV pool (keys and values of every layer).
     pub fn kv_bytes_per_token(model: &verl_nn::Transformer) -> usize {
-        let c = model.config();
+        let c = model.shard_config();
         let elem = match model.dtype() {
             tch::Kind::Double => 8,
             tch::Kind::Float => 4,

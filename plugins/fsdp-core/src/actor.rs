@@ -854,7 +854,13 @@ pub fn kv_budget(
             ),
             Some((free, total)) => {
                 let used = total.saturating_sub(free) as f64;
-                let bytes = util * total as f64 - used;
+                // The engine's fused decode projections are allocated after this query.
+                let fusion = if config.fuse_weights {
+                    model.decode_fusion_bytes() as f64
+                } else {
+                    0.0
+                };
+                let bytes = util * total as f64 - used - fusion;
                 budget_bytes = Some(bytes);
                 let tokens =
                     verl_rollout::EngineConfig::tokens_for_bytes(model, bytes.max(0.0) as usize);

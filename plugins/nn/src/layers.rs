@@ -3,6 +3,8 @@
 //! Numerics mirror transformers' eager/SDPA code paths so fp32 logits agree to ~1e-6: RMSNorm and
 //! RoPE tables are computed in fp32 and cast back, router softmax runs in fp32.
 
+use std::sync::Mutex;
+
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::config::{ModelConfig, RopeScaling};
@@ -335,6 +337,9 @@ pub(crate) struct Attention {
     /// Tensor-parallel shard: this layer holds local heads only and o_proj's output is a partial
     /// sum (see [`crate::tp`]).
     pub tp: Option<TpShard>,
+    /// q/k/v weights (and biases) concatenated into one projection while a generation engine
+    /// decodes ([`crate::Transformer::fuse_decode_weights`]): one GEMM instead of three.
+    fused_qkv: Mutex<Option<(Tensor, Option<Tensor>)>>,
 }
 
 impl Attention {
@@ -370,7 +375,30 @@ impl Attention {
             head_dim: hd,
             window: cfg.layer_windows.get(layer).copied().flatten(),
             tp: None,
+            fused_qkv: Mutex::new(None),
         })
+    }
+
+    /// Builds (`on`) or drops the fused q/k/v projection; returns the bytes it holds. Layers whose
+    /// projections do not all have (or all lack) a bias stay unfused.
+    pub fn fuse(&self, on: bool) -> Result<usize> {
+        let mut slot = self.fused_qkv.lock().unwrap_or_else(|e| e.into_inner());
+        *slot = None;
+        if !on {
+            return Ok(0);
+        }
+        let _guard = tch::no_grad_guard();
+        let (q, k, v) = (&self.q_proj, &self.k_proj, &self.v_proj);
+        let bias = match (&q.bias, &k.bias, &v.bias) {
+            (Some(a), Some(b), Some(c)) => Some(Tensor::f_cat(&[a, b, c], 0)?),
+            (None, None, None) => None,
+            _ => return Ok(0),
+        };
+        let w = Tensor::f_cat(&[&q.weight, &k.weight, &v.weight], 0)?;
+        let bytes =
+            (w.numel() + bias.as_ref().map_or(0, |b| b.numel())) * w.kind().elt_size_in_bytes();
+        *slot = Some((w, bias));
+        Ok(bytes)
     }
 
     /// `x`: `[B, T, H]`. With `kv`, the new keys/values are appended to it and attention runs
@@ -444,17 +472,38 @@ impl Attention {
     /// Queries `[B, heads, T, D]` and keys/values `[B, kv_heads, T, D]`, normed and rotated.
     fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t) = (x.size()[0], x.size()[1]);
-        let heads = |proj: &Linear, n: i64, norm: &Option<RmsNorm>| -> Result<Tensor> {
-            let y = proj.forward(x)?.f_view([b, t, n, self.head_dim])?;
+        let heads = |y: Tensor, n: i64, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = y.f_view([b, t, n, self.head_dim])?;
             let y = match norm {
                 Some(nm) => nm.forward(&y)?,
                 None => y,
             };
             Ok(y.f_transpose(1, 2)?)
         };
-        let q = heads(&self.q_proj, self.num_heads, &self.q_norm)?;
-        let k = heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?;
-        let v = heads(&self.v_proj, self.num_kv_heads, &None)?;
+        let (nq, nkv) = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        );
+        // The fused copies are detached: never on a path that needs gradients.
+        let fused = (!x.requires_grad())
+            .then(|| self.fused_qkv.lock().unwrap_or_else(|e| e.into_inner()))
+            .and_then(|g| g.as_ref().map(|(w, bias)| x.f_linear(w, bias.as_ref())))
+            .transpose()?;
+        let (qy, ky, vy) = match fused {
+            Some(y) => (
+                y.f_narrow(-1, 0, nq)?,
+                y.f_narrow(-1, nq, nkv)?,
+                y.f_narrow(-1, nq + nkv, nkv)?,
+            ),
+            None => (
+                self.q_proj.forward(x)?,
+                self.k_proj.forward(x)?,
+                self.v_proj.forward(x)?,
+            ),
+        };
+        let q = heads(qy, self.num_heads, &self.q_norm)?;
+        let k = heads(ky, self.num_kv_heads, &self.k_norm)?;
+        let v = heads(vy, self.num_kv_heads, &None)?;
         let q = apply_rope(&q, cos, sin)?;
         let k = apply_rope(&k, cos, sin)?;
         Ok((q, k, v))
@@ -495,6 +544,9 @@ pub(crate) struct Mlp {
     gate: Linear,
     up: Linear,
     down: Linear,
+    /// gate and up weights concatenated while a generation engine decodes (dense layers without
+    /// gate/up biases; [`crate::Transformer::fuse_decode_weights`]).
+    fused_gate_up: Mutex<Option<Tensor>>,
 }
 
 impl Mlp {
@@ -510,10 +562,37 @@ impl Mlp {
             gate: f.linear(&format!("{prefix}.{}", names[0]), hidden, inter, bias)?,
             up: f.linear(&format!("{prefix}.{}", names[1]), hidden, inter, bias)?,
             down: f.linear(&format!("{prefix}.{}", names[2]), inter, hidden, bias)?,
+            fused_gate_up: Mutex::new(None),
         })
     }
 
+    /// Builds (`on`) or drops the fused gate/up projection; returns the bytes it holds.
+    pub fn fuse(&self, on: bool) -> Result<usize> {
+        let mut slot = self.fused_gate_up.lock().unwrap_or_else(|e| e.into_inner());
+        *slot = None;
+        if !on || self.gate.bias.is_some() || self.up.bias.is_some() {
+            return Ok(0);
+        }
+        let _guard = tch::no_grad_guard();
+        let w = Tensor::f_cat(&[&self.gate.weight, &self.up.weight], 0)?;
+        let bytes = w.numel() * w.kind().elt_size_in_bytes();
+        *slot = Some(w);
+        Ok(bytes)
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // The fused copy is detached: never on a path that needs gradients.
+        let fused = (!x.requires_grad())
+            .then(|| self.fused_gate_up.lock().unwrap_or_else(|e| e.into_inner()))
+            .and_then(|g| g.as_ref().map(|w| x.f_linear(w, None::<&Tensor>)))
+            .transpose()?;
+        if let Some(gu) = fused {
+            let inter = self.gate.weight.size()[0];
+            let g = gu.f_narrow(-1, 0, inter)?.f_silu()?;
+            return self
+                .down
+                .forward(&g.f_mul(&gu.f_narrow(-1, inter, inter)?)?);
+        }
         let g = self.gate.forward(x)?.f_silu()?;
         self.down.forward(&g.f_mul(&self.up.forward(x)?)?)
     }
@@ -664,6 +743,16 @@ pub(crate) struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// Builds (`on`) or drops the decode-time fused projections of this layer (attention q/k/v,
+    /// a dense MLP's gate/up; MoE experts stay unfused); returns the bytes they hold.
+    pub fn fuse(&self, on: bool) -> Result<usize> {
+        let mut bytes = self.self_attn.fuse(on)?;
+        if let FeedForward::Dense(mlp) = &self.mlp {
+            bytes += mlp.fuse(on)?;
+        }
+        Ok(bytes)
+    }
+
     pub fn new(f: &mut ParamFactory, cfg: &ModelConfig, i: usize) -> Result<Self> {
         let p = format!("model.layers.{i}");
         let sparse = cfg

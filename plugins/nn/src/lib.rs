@@ -26,7 +26,7 @@ pub use checkpoint::{Checkpoint, LoadReport, SaveOptions};
 pub use config::{Arch, ModelConfig, MoeConfig, RopeScaling};
 pub use error::{NnError, Result};
 pub use model::{
-    linear_fp32, AttentionBackend, AttentionCall, HeadKind, KvCache, ModelOptions, ParamGate,
-    Transformer, Unit,
+    linear_fp32, AttentionBackend, AttentionCall, FusedDecodeWeights, HeadKind, KvCache,
+    ModelOptions, ParamGate, Transformer, Unit,
 };
 pub use tp::TpComm;

@@ -556,3 +556,43 @@ fn cuda_matches_cpu() {
         eprintln!("CUDA ok: fp32 max abs diff vs CPU {d:.2e}");
     }
 }
+
+/// Decode-time fused projections: the same logits as the separate q/k/v and gate/up GEMMs (with
+/// and without biases), the byte count the guard reports, never used where gradients flow, and
+/// gone when the guard drops.
+#[test]
+fn fused_decode_weights_give_the_same_logits_and_leave_training_alone() {
+    for extra in [
+        json!({}),
+        json!({"model_type": "qwen2", "tie_word_embeddings": false}),
+    ] {
+        let m = model(extra.clone(), HeadKind::CausalLm);
+        let (ids, mask) = batch();
+        let want = tch::no_grad(|| m.forward(&ids, Some(&mask), None, None).unwrap());
+        let guard = m.fuse_decode_weights().unwrap();
+        assert_eq!(guard.bytes, m.decode_fusion_bytes(), "{extra}");
+        assert!(guard.bytes > 0);
+        let got = tch::no_grad(|| m.forward(&ids, Some(&mask), None, None).unwrap());
+        let d = masked_max_abs(&got, &want, &mask);
+        assert!(d < 1e-5, "{extra}: fused logits differ by {d}");
+        // A training forward while the guard lives still differentiates the real weights.
+        zero_grads(&m);
+        m.forward(&ids, Some(&mask), None, None)
+            .unwrap()
+            .sum(Kind::Float)
+            .backward();
+        let with_guard = grads(&m);
+        drop(guard);
+        zero_grads(&m);
+        m.forward(&ids, Some(&mask), None, None)
+            .unwrap()
+            .sum(Kind::Float)
+            .backward();
+        for ((name, a), (_, b)) in with_guard.iter().zip(grads(&m)) {
+            assert!(
+                a.defined() && max_abs(a, &b) < 1e-6,
+                "{extra}: gradient of {name}"
+            );
+        }
+    }
+}

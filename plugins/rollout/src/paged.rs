@@ -44,6 +44,12 @@ pub(crate) fn run(
     let mut out = job.outputs();
     if job.params.max_new_tokens > 0 {
         tch::no_grad(|| -> Result<()> {
+            // Fewer, larger GEMMs per decode step; the copies go when the call ends.
+            let _fused = if config.fuse_weights && matches!(model.device(), Device::Cuda(_)) {
+                Some(model.fuse_decode_weights()?)
+            } else {
+                None
+            };
             let mut engine = Engine::new(model, job, config)?;
             engine.run(&mut out, &mut stats)
             // The engine (and with it the KV pool) is dropped here: nothing stays on the device.

@@ -146,6 +146,11 @@ pub struct EngineConfig {
     /// 1, 2, 4 and every multiple of 8 up to `max_num_seqs` (at most 512). Larger batches run
     /// eagerly.
     pub cuda_graph_sizes: Option<Vec<usize>>,
+    /// On CUDA, decode through fused q/k/v and gate/up projections
+    /// ([`verl_nn::Transformer::fuse_decode_weights`]; `VERL_FUSE_DECODE_WEIGHTS=0` turns it off).
+    /// Their copies take [`verl_nn::Transformer::decode_fusion_bytes`] for the call, which a KV
+    /// budget should leave free.
+    pub fuse_weights: bool,
 }
 
 impl Default for EngineConfig {
@@ -157,6 +162,7 @@ impl Default for EngineConfig {
             max_prefill_tokens: 16384,
             cuda_graphs: true,
             cuda_graph_sizes: None,
+            fuse_weights: std::env::var("VERL_FUSE_DECODE_WEIGHTS").as_deref() != Ok("0"),
         }
     }
 }

@@ -8,7 +8,8 @@
 //! before sampling, so every rank samples the same tokens. With
 //! `actor_rollout_ref.rollout.tensor_model_parallel_size: 1` (and for pipeline-parallel or MoE
 //! models) every rank gathers the full weights into a TP=1 copy instead ([`crate::rollout`]). The
-//! generation model is kept between calls and rebuilt after each update.
+//! generation model is kept between calls and rebuilt after each update (with `param_offload` it is
+//! dropped at the end of every call: [`crate::offload`]).
 
 use std::path::{Path, PathBuf};
 
@@ -34,6 +35,7 @@ use crate::common::{
     same_micro_batch_count, same_rows_on_every_rank,
 };
 use crate::error::{MegatronError, Result, TorchContext};
+use crate::offload::{move_params, on_device, Need, Offload, Place};
 use crate::parallel::Parallel;
 use crate::pipeline::MicroInput;
 use crate::rollout::RolloutTp;
@@ -74,6 +76,8 @@ pub struct MegatronActor {
     rollout_model: Option<Transformer>,
     /// Which of the two ([`crate::rollout::resolve`]).
     rollout_tp: RolloutTp,
+    /// `*.megatron.param_offload` / `grad_offload` / `optimizer_offload` ([`crate::offload`]).
+    offload: Offload,
 }
 
 impl MegatronActor {
@@ -107,6 +111,7 @@ impl MegatronActor {
         let aux_loss_coeff = common::aux_loss_coeff(&mg, prefix, &model_cfg)?;
         let dtype = compute_dtype(&mg, prefix)?;
         let role = if reference { "reference" } else { "actor" };
+        let offload = Offload::of(&mg);
         let par = common::join(init, role, layout, device)?;
         let dp_size = par.dp.size;
         let mut model = common::build_model(
@@ -123,7 +128,7 @@ impl MegatronActor {
         if reference {
             let r: LogProbSection = section(cfg, "actor_rollout_ref.ref")?;
             model.set_requires_grad(false)?;
-            return Ok(MegatronActor {
+            return MegatronActor {
                 role,
                 weights: Weights::Frozen(Box::new(model)),
                 par,
@@ -145,7 +150,9 @@ impl MegatronActor {
                 generate_calls: 0,
                 rollout_model: None,
                 rollout_tp,
-            });
+                offload,
+            }
+            .offloaded_at_start();
         }
         let n = actor.rollout_n.or(rollout.n).unwrap_or(1).max(1);
         let mini = (actor.ppo_mini_batch_size * n) as usize / dp_size;
@@ -174,7 +181,7 @@ impl MegatronActor {
             actor.grad_clip,
             &par,
         )?;
-        Ok(MegatronActor {
+        MegatronActor {
             role,
             weights: Weights::Train(Box::new(train)),
             par,
@@ -208,7 +215,69 @@ impl MegatronActor {
             generate_calls: 0,
             rollout_model: None,
             rollout_tp,
-        })
+            offload,
+        }
+        .offloaded_at_start()
+    }
+
+    /// A freshly built role with its offloaded parts sent to the host.
+    fn offloaded_at_start(mut self) -> Result<MegatronActor> {
+        self.move_offloaded(Need::Train, Place::Host)?;
+        Ok(self)
+    }
+
+    /// What this role offloads between calls.
+    pub fn offload(&self) -> Offload {
+        self.offload
+    }
+
+    /// Moves the offloaded parts a call needing `need` uses to `place` (see [`crate::offload`]);
+    /// returns the labels of the tensors moved. Sending the parameters to the host also drops the
+    /// generation copy built from them.
+    pub fn move_offloaded(&mut self, need: Need, place: Place) -> Result<Vec<String>> {
+        let seen = match &mut self.weights {
+            Weights::Train(t) => t.move_offloaded(self.offload, need, place)?,
+            Weights::Frozen(m) if self.offload.params => move_params(m, place)?,
+            Weights::Frozen(_) => vec![],
+        };
+        if place == Place::Host && self.offload.params {
+            self.rollout_model = None;
+        }
+        Ok(seen)
+    }
+
+    /// Runs `f` with the offloaded parts it needs on the device, and sends them back afterwards.
+    fn offloaded<T>(&mut self, need: Need, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let offload = self.offload;
+        on_device(
+            self,
+            offload,
+            |s, place| s.move_offloaded(need, place).map(|_| ()),
+            f,
+        )
+    }
+
+    /// The devices of this rank's parameters, and with a trainer of its gradient buffers and of
+    /// its optimizer state (masters, moments).
+    pub fn state_devices(&self) -> (Vec<Device>, Vec<Device>, Vec<Device>) {
+        let params = self
+            .model()
+            .params
+            .iter()
+            .map(|p| p.local.device())
+            .collect();
+        match &self.weights {
+            Weights::Train(t) => {
+                let (g, o) = t.state_devices();
+                (params, g, o)
+            }
+            Weights::Frozen(_) => (params, vec![], vec![]),
+        }
+    }
+
+    /// Whether a generation model is currently kept.
+    pub fn holds_rollout_model(&self) -> bool {
+        self.rollout_model.is_some()
     }
 
     pub fn model(&self) -> &TpModel {
@@ -657,27 +726,27 @@ fn derive_seed(base: u64, call: u64) -> u64 {
 
 impl Actor for MegatronActor {
     fn generate(&mut self, prompts: &Batch, options: &GenerateOptions) -> ApiResult<Batch> {
-        let r = self.do_generate(prompts, options);
+        let r = self.offloaded(Need::Params, |s| s.do_generate(prompts, options));
         Ok(self.spmd(r)?)
     }
     fn compute_log_prob(&mut self, batch: &Batch, options: &LogProbOptions) -> ApiResult<Batch> {
-        let r = self.do_log_prob(batch, options);
+        let r = self.offloaded(Need::Params, |s| s.do_log_prob(batch, options));
         Ok(self.spmd(r)?)
     }
     fn update(&mut self, batch: &Batch, options: &UpdateOptions) -> ApiResult<Metrics> {
-        let r = self.do_update(batch, options);
+        let r = self.offloaded(Need::Train, |s| s.do_update(batch, options));
         Ok(self.spmd(r)?)
     }
     fn save(&mut self, dir: &Path) -> ApiResult<()> {
-        let r = self.do_save(dir);
+        let r = self.offloaded(Need::State, |s| s.do_save(dir));
         Ok(self.spmd(r)?)
     }
     fn load(&mut self, dir: &Path) -> ApiResult<()> {
-        let r = self.do_load(dir);
+        let r = self.offloaded(Need::State, |s| s.do_load(dir));
         Ok(self.spmd(r)?)
     }
     fn export_hf(&mut self, dir: &Path) -> ApiResult<()> {
-        let r = self.do_export(dir);
+        let r = self.offloaded(Need::Params, |s| s.do_export(dir));
         Ok(self.spmd(r)?)
     }
     fn data_parallel(&self) -> DataParallel {

@@ -25,6 +25,7 @@ use crate::common::{
     metrics_from_last_stage, same_micro_batch_count, same_rows_on_every_rank,
 };
 use crate::error::{MegatronError, Result, TorchContext};
+use crate::offload::{on_device, Need, Offload, Place};
 use crate::parallel::Parallel;
 use crate::pipeline::MicroInput;
 use crate::train::TpTrainer;
@@ -39,6 +40,9 @@ pub struct MegatronCritic {
     epochs: usize,
     loss: CriticLoss,
     trainer_total_steps: Option<i64>,
+    /// `critic.megatron.param_offload` / `grad_offload` / `optimizer_offload`
+    /// ([`crate::offload`]).
+    offload: Offload,
 }
 
 impl MegatronCritic {
@@ -96,7 +100,7 @@ impl MegatronCritic {
             critic.grad_clip,
             &par,
         )?;
-        Ok(MegatronCritic {
+        let mut critic = MegatronCritic {
             train,
             par,
             device,
@@ -118,7 +122,45 @@ impl MegatronCritic {
             epochs: critic.ppo_epochs as usize,
             loss,
             trainer_total_steps: trainer.total_training_steps,
-        })
+            offload: Offload::of(&mg),
+        };
+        critic.move_offloaded(Need::Train, Place::Host)?;
+        Ok(critic)
+    }
+
+    /// What this role offloads between calls.
+    pub fn offload(&self) -> Offload {
+        self.offload
+    }
+
+    /// Moves the offloaded parts a call needing `need` uses to `place` (see [`crate::offload`]);
+    /// returns the labels of the tensors moved.
+    pub fn move_offloaded(&mut self, need: Need, place: Place) -> Result<Vec<String>> {
+        self.train.move_offloaded(self.offload, need, place)
+    }
+
+    /// Runs `f` with the offloaded parts it needs on the device, and sends them back afterwards.
+    fn offloaded<T>(&mut self, need: Need, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let offload = self.offload;
+        on_device(
+            self,
+            offload,
+            |s, place| s.move_offloaded(need, place).map(|_| ()),
+            f,
+        )
+    }
+
+    /// The devices of this rank's parameters, gradient buffers and optimizer state.
+    pub fn state_devices(&self) -> (Vec<Device>, Vec<Device>, Vec<Device>) {
+        let params = self
+            .train
+            .model
+            .params
+            .iter()
+            .map(|p| p.local.device())
+            .collect();
+        let (g, o) = self.train.state_devices();
+        (params, g, o)
     }
 
     pub fn parallel(&self) -> &Parallel {
@@ -321,25 +363,23 @@ impl MegatronCritic {
 
 impl Critic for MegatronCritic {
     fn compute_values(&mut self, batch: &Batch, _options: &ValueOptions) -> ApiResult<Batch> {
-        let r = self.do_values(batch);
+        let r = self.offloaded(Need::Params, |s| s.do_values(batch));
         Ok(self.spmd(r)?)
     }
     fn update(&mut self, batch: &Batch, options: &UpdateOptions) -> ApiResult<Metrics> {
-        let r = self.do_update(batch, options);
+        let r = self.offloaded(Need::Train, |s| s.do_update(batch, options));
         Ok(self.spmd(r)?)
     }
     fn save(&mut self, dir: &Path) -> ApiResult<()> {
-        let r = crate::ckpt::save(
-            &self.train,
-            &self.par,
-            dir,
-            "critic",
-            serde_json::Value::Null,
-        );
+        let r = self.offloaded(Need::State, |s| {
+            crate::ckpt::save(&s.train, &s.par, dir, "critic", serde_json::Value::Null)
+        });
         Ok(self.spmd(r)?)
     }
     fn load(&mut self, dir: &Path) -> ApiResult<()> {
-        let r = crate::ckpt::load(&mut self.train, &self.par, dir, "critic").map(|_| ());
+        let r = self.offloaded(Need::State, |s| {
+            crate::ckpt::load(&mut s.train, &s.par, dir, "critic").map(|_| ())
+        });
         Ok(self.spmd(r)?)
     }
     fn data_parallel(&self) -> DataParallel {

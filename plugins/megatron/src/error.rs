@@ -7,6 +7,10 @@ use verl_plugin_api::{Error as ApiError, ErrorKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MegatronError {
+    /// A call into the torch extension (CUDA allocator, kernels) failed.
+    #[error("torch extension: {0}")]
+    Ext(#[from] verl_torch_ext::TorchExtError),
+
     /// A config key holds a value this backend cannot use.
     #[error("config key `{key}`: expected {expected}, found {found}")]
     Config {

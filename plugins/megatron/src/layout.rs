@@ -23,8 +23,11 @@ pub struct MegatronSection {
     pub context_parallel_size: u64,
     pub sequence_parallel: bool,
     pub use_distributed_optimizer: bool,
+    /// Parameters in host memory between calls ([`crate::offload`]).
     pub param_offload: bool,
+    /// fp32 gradient buffers in host memory between updates.
     pub grad_offload: bool,
+    /// fp32 masters and AdamW moments in host memory between updates.
     pub optimizer_offload: bool,
     pub seed: u64,
     /// Compute dtype of forward/backward (the optimizer always keeps fp32 master weights, as

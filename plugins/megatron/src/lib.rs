@@ -21,6 +21,7 @@ pub mod critic;
 pub mod error;
 pub mod layout;
 pub mod moe;
+pub mod offload;
 pub mod parallel;
 pub mod pipeline;
 pub mod rollout;

@@ -27,6 +27,7 @@ use verl_fsdp_core::config::OptimSection;
 use verl_fsdp_core::optim::{AdamW, LrSchedule};
 
 use crate::error::{MegatronError, Result, TorchContext};
+use crate::offload::{move_all, move_params, Need, Offload, Place};
 use crate::parallel::{Group, Parallel};
 use crate::pipeline::{gather_stages, train_1f1b, MicroInput};
 use crate::tp::TpModel;
@@ -530,6 +531,90 @@ impl TpTrainer {
     pub fn set_counters(&mut self, optimizer_step: u64, updates: u64) {
         self.optim.step = optimizer_step;
         self.updates = updates;
+    }
+
+    /// Moves the fp32 gradient accumulators (one per flat) to `place` (`grad_offload`); returns
+    /// their labels (`grad/<flat>`).
+    pub fn move_grads(&mut self, place: Place) -> Result<Vec<String>> {
+        let device = self.model.device();
+        move_all(
+            self.grads
+                .iter_mut()
+                .enumerate()
+                .map(|(fi, t)| (format!("grad/{fi}"), t)),
+            place,
+            device,
+        )
+    }
+
+    /// Moves this rank's fp32 masters and AdamW moments (its shards with the distributed
+    /// optimizer) to `place` (`optimizer_offload`); returns their labels (`master/<flat>`,
+    /// `exp_avg/<flat>`, `exp_avg_sq/<flat>`).
+    pub fn move_optimizer(&mut self, place: Place) -> Result<Vec<String>> {
+        let device = self.model.device();
+        let label = |what: &'static str| move |(fi, t)| (format!("{what}/{fi}"), t);
+        move_all(
+            self.masters
+                .iter_mut()
+                .enumerate()
+                .map(label("master"))
+                .chain(
+                    self.optim
+                        .exp_avg
+                        .iter_mut()
+                        .enumerate()
+                        .map(label("exp_avg")),
+                )
+                .chain(
+                    self.optim
+                        .exp_avg_sq
+                        .iter_mut()
+                        .enumerate()
+                        .map(label("exp_avg_sq")),
+                ),
+            place,
+            device,
+        )
+    }
+
+    /// Moves what `offload` offloads of what a call needing `need` uses to `place`: the
+    /// parameters, and for an update the gradient buffers and for an update or a checkpoint the
+    /// optimizer state. Returns the labels of the tensors moved.
+    pub fn move_offloaded(
+        &mut self,
+        offload: Offload,
+        need: Need,
+        place: Place,
+    ) -> Result<Vec<String>> {
+        let mut seen = Vec::new();
+        if offload.params {
+            seen.extend(move_params(&mut self.model, place)?);
+        }
+        if offload.grads && need.grads() {
+            seen.extend(self.move_grads(place)?);
+        }
+        if offload.optimizer && need.optimizer() {
+            seen.extend(self.move_optimizer(place)?);
+        }
+        Ok(seen)
+    }
+
+    /// The flats (gradient buffers, master / moment tensors per kind) of this rank.
+    pub fn flat_count(&self) -> usize {
+        self.flats.len()
+    }
+
+    /// The devices of the gradient buffers, then of masters and moments (tests).
+    pub fn state_devices(&self) -> (Vec<tch::Device>, Vec<tch::Device>) {
+        let grads = self.grads.iter().map(|t| t.device()).collect();
+        let optim = self
+            .masters
+            .iter()
+            .chain(&self.optim.exp_avg)
+            .chain(&self.optim.exp_avg_sq)
+            .map(|t| t.device())
+            .collect();
+        (grads, optim)
     }
 
     /// Bytes held in masters, gradient accumulators and optimizer state on this rank.

@@ -42,6 +42,7 @@ type CTensor = *const torch_sys::C_tensor;
 extern "C" {
     fn vt_free_error(e: *mut c_char);
     fn vt_cuda_graphs_compiled() -> i32;
+    fn vt_cuda_empty_cache() -> *mut c_char;
     fn vt_fused_adamw(
         params: *const CTensor,
         grads: *const CTensor,
@@ -75,6 +76,14 @@ fn check(op: &'static str, err: *mut c_char) -> Result<()> {
         .to_string();
     unsafe { vt_free_error(err) };
     Err(TorchExtError::Torch { op, message })
+}
+
+/// `torch.cuda.empty_cache()`: hands the CUDA caching allocator's unused blocks back to the driver
+/// (after offloading to the host, so the memory is really free for others). A no-op in a build
+/// without CUDA or before CUDA was used.
+pub fn cuda_empty_cache() -> Result<()> {
+    // SAFETY: no arguments; errors come back as a malloc'ed string.
+    check("cuda_empty_cache", unsafe { vt_cuda_empty_cache() })
 }
 
 /// Whether this build of the shim has CUDA (graphs can be captured when a GPU is present too).

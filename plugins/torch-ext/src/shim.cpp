@@ -21,6 +21,7 @@
 
 #ifdef VERL_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
@@ -73,6 +74,17 @@ struct Graph {
 extern "C" {
 
 void vt_free_error(char* e) { std::free(e); }
+
+// torch.cuda.empty_cache(): returns the caching allocator's unused blocks to the driver (so other
+// processes and cuMemGetInfo see the memory freed, e.g. after offloading to the host). No-op
+// without CUDA.
+char* vt_cuda_empty_cache() {
+  return guarded([&] {
+#ifdef VERL_WITH_CUDA
+    c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+  });
+}
 
 int vt_cuda_graphs_compiled() {
 #ifdef VERL_WITH_CUDA

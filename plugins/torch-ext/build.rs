@@ -84,6 +84,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim.cpp");
     println!("cargo:rerun-if-changed=src/paged_attention.cpp");
     println!("cargo:rerun-if-changed=src/cuda_rt.h");
+    println!("cargo:rerun-if-changed=src/ext_util.h");
     println!("cargo:rerun-if-changed=src/row_kernels.cpp");
     for var in [
         "LIBTORCH",

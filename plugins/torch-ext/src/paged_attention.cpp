@@ -30,6 +30,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "ext_util.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -513,28 +515,6 @@ extern "C" __global__ void __launch_bounds__(128) vt_pa_reduce(const VtPaParams 
 #endif
 )VTPA";
 
-char* pa_error_string(const std::string& message) {
-  char* out = static_cast<char*>(std::malloc(message.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, message.c_str(), message.size() + 1);
-  }
-  return out;
-}
-
-template <typename F>
-char* pa_guarded(F&& f) {
-  try {
-    f();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return pa_error_string(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return pa_error_string(e.what());
-  } catch (...) {
-    return pa_error_string("unknown C++ exception");
-  }
-}
-
 const std::string& full_source() {
   static const std::string src =
       std::string("// verl-rs paged decode attention\n") + VT_PA_STR(VT_PA_PARAMS_DEF) + "\n" +
@@ -792,11 +772,11 @@ const char* vt_paged_attention_source() { return full_source().c_str(); }
 // NVRTC's log, which includes ptxas' register/spill report.
 char* vt_paged_attention_compile_check(int dtype, int head_dim, int tc, int arch, char** log) {
   if (log != nullptr) *log = nullptr;
-  return pa_guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     const Binary bin = compile_program(dtype, head_dim, tc != 0, arch, true);
     if (log != nullptr) {
-      *log = pa_error_string("target " + bin.target + ", " + std::to_string(bin.image.size()) +
+      *log = vt_util::error_string("target " + bin.target + ", " + std::to_string(bin.image.size()) +
                              " bytes, NVRTC " + nvrtc_api().path + "\n" + bin.log);
     }
 #else
@@ -818,7 +798,7 @@ char* vt_paged_decode_attention_ex(at::Tensor* q, at::Tensor* k_cache, at::Tenso
                                    at::Tensor* block_table, at::Tensor* seq_lens, double scale,
                                    int64_t window, at::Tensor* out, int64_t kernel,
                                    int64_t num_splits) {
-  return pa_guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     paged_decode(*q, *k_cache, *v_cache, *block_table, *seq_lens, scale, window, *out, kernel,
                  num_splits);

@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "ext_util.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -410,26 +412,6 @@ extern "C" __global__ void __launch_bounds__(256) vt_rope(const VtRopeParams p) 
 }
 )VTROW";
 
-char* row_error_string(const std::string& message) {
-  char* out = static_cast<char*>(std::malloc(message.size() + 1));
-  if (out != nullptr) std::memcpy(out, message.c_str(), message.size() + 1);
-  return out;
-}
-
-template <typename F>
-char* row_guarded(F&& f) {
-  try {
-    f();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return row_error_string(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return row_error_string(e.what());
-  } catch (...) {
-    return row_error_string("unknown C++ exception");
-  }
-}
-
 const std::string& row_source() {
   static const std::string src = std::string("// verl-rs row kernels\n") +
                                  VT_ROW_STR(VT_ROW_PARAMS_DEF) + "\n" +
@@ -702,11 +684,11 @@ const char* vt_row_kernels_source() { return row_source().c_str(); }
 // with vt_free_error) receives NVRTC's log with ptxas' register/spill report.
 char* vt_row_kernels_compile_check(int arch, char** log) {
   if (log != nullptr) *log = nullptr;
-  return row_guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     const Binary bin = compile_source(row_source(), "verl_row_kernels", {}, arch, true);
     if (log != nullptr) {
-      *log = row_error_string("target " + bin.target + ", " + std::to_string(bin.image.size()) +
+      *log = vt_util::error_string("target " + bin.target + ", " + std::to_string(bin.image.size()) +
                               " bytes\n" + bin.log);
     }
 #else
@@ -718,7 +700,7 @@ char* vt_row_kernels_compile_check(int arch, char** log) {
 
 char* vt_sample_rows(at::Tensor* logits, at::Tensor* uniforms, double temperature,
                      at::Tensor* tokens, at::Tensor* log_probs) {
-  return row_guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     sample(logits, uniforms, temperature, tokens, log_probs);
 #else
@@ -731,7 +713,7 @@ char* vt_sample_rows(at::Tensor* logits, at::Tensor* uniforms, double temperatur
 char* vt_token_stats(at::Tensor* logits, at::Tensor* targets, double temperature,
                      at::Tensor* log_probs, at::Tensor* entropy, at::Tensor* lse,
                      at::Tensor* mean) {
-  return row_guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     stats(logits, targets, temperature, log_probs, entropy, lse, mean);
 #else
@@ -745,7 +727,7 @@ char* vt_token_stats(at::Tensor* logits, at::Tensor* targets, double temperature
 char* vt_token_stats_grad(at::Tensor* logits, at::Tensor* targets, at::Tensor* lse,
                           at::Tensor* mean, at::Tensor* g_log_probs, at::Tensor* g_entropy,
                           double temperature, at::Tensor* grad) {
-  return row_guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     stats_grad(logits, targets, lse, mean, g_log_probs, g_entropy, temperature, grad);
 #else
@@ -760,7 +742,7 @@ char* vt_token_stats_grad(at::Tensor* logits, at::Tensor* targets, at::Tensor* l
 // head_dim] (x's dtype, contiguous) into `out` (contiguous, x's shape): bit-identical to
 // x * cos + rotate_half(x) * sin in torch ops.
 char* vt_rope(at::Tensor* x, at::Tensor* cos, at::Tensor* sin, at::Tensor* out) {
-  return row_guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     rope(x, cos, sin, out);
 #else

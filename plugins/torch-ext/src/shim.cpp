@@ -11,6 +11,8 @@
 #include <ATen/ops/_fused_adamw.h>
 #include <c10/util/Exception.h>
 
+#include "ext_util.h"
+
 #include <cstdlib>
 #include <stdexcept>
 
@@ -28,28 +30,6 @@
 #endif
 
 namespace {
-
-char* error_string(const std::string& message) {
-  char* out = static_cast<char*>(std::malloc(message.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, message.c_str(), message.size() + 1);
-  }
-  return out;
-}
-
-template <typename F>
-char* guarded(F&& f) {
-  try {
-    f();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return error_string(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return error_string(e.what());
-  } catch (...) {
-    return error_string("unknown C++ exception");
-  }
-}
 
 std::vector<at::Tensor> tensor_list(at::Tensor** ts, int64_t n) {
   std::vector<at::Tensor> out;
@@ -79,7 +59,7 @@ void vt_free_error(char* e) { std::free(e); }
 // processes and cuMemGetInfo see the memory freed, e.g. after offloading to the host). No-op
 // without CUDA.
 char* vt_cuda_empty_cache() {
-  return guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
@@ -99,7 +79,7 @@ int vt_cuda_graphs_compiled() {
 char* vt_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
                      at::Tensor** exp_avg_sqs, at::Tensor** steps, int64_t n, double lr,
                      double beta1, double beta2, double weight_decay, double eps) {
-  return guarded([&] {
+  return vt_util::guarded([&] {
     auto p = tensor_list(params, n);
     auto g = tensor_list(grads, n);
     auto m = tensor_list(exp_avgs, n);
@@ -112,7 +92,7 @@ char* vt_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_a
 }
 
 char* vt_graph_new(void** out) {
-  return guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     *out = new Graph();
 #else
@@ -133,7 +113,7 @@ void vt_graph_free(void* g) {
 // Makes a fresh non-default stream current (capture cannot run on the default stream), after
 // the device has finished all queued work. Work launched until vt_graph_end_side runs on it.
 char* vt_graph_begin_side(void* g) {
-  return guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     auto* graph = static_cast<Graph*>(g);
     c10::cuda::device_synchronize();
@@ -149,7 +129,7 @@ char* vt_graph_begin_side(void* g) {
 
 // Restores the stream that was current before vt_graph_begin_side, after the side stream's work.
 char* vt_graph_end_side(void* g) {
-  return guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     auto* graph = static_cast<Graph*>(g);
     if (graph->side) {
@@ -169,7 +149,7 @@ char* vt_graph_end_side(void* g) {
 // Starts capturing the current (side) stream. `share` (nullable) is a graph whose private memory
 // pool this one shares.
 char* vt_graph_capture_begin(void* g, void* share) {
-  return guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     auto* graph = static_cast<Graph*>(g);
     at::cuda::MempoolId_t pool = {0, 0};
@@ -186,7 +166,7 @@ char* vt_graph_capture_begin(void* g, void* share) {
 }
 
 char* vt_graph_capture_end(void* g) {
-  return guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     static_cast<Graph*>(g)->graph.capture_end();
 #else
@@ -198,7 +178,7 @@ char* vt_graph_capture_end(void* g) {
 
 // Launches the captured work on the current stream.
 char* vt_graph_replay(void* g) {
-  return guarded([&] {
+  return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     static_cast<Graph*>(g)->graph.replay();
 #else

@@ -538,6 +538,18 @@ fn repeat_kv(x: &Tensor, groups: i64) -> Result<Tensor> {
         .f_reshape([s[0], s[1] * groups, s[2], s[3]])?)
 }
 
+/// Whether `silu(gate) * up` over a fused gate/up output `gu` runs as one CUDA kernel
+/// ([`verl_torch_ext::swiglu`], bit-identical to the two torch ops, which read the two strided
+/// halves slowly). Only reached on no-grad paths (the fused projection is never differentiated);
+/// off with `VERL_FUSED_SWIGLU=0`.
+fn fused_swiglu(gu: &Tensor) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    matches!(gu.device(), Device::Cuda(_))
+        && !gu.requires_grad()
+        && verl_torch_ext::row_kernels_available(gu.device())
+        && *ON.get_or_init(|| std::env::var("VERL_FUSED_SWIGLU").as_deref() != Ok("0"))
+}
+
 /// SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
 #[derive(Debug)]
 pub(crate) struct Mlp {
@@ -587,6 +599,9 @@ impl Mlp {
             .and_then(|g| g.as_ref().map(|w| x.f_linear(w, None::<&Tensor>)))
             .transpose()?;
         if let Some(gu) = fused {
+            if fused_swiglu(&gu) {
+                return self.down.forward(&verl_torch_ext::swiglu(&gu)?);
+            }
             let inter = self.gate.weight.size()[0];
             let g = gu.f_narrow(-1, 0, inter)?.f_silu()?;
             return self

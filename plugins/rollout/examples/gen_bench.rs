@@ -92,7 +92,7 @@ fn parse() -> Result<Args, String> {
             "--max-seqs" => a.engine.max_num_seqs = Some(num(&flag, &value()?)?),
             "--eos-frac" => a.eos_frac = num(&flag, &value()?)?,
             "-h" | "--help" => {
-                return Err("flags: --model tiny|qwen2.5-0.5b --device cpu|cuda --dtype f32|bf16|f16 \
+                return Err("flags: --model tiny|qwen2.5-0.5b|qwen2.5-1.5b --device cpu|cuda --dtype f32|bf16|f16 \
                      --batches 1,8,64 --prompt-len N --new-tokens N --n N --greedy --iters N --threads N \
                      --engines v1,v2,v2e --block-size N --kv-tokens N --max-seqs N --eos-frac F"
                     .into())
@@ -123,7 +123,17 @@ fn config(name: &str) -> Result<ModelConfig, String> {
             "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
             "rms_norm_eps": 1e-6, "tie_word_embeddings": true,
         }),
-        m => return Err(format!("--model: expected tiny or qwen2.5-0.5b, found {m}")),
+        "qwen2.5-1.5b" => json!({
+            "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536,
+            "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+            "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": true,
+        }),
+        m => {
+            return Err(format!(
+                "--model: expected tiny, qwen2.5-0.5b or qwen2.5-1.5b, found {m}"
+            ))
+        }
     };
     ModelConfig::from_value(v, format!("<{name} preset>")).map_err(|e| e.to_string())
 }

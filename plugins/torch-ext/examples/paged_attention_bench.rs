@@ -1,8 +1,9 @@
 //! Times the paged decode-attention kernel against the torch formulations on a GPU.
 //!
-//! `cargo run --release -p verl-torch-ext --example paged_attention_bench [-- S CONTEXT]`
-//! (defaults: S = 512 sequences, context 768; heads 14 / kv 2, head_dim 64, bf16, blocks of 16,
-//! block ids shuffled). Prints µs per call and the achieved GB/s of K/V read (every sequence's
+//! `cargo run --release -p verl-torch-ext --example paged_attention_bench [-- S CONTEXT HEADS
+//! KV_HEADS HEAD_DIM SHARED N]` (defaults: S = 512 sequences, context 768; heads 14 / kv 2,
+//! head_dim 64, bf16, blocks of 16, block ids shuffled; SHARED > 0: groups of N sequences share
+//! their first SHARED positions' blocks, as the n samples of a prompt do in the engine). Prints µs per call and the achieved GB/s of K/V read (every sequence's
 //! keys and values read once: S * context * kv_heads * head_dim * 2 bytes * 2).
 
 use std::time::Instant;
@@ -37,7 +38,12 @@ fn main() {
         .collect();
     let s = args.first().copied().unwrap_or(512);
     let ctx = args.get(1).copied().unwrap_or(768);
-    let (heads, kvh, d, bs) = (14i64, 2i64, 64i64, 16i64);
+    let heads = args.get(2).copied().unwrap_or(14);
+    let kvh = args.get(3).copied().unwrap_or(2);
+    let d = args.get(4).copied().unwrap_or(64);
+    let shared = args.get(5).copied().unwrap_or(0);
+    let group = args.get(6).copied().unwrap_or(8).max(1);
+    let bs = 16i64;
     let dev = Device::Cuda(0);
     let kind = Kind::BFloat16;
     tch::manual_seed(0);
@@ -46,6 +52,14 @@ fn main() {
     let table = Tensor::randperm(nb, (Kind::Int64, dev))
         .narrow(0, 0, s * mb)
         .reshape([s, mb]);
+    // Shared prefix: every sequence of a group points at its first member's prefix blocks.
+    let sb = shared / bs;
+    if sb > 0 {
+        let first = Tensor::arange(s, (Kind::Int64, dev)).floor_divide_scalar(group) * group;
+        let prefix = table.index_select(0, &first).narrow(1, 0, sb);
+        let mut head = table.narrow(1, 0, sb);
+        head.copy_(&prefix);
+    }
     let lens = Tensor::full([s], ctx, (Kind::Int64, dev));
     let q = Tensor::randn([s, heads, d], (Kind::Float, dev)).to_kind(kind);
     let k = Tensor::randn([nb, bs, kvh, d], (Kind::Float, dev)).to_kind(kind);
@@ -53,7 +67,7 @@ fn main() {
     let scale = 1.0 / (d as f64).sqrt();
     let kv_bytes = (s * ctx * kvh * d * 2 * 2) as f64;
     println!(
-        "S={s} context={ctx} heads={heads}/{kvh} head_dim={d} bf16 block_size={bs}: {:.1} MB of K/V per call",
+        "S={s} context={ctx} heads={heads}/{kvh} head_dim={d} bf16 block_size={bs} shared prefix {shared} per {group}: {:.1} MB of K/V per call (counted unshared)",
         kv_bytes / 1e6
     );
     let report = |name: &str, us: f64| {

@@ -63,6 +63,15 @@
     int dtype;       /* 0 fp32, 1 bf16, 2 fp16 */                                         \
   };
 
+#define VT_SWIGLU_PARAMS_DEF                                                              \
+  struct VtSwigluParams {                                                                 \
+    const void* x;   /* [R, 2 I]: gate | up, row stride below (elements) */               \
+    void* out;       /* [R, I] contiguous */                                              \
+    long long rows, inter, stride;                                                        \
+    int dtype;       /* 0 fp32, 1 bf16, 2 fp16 */                                         \
+    int vec;         /* 1: 8 elements per thread through 16-byte loads (16-bit dtypes) */ \
+  };
+
 #define VT_ROW_STR_(...) #__VA_ARGS__
 #define VT_ROW_STR(...) VT_ROW_STR_(__VA_ARGS__)
 
@@ -410,12 +419,79 @@ extern "C" __global__ void __launch_bounds__(256) vt_rope(const VtRopeParams p) 
     vt_store(p.out, p.dtype, oo + i + half, o2);
   }
 }
+// silu(gate) * up over the two halves of a fused gate/up projection, rounded as torch's silu
+// and mul round (silu in fp32 to the dtype, the product in fp32 to the dtype): bit-identical to
+// silu(x[:, :I]) * x[:, I:].
+__device__ __forceinline__ float vt_silu_mul1(float g, float u, int dtype) {
+  const float s = vt_round(g / (1.0f + expf(-g)), dtype);
+  return vt_round(s * u, dtype);
+}
+__device__ __forceinline__ unsigned int vt_pack16(float lo, float hi, int dtype) {
+  unsigned int a, b;
+  if (dtype == 1) {
+    a = __float_as_uint(lo) >> 16;  // already rounded to bf16 by vt_round
+    b = __float_as_uint(hi) >> 16;
+  } else {
+    unsigned short x, y;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x) : "f"(lo));
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(y) : "f"(hi));
+    a = x;
+    b = y;
+  }
+  return a | (b << 16);
+}
+__device__ __forceinline__ float vt_half16(unsigned int w, int hi, int dtype) {
+  const unsigned short h = hi ? (unsigned short)(w >> 16) : (unsigned short)(w & 0xffffu);
+  if (dtype == 1) return __uint_as_float(((unsigned int)h) << 16);
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+extern "C" __global__ void __launch_bounds__(256) vt_swiglu(const VtSwigluParams p) {
+  if (p.vec) {
+    const long long per_row = p.inter / 8;
+    const long long n = p.rows * per_row;
+    for (long long idx = blockIdx.x * 256LL + threadIdx.x; idx < n; idx += gridDim.x * 256LL) {
+      const long long r = idx / per_row, c = (idx - r * per_row) * 8;
+      const unsigned short* row = static_cast<const unsigned short*>(p.x) + r * p.stride;
+      const uint4 g = *reinterpret_cast<const uint4*>(row + c);
+      const uint4 u = *reinterpret_cast<const uint4*>(row + p.inter + c);
+      const unsigned int gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+      unsigned int ow[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float lo = vt_silu_mul1(vt_half16(gw[j], 0, p.dtype), vt_half16(uw[j], 0, p.dtype),
+                                      p.dtype);
+        const float hi = vt_silu_mul1(vt_half16(gw[j], 1, p.dtype), vt_half16(uw[j], 1, p.dtype),
+                                      p.dtype);
+        ow[j] = vt_pack16(lo, hi, p.dtype);
+      }
+      uint4 o;
+      o.x = ow[0];
+      o.y = ow[1];
+      o.z = ow[2];
+      o.w = ow[3];
+      *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.out) + r * p.inter + c) = o;
+    }
+    return;
+  }
+  const long long n = p.rows * p.inter;
+  for (long long idx = blockIdx.x * 256LL + threadIdx.x; idx < n; idx += gridDim.x * 256LL) {
+    const long long r = idx / p.inter, c = idx - r * p.inter;
+    const long long xo = r * p.stride + c;
+    const float v = vt_silu_mul1(vt_load(p.x, p.dtype, xo), vt_load(p.x, p.dtype, xo + p.inter),
+                                 p.dtype);
+    vt_store(p.out, p.dtype, idx, v);
+  }
+}
 )VTROW";
 
 const std::string& row_source() {
   static const std::string src = std::string("// verl-rs row kernels\n") +
                                  VT_ROW_STR(VT_ROW_PARAMS_DEF) + "\n" +
-                                 VT_ROW_STR(VT_ROPE_PARAMS_DEF) + "\n" + kRowSource;
+                                 VT_ROW_STR(VT_ROPE_PARAMS_DEF) + "\n" +
+                                 VT_ROW_STR(VT_SWIGLU_PARAMS_DEF) + "\n" + kRowSource;
   return src;
 }
 
@@ -423,6 +499,7 @@ const std::string& row_source() {
 
 VT_ROW_PARAMS_DEF
 VT_ROPE_PARAMS_DEF
+VT_SWIGLU_PARAMS_DEF
 
 using namespace vt_rt;
 
@@ -433,6 +510,7 @@ struct RowKernels {
   CUfunction_t stats = nullptr;
   CUfunction_t grad = nullptr;
   CUfunction_t rope = nullptr;
+  CUfunction_t swiglu = nullptr;
 };
 
 std::map<int, RowKernels> g_row_kernels;  // by device
@@ -445,12 +523,13 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   }
   const Binary bin = compile_source(row_source(), "verl_row_kernels", {}, info.arch, false);
   const auto fns = load_functions(
-      bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad", "vt_rope"});
+      bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad", "vt_rope", "vt_swiglu"});
   RowKernels k;
   k.sample = fns[0];
   k.stats = fns[1];
   k.grad = fns[2];
   k.rope = fns[3];
+  k.swiglu = fns[4];
   std::lock_guard<std::mutex> lock(rt_mutex());
   return g_row_kernels.emplace(index, k).first->second;
 }
@@ -668,6 +747,47 @@ void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
            "cuLaunchKernel(vt_rope)");
 }
 
+void swiglu(const at::Tensor* x, const at::Tensor* out) {
+  if (x == nullptr || !x->defined() || !x->is_cuda()) {
+    bad("swiglu x", "a CUDA tensor", x && x->defined() ? x->device().str() : "none");
+  }
+  const at::Device dev = x->device();
+  if (x->dim() != 2 || x->size(1) % 2 != 0) {
+    bad("swiglu x", "[rows, 2 * intermediate]", sizes_str(*x));
+  }
+  if (x->stride(1) != 1) bad("swiglu x", "unit stride along the last dimension", "a strided one");
+  const int64_t R = x->size(0), I = x->size(1) / 2;
+  const int dtype = storage_code(x->scalar_type(), "swiglu x dtype");
+  check(out, "swiglu out [rows, intermediate]", 2, R, x->scalar_type(), dev);
+  if (out->size(1) != I) bad("swiglu out shape", "[" + std::to_string(R) + ", " +
+                                                      std::to_string(I) + "]", sizes_str(*out));
+  if (R == 0 || I == 0) return;
+  c10::DeviceGuard guard(dev);
+  const int index = dev.index();
+  VtSwigluParams p{};
+  p.x = x->data_ptr();
+  p.out = out->data_ptr();
+  p.rows = R;
+  p.inter = I;
+  p.stride = R > 1 ? x->stride(0) : 2 * I;
+  p.dtype = dtype;
+  const auto addr = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
+  p.vec = dtype != 0 && I % 8 == 0 && p.stride % 8 == 0 && addr(p.x) % 16 == 0 &&
+          addr(p.out) % 16 == 0;
+  const int64_t n = p.vec ? R * (I / 8) : R * I;
+  const DeviceInfo& info = device_info(index);
+  make_current(info);
+  const RowKernels k = row_kernels(index, info);
+  int64_t blocks = (n + 255) / 256;
+  const int64_t cap = static_cast<int64_t>(info.sms) * 16;
+  if (blocks > cap) blocks = cap;
+  const CudaApi& cu = cuda_checked();
+  void* args[] = {&p};
+  cu_check(cu.cuLaunchKernel(k.swiglu, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
+                             current_stream(index), args, nullptr),
+           "cuLaunchKernel(vt_swiglu)");
+}
+
 #endif  // VERL_WITH_CUDA
 
 [[noreturn]] void no_cuda() {
@@ -747,6 +867,19 @@ char* vt_rope(at::Tensor* x, at::Tensor* cos, at::Tensor* sin, at::Tensor* out) 
     rope(x, cos, sin, out);
 #else
     (void)x, (void)cos, (void)sin, (void)out;
+    no_cuda();
+#endif
+  });
+}
+
+// silu(x[:, :I]) * x[:, I:] of `x` [rows, 2 I] (unit stride along the last dimension) into
+// `out` [rows, I] (contiguous), bit-identical to those torch ops.
+char* vt_swiglu(at::Tensor* x, at::Tensor* out) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    swiglu(x, out);
+#else
+    (void)x, (void)out;
     no_cuda();
 #endif
   });

@@ -318,6 +318,8 @@ const PHASES: [&str; 4] = ["gen", "old_log_prob", "ref", "update"];
 struct StepTimes {
     gen: f64,
     old_log_prob: f64,
+    /// On-policy step: the old-log-prob pass did not run (see `trainer.skip_on_policy_old_log_prob`).
+    old_skipped: bool,
     reference: f64,
     other: f64,
     update: f64,
@@ -338,6 +340,7 @@ impl StepTimes {
     fn to_json(&self) -> Value {
         json!({
             "gen": round4(self.gen), "old_log_prob": round4(self.old_log_prob),
+            "old_log_prob_skipped": self.old_skipped,
             "ref": round4(self.reference), "other": round4(self.other),
             "update": round4(self.update), "step": round4(self.step),
         })
@@ -419,6 +422,14 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     ];
     overrides.extend(a.overrides.iter().cloned());
     let cfg = Config::from_overrides(&overrides)?;
+    // The trainer's rule (one mini-batch = the whole step here unless overridden).
+    let skip_old_pass = {
+        let actor = &cfg.actor_rollout_ref.actor;
+        cfg.trainer.skip_on_policy_old_log_prob
+            && actor.ppo_epochs == 1
+            && actor.ppo_mini_batch_size >= a.prompts as u64
+            && !cfg.algorithm.use_kl_in_reward
+    };
     let cfg_json = serde_json::to_value(&cfg)?;
     let extra = json!({"random_init": {"seed": a.seed}});
     let mut init = InitArgs::new(Role::Actor, cfg_json.clone());
@@ -508,13 +519,20 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             temperature: 1.0,
             with_entropy: false,
         };
-        let t = Instant::now();
-        let old = actor.compute_log_prob(&gen, &lp_opts)?;
-        probe(&mut actor)?;
-        let t_old = t.elapsed().as_secs_f64();
+        // As the trainer: an on-policy step skips the old-log-prob pass (the warm-up step keeps
+        // it, to measure the rollout's log-prob exactness against it).
+        let skip_old = step > 0 && skip_old_pass;
+        let (old, t_old) = if skip_old {
+            (None, 0.0)
+        } else {
+            let t = Instant::now();
+            let old = actor.compute_log_prob(&gen, &lp_opts)?;
+            probe(&mut actor)?;
+            (Some(old), t.elapsed().as_secs_f64())
+        };
 
-        if step == 0 {
-            exactness = Some(logprob_gap(&gen, &old)?);
+        if let (0, Some(old)) = (step, &old) {
+            exactness = Some(logprob_gap(&gen, old)?);
         }
         let t = Instant::now();
         let rf = reference.compute_log_prob(&gen, &lp_opts)?;
@@ -522,7 +540,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         let t_ref = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
-        let upd = update_batch(&gen, &old, &rf, a.n, &mut rng)?;
+        let upd = update_batch(&gen, old.as_ref(), &rf, a.n, &mut rng)?;
         other += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let metrics = actor.update(
@@ -530,7 +548,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             &UpdateOptions {
                 global_step: step as u64 + 1,
                 temperature: Some(1.0),
-                extra: json!({}),
+                extra: json!({ "entropy_metric": skip_old }),
             },
         )?;
         probe(&mut actor)?;
@@ -538,6 +556,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         let times = StepTimes {
             gen: t_gen,
             old_log_prob: t_old,
+            old_skipped: skip_old,
             reference: t_ref,
             other,
             update: t_upd,
@@ -606,17 +625,19 @@ fn logprob_gap(gen: &Batch, old: &Batch) -> anyhow::Result<(f64, f64)> {
 /// (random, centred within each prompt's group of n), broadcast over the response tokens.
 fn update_batch(
     gen: &Batch,
-    old: &Batch,
+    old: Option<&Batch>,
     rf: &Batch,
     n: usize,
     rng: &mut Rng,
 ) -> anyhow::Result<Batch> {
     let mut b = gen.clone();
-    let old_lp = old.tensor::<f32>(col::LOG_PROBS)?;
     let ref_lp = rf.tensor::<f32>(col::LOG_PROBS)?;
-    let (rows, rl) = (old_lp.rows(), old_lp.cols());
+    let (rows, rl) = (ref_lp.rows(), ref_lp.cols());
     let shape = [rows, rl];
-    b.insert_tensor(col::OLD_LOG_PROBS, &shape, &old_lp.data);
+    if let Some(old) = old {
+        let old_lp = old.tensor::<f32>(col::LOG_PROBS)?;
+        b.insert_tensor(col::OLD_LOG_PROBS, &shape, &old_lp.data);
+    }
     b.insert_tensor(col::REF_LOG_PROBS, &shape, &ref_lp.data);
     let mut per_row: Vec<f64> = (0..rows).map(|_| rng.unit() * 2.0 - 1.0).collect();
     for g in per_row.chunks_mut(n.max(1)) {
@@ -668,6 +689,15 @@ impl Report {
             0.0
         }
     }
+    /// FLOPs of the phases that ran.
+    fn step_flops(&self) -> f64 {
+        let old = if self.times.old_skipped {
+            self.flops[1]
+        } else {
+            0.0
+        };
+        self.flops.iter().sum::<f64>() - old
+    }
     fn decode_fraction(&self) -> f64 {
         if self.times.gen > 0.0 {
             self.roofline_s / self.times.gen
@@ -682,6 +712,13 @@ impl Report {
         );
         for (i, name) in PHASES.iter().enumerate() {
             let secs = self.times.phase(name);
+            if i == 1 && self.times.old_skipped {
+                o.push_str(&format!(
+                    "{name:<13} {:>9} (on-policy step: the update takes its own log-probs, as the trainer)\n",
+                    "skipped"
+                ));
+                continue;
+            }
             let roof = if i == 0 {
                 format!("{:.1}%", 100.0 * self.decode_fraction())
             } else {
@@ -696,7 +733,7 @@ impl Report {
                 roof
             ));
         }
-        let total: f64 = self.flops.iter().sum();
+        let total = self.step_flops();
         o.push_str(&format!(
             "{:<13} {:>9.3} {:>12.0} {:>6.1}% {:>9}\n",
             "step",
@@ -717,7 +754,7 @@ impl Report {
     fn json(&self, s: &Shape, a: &GrpoArgs, peak_mem: f64, mem_source: &str) -> Value {
         let rows = (a.prompts * a.n) as u64;
         let t = &self.times;
-        let total: f64 = self.flops.iter().sum();
+        let total = self.step_flops();
         let tokens = rows * (a.prompt_len + a.response_len) as u64;
         let resp = rows * a.response_len as u64;
         json!({
@@ -736,6 +773,7 @@ impl Report {
             "n_params": s.n_params(),
             "gen": round4(t.gen),
             "old_log_prob": round4(t.old_log_prob),
+            "old_log_prob_skipped": t.old_skipped,
             "ref": round4(t.reference),
             "other": round4(t.other),
             "update": round4(t.update),

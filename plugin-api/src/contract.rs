@@ -26,7 +26,10 @@ pub mod col {
     pub const LOG_PROBS: &str = "log_probs";
     /// Per-token entropy returned by `compute_log_prob` when asked for, f32.
     pub const ENTROPY: &str = "entropy";
-    /// Inputs of `update`.
+    /// Inputs of `update`. `old_log_probs` is absent on on-policy steps (one mini-batch, one
+    /// epoch), where the host skips the old-log-prob pass: the update then takes the PPO ratio
+    /// against its own detached log-probs (as verl's actor does whenever it is on-policy), and
+    /// reports `actor/entropy` when `UpdateOptions.extra.entropy_metric` is true.
     pub const OLD_LOG_PROBS: &str = "old_log_probs";
     pub const REF_LOG_PROBS: &str = "ref_log_prob";
     pub const ADVANTAGES: &str = "advantages";
@@ -79,7 +82,7 @@ pub const ACTOR_UPDATE_IN: &[ColumnSpec] = &[
     ColumnSpec::tensor(col::PROMPT_MASK, DType::I64, &[ROWS, PL]),
     ColumnSpec::tensor(col::RESPONSES, DType::I64, &[ROWS, RL]),
     ColumnSpec::tensor(col::RESPONSE_MASK, DType::I64, &[ROWS, RL]),
-    ColumnSpec::tensor(col::OLD_LOG_PROBS, DType::F32, &[ROWS, RL]),
+    ColumnSpec::tensor(col::OLD_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),
     ColumnSpec::tensor(col::ADVANTAGES, DType::F32, &[ROWS, RL]),
     ColumnSpec::tensor(col::REF_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),
     ColumnSpec::tensor(col::ROLLOUT_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),

@@ -554,3 +554,94 @@ fn megatron_tensor_and_pipeline_parallel_ranks_train_like_one_fsdp_rank() {
         assert!(bad.is_empty(), "{name}:\n{}", bad.join("\n"));
     }
 }
+
+/// On-policy steps (one mini-batch, one epoch, no KL in the reward) skip the old-log-prob pass:
+/// the update takes the PPO ratio against its own detached log-probs either way and reports
+/// `actor/entropy` from its forward instead. Every metric must equal the run that keeps the pass
+/// (`trainer.skip_on_policy_old_log_prob=false`), through both backends, except the
+/// rollout-vs-training log-prob comparison, which needs the pass; an off-policy job (two
+/// mini-batches) and `rollout.calculate_log_probs` still run it.
+#[test]
+fn on_policy_steps_skip_the_old_log_prob_pass_without_changing_any_metric() {
+    let inst = install(&[
+        "libverl_fsdp.so",
+        "libverl_megatron.so",
+        "libverl_rewards.so",
+    ]);
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    write_model(&root.join("model"));
+    write_data(&root.join("train.jsonl"), 8, "train");
+    write_data(&root.join("val.jsonl"), 4, "test");
+    let run = |name: &str, extra: &[&str]| {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let job = write(&dir, "job.yaml", &job_yaml(root, name));
+        let mut args = vec!["trainer.test_freq=-1", "trainer.save_freq=-1"];
+        args.extend_from_slice(extra);
+        let o = verl_run(inst.path(), &dir, &job, &args);
+        assert!(
+            o.status.success(),
+            "{name}: stdout:\n{}\nstderr:\n{}",
+            stdout(&o),
+            stderr(&o)
+        );
+        metrics_by_step(&jsonl_of(&dir))
+    };
+    let on_policy = "actor_rollout_ref.actor.ppo_mini_batch_size=4";
+    let keep = "trainer.skip_on_policy_old_log_prob=false";
+    let megatron = [
+        "actor_rollout_ref.actor.strategy=megatron",
+        "actor_rollout_ref.actor.megatron.dtype=float32",
+        "actor_rollout_ref.ref.megatron.dtype=float32",
+    ];
+    for backend in ["fsdp", "megatron"] {
+        let mut base: Vec<&str> = vec![on_policy];
+        if backend == "megatron" {
+            base.extend_from_slice(&megatron);
+        }
+        let skipped = run(&format!("{backend}_skip"), &base);
+        let mut with_keep = base.clone();
+        with_keep.push(keep);
+        let kept = run(&format!("{backend}_keep"), &with_keep);
+        let mut bad = Vec::new();
+        for step in 1..=3 {
+            assert!(
+                !skipped[&step].contains_key("timing_s/old_log_prob"),
+                "{backend} step {step}: the old-log-prob pass ran on an on-policy step"
+            );
+            assert!(kept[&step].contains_key("timing_s/old_log_prob"));
+            let (a, b) = (comparable(&kept[&step]), comparable(&skipped[&step]));
+            assert!(a.contains_key("actor/entropy") && b.contains_key("actor/entropy"));
+            for (k, va) in &a {
+                // Rollout-vs-training log-probs need the pass (verl reports them with
+                // `rollout.calculate_log_probs`, which keeps it).
+                if k.starts_with("training/rollout_probs_diff") {
+                    assert!(!b.contains_key(k));
+                    continue;
+                }
+                match b.get(k) {
+                    None => bad.push(format!("step {step}: `{k}` missing when skipped")),
+                    Some(vb) if (va - vb).abs() > 1e-5 * va.abs().max(1e-2) => {
+                        bad.push(format!("step {step}: `{k}` is {vb} skipped, {va} kept"))
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        assert!(bad.is_empty(), "{backend}:\n{}", bad.join("\n"));
+    }
+    // Two mini-batches per step: the second is off-policy, so the pass runs; and asking for the
+    // rollout log-prob comparison keeps it on on-policy steps.
+    let off = run("fsdp_off_policy", &[]);
+    assert!(off[&1].contains_key("timing_s/old_log_prob"));
+    let diff = run(
+        "fsdp_rollout_diff",
+        &[
+            on_policy,
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+        ],
+    );
+    assert!(diff[&1].contains_key("timing_s/old_log_prob"));
+    assert!(diff[&1].contains_key("training/rollout_probs_diff_mean"));
+}

@@ -613,22 +613,35 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
             temperature: cfg.actor_rollout_ref.rollout.temperature,
             with_entropy: true,
         };
-        let t0 = Instant::now();
-        let old = roles.actor.compute_log_prob(&batch, &lp_opts)?;
-        timings.add("old_log_prob", t0.elapsed().as_secs_f64());
-        let actor_call = format!("{}.actor.compute_log_prob", roles.actor.plugin());
-        let old_lp = tensor_f32(&old, col::LOG_PROBS, &actor_call)?;
-        let entropy = tensor_f32(&old, col::ENTROPY, &actor_call)?;
-        let entropy_mean = match group {
-            None => masked_mean(&grid_f64(&entropy)?, &mask)?,
-            Some(g) => global_masked_mean(&grid_f64(&entropy)?, &mask, g)?,
+        // On-policy steps never read the old log-probs (the update takes the ratio against its
+        // own detached log-probs, as verl does), so the pass is skipped unless something else
+        // needs them; the update then reports actor/entropy from its own forward (same weights).
+        // The rollout-vs-training log-prob metrics need the pass: verl reports them with
+        // `rollout.calculate_log_probs`, and so the pass runs then.
+        let skip_old = on_policy_old_log_prob_unused(cfg, &plan.actor)
+            && t.critic_warmup <= global_step
+            && !cfg.actor_rollout_ref.rollout.calculate_log_probs;
+        let old_lp = if skip_old {
+            None
+        } else {
+            let t0 = Instant::now();
+            let old = roles.actor.compute_log_prob(&batch, &lp_opts)?;
+            timings.add("old_log_prob", t0.elapsed().as_secs_f64());
+            let actor_call = format!("{}.actor.compute_log_prob", roles.actor.plugin());
+            let old_lp = tensor_f32(&old, col::LOG_PROBS, &actor_call)?;
+            let entropy = tensor_f32(&old, col::ENTROPY, &actor_call)?;
+            let entropy_mean = match group {
+                None => masked_mean(&grid_f64(&entropy)?, &mask)?,
+                Some(g) => global_masked_mean(&grid_f64(&entropy)?, &mask, g)?,
+            };
+            metrics.push(("actor/entropy".into(), entropy_mean));
+            if batch.contains(col::ROLLOUT_LOG_PROBS) {
+                let rl = tensor_f32(&batch, col::ROLLOUT_LOG_PROBS, "rollout")?;
+                metrics.extend(rollout_probs_diff(&rl.data, &old_lp.data, &mask, group)?);
+            }
+            batch.insert_tensor(col::OLD_LOG_PROBS, &[rows, width], &old_lp.data);
+            Some(old_lp)
         };
-        metrics.push(("actor/entropy".into(), entropy_mean));
-        if batch.contains(col::ROLLOUT_LOG_PROBS) {
-            let rl = tensor_f32(&batch, col::ROLLOUT_LOG_PROBS, "rollout")?;
-            metrics.extend(rollout_probs_diff(&rl.data, &old_lp.data, &mask, group)?);
-        }
-        batch.insert_tensor(col::OLD_LOG_PROBS, &[rows, width], &old_lp.data);
 
         let ref_lp = if let Some(reference) = roles.reference.as_mut() {
             let t0 = Instant::now();
@@ -660,9 +673,9 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         // Token rewards and advantages.
         let t0 = Instant::now();
         let scores = Grid::new(rows, width, rollout.reward.token_level_scores.clone())?;
-        let token_rewards = match (&ref_lp, cfg.algorithm.use_kl_in_reward) {
-            (Some(ref_lp), true) => {
-                let (old_g, ref_g) = (grid_f64(&old_lp)?, grid_f64(ref_lp)?);
+        let token_rewards = match (&ref_lp, &old_lp, cfg.algorithm.use_kl_in_reward) {
+            (Some(ref_lp), Some(old_lp), true) => {
+                let (old_g, ref_g) = (grid_f64(old_lp)?, grid_f64(ref_lp)?);
                 let out = with_reducer(group, |reducer| {
                     apply_kl_penalty_across(
                         &scores,
@@ -721,7 +734,11 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
             global_step,
             temperature: Some(cfg.actor_rollout_ref.rollout.temperature),
             // verl injects the resolved step count into the optimiser config for LR schedules.
-            extra: serde_json::json!({ "total_training_steps": total_steps }),
+            // Without the old-log-prob pass the update reports actor/entropy itself.
+            extra: serde_json::json!({
+                "total_training_steps": total_steps,
+                "entropy_metric": skip_old,
+            }),
         };
         if let Some(critic) = roles.critic.as_mut() {
             let t0 = Instant::now();
@@ -1358,6 +1375,17 @@ fn save_checkpoint_spmd(
         group.barrier("checkpoint-committed")?;
     }
     Ok(())
+}
+
+/// Whether the old-log-prob pass computes nothing the step uses: one mini-batch and one epoch
+/// (the update is on-policy and, like verl's, takes the PPO ratio against its own detached
+/// log-probs), no KL penalty in the reward (which reads them), and
+/// `trainer.skip_on_policy_old_log_prob` (verl-rs extension, default true) not turned off.
+pub(crate) fn on_policy_old_log_prob_unused(cfg: &Config, actor: &verl_config::UpdatePlan) -> bool {
+    cfg.trainer.skip_on_policy_old_log_prob
+        && actor.ppo_epochs == 1
+        && actor.mini_batches_per_step == 1
+        && !cfg.algorithm.use_kl_in_reward
 }
 
 #[cfg(test)]

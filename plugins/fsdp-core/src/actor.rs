@@ -436,7 +436,11 @@ impl FsdpActor {
         };
         let device = self.device;
         let seqs = Sequences::from_batch(batch, CALL, device)?;
-        let old_lp = column::<f32>(batch, CALL, col::OLD_LOG_PROBS, device)?;
+        // Absent on on-policy steps, where the host skips the pass (checked below).
+        let old_lp = match batch.contains(col::OLD_LOG_PROBS) {
+            true => Some(column::<f32>(batch, CALL, col::OLD_LOG_PROBS, device)?),
+            false => None,
+        };
         let adv = column::<f32>(batch, CALL, col::ADVANTAGES, device)?;
         let ref_lp = match batch.contains(col::REF_LOG_PROBS) {
             true => Some(column::<f32>(batch, CALL, col::REF_LOG_PROBS, device)?),
@@ -457,7 +461,25 @@ impl FsdpActor {
         // verl: with a single mini-batch and epoch the policy is still the one that produced
         // old_log_probs, so the ratio is taken against the current log-probs (exactly 1).
         let on_policy = minis.len() == 1 && plan.epochs == 1;
-        let need_entropy = plan.calculate_entropy || plan.loss.needs_entropy();
+        let old_lp = match old_lp {
+            Some(t) => t,
+            // Never read on-policy: the ratio is taken against the detached current log-probs.
+            None if on_policy => adv.f_zeros_like().ctx("old log-prob placeholder")?,
+            None => column::<f32>(batch, CALL, col::OLD_LOG_PROBS, device).map_err(|e| {
+                FsdpError::Api(ApiError::invalid_input(format!(
+                    "{e} (the update is not on-policy: {} mini-batch(es) × {} epoch(s) need the old-log-prob pass)",
+                    minis.len(),
+                    plan.epochs
+                )))
+            })?,
+        };
+        // The host skips the old-log-prob pass on on-policy steps and asks for actor/entropy here.
+        let entropy_metric = o
+            .extra
+            .get("entropy_metric")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false);
+        let need_entropy = plan.calculate_entropy || plan.loss.needs_entropy() || entropy_metric;
         let (padding, head_chunk) = (self.padding, self.head_chunk);
         let mut acc = MetricAcc::default();
         let fail = |train: &mut TrainableModel, e: FsdpError| -> FsdpError {

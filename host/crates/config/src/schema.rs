@@ -596,6 +596,9 @@ pub struct TrainerConfig {
     pub use_legacy_worker_impl: String,
     /// verl-rs extension (verl seeds per component): the host's seed.
     pub seed: u64,
+    /// verl-rs extension: skip the old-log-prob pass on on-policy steps (one mini-batch, one
+    /// epoch, no KL in the reward), whose result the update never reads.
+    pub skip_on_policy_old_log_prob: bool,
 }
 
 /// verl-rs extension section `plugins:`.

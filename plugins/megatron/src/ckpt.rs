@@ -1,8 +1,8 @@
 //! Checkpoints that do not depend on the parallel layout they were written at.
 //!
 //! Every parameter is saved whole (gathered over the tensor-parallel ranks, the pipeline stages,
-//! the expert-parallel ranks (every routed expert under its HF name) and, for the distributed
-//! optimizer, the (expert-)data-parallel ranks): `model/` is an HF folder in the compute dtype,
+//! the expert-tensor- and expert-parallel ranks (every routed expert under its HF name) and, for
+//! the distributed optimizer, the (expert-)data-parallel ranks): `model/` is an HF folder in the compute dtype,
 //! `master.safetensors` holds the fp32 master weights and `optim.safetensors` the AdamW moments
 //! (`exp_avg.<name>`, `exp_avg_sq.<name>`), all under HF parameter names; `state.json` records the
 //! format, the role, the layout it was written at and the counters. Loading at any
@@ -129,21 +129,23 @@ pub fn load(
         ));
     }
     let saved = |k: &str| field("layout").get(k).and_then(|v| v.as_u64()).unwrap_or(1) as usize;
-    let (saved_tp, saved_pp, saved_vpp, saved_ep) = (
+    let (saved_tp, saved_pp, saved_vpp, saved_ep, saved_etp) = (
         saved("tensor_model_parallel_size"),
         saved("pipeline_model_parallel_size"),
         saved("virtual_pipeline_model_parallel_size"),
         saved("expert_model_parallel_size"),
+        saved("expert_tensor_parallel_size"),
     );
     let l = &par.layout;
-    if (saved_tp, saved_pp, saved_vpp, saved_ep) != (l.tp, l.pp, l.vpp, l.ep) {
+    if (saved_tp, saved_pp, saved_vpp, saved_ep, saved_etp) != (l.tp, l.pp, l.vpp, l.ep, l.etp) {
         tracing::info!(
-            "{}: written at tensor_model_parallel_size={saved_tp} pipeline_model_parallel_size={saved_pp} virtual_pipeline_model_parallel_size={saved_vpp} expert_model_parallel_size={saved_ep}, resharded for {} × {} × {} × {}",
+            "{}: written at tensor_model_parallel_size={saved_tp} pipeline_model_parallel_size={saved_pp} virtual_pipeline_model_parallel_size={saved_vpp} expert_model_parallel_size={saved_ep} expert_tensor_parallel_size={saved_etp}, resharded for {} × {} × {} × {} × {}",
             dir.display(),
             l.tp,
             l.pp,
             l.vpp,
-            l.ep
+            l.ep,
+            l.etp
         );
     }
     let count = |k: &str| -> Result<u64> {

@@ -134,6 +134,7 @@ pub fn build_model(
     let experts = ExpertSetup {
         ep: par.ep.clone(),
         etp: par.etp.clone(),
+        seq: par.moe_tp.clone(),
         aux_loss_coeff,
     };
     let mut model = match random_init {
@@ -260,9 +261,10 @@ pub fn forward_micro_batches(
     let rows: Vec<usize> = (0..seqs.rows()).collect();
     let lengths = seqs.row_lengths()?;
     let parts = micro_batches(&rows, &lengths, batching, budget_key)?;
-    // The MoE blocks of an expert-parallel model exchange tokens between data-parallel ranks:
-    // every rank runs the same number of forwards (dummies are run and discarded).
-    let parts: Vec<MicroBatch> = if par.layout.ep > 1 {
+    // The MoE blocks of an expert-parallel model may exchange tokens between data-parallel ranks
+    // (an expert group beyond one tensor-parallel group): every rank then runs the same number of
+    // forwards (dummies are run and discarded).
+    let parts: Vec<MicroBatch> = if par.layout.experts_span_data_parallel() {
         same_micro_batch_count(&par.dp_meta, parts)?
     } else {
         parts
@@ -344,8 +346,9 @@ pub fn moe_micro(model: &TpModel, dp: &Dp, parts: &[MicroBatch]) -> Result<Vec<M
 
 /// The MoE step metrics of the training backwards since the last call (`moe/expert_load/<e>`,
 /// `moe/load_imbalance`, `moe/load_imbalance_max`, `moe/aux_loss`): routed pairs summed over the
-/// data-parallel ranks (tensor-parallel peers route the same tokens: counted once) and the
-/// pipeline stages (each holds other layers), identical on every rank. Empty for a dense model.
+/// data-parallel ranks (tensor-parallel peers either route the same tokens or, partitioning
+/// them, report the sums over their group: counted once) and the pipeline stages (each holds
+/// other layers), identical on every rank. Empty for a dense model.
 pub fn moe_load_metrics(model: &TpModel, par: &Parallel) -> Result<Vec<(String, f64)>> {
     let mut load = model.take_moe_load()?;
     if model.sparse_layers().is_empty() {

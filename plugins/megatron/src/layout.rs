@@ -4,6 +4,11 @@
 //! Ranks are ordered like Megatron-core's default `tp-cp-ep-dp-pp`: the tensor-parallel index varies
 //! fastest, then context-parallel, then data-parallel, and the pipeline stage slowest, so the ranks of
 //! one tensor-parallel group are neighbours (one node, the fastest links).
+//!
+//! A mixture-of-experts model's routed experts use Megatron-core's expert grid on top: within one
+//! pipeline stage the tensor × data-parallel ranks are re-partitioned as expert-tensor-parallel
+//! × expert-parallel × expert-data-parallel (`tp-ep-dp-pp` order: the expert-tensor-parallel
+//! index varies fastest, then the expert-parallel index, then the expert-data-parallel one).
 
 use serde::Deserialize;
 use verl_nn::ModelConfig;
@@ -69,6 +74,8 @@ pub struct Layout {
     pub vpp: usize,
     pub ep: usize,
     pub etp: usize,
+    /// The model has routed experts (the expert groups exist).
+    pub moe: bool,
     /// Megatron's sequence parallelism (only meaningful with `tp > 1`).
     pub sequence_parallel: bool,
     pub distributed_optimizer: bool,
@@ -196,15 +203,6 @@ impl Layout {
             model.vocab_size,
             " (the embedding and LM head are split by vocabulary rows; this backend does not pad the vocabulary)",
         )?;
-        if let Some(moe) = &model.moe {
-            divides(
-                tp_key,
-                tp,
-                "moe_intermediate_size",
-                moe.expert_intermediate_size,
-                "",
-            )?;
-        }
         let layers = model.num_hidden_layers;
         let chunks = (pp * vpp) as i64;
         if layers % chunks != 0 {
@@ -231,7 +229,16 @@ impl Layout {
         }
         let etp = match &model.moe {
             Some(moe) => {
-                Self::check_experts(prefix, moe.num_experts, ep, etp, tp, dp, world)?;
+                Self::check_experts(
+                    prefix,
+                    moe.num_experts,
+                    moe.expert_intermediate_size,
+                    ep,
+                    etp,
+                    tp,
+                    dp,
+                    world,
+                )?;
                 etp
             }
             None if ep > 1 => {
@@ -255,19 +262,22 @@ impl Layout {
             vpp,
             ep,
             etp,
+            moe: model.moe.is_some(),
             sequence_parallel: section.sequence_parallel && tp > 1,
             distributed_optimizer: section.use_distributed_optimizer,
         })
     }
 
     /// Megatron-core's expert layout: the experts divide evenly over the expert-parallel ranks,
-    /// and the expert grid `expert_tensor_parallel_size × expert_model_parallel_size ×
-    /// expert-data-parallel × pipeline_model_parallel_size` covers the world. This backend keeps
-    /// the expert-tensor-parallel group equal to the tensor-parallel group (the default), so the
-    /// expert-parallel ranks are data-parallel ranks of one tensor-parallel index and one stage.
+    /// the expert intermediate size over the expert-tensor-parallel ranks, and the expert grid
+    /// `expert_tensor_parallel_size × expert_model_parallel_size × expert-data-parallel ×
+    /// pipeline_model_parallel_size × context_parallel_size` covers the world, i.e. the
+    /// tensor × data-parallel ranks of a stage split into whole `ETP × EP` groups.
+    #[allow(clippy::too_many_arguments)]
     fn check_experts(
         prefix: &str,
         experts: i64,
+        inter: i64,
         ep: usize,
         etp: usize,
         tp: usize,
@@ -275,78 +285,154 @@ impl Layout {
         world: usize,
     ) -> Result<()> {
         let key = |k: &str| format!("{prefix}.{k}");
-        let valid_ep = || -> Vec<u64> {
+        let stage = (tp * dp) as u64;
+        let valid_ep = |etp: usize| -> Vec<u64> {
             divisors(experts.max(1) as u64)
                 .into_iter()
-                .filter(|d| (dp as u64).is_multiple_of(*d))
+                .filter(|d| stage.is_multiple_of(d * etp as u64))
                 .collect()
+        };
+        let ranks = |etp: usize| {
+            if etp == tp {
+                format!("data-parallel size {dp}")
+            } else {
+                format!(
+                    "tensor_model_parallel_size={tp} × data-parallel size {dp} = {stage} ranks per stage and expert_tensor_parallel_size={etp}"
+                )
+            }
         };
         if experts % ep as i64 != 0 {
             return Err(MegatronError::Layout {
                 key: key("expert_model_parallel_size"),
                 message: format!(
-                    "expert_model_parallel_size={ep} does not divide num_experts={experts} ({experts} experts / {ep} ranks = {:.2} experts per rank); valid with data-parallel size {dp}: {}",
+                    "expert_model_parallel_size={ep} does not divide num_experts={experts} ({experts} experts / {ep} ranks = {:.2} experts per rank); valid with {}: {}",
                     experts as f64 / ep as f64,
-                    list(&valid_ep())
+                    ranks(etp),
+                    list(&valid_ep(etp))
                 ),
             });
         }
-        if etp != tp {
+        if inter % etp as i64 != 0 {
+            let valid: Vec<u64> = divisors(inter.max(1) as u64)
+                .into_iter()
+                .filter(|d| stage.is_multiple_of(d * ep as u64))
+                .collect();
             return Err(MegatronError::Layout {
                 key: key("expert_tensor_parallel_size"),
                 message: format!(
-                    "expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; this backend splits each expert over the tensor-parallel group (tokens are replicated over it, there is no sequence-parallel token split): leave it null or set it to {tp}"
+                    "expert_tensor_parallel_size={etp} does not divide the expert intermediate size (moe_intermediate_size / intermediate_size of each expert) {inter} (gate/up are split by rows, down by columns); valid with expert_model_parallel_size={ep} and {stage} tensor × data-parallel ranks per stage: {}",
+                    list(&valid)
                 ),
             });
         }
         let pp_cp = world / (tp * dp);
         let expert_world = etp * ep * pp_cp;
-        if !dp.is_multiple_of(ep) {
+        if !(tp * dp).is_multiple_of(etp * ep) {
+            let valid_etp: Vec<u64> = divisors(inter.max(1) as u64)
+                .into_iter()
+                .filter(|d| stage.is_multiple_of(d * ep as u64))
+                .collect();
             return Err(MegatronError::Layout {
                 key: key("expert_model_parallel_size"),
                 message: format!(
-                    "world size {world} is not a multiple of expert_tensor_parallel_size={etp} × expert_model_parallel_size={ep} × pipeline_model_parallel_size × context_parallel_size={pp_cp} = {expert_world} (the expert-parallel ranks are data-parallel ranks: data-parallel size {dp} / expert_model_parallel_size={ep} is not whole); valid: {}",
-                    list(&valid_ep())
+                    "world size {world} is not a multiple of expert_tensor_parallel_size={etp} × expert_model_parallel_size={ep} × pipeline_model_parallel_size × context_parallel_size={pp_cp} = {expert_world} (the expert grid re-partitions the tensor_model_parallel_size={tp} × data-parallel {dp} = {stage} ranks of each stage into expert-tensor × expert × expert-data-parallel groups: {stage} / ({etp} × {ep}) is not whole); valid: {} (expert_model_parallel_size with {}), or expert_tensor_parallel_size in {} with expert_model_parallel_size={ep}",
+                    list(&valid_ep(etp)),
+                    ranks(etp),
+                    list(&valid_etp)
                 ),
             });
         }
         Ok(())
     }
 
-    /// Every expert-parallel group: `ep` consecutive data-parallel ranks of one tensor-parallel
-    /// index and one stage (Megatron-core's expert grid with expert-TP = TP). Member `e` holds
-    /// experts `[e·E/ep, (e+1)·E/ep)`.
-    pub fn ep_groups(&self) -> Vec<Vec<usize>> {
-        let ep = self.ep.max(1);
-        self.groups(
-            |c, i| Coords {
-                dp: (c.dp / ep) * ep + i,
-                ..c
-            },
-            ep,
-            |c| c.dp % ep == 0,
-        )
+    /// This rank's local index within its stage (tensor-parallel fastest) and the stage's
+    /// first global rank.
+    fn stage_index(&self, c: Coords) -> (usize, usize) {
+        let n = self.tp * self.cp * self.dp;
+        (c.tp + self.tp * (c.cp + self.cp * c.dp), c.pp * n)
     }
 
-    /// Every expert-data-parallel group: the data-parallel ranks that hold the same experts (the
-    /// same expert-parallel index); expert gradients are reduced and their optimizer state
-    /// sharded over it.
+    /// This rank's (expert-tensor-parallel, expert-parallel, expert-data-parallel) indices.
+    pub fn expert_grid(&self, c: Coords) -> (usize, usize, usize) {
+        let (etp, ep) = (self.etp.max(1), self.ep.max(1));
+        let (l, _) = self.stage_index(c);
+        (l % etp, (l / etp) % ep, l / (etp * ep))
+    }
+
+    /// The expert-data-parallel size: `tp · cp · dp / (etp · ep)`.
+    pub fn expert_dp_size(&self) -> usize {
+        (self.tp * self.cp * self.dp) / (self.etp.max(1) * self.ep.max(1))
+    }
+
+    /// The groups of the expert grid that vary index `axis` (0 = expert-tensor-parallel, 1 =
+    /// expert-parallel, 2 = expert-data-parallel), every stage's, in a fixed order.
+    fn expert_groups(&self, axis: usize) -> Vec<Vec<usize>> {
+        let sizes = [
+            self.etp.max(1),
+            self.ep.max(1),
+            self.expert_dp_size().max(1),
+        ];
+        let n = self.tp * self.cp * self.dp;
+        let mut out = Vec::new();
+        for pp in 0..self.pp {
+            let (a, b) = match axis {
+                0 => (1, 2),
+                1 => (0, 2),
+                _ => (0, 1),
+            };
+            for hi in 0..sizes[b] {
+                for lo in 0..sizes[a] {
+                    let group = (0..sizes[axis])
+                        .map(|i| {
+                            let mut idx = [0usize; 3];
+                            idx[axis] = i;
+                            idx[a] = lo;
+                            idx[b] = hi;
+                            pp * n + idx[0] + sizes[0] * (idx[1] + sizes[1] * idx[2])
+                        })
+                        .collect();
+                    out.push(group);
+                }
+            }
+        }
+        out
+    }
+
+    /// Every expert-tensor-parallel group (`etp` consecutive ranks of one stage): each routed
+    /// expert is split over it.
+    pub fn etp_groups(&self) -> Vec<Vec<usize>> {
+        self.expert_groups(0)
+    }
+
+    /// Every expert-parallel group: member `e` holds experts `[e·E/ep, (e+1)·E/ep)`. With
+    /// `etp = tp` these are data-parallel ranks of one tensor-parallel index; with `etp = 1`
+    /// and `ep = tp`, the tensor-parallel groups.
+    pub fn ep_groups(&self) -> Vec<Vec<usize>> {
+        self.expert_groups(1)
+    }
+
+    /// Every expert-data-parallel group: the ranks that hold the same expert shards; expert
+    /// gradients are reduced and their optimizer state sharded over it.
     pub fn expert_dp_groups(&self) -> Vec<Vec<usize>> {
-        let ep = self.ep.max(1);
-        self.groups(
-            |c, i| Coords {
-                dp: c.dp % ep + i * ep,
-                ..c
-            },
-            self.dp / ep,
-            |c| c.dp < ep,
-        )
+        self.expert_groups(2)
     }
 
     /// This rank's (expert-parallel, expert-data-parallel) indices.
     pub fn expert_coords(&self, c: Coords) -> (usize, usize) {
-        let ep = self.ep.max(1);
-        (c.dp % ep, c.dp / ep)
+        let (_, ep, edp) = self.expert_grid(c);
+        (ep, edp)
+    }
+
+    /// Whether an expert group (expert-tensor- or expert-parallel) reaches beyond one
+    /// tensor-parallel group, i.e. joins ranks of different data-parallel indices: they must
+    /// then run the same number of MoE forwards.
+    pub fn experts_span_data_parallel(&self) -> bool {
+        self.moe && !self.tp.is_multiple_of(self.etp.max(1) * self.ep.max(1))
+    }
+
+    /// Whether the expert-data-parallel group differs from the data-parallel group.
+    pub fn separate_expert_dp(&self) -> bool {
+        self.moe && !(self.ep <= 1 && self.etp == self.tp)
     }
 
     /// A one-rank layout.
@@ -359,6 +445,7 @@ impl Layout {
             vpp: 1,
             ep: 1,
             etp: 1,
+            moe: false,
             sequence_parallel: false,
             distributed_optimizer: false,
         }
@@ -649,16 +736,72 @@ mod tests {
         let s = e.to_string();
         assert!(s.contains("world size 4 is not a multiple of expert_tensor_parallel_size=2 × expert_model_parallel_size=4 × pipeline_model_parallel_size × context_parallel_size=1 = 8"), "{s}");
         assert!(s.contains("valid: 1, 2"), "{s}");
-        let e = Layout::validate(&moe_section(2, 2, Some(1)), P, 4, &mixtral(4)).unwrap_err();
+        // The expert intermediate size (56) must split over the expert-tensor-parallel ranks.
+        let e = Layout::validate(&moe_section(1, 1, Some(3)), P, 3, &mixtral(4)).unwrap_err();
         let s = e.to_string();
         assert!(
             s.contains("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size"),
             "{s}"
         );
         assert!(
-            s.contains("expert_tensor_parallel_size=1 differs from tensor_model_parallel_size=2"),
+            s.contains(
+                "expert_tensor_parallel_size=3 does not divide the expert intermediate size"
+            ),
             "{s}"
         );
+        assert!(s.contains("56") && s.contains("valid with expert_model_parallel_size=1 and 3 tensor × data-parallel ranks per stage: 1"), "{s}");
+        // ETP × EP must divide the stage's tensor × data-parallel ranks.
+        let e = Layout::validate(&moe_section(2, 2, Some(4)), P, 4, &mixtral(4)).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("world size 4 is not a multiple of expert_tensor_parallel_size=4 × expert_model_parallel_size=2"), "{s}");
+        assert!(s.contains("4 / (4 × 2) is not whole"), "{s}");
+        assert!(s.contains("valid: 1 (expert_model_parallel_size with tensor_model_parallel_size=2 × data-parallel size 2 = 4 ranks per stage and expert_tensor_parallel_size=4)"), "{s}");
+        assert!(
+            s.contains("or expert_tensor_parallel_size in 1, 2 with expert_model_parallel_size=2"),
+            "{s}"
+        );
+        assert!(Layout::validate(&moe_section(2, 2, Some(1)), P, 4, &mixtral(4)).is_ok());
         assert!(Layout::validate(&moe_section(2, 2, Some(2)), P, 4, &mixtral(4)).is_ok());
+    }
+
+    #[test]
+    fn expert_grid_repartitions_tensor_and_data_parallel_ranks() {
+        // TP = 2, ETP = 1, EP = 2 on 2 ranks: the tensor-parallel pair is the expert-parallel group.
+        let l = Layout::validate(&moe_section(2, 2, Some(1)), P, 2, &mixtral(4)).unwrap();
+        assert_eq!(
+            (l.tp, l.dp, l.ep, l.etp, l.expert_dp_size()),
+            (2, 1, 2, 1, 1)
+        );
+        assert_eq!(l.ep_groups(), vec![vec![0, 1]]);
+        assert_eq!(l.etp_groups(), vec![vec![0], vec![1]]);
+        assert!(l.separate_expert_dp() && !l.experts_span_data_parallel());
+        // ... with DP = 2: the expert-data-parallel groups join the data-parallel replicas.
+        let l = Layout::validate(&moe_section(2, 2, Some(1)), P, 4, &mixtral(4)).unwrap();
+        assert_eq!(l.ep_groups(), vec![vec![0, 1], vec![2, 3]]);
+        assert_eq!(l.expert_dp_groups(), vec![vec![0, 2], vec![1, 3]]);
+        assert_eq!(l.expert_grid(l.coords(3)), (0, 1, 1));
+        // TP = 2, ETP = 1, EP = 4: one expert-parallel group over both replicas.
+        let l = Layout::validate(&moe_section(2, 4, Some(1)), P, 4, &mixtral(4)).unwrap();
+        assert_eq!(l.ep_groups(), vec![vec![0, 1, 2, 3]]);
+        assert_eq!(
+            l.expert_dp_groups(),
+            vec![vec![0], vec![1], vec![2], vec![3]]
+        );
+        assert!(l.experts_span_data_parallel());
+        // TP = 1, ETP = 2: the expert-tensor-parallel group is made of data-parallel ranks.
+        let l = Layout::validate(&moe_section(1, 1, Some(2)), P, 4, &mixtral(4)).unwrap();
+        assert_eq!(l.etp_groups(), vec![vec![0, 1], vec![2, 3]]);
+        assert_eq!(l.expert_dp_groups(), vec![vec![0, 2], vec![1, 3]]);
+        assert!(l.experts_span_data_parallel());
+        // ETP = TP: the old layout (and no separate expert-data-parallel group without EP).
+        let l = Layout::validate(&moe_section(2, 1, None), P, 4, &mixtral(4)).unwrap();
+        assert_eq!(l.etp_groups(), l.tp_groups());
+        assert_eq!(l.expert_dp_groups(), l.dp_groups());
+        assert!(!l.separate_expert_dp());
+        // Two stages: no group leaves its stage.
+        let mut s = moe_section(2, 2, Some(1));
+        s.pipeline_model_parallel_size = 2;
+        let l = Layout::validate(&s, P, 4, &mixtral(4)).unwrap();
+        assert_eq!(l.ep_groups(), vec![vec![0, 1], vec![2, 3]]);
     }
 }

@@ -3,8 +3,9 @@
 //! (decoder layers split evenly over stages, the 1F1B schedule or, with virtual pipeline
 //! parallelism, Megatron's interleaved 1F1B over several model chunks per stage) and data parallelism (optionally
 //! with Megatron's distributed optimizer) over the remaining ranks, and expert parallelism for
-//! mixture-of-experts models (the routed experts shared out over groups of data-parallel ranks,
-//! [`moe`]), in Megatron's rank order and with verl's `*.megatron.*` keys.
+//! mixture-of-experts models (Megatron-core's expert grid: the routed experts shared out over
+//! expert-parallel groups and split over expert-tensor-parallel groups, [`moe`]), in Megatron's
+//! rank order and with verl's `*.megatron.*` keys.
 //!
 //! It owns a role's parallel layout ([`layout`]), its groups ([`parallel`]), the tensor-parallel
 //! model ([`tp`]) and its pipeline stages ([`pipeline`]), its training mechanics ([`train`]) and
@@ -38,8 +39,8 @@ pub use error::MegatronError;
 
 pub struct MegatronPlugin;
 
-const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP, sequence parallelism: residual stream and norms sharded along the sequence with all-gather / reduce-scatter around the parallel linears) × pipeline parallel (layers split evenly over stages, 1F1B schedule, or with virtual_pipeline_model_parallel_size Megatron's interleaved 1F1B schedule over model chunks holding virtual stage chunk × pp + stage, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional) × expert parallel for Mixtral / Qwen2-MoE / Qwen3-MoE (routed experts sharded over data-parallel ranks with all-to-all token dispatch, each expert split over the tensor-parallel group: expert_tensor_parallel_size = tensor_model_parallel_size; Switch load-balancing loss and per-expert load metrics); generation tensor-parallel on the training shards (rollout tensor_model_parallel_size = actor TP, the default; dense models without pipeline parallelism) or on a gathered TP=1 copy (rollout TP = 1, pipeline-parallel or MoE models; re-sharding to another rollout TP is not supported); checkpoints reshard across TP/PP/VPP/DP/EP sizes";
-const PLANNED: &str = "planned: context parallelism, expert_tensor_parallel_size different from tensor_model_parallel_size";
+const PARALLELISM: &str = "tensor parallel (vocab-parallel embedding/log-probs, column/row-parallel attention and MLP, sequence parallelism: residual stream and norms sharded along the sequence with all-gather / reduce-scatter around the parallel linears) × pipeline parallel (layers split evenly over stages, 1F1B schedule, or with virtual_pipeline_model_parallel_size Megatron's interleaved 1F1B schedule over model chunks holding virtual stage chunk × pp + stage, tied embeddings shared between first and last stage) × data parallel (distributed optimizer optional) × expert parallel for Mixtral / Qwen2-MoE / Qwen3-MoE (Megatron-core's expert grid: each stage's tensor × data-parallel ranks as expert-tensor × expert × expert-data-parallel, any expert_tensor_parallel_size; all-to-all token dispatch, under sequence parallelism each rank routing its own sequence shard; Switch load-balancing loss and per-expert load metrics); generation tensor-parallel on the training shards (rollout tensor_model_parallel_size = actor TP, the default; dense models without pipeline parallelism) or on a gathered TP=1 copy (rollout TP = 1, pipeline-parallel or MoE models; re-sharding to another rollout TP is not supported); checkpoints reshard across TP/PP/VPP/DP/EP sizes";
+const PLANNED: &str = "planned: context parallelism";
 
 impl BackendPlugin for MegatronPlugin {
     fn info() -> PluginInfo {

@@ -4,24 +4,41 @@
 //! * The router (and a Qwen2-MoE shared expert) is replicated; the routed experts are sharded over
 //!   the expert-parallel group: EP rank `e` owns experts `[e·E/EP, (e+1)·E/EP)`. With expert tensor
 //!   parallelism (ETP > 1) each expert is further split like a dense TP MLP (gate/up by rows,
-//!   down by columns) over an ETP group whose members hold the same tokens.
+//!   down by columns) over the expert-tensor-parallel group.
+//! * Which tokens a rank routes ([`Tokens`]): its own ([`Tokens::Local`]: Megatron-core's
+//!   sequence-parallel dispatch, each tensor-parallel rank routing only its sequence shard, or
+//!   TP = 1), a copy shared by its ETP group ([`Tokens::Replicated`]: the tensor-parallel group
+//!   without sequence parallelism when ETP = TP), or its `1/TP` slice of a copy shared by its
+//!   tensor-parallel group ([`Tokens::Slice`]: no sequence parallelism, ETP ≠ TP; the outputs are
+//!   all-gathered over the tensor-parallel group, so the block is sequence-parallel inside).
 //! * Dispatch: route (fp32 softmax, top-k, optional renormalisation: exactly `verl_nn`'s maths),
 //!   permute the (token, slot) pairs expert-major (so they are grouped by destination rank),
-//!   all-gather the per-expert counts, `all_to_all_v` the token rows to the expert owners, sort the
-//!   received rows by local expert, run the experts (partial sums all-reduced over ETP), undo the
-//!   sort, `all_to_all_v` back, and combine: `y[t] = Σ_k w[t,k] · expert_k(x[t])` (+ the shared
+//!   all-gather the per-expert counts, `all_to_all_v` the token rows to the expert owners; when
+//!   the ETP members hold different tokens, all-gather the received rows over the ETP group
+//!   (unequal sizes); sort the rows by local expert, run the experts, undo the sort, then
+//!   reduce-scatter the partial outputs back over ETP (or, with [`Tokens::Replicated`], all-reduce
+//!   them), `all_to_all_v` back, and combine: `y[t] = Σ_k w[t,k] · expert_k(x[t])` (+ the shared
 //!   expert). No capacity limit, no token dropping.
 //! * Backward through the collectives is chained by hand (tch has no custom autograd functions):
 //!   the graph is cut at both all-to-alls; the gradient of an all-to-all is the reverse
-//!   all-to-all; the expert input gradient is all-reduced over ETP (Megatron's `f`), the expert
-//!   output gradient is not (Megatron's `g`).
+//!   all-to-all, of the ETP all-gather a reduce-scatter and vice versa; with
+//!   [`Tokens::Replicated`] the expert input gradient is all-reduced over ETP (Megatron's `f`),
+//!   the expert output gradient is not (Megatron's `g`). When the tokens are partitioned over the
+//!   tensor-parallel ranks ([`Tokens::Local`], [`Tokens::Slice`]) the replicated parameters'
+//!   gradients (router, shared expert) are all-reduced over them inside the block.
 //! * The router load-balancing loss is Megatron-core's Switch loss
 //!   `coeff · E / (k · T²) · Σ_e (Σ_t p[t,e]) · n_e` (`p` the full softmax, `n_e` the (token, slot)
-//!   pairs routed to `e`, `T` the tokens; HF Mixtral's loss divided by `k`), over this rank's valid
-//!   tokens. Its gradient is added in [`EpMoe::forward_backward`] with a caller-given scale.
+//!   pairs routed to `e`, `T` the tokens; HF Mixtral's loss divided by `k`), over the valid
+//!   tokens. With partitioned tokens it is Megatron-core's sequence-parallel form
+//!   (`sequence_partition_group` = the tensor-parallel group): `n_e` and `T` are summed over the
+//!   tensor-parallel ranks, `Σ_t p[t,e]` runs over this rank's tokens, so the ranks' losses add up
+//!   to the loss of the whole sequence. Its gradient is added in [`EpMoe::forward_backward`] with
+//!   a caller-given scale.
 //! * Load metrics ([`LoadStats`], [`MoeLoadMetrics`]): routed pairs per expert and the imbalance
 //!   `max / mean`, as step metrics `moe/expert_load/<e>`, `moe/load_imbalance`,
-//!   `moe/load_imbalance_max` and `moe/aux_loss`.
+//!   `moe/load_imbalance_max` and `moe/aux_loss`. With partitioned tokens the statistics (and the
+//!   reported loss) are those of the tensor-parallel group's whole sequence, identical on its
+//!   ranks, so every token counts once.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -100,6 +117,47 @@ impl ExpertGroup {
         c.all_to_all_v(&mut out, &input, output_splits, input_splits)
             .map_err(self.err(what))?;
         Ok(out)
+    }
+
+    /// Variable-size all-gather of rows: member `j` contributes `rows[j]` rows (`t` holds this
+    /// member's); returns the `Σ rows` rows, member-major.
+    pub fn all_gather_rows(
+        &self,
+        t: &Tensor,
+        rows: &[usize],
+        what: &'static str,
+    ) -> Result<Tensor> {
+        if self.comm.is_none() {
+            return t.f_detach_copy().ctx(what);
+        }
+        let n = t.size().first().copied().unwrap_or(0) as usize;
+        let mut reps = vec![1i64; t.dim().max(1)];
+        reps[0] = self.size as i64;
+        let input = t.f_repeat(reps.as_slice()).ctx(what)?;
+        self.all_to_all_v(&input, &vec![n; self.size], rows, what)
+    }
+
+    /// Variable-size reduce-scatter of rows: `t` holds `Σ rows` rows, member-major (`rows[j]` for
+    /// member `j`); returns this member's `rows[rank]` rows summed over the group (in member
+    /// order).
+    pub fn reduce_scatter_rows(
+        &self,
+        t: &Tensor,
+        rows: &[usize],
+        what: &'static str,
+    ) -> Result<Tensor> {
+        if self.comm.is_none() {
+            return t.f_detach_copy().ctx(what);
+        }
+        let mine = rows[self.rank];
+        let parts = self.all_to_all_v(t, rows, &vec![mine; self.size], what)?;
+        let mut shape = t.size();
+        shape[0] = mine as i64;
+        shape.insert(0, self.size as i64);
+        parts
+            .f_reshape(shape.as_slice())
+            .and_then(|p| p.f_sum_dim_intlist([0i64].as_slice(), false, None::<Kind>))
+            .ctx(what)
     }
 
     /// Sums `t` in place over the group.
@@ -286,6 +344,37 @@ pub struct MoeGrad {
     pub stats: LoadStats,
 }
 
+/// Which tokens each rank's block routes, relative to its tensor-parallel group (`seq`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tokens {
+    /// The members of the expert-tensor-parallel group hold the same tokens (the tensor-parallel
+    /// group without sequence parallelism, with ETP = TP): no gather over ETP, the experts'
+    /// partial outputs and input gradients are all-reduced over it.
+    Replicated,
+    /// Every rank routes its own tokens (its sequence shard under sequence parallelism, or
+    /// TP = 1): the rows an expert owner receives are all-gathered over ETP; the statistics, the
+    /// load-balancing loss and the replicated parameters' gradients are reduced over `seq`.
+    Local,
+    /// The input is replicated over `seq` (no sequence parallelism, ETP ≠ TP): each member routes
+    /// its `1/size` slice of the tokens as [`Tokens::Local`] and the outputs (and input
+    /// gradients) are all-gathered over `seq`.
+    Slice,
+}
+
+thread_local! {
+    /// Introspection: `(mode, token rows routed, token rows of the input)` of the last block call
+    /// on this thread.
+    static LAST_ROUTED: std::cell::Cell<Option<(Tokens, i64, i64)>> = const { std::cell::Cell::new(None) };
+}
+
+/// Debug / introspection hook: `(the block's token mode, the token rows this rank routed, the
+/// token rows of its input)` in the last MoE block call run on the calling thread. Under
+/// sequence parallelism the input is this rank's sequence shard and every row of it is routed;
+/// with [`Tokens::Slice`] a rank routes `1/TP` of its input's rows (rounded up).
+pub fn last_routed() -> Option<(Tokens, i64, i64)> {
+    LAST_ROUTED.with(|c| c.get())
+}
+
 /// Host-side routing plan of one call: which rows go where.
 struct Plan {
     /// Flat (token · k + slot) indices, expert-major, ascending within an expert.
@@ -294,7 +383,10 @@ struct Plan {
     tokens: Tensor,
     send_splits: Vec<usize>,
     recv_splits: Vec<usize>,
-    /// Received rows in local-expert-major order (indices into the received rows) and back.
+    /// Rows each member of the ETP group received by all-to-all (gathered over ETP when the
+    /// members hold different tokens; just this rank's count otherwise).
+    etp_rows: Vec<usize>,
+    /// Received (gathered) rows in local-expert-major order (indices into them) and back.
     order: Tensor,
     inverse: Tensor,
     /// Received rows per local expert.
@@ -322,6 +414,10 @@ pub struct EpMoe {
     spec: MoeSpec,
     ep: Arc<ExpertGroup>,
     etp: Arc<ExpertGroup>,
+    /// The tensor-parallel ranks, over which the tokens are partitioned ([`Tokens::Local`],
+    /// [`Tokens::Slice`]).
+    seq: Arc<ExpertGroup>,
+    tokens: Tokens,
     dtype: Kind,
     device: Device,
     pub params: Vec<MoeParam>,
@@ -340,6 +436,7 @@ impl std::fmt::Debug for EpMoe {
             .field("prefix", &self.spec.prefix)
             .field("ep", &(self.ep.rank, self.ep.size))
             .field("etp", &(self.etp.rank, self.etp.size))
+            .field("tokens", &(self.tokens, self.seq.size))
             .field("experts", &(self.first_expert, self.local_experts))
             .finish()
     }
@@ -366,8 +463,9 @@ fn index(v: &[i64], device: Device, what: &str) -> Result<Tensor> {
 
 impl EpMoe {
     /// Builds this rank's part of the block `spec`: the replicated router (and shared expert) and
-    /// its experts, read as full tensors from `source`. `etp` must be a group whose members get
-    /// identical inputs (e.g. the tensor-parallel group without sequence parallelism).
+    /// its experts, read as full tensors from `source`. It starts as [`Tokens::Replicated`] (`etp`
+    /// a group whose members get identical inputs, e.g. the tensor-parallel group without
+    /// sequence parallelism); see [`EpMoe::set_tokens`].
     pub fn new(
         spec: MoeSpec,
         ep: Arc<ExpertGroup>,
@@ -483,6 +581,8 @@ impl EpMoe {
             spec,
             ep,
             etp,
+            seq: Arc::new(ExpertGroup::single("tensor-parallel (moe tokens)")),
+            tokens: Tokens::Replicated,
             dtype,
             device,
             params,
@@ -496,6 +596,24 @@ impl EpMoe {
 
     pub fn spec(&self) -> &MoeSpec {
         &self.spec
+    }
+    /// Which tokens the block routes (see [`Tokens`]); `seq` is this rank's tensor-parallel group
+    /// (as an expert group), over which the tokens are partitioned with [`Tokens::Local`] and
+    /// [`Tokens::Slice`]. Every member of `seq` must use the same mode.
+    pub fn set_tokens(&mut self, seq: Arc<ExpertGroup>, tokens: Tokens) {
+        self.seq = seq;
+        self.tokens = tokens;
+    }
+    pub fn tokens(&self) -> Tokens {
+        self.tokens
+    }
+    /// Whether the ETP members hold different rows (gathered before the experts).
+    fn etp_gather(&self) -> bool {
+        self.tokens != Tokens::Replicated && self.etp.size > 1
+    }
+    /// Whether the tokens are partitioned over more than one tensor-parallel rank.
+    fn partitioned(&self) -> bool {
+        self.tokens != Tokens::Replicated && self.seq.size > 1
     }
     pub fn ep(&self) -> &ExpertGroup {
         &self.ep
@@ -713,21 +831,47 @@ impl EpMoe {
             .iter()
             .map(|c| c[first..first + per_rank].iter().sum::<i64>() as usize)
             .collect();
-        // Received rows are [source][local expert]; the experts want [local expert][source].
-        let mut offsets = Vec::with_capacity(all.len());
+        // Received rows are [source][local expert]; gathered over ETP (members holding different
+        // tokens) they are [member][source][local expert]; the experts want [local expert][member,
+        // source].
+        let mine: Vec<i64> = all
+            .iter()
+            .flat_map(|c| c[first..first + per_rank].iter().copied())
+            .collect();
+        let members = if self.etp_gather() {
+            self.etp.all_gather_i64(
+                &mine,
+                device,
+                "all_gather (expert-tensor-parallel row counts)",
+            )?
+        } else {
+            vec![mine]
+        };
+        let etp_rows: Vec<usize> = members
+            .iter()
+            .map(|m| m.iter().sum::<i64>() as usize)
+            .collect();
+        // Start of each (member, source, local expert) block of rows.
+        let mut starts = Vec::with_capacity(members.len());
         let mut start = 0i64;
-        for c in &all {
-            offsets.push(start);
-            start += c[first..first + per_rank].iter().sum::<i64>();
+        for m in &members {
+            let mut row = Vec::with_capacity(m.len());
+            for &n in m {
+                row.push(start);
+                start += n;
+            }
+            starts.push(row);
         }
+        let sources = all.len();
         let mut order = Vec::with_capacity(start as usize);
         let mut expert_rows = vec![0i64; per_rank];
         for (j, rows) in expert_rows.iter_mut().enumerate() {
-            for (s, c) in all.iter().enumerate() {
-                let before: i64 = c[first..first + j].iter().sum();
-                let n = c[first + j];
-                order.extend(offsets[s] + before..offsets[s] + before + n);
-                *rows += n;
+            for (m, counts) in members.iter().enumerate() {
+                for s in 0..sources {
+                    let b = s * per_rank + j;
+                    order.extend(starts[m][b]..starts[m][b] + counts[b]);
+                    *rows += counts[b];
+                }
             }
         }
         let mut inverse = vec![0i64; order.len()];
@@ -746,6 +890,7 @@ impl EpMoe {
             tokens: index(&tokens, device, "routing indices")?,
             send_splits,
             recv_splits,
+            etp_rows,
             order: index(&order, device, "expert order")?,
             inverse: index(&inverse, device, "expert order")?,
             expert_rows,
@@ -753,9 +898,120 @@ impl EpMoe {
         })
     }
 
+    /// Whether this member routes its slice of a copy shared by the tensor-parallel ranks.
+    fn sliced(&self) -> bool {
+        self.tokens == Tokens::Slice && self.seq.size > 1
+    }
+
+    /// With [`Tokens::Slice`]: this member's block of the rows of `xs` (`[N, ..]`), padded with
+    /// zero rows to a multiple of the tensor-parallel size first. The flags of the rows come
+    /// from [`EpMoe::slice_flags`].
+    fn slice_of(&self, xs: &Tensor) -> Result<Tensor> {
+        let (n, size) = (xs.size()[0] as usize, self.seq.size);
+        let per = n.div_ceil(size);
+        let pad = per * size - n;
+        let padded = match pad {
+            0 => xs.shallow_clone(),
+            _ => {
+                let mut spec = vec![0i64; 2 * (xs.dim() - 1)];
+                spec.extend([0, pad as i64]);
+                xs.f_constant_pad_nd(spec.as_slice())
+                    .ctx("pad token rows")?
+            }
+        };
+        padded
+            .f_narrow(0, (self.seq.rank * per) as i64, per as i64)
+            .ctx("token slice")
+    }
+
+    /// The valid flags of this member's block of rows ([`EpMoe::slice_of`]); padding is invalid.
+    fn slice_flags(&self, flags: &[bool]) -> Vec<bool> {
+        let per = flags.len().div_ceil(self.seq.size);
+        let start = self.seq.rank * per;
+        (start..start + per)
+            .map(|i| flags.get(i).copied().unwrap_or(false))
+            .collect()
+    }
+
+    /// This rank's rows `local` of a block input shaped like `x` back as the whole `x`'s: with
+    /// [`Tokens::Slice`] every member's block all-gathered, joined and unpadded.
+    fn full_rows(&self, local: &Tensor, x: &Tensor, what: &'static str) -> Result<Tensor> {
+        let full = if self.sliced() {
+            let size = x.size();
+            let n: i64 = size[..size.len() - 1].iter().product();
+            let local = local.f_contiguous().ctx(what)?;
+            let parts = self.seq.all_gather(&local, what)?;
+            Tensor::f_cat(&parts, 0)
+                .and_then(|t| t.f_narrow(0, 0, n))
+                .ctx(what)?
+        } else {
+            local.shallow_clone()
+        };
+        full.f_reshape(x.size().as_slice()).ctx(what)
+    }
+
+    /// `Σ_t p[t, e]` over the valid tokens (`[E]`, fp32, in the graph of `probs`) when the
+    /// load-balancing loss is on.
+    fn prob_sums(&self, probs: &Tensor, valid: &[bool]) -> Result<Option<Tensor>> {
+        if self.spec.aux_loss_coeff == 0.0 {
+            return Ok(None);
+        }
+        let mask: Vec<f32> = valid.iter().map(|&v| if v { 1.0 } else { 0.0 }).collect();
+        let f = || -> std::result::Result<Tensor, tch::TchError> {
+            let mask = Tensor::f_from_slice(&mask)?
+                .f_to_device(probs.device())?
+                .f_unsqueeze(-1)?;
+            probs
+                .f_mul(&mask)?
+                .f_sum_dim_intlist([0i64].as_slice(), false, None::<Kind>)
+        };
+        f().map(Some).ctx("router probability sums")
+    }
+
+    /// With tokens partitioned over the tensor-parallel ranks: sums the valid (token, slot) pairs
+    /// per expert, the valid tokens and (with the load-balancing loss) the router probability
+    /// sums over them (Megatron-core's `sequence_partition_group`), so `stats` describe the
+    /// whole sequence. Returns the summed probability sums.
+    fn reduce_stats(
+        &self,
+        stats: &mut LoadStats,
+        p_sum: Option<&Tensor>,
+        device: Device,
+    ) -> Result<Option<Vec<f64>>> {
+        if !self.partitioned() {
+            return Ok(None);
+        }
+        let what = "all_reduce (moe load statistics over the tensor-parallel ranks)";
+        let e = self.spec.num_experts as usize;
+        let mut host: Vec<f64> = stats.tokens_per_expert.iter().map(|&c| c as f64).collect();
+        host.push(stats.tokens as f64);
+        let head = Tensor::f_from_slice(&host)
+            .and_then(|t| t.f_to_device(device))
+            .ctx(what)?;
+        let mut buf = match p_sum {
+            Some(p) => p
+                .f_detach()
+                .and_then(|p| p.f_to_kind(Kind::Double))
+                .and_then(|p| Tensor::f_cat(&[&head, &p], 0))
+                .ctx(what)?,
+            None => head,
+        };
+        self.seq.all_reduce_sum(&mut buf, what)?;
+        let v = Vec::<f64>::try_from(&buf.f_to_device(Device::Cpu).ctx(what)?).ctx(what)?;
+        stats.tokens_per_expert = v[..e].iter().map(|&c| c.round() as i64).collect();
+        stats.tokens = v[e].round() as i64;
+        Ok(p_sum.map(|_| v[e + 1..].to_vec()))
+    }
+
     /// The forward; with `grad` the differentiable pieces are built as graphs between the cuts.
     fn run(&self, x: &Tensor, valid: Option<&Tensor>, grad: bool) -> Result<Fwd> {
         let (xs, flags) = self.check(x, valid)?;
+        let input_rows = flags.len() as i64;
+        let (xs, flags) = match self.sliced() {
+            true => (self.slice_of(&xs)?, self.slice_flags(&flags)),
+            false => (xs, flags),
+        };
+        LAST_ROUTED.with(|c| c.set(Some((self.tokens, flags.len() as i64, input_rows))));
         let device = xs.device();
         let xl = if grad {
             cut(&xs, "moe input")?
@@ -764,6 +1020,8 @@ impl EpMoe {
         };
         let (probs, weights, sel) = self.route(&xl)?;
         let mut plan = self.plan(&sel, &flags, device)?;
+        let p_sum = self.prob_sums(&probs, &flags)?;
+        let p_total = self.reduce_stats(&mut plan.stats, p_sum.as_ref(), device)?;
         // Dispatch: rows of the (token, slot) pairs, expert-major, to the expert owners.
         let xp = xl
             .f_detach()
@@ -776,9 +1034,18 @@ impl EpMoe {
             "all_to_all (dispatch tokens)",
         )?;
         drop(xp);
-        let sorted = recv
+        let gathered = match self.etp_gather() {
+            true => self.etp.all_gather_rows(
+                &recv,
+                &plan.etp_rows,
+                "all_gather (expert-tensor-parallel token rows)",
+            )?,
+            false => recv,
+        };
+        let sorted = gathered
             .f_index_select(0, &plan.order)
             .ctx("sort by local expert")?;
+        drop(gathered);
         let xsl = if grad {
             cut(&sorted, "expert input")?
         } else {
@@ -806,13 +1073,25 @@ impl EpMoe {
                 .and_then(|x| x.f_zeros_like())
                 .ctx("expert outputs")?,
         };
-        if self.etp.size > 1 && y_sorted.numel() > 0 {
-            self.etp
-                .all_reduce_sum(&mut y_sorted, "all_reduce (expert output partial sums)")?;
-        }
-        let y_recv = y_sorted
-            .f_index_select(0, &plan.inverse)
-            .ctx("unsort expert outputs")?;
+        let y_recv = if self.etp_gather() {
+            // Partial sums of every member's rows: each member keeps the sum of its own.
+            let y_g = y_sorted
+                .f_index_select(0, &plan.inverse)
+                .ctx("unsort expert outputs")?;
+            self.etp.reduce_scatter_rows(
+                &y_g,
+                &plan.etp_rows,
+                "reduce_scatter (expert output partial sums)",
+            )?
+        } else {
+            if self.etp.size > 1 && y_sorted.numel() > 0 {
+                self.etp
+                    .all_reduce_sum(&mut y_sorted, "all_reduce (expert output partial sums)")?;
+            }
+            y_sorted
+                .f_index_select(0, &plan.inverse)
+                .ctx("unsort expert outputs")?
+        };
         let back = self.ep.all_to_all_v(
             &y_recv,
             &plan.recv_splits,
@@ -846,10 +1125,13 @@ impl EpMoe {
                 .ctx("shared expert")?;
             y = y.f_add(&s).ctx("shared expert")?;
         }
-        let aux = self.aux_loss(&probs, &flags, &plan.stats)?;
-        if let Some(a) = &aux {
-            plan.stats.aux_loss = Some(a.f_double_value(&[]).ctx("aux loss value")?);
-        }
+        let aux = self.aux_loss(p_sum.as_ref(), &plan.stats)?;
+        plan.stats.aux_loss = match (&aux, &p_total) {
+            (None, _) => None,
+            // The loss of the whole sequence: Σ over the tensor-parallel ranks of their terms.
+            (Some(_), Some(p)) => Some(self.aux_value(p, &plan.stats)),
+            (Some(a), None) => Some(a.f_double_value(&[]).ctx("aux loss value")?),
+        };
         Ok(Fwd {
             xl,
             xsl,
@@ -861,52 +1143,61 @@ impl EpMoe {
         })
     }
 
-    /// Megatron-core's Switch load-balancing loss over the valid tokens, coefficient included.
-    fn aux_loss(
-        &self,
-        probs: &Tensor,
-        valid: &[bool],
-        stats: &LoadStats,
-    ) -> Result<Option<Tensor>> {
-        let coeff = self.spec.aux_loss_coeff;
-        if coeff == 0.0 {
+    /// `coeff · E / (k · T²)`, the Switch loss's scale for `tokens` valid tokens.
+    fn aux_scale(&self, tokens: i64) -> f64 {
+        let t = tokens as f64;
+        let e = self.spec.num_experts as f64;
+        let k = self.spec.top_k as f64;
+        self.spec.aux_loss_coeff * e / (k * t * t)
+    }
+
+    /// Megatron-core's Switch load-balancing loss term of this rank, coefficient included:
+    /// `p_sum` this rank's router probability sums, `stats` the counts (of the whole sequence
+    /// when the tokens are partitioned over the tensor-parallel ranks).
+    fn aux_loss(&self, p_sum: Option<&Tensor>, stats: &LoadStats) -> Result<Option<Tensor>> {
+        let Some(p_sum) = p_sum else {
             return Ok(None);
-        }
-        let t = stats.tokens as f64;
-        if t == 0.0 {
-            return Tensor::f_zeros([], (Kind::Float, probs.device()))
+        };
+        if stats.tokens == 0 {
+            return Tensor::f_zeros([], (Kind::Float, p_sum.device()))
                 .map(Some)
                 .ctx("aux loss");
         }
-        let e = self.spec.num_experts as f64;
-        let k = self.spec.top_k as f64;
-        let mask: Vec<f32> = valid.iter().map(|&v| if v { 1.0 } else { 0.0 }).collect();
         let counts: Vec<f32> = stats.tokens_per_expert.iter().map(|&c| c as f32).collect();
+        let scale = self.aux_scale(stats.tokens);
         let f = || -> std::result::Result<Tensor, tch::TchError> {
-            let mask = Tensor::f_from_slice(&mask)?
-                .f_to_device(probs.device())?
-                .f_unsqueeze(-1)?;
-            let counts = Tensor::f_from_slice(&counts)?.f_to_device(probs.device())?;
-            let p_sum =
-                probs
-                    .f_mul(&mask)?
-                    .f_sum_dim_intlist([0i64].as_slice(), false, None::<Kind>)?;
+            let counts = Tensor::f_from_slice(&counts)?.f_to_device(p_sum.device())?;
             p_sum
                 .f_mul(&counts)?
                 .f_sum(Kind::Float)?
-                .f_mul_scalar(coeff * e / (k * t * t))
+                .f_mul_scalar(scale)
         };
         f().map(Some).ctx("aux loss")
     }
 
+    /// The whole sequence's load-balancing loss from the probability sums `p_total` and the
+    /// counts of `stats`, both summed over the tensor-parallel ranks.
+    fn aux_value(&self, p_total: &[f64], stats: &LoadStats) -> f64 {
+        if stats.tokens == 0 {
+            return 0.0;
+        }
+        let dot: f64 = p_total
+            .iter()
+            .zip(&stats.tokens_per_expert)
+            .map(|(p, &n)| p * n as f64)
+            .sum();
+        dot * self.aux_scale(stats.tokens)
+    }
+
     /// The block on `x` (`[.., H]`, this rank's tokens), without autograd. `valid` (`[..]`,
     /// nonzero = real token) restricts the load statistics and the aux loss; every token is
-    /// still routed. Every member of the EP (and ETP) group must call this together.
+    /// still routed. Every member of the EP and ETP groups (and, with partitioned tokens, of the
+    /// tensor-parallel group) must call this together.
     pub fn forward(&self, x: &Tensor, valid: Option<&Tensor>) -> Result<MoeOutput> {
         let _guard = tch::no_grad_guard();
         let f = self.run(x, valid, false)?;
         Ok(MoeOutput {
-            y: f.y.f_reshape(x.size().as_slice()).ctx("moe output")?,
+            y: self.full_rows(&f.y, x, "all_gather (moe output slices)")?,
             stats: f.plan.stats,
         })
     }
@@ -916,8 +1207,10 @@ impl EpMoe {
     /// main loss: pass the same factor the micro-batch's loss is scaled by). Parameter gradients
     /// (this rank's slices, in the parameter dtype) go to `sink(param_index, grad)` (not called
     /// for a parameter that got none, e.g. an expert without tokens); nothing accumulates in
-    /// `.grad`. Returns the output, the input gradient and the load statistics. Every member of
-    /// the EP (and ETP) group must call this together.
+    /// `.grad`. With tokens partitioned over the tensor-parallel ranks the replicated parameters'
+    /// gradients are summed over them first (complete on every rank). Returns the output, the
+    /// input gradient and the load statistics. Every member of the EP and ETP groups (and, with
+    /// partitioned tokens, of the tensor-parallel group) must call this together.
     pub fn forward_backward(
         &self,
         x: &Tensor,
@@ -936,8 +1229,12 @@ impl EpMoe {
         }
         let f = self.run(x, valid, true)?;
         let gy = grad_y
-            .f_reshape(f.y.size().as_slice())
+            .f_reshape([-1, self.spec.hidden])
             .ctx("output gradient")?;
+        let gy = match self.sliced() {
+            true => self.slice_of(&gy)?,
+            false => gy,
+        };
         // Segment 1: combine, router, shared expert and aux loss, up to the combine cut.
         let mut root = surrogate(&f.y, &gy)?;
         if let Some(a) = &f.aux {
@@ -950,7 +1247,36 @@ impl EpMoe {
             replicated.extend(mlp);
             replicated.push(gate);
         }
-        let g = self.backward(&root, &[&f.xl, &f.ybl], &replicated, sink)?;
+        let g = if self.partitioned() {
+            // Partial over the tensor-parallel ranks' tokens: summed over them, in a fixed
+            // order, whether or not this rank got a gradient.
+            let mut got: Vec<Option<Tensor>> = (0..replicated.len()).map(|_| None).collect();
+            let mut keep = |i: usize, g: &Tensor| -> Result<()> {
+                if let Some(k) = replicated.iter().position(|&r| r == i) {
+                    got[k] = Some(g.shallow_clone());
+                }
+                Ok(())
+            };
+            let g = self.backward(&root, &[&f.xl, &f.ybl], &replicated, &mut keep)?;
+            for (k, &i) in replicated.iter().enumerate() {
+                if !self.p(i).requires_grad() {
+                    continue;
+                }
+                let mut t = match got[k].take() {
+                    Some(t) => t.f_contiguous().and_then(|t| t.f_detach_copy()),
+                    None => self.p(i).f_detach().and_then(|p| p.f_zeros_like()),
+                }
+                .ctx("replicated moe gradient")?;
+                self.seq.all_reduce_sum(
+                    &mut t,
+                    "all_reduce (router / shared expert gradient over the tensor-parallel ranks)",
+                )?;
+                sink(i, &t)?;
+            }
+            g
+        } else {
+            self.backward(&root, &[&f.xl, &f.ybl], &replicated, sink)?
+        };
         let (gx_direct, g_back) = (g[0].shallow_clone(), g[1].shallow_clone());
         drop(root);
         // Reverse of the combine all-to-all: output gradients to the expert owners.
@@ -960,10 +1286,20 @@ impl EpMoe {
             &f.plan.recv_splits,
             "all_to_all (expert output gradient)",
         )?;
-        let g_sorted = g_recv
+        // The backward of the ETP reduce-scatter is an all-gather (of the all-reduce, the
+        // identity).
+        let g_gathered = match self.etp_gather() {
+            true => self.etp.all_gather_rows(
+                &g_recv,
+                &f.plan.etp_rows,
+                "all_gather (expert output gradient)",
+            )?,
+            false => g_recv,
+        };
+        let g_sorted = g_gathered
             .f_index_select(0, &f.plan.order)
             .ctx("sort gradient by local expert")?;
-        // Segment 2: the local experts (the ETP all-reduce of the output is the identity here).
+        // Segment 2: the local experts.
         let mut g_xs = match &f.ys {
             Some(ys) => {
                 let root = surrogate(ys, &g_sorted)?;
@@ -972,14 +1308,26 @@ impl EpMoe {
             }
             None => f.xsl.f_zeros_like().ctx("expert input gradient")?,
         };
-        if self.etp.size > 1 && g_xs.numel() > 0 {
-            g_xs = g_xs.f_contiguous().ctx("expert input gradient")?;
-            self.etp
-                .all_reduce_sum(&mut g_xs, "all_reduce (expert input gradient)")?;
-        }
-        let g_recv_x = g_xs
-            .f_index_select(0, &f.plan.inverse)
-            .ctx("unsort expert input gradient")?;
+        // The experts' input gradients are partial sums over ETP: the backward of the all-gather
+        // is a reduce-scatter (of identical inputs, an all-reduce).
+        let g_recv_x = if self.etp_gather() {
+            let g_g = g_xs
+                .f_index_select(0, &f.plan.inverse)
+                .ctx("unsort expert input gradient")?;
+            self.etp.reduce_scatter_rows(
+                &g_g,
+                &f.plan.etp_rows,
+                "reduce_scatter (expert input gradient)",
+            )?
+        } else {
+            if self.etp.size > 1 && g_xs.numel() > 0 {
+                g_xs = g_xs.f_contiguous().ctx("expert input gradient")?;
+                self.etp
+                    .all_reduce_sum(&mut g_xs, "all_reduce (expert input gradient)")?;
+            }
+            g_xs.f_index_select(0, &f.plan.inverse)
+                .ctx("unsort expert input gradient")?
+        };
         // Reverse of the dispatch all-to-all: input gradients back to the token owners.
         let g_xp = self.ep.all_to_all_v(
             &g_recv_x,
@@ -989,14 +1337,14 @@ impl EpMoe {
         )?;
         let grad_x = gx_direct
             .f_index_add(0, &f.plan.tokens, &g_xp)
-            .and_then(|g| g.f_reshape(x.size().as_slice()))
             .ctx("input gradient")?;
         Ok(MoeGrad {
-            y: f.y
-                .f_detach()
-                .and_then(|y| y.f_reshape(x.size().as_slice()))
-                .ctx("moe output")?,
-            grad_x,
+            y: self.full_rows(
+                &f.y.f_detach().ctx("moe output")?,
+                x,
+                "all_gather (moe output slices)",
+            )?,
+            grad_x: self.full_rows(&grad_x, x, "all_gather (moe input gradient slices)")?,
             stats: f.plan.stats,
         })
     }

@@ -261,14 +261,17 @@ pub struct Parallel {
     /// The pipeline group: member `s` is stage `s` of this rank's model replica shard (same
     /// tensor- and data-parallel coordinates).
     pub pp: Group,
-    /// The expert-parallel group (the data-parallel ranks that share out the routed experts).
+    /// The expert-parallel group (Megatron-core's expert grid: the ranks of one stage that share
+    /// out the routed experts).
     pub ep: Arc<ExpertGroup>,
-    /// The expert-tensor-parallel group (the tensor-parallel ranks, as a group the MoE block
-    /// drives).
+    /// The expert-tensor-parallel group (the ranks each routed expert is split over).
     pub etp: Arc<ExpertGroup>,
-    /// The expert-data-parallel group (the data-parallel ranks holding the same experts), when
-    /// it differs from `dp` (expert parallelism > 1).
+    /// The expert-data-parallel group (the ranks holding the same expert shards), when it
+    /// differs from `dp` (expert parallelism > 1 or ETP ≠ TP).
     pub edp: Option<Group>,
+    /// The tensor-parallel ranks as a group the MoE blocks drive (their tokens are partitioned
+    /// over it under sequence parallelism, or sliced when ETP ≠ TP); one rank for a dense model.
+    pub moe_tp: Arc<ExpertGroup>,
     world: Option<Box<dyn Communicator>>,
 }
 
@@ -301,6 +304,7 @@ impl Parallel {
             ep: Arc::new(ExpertGroup::single("expert-parallel")),
             etp: Arc::new(ExpertGroup::single("expert-tensor-parallel")),
             edp: None,
+            moe_tp: Arc::new(ExpertGroup::single("tensor-parallel (moe tokens)")),
             world: None,
         }
     }
@@ -411,27 +415,36 @@ impl Parallel {
         let dp_meta = Dp::with_communicator(mine(layout.dp_groups(), "data-parallel")?, device);
         let pp = Group::new("pipeline", mine(layout.pp_groups(), "pipeline")?, device);
         // Expert groups only where a MoE model needs them (the layout keeps ep = etp = 1 for a
-        // dense model), so dense jobs create no extra communicators.
+        // dense model), so dense jobs create no extra communicators. Megatron-core's expert grid:
+        // the stage's tensor × data-parallel ranks as ETP × EP × expert-DP, ETP fastest.
         let etp = match layout.etp > 1 {
             true => ExpertGroup::new(
                 "expert-tensor-parallel",
-                mine(layout.tp_groups(), "expert-tensor-parallel")?,
+                mine(layout.etp_groups(), "expert-tensor-parallel")?,
             ),
             false => ExpertGroup::single("expert-tensor-parallel"),
         };
-        let (ep, edp) = match layout.ep > 1 {
-            true => (
-                ExpertGroup::new(
-                    "expert-parallel",
-                    mine(layout.ep_groups(), "expert-parallel")?,
-                ),
-                Some(Group::new(
-                    "expert-data-parallel",
-                    mine(layout.expert_dp_groups(), "expert-data-parallel")?,
-                    device,
-                )),
+        let ep = match layout.ep > 1 {
+            true => ExpertGroup::new(
+                "expert-parallel",
+                mine(layout.ep_groups(), "expert-parallel")?,
             ),
-            false => (ExpertGroup::single("expert-parallel"), None),
+            false => ExpertGroup::single("expert-parallel"),
+        };
+        let edp = match layout.separate_expert_dp() {
+            true => Some(Group::new(
+                "expert-data-parallel",
+                mine(layout.expert_dp_groups(), "expert-data-parallel")?,
+                device,
+            )),
+            false => None,
+        };
+        let moe_tp = match layout.moe && layout.tp > 1 {
+            true => ExpertGroup::new(
+                "tensor-parallel (moe tokens)",
+                mine(layout.tp_groups(), "tensor-parallel")?,
+            ),
+            false => ExpertGroup::single("tensor-parallel (moe tokens)"),
         };
         Ok(Parallel {
             layout,
@@ -445,6 +458,7 @@ impl Parallel {
             ep: Arc::new(ep),
             etp: Arc::new(etp),
             edp,
+            moe_tp: Arc::new(moe_tp),
             world: Some(world_comm),
         })
     }
@@ -477,13 +491,27 @@ impl Parallel {
 
     /// Sums plain numbers over the expert-parallel group.
     pub fn ep_all_reduce_f64(&self, v: &mut [f64], what: &'static str) -> Result<()> {
-        if self.ep.size <= 1 || v.is_empty() {
+        self.expert_all_reduce_f64(&self.ep, v, what)
+    }
+
+    /// Sums plain numbers over the expert-tensor-parallel group.
+    pub fn etp_all_reduce_f64(&self, v: &mut [f64], what: &'static str) -> Result<()> {
+        self.expert_all_reduce_f64(&self.etp, v, what)
+    }
+
+    fn expert_all_reduce_f64(
+        &self,
+        group: &ExpertGroup,
+        v: &mut [f64],
+        what: &'static str,
+    ) -> Result<()> {
+        if group.size <= 1 || v.is_empty() {
             return Ok(());
         }
         let mut t = Tensor::f_from_slice(v)
             .and_then(|t| t.f_to_device(self.device))
             .ctx("reduction buffer")?;
-        self.ep.all_reduce_sum(&mut t, what)?;
+        group.all_reduce_sum(&mut t, what)?;
         let host = Vec::<f64>::try_from(&t.f_to_device(Device::Cpu).ctx("reduction result")?)
             .ctx("reduction result")?;
         v.copy_from_slice(&host);

@@ -15,8 +15,12 @@
 //! * The sparse layers of a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE) run an
 //!   [`EpMoe`] block instead of the MLP: the router (and a shared expert) replicated, the routed
 //!   experts shared out over the expert-parallel group (tokens travel by all-to-all) and each
-//!   expert split over the tensor-parallel group, which is the expert-tensor-parallel group. Its
-//!   parameters are model parameters (`TpParam::expert` marks the routed experts' ones).
+//!   expert split over the expert-tensor-parallel group (Megatron-core's expert grid, any
+//!   `expert_tensor_parallel_size`). Its parameters are model parameters (`TpParam::expert`
+//!   marks the routed experts' ones). Without sequence parallelism and with ETP = TP the block
+//!   routes the tokens the tensor-parallel group shares ([`Tokens::Replicated`]); with ETP ≠ TP
+//!   each tensor-parallel rank routes its `1/TP` slice of them and the outputs are all-gathered
+//!   ([`Tokens::Slice`]).
 //!
 //! * Sequence parallelism (Megatron-core's `sequence_parallel`, [`TpModel::set_sequence_parallel`],
 //!   TP > 1): the residual stream, the norms and the dropout region hold this rank's block of
@@ -26,9 +30,11 @@
 //!   final norm's output is all-gathered (and unpadded) before the head; in the backward each
 //!   all-gather becomes a reduce-scatter and vice versa (a replicated value head's complete
 //!   gradient is narrowed instead). The replicated parameters applied to sequence shards (norms,
-//!   row-parallel biases) get their gradients all-reduced over TP. A MoE block runs on the
-//!   all-gathered sequence and each rank keeps its block of the output, so routing, router loss
-//!   and load metrics are those of the run without SP. Pipeline stages exchange sequence shards.
+//!   row-parallel biases) get their gradients all-reduced over TP. A MoE block routes only this
+//!   rank's sequence shard (Megatron-core: no all-gather before the block, no reduce-scatter
+//!   after it; [`Tokens::Local`]); its load statistics and router loss are reduced over the
+//!   tensor-parallel group, so they are those of the whole sequence. Pipeline stages exchange
+//!   sequence shards.
 //!
 //! Autograd through collectives: tch has no custom autograd functions. Megatron's `g` (all-reduce
 //! forward, identity backward) is written inside the graph as `s + (x - x.detach())` with `s` the
@@ -52,7 +58,7 @@ use verl_comm::ReduceOp;
 use verl_nn::{Checkpoint, HeadKind, ModelConfig, RopeScaling};
 
 use crate::error::{MegatronError, Result, TorchContext};
-use crate::moe::{EpMoe, ExpertGroup, MoeLoadMetrics, MoeSpec};
+use crate::moe::{EpMoe, ExpertGroup, MoeLoadMetrics, MoeSpec, Tokens};
 use crate::parallel::Group;
 
 /// How a parameter is divided over the tensor-parallel ranks.
@@ -85,7 +91,7 @@ pub struct TpParam {
     pub local: Tensor,
     /// A routed expert's parameter: `(its expert index, experts per expert-parallel rank)`. Only
     /// the expert-parallel rank owning the expert holds it; `split` is then its division over the
-    /// tensor-parallel group (= the expert-tensor-parallel group).
+    /// expert-tensor-parallel group.
     pub expert: Option<(i64, i64)>,
 }
 
@@ -93,8 +99,12 @@ pub struct TpParam {
 #[derive(Debug, Clone)]
 pub struct ExpertSetup {
     pub ep: Arc<ExpertGroup>,
-    /// Must be the tensor-parallel ranks (in the same order) when the tensor-parallel size is > 1.
+    /// The expert-tensor-parallel group; when it has as many ranks as the tensor-parallel group
+    /// it must be those ranks (in the same order).
     pub etp: Arc<ExpertGroup>,
+    /// The tensor-parallel ranks (in the same order) as an expert group: the MoE blocks
+    /// partition their tokens over it (sequence parallelism, or ETP ≠ TP).
+    pub seq: Arc<ExpertGroup>,
     /// Megatron's `moe_aux_loss_coeff` (0 disables the load-balancing loss).
     pub aux_loss_coeff: f64,
 }
@@ -105,6 +115,7 @@ impl ExpertSetup {
         ExpertSetup {
             ep: Arc::new(ExpertGroup::single("expert-parallel")),
             etp: Arc::new(ExpertGroup::single("expert-tensor-parallel")),
+            seq: Arc::new(ExpertGroup::single("tensor-parallel (moe tokens)")),
             aux_loss_coeff: 0.0,
         }
     }
@@ -642,7 +653,7 @@ impl TpModel {
 
     /// [`TpModel::new`] for pipeline stage `stage`: only that stage's parameters are read and held.
     /// The sparse MoE layers of a mixture-of-experts model hold this expert-parallel rank's
-    /// experts (of `experts.ep`), each split over the tensor-parallel group.
+    /// experts (of `experts.ep`), each split over the expert-tensor-parallel group.
     #[allow(clippy::too_many_arguments)]
     pub fn new_stage(
         cfg: ModelConfig,
@@ -654,10 +665,10 @@ impl TpModel {
         experts: ExpertSetup,
         source: &mut dyn FullSource,
     ) -> Result<TpModel> {
-        if cfg.moe.is_some() && experts.etp.size != tp.size {
+        if cfg.moe.is_some() && tp.size > 1 && experts.seq.size != tp.size {
             return Err(MegatronError::Api(verl_plugin_api::Error::failed(format!(
-                "internal: the expert-tensor-parallel group has {} ranks, the tensor-parallel group {}",
-                experts.etp.size, tp.size
+                "internal: the MoE token group has {} ranks, the tensor-parallel group {}",
+                experts.seq.size, tp.size
             ))));
         }
         let specs = stage_specs(&cfg, head_kind, stage)?;
@@ -719,7 +730,7 @@ impl TpModel {
                 continue;
             }
             let spec = MoeSpec::new(&cfg, i, experts.aux_loss_coeff)?;
-            let block = EpMoe::new(
+            let mut block = EpMoe::new(
                 spec,
                 experts.ep.clone(),
                 experts.etp.clone(),
@@ -727,6 +738,10 @@ impl TpModel {
                 device,
                 source,
             )?;
+            block.set_tokens(
+                experts.seq.clone(),
+                moe_tokens(false, tp.size, experts.etp.size),
+            );
             let per_rank = block.local_expert_range().end - block.local_expert_range().start;
             let mut index = Vec::with_capacity(block.params.len());
             for mp in &block.params {
@@ -889,6 +904,12 @@ impl TpModel {
     /// Turns Megatron-core sequence parallelism on or off; it only takes effect with TP > 1.
     pub fn set_sequence_parallel(&mut self, on: bool) {
         self.sp = on && self.tp.size > 1;
+        let tokens = moe_tokens(self.sp, self.tp.size, self.experts.etp.size);
+        for l in &mut self.layers {
+            if let Ffn::Moe { block, .. } = &mut l.ffn {
+                block.set_tokens(self.experts.seq.clone(), tokens);
+            }
+        }
     }
     pub fn sequence_parallel(&self) -> bool {
         self.sp
@@ -1155,10 +1176,11 @@ impl TpModel {
             return match &l.ffn {
                 Ffn::Dense { .. } => Ok(self.sp_layer(l, h, ctx, false)?.out),
                 Ffn::Moe { block, .. } => {
+                    // Megatron-core: the block routes this rank's sequence shard.
                     let a = self.sp_attention_block(l, h, ctx, false)?;
-                    let x2g = self.gather_seq(&a.x2)?;
-                    let y = block.forward(&x2g, Some(&ctx.valid))?.y;
-                    a.h2.f_add(&self.shard_seq(&y)?).ctx("residual")
+                    let valid = self.shard_seq(&ctx.valid)?;
+                    let y = block.forward(&a.x2, Some(&valid))?.y;
+                    a.h2.f_add(&y).ctx("residual")
                 }
             };
         }
@@ -1767,11 +1789,11 @@ impl TpModel {
     }
 
     /// Recomputes MoE layer `l` from its saved input and chains its backward: the MoE block
-    /// (forward and backward through the expert-parallel all-to-alls, its input gradient complete
-    /// on every tensor-parallel rank: the router and a shared expert are replicated and the
-    /// experts' partial input gradients are all-reduced over the expert-tensor-parallel group
-    /// inside the block), then the attention block plus the residual path and the input norm as
-    /// in [`TpModel::layer_backward`].
+    /// (forward and backward through the expert-parallel all-to-alls and the
+    /// expert-tensor-parallel collectives; its input gradient is complete for the tokens it was
+    /// given: the whole replicated sequence without SP, this rank's shard with SP), then the
+    /// attention block plus the residual path and the input norm as in
+    /// [`TpModel::layer_backward`] (or [`TpModel::sp_attention_backward`]).
     fn moe_layer_backward(
         &self,
         l: &Layer,
@@ -1792,21 +1814,26 @@ impl TpModel {
             )));
         };
         let h = leaf_if(saved, true)?;
-        // With SP the MoE block runs on the whole sequence: the post-attention norm's output is
-        // all-gathered before it (the block and its router see exactly the tokens of the run
-        // without SP) and each rank keeps its sequence block of the (replicated) output, so the
-        // output gradient is the all-gather of the shards' gradients and the input gradient
-        // (complete on every rank) is narrowed to this rank's block.
-        let (attn, x2d, gy) = match self.sp {
+        // With SP the MoE block routes this rank's sequence shard (Megatron-core's dispatch: no
+        // all-gather before the block, no reduce-scatter after it): the shard's output gradient
+        // goes in, the shard's input gradient comes out; the block reduces its statistics, its
+        // router loss and its replicated parameters' gradients over the tensor-parallel group.
+        let (attn, x2d, gy, valid) = match self.sp {
             true => {
                 let a = self.sp_attention_block(l, &h, ctx, true)?;
-                let x2g = self.gather_seq(&a.x2)?;
-                (Err(a), x2g, self.gather_seq(grad_out)?)
+                let x2d = a.x2.f_detach().ctx("moe input")?;
+                let valid = self.shard_seq(&ctx.valid)?;
+                (Err(a), x2d, grad_out.shallow_clone(), valid)
             }
             false => {
                 let t = self.attention_block(l, &h, ctx, true)?;
                 let x2d = t.3.f_detach().ctx("moe input")?;
-                (Ok(t), x2d, grad_out.shallow_clone())
+                (
+                    Ok(t),
+                    x2d,
+                    grad_out.shallow_clone(),
+                    ctx.valid.shallow_clone(),
+                )
             }
         };
         let mut block_sink = |k: usize, g: &Tensor| -> Result<()> {
@@ -1817,8 +1844,7 @@ impl TpModel {
             })?;
             sink(i, g)
         };
-        let r =
-            block.forward_backward(&x2d, Some(&ctx.valid), &gy, moe.aux_scale, &mut block_sink)?;
+        let r = block.forward_backward(&x2d, Some(&valid), &gy, moe.aux_scale, &mut block_sink)?;
         if moe.record {
             self.moe_load
                 .lock()
@@ -1832,8 +1858,7 @@ impl TpModel {
         let (x1, x1c, h2, x2) = match attn {
             Ok(t) => t,
             Err(a) => {
-                let g_x2 = self.shard_seq(&r.grad_x)?;
-                return self.sp_attention_backward(l, &h, &a, &g_x2, grad_out, sink);
+                return self.sp_attention_backward(l, &h, &a, &r.grad_x, grad_out, sink);
             }
         };
         let root = surrogate(&x2, &r.grad_x)?
@@ -1901,12 +1926,21 @@ impl TpModel {
 
     /// The full tensor of parameter `i` from this rank's slice `local` (which may be the slice of
     /// another tensor of the same layout, e.g. an optimizer moment). Every rank of the
-    /// tensor-parallel group must call this together.
+    /// tensor-parallel group (of the expert-tensor-parallel group, for a routed expert's
+    /// parameter) must call this together.
     pub fn gather_full(&self, i: usize, local: &Tensor) -> Result<Tensor> {
-        let Some(d) = self.params[i].split.dim() else {
+        let p = &self.params[i];
+        let Some(d) = p.split.dim() else {
             return Ok(local.shallow_clone());
         };
-        let parts = self.tp.all_gather(local, "all_gather (full parameter)")?;
+        let parts = match p.expert {
+            // A routed expert is split over the expert-tensor-parallel group.
+            Some(_) => self
+                .experts
+                .etp
+                .all_gather(local, "all_gather (expert-tensor-parallel slices)")?,
+            None => self.tp.all_gather(local, "all_gather (full parameter)")?,
+        };
         Tensor::f_cat(&parts, d).ctx("join tensor-parallel shards")
     }
 
@@ -1921,13 +1955,30 @@ impl TpModel {
                 found: full.size(),
             }));
         }
-        shard_of(full, p.split, self.tp.rank, self.tp.size)
+        match p.expert {
+            Some(_) => shard_of(full, p.split, self.experts.etp.rank, self.experts.etp.size),
+            None => shard_of(full, p.split, self.tp.rank, self.tp.size),
+        }
     }
 
     /// Whether parameter `i` is divided over the tensor-parallel ranks (its gradient norm is then
     /// summed over them; a replicated one counts once).
     pub fn is_split(&self, i: usize) -> bool {
         self.params[i].split != Split::Replicated
+    }
+}
+
+/// Which tokens the MoE blocks route (see [`Tokens`]): this rank's own under sequence
+/// parallelism (or at TP = 1, where an expert-tensor-parallel group spans data-parallel ranks);
+/// without it the tokens the tensor-parallel group shares when it is the expert-tensor-parallel
+/// group (ETP = TP), else this rank's `1/TP` slice of them.
+fn moe_tokens(sp: bool, tp: usize, etp: usize) -> Tokens {
+    if tp == 1 || sp {
+        Tokens::Local
+    } else if etp == tp {
+        Tokens::Replicated
+    } else {
+        Tokens::Slice
     }
 }
 

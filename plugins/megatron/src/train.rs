@@ -11,9 +11,9 @@
 //! (never averaged: the loss uses verl-losses' global normaliser over the whole mini-batch, so the
 //! per-rank shares add up to the one-rank loss). A mixture-of-experts model's routed experts are a
 //! flat of their own: each expert-parallel rank holds other experts whose gradients already cover
-//! the tokens of its whole expert-parallel group, so they are summed over the expert-data-parallel
-//! group only (and their squares over the expert-parallel and tensor-parallel groups: every
-//! parameter counts once in the norm). With `use_distributed_optimizer` the flats are
+//! the tokens of its whole expert-tensor × expert-parallel group, so they are summed over the
+//! expert-data-parallel group only (Megatron-core's expert grid; and their squares over the
+//! expert-parallel and expert-tensor-parallel groups: every parameter counts once in the norm). With `use_distributed_optimizer` the flats are
 //! padded to a multiple of their group's size, gradients are reduce-scattered, and each rank
 //! keeps and steps only its block of the masters and AdamW moments (ZeRO-1, Megatron's distributed
 //! optimizer), then all-gathers the updated masters; without it every rank all-reduces and steps
@@ -41,9 +41,9 @@ enum Share {
     Replicated,
     /// The last pipeline stage's copy of a tied embedding: the first stage counts it.
     Mirror,
-    /// Routed experts' slices (tensor-parallel split, different experts on each expert-parallel
-    /// rank): reduced over the expert-data-parallel group, squares summed over the
-    /// expert-parallel and tensor-parallel groups.
+    /// Routed experts' slices (expert-tensor-parallel split, different experts on each
+    /// expert-parallel rank): reduced over the expert-data-parallel group, squares summed over
+    /// the expert-parallel and expert-tensor-parallel groups.
     Expert,
 }
 
@@ -328,13 +328,15 @@ impl TpTrainer {
                 )?;
             }
             par.ep_all_reduce_f64(&mut expert_sq, "all_reduce (expert gradient norm)")?;
+            // Expert slices are split over the expert-tensor-parallel group.
+            par.etp_all_reduce_f64(&mut expert_sq, "all_reduce (expert gradient norm)")?;
         }
-        // Expert slices are split over the tensor-parallel group like the dense split ones.
-        let mut split = [sq[0] + expert_sq[0]];
+        let mut split = [sq[0]];
         par.tp
             .all_reduce_f64(&mut split, ReduceOp::Sum, "all_reduce (gradient norm)")?;
-        // Each stage holds other parameters: their squares add up over the pipeline.
-        let mut stage = [split[0] + sq[1]];
+        // Each stage holds other parameters: their squares add up over the pipeline (the expert
+        // squares are already the stage's whole).
+        let mut stage = [split[0] + sq[1] + expert_sq[0]];
         par.pp
             .all_reduce_f64(&mut stage, ReduceOp::Sum, "all_reduce (gradient norm)")?;
         let norm = stage[0].sqrt();

@@ -1,6 +1,7 @@
 //! Expert parallelism with ranks as threads (CPU communicator over a loopback store) against
 //! verl-nn's one-rank MoE block as the reference, fp32: outputs, input gradients and parameter
-//! gradients within 1e-5 for EP = 2 and 4 (and EP = 2 × ETP = 2), uneven routing with experts and
+//! gradients within 1e-5 for EP = 2 and 4 (and EP = 2 × ETP = 2, with ETP peers sharing their
+//! tokens or, as under sequence parallelism, each routing its own), uneven routing with experts and
 //! whole ranks that receive no tokens, the Switch load-balancing loss and its gradient, the load
 //! statistics and the step metrics.
 
@@ -13,7 +14,9 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 use verl_comm::{Communicator, CpuCommunicator, CpuOptions, StoreClient, StoreServer};
-use verl_megatron::moe::{EpMoe, ExpertGroup, LoadStats, MoeLoadMetrics, MoeSpec, Placement};
+use verl_megatron::moe::{
+    EpMoe, ExpertGroup, LoadStats, MoeLoadMetrics, MoeSpec, Placement, Tokens,
+};
 use verl_megatron::MegatronError;
 use verl_nn::{ModelConfig, ModelOptions, Transformer};
 
@@ -117,7 +120,13 @@ struct Reference {
     grads: HashMap<String, Tensor>,
 }
 
-fn reference(m: &Transformer, xs: &[Tensor], gs: &[Tensor], aux: Option<(f64, f64)>) -> Reference {
+fn reference(
+    m: &Transformer,
+    xs: &[Tensor],
+    gs: &[Tensor],
+    aux: Option<(f64, f64)>,
+    group: usize,
+) -> Reference {
     let x = Tensor::cat(xs, 0).detach().set_requires_grad(true);
     let g = Tensor::cat(gs, 0);
     let y = m.feed_forward(0, &x).unwrap();
@@ -130,8 +139,9 @@ fn reference(m: &Transformer, xs: &[Tensor], gs: &[Tensor], aux: Option<(f64, f6
             .find(|(n, _)| n.ends_with(".gate.weight") && !n.contains("experts"))
             .map(|(_, t)| t.shallow_clone())
             .unwrap();
-        for r in 0..xs.len() as i64 {
-            let xr = x.narrow(0, r * B, B).reshape([-1, H]);
+        let g = group as i64;
+        for r in 0..xs.len() as i64 / g {
+            let xr = x.narrow(0, r * B * g, B * g).reshape([-1, H]);
             loss = loss
                 .f_add(&(switch_aux(&xr, &router, k, coeff) * scale))
                 .unwrap();
@@ -190,6 +200,20 @@ struct Setup {
     aux: Option<(f64, f64)>,
     /// Per token set (EP rank): valid-token mask `[B, T]`.
     valid: Option<Vec<Plain>>,
+    /// [`Tokens::Local`]: every rank routes its own token set (`ep × etp` of them), its ETP group
+    /// standing for its tensor-parallel group under sequence parallelism (the load statistics
+    /// and the router loss are those of the group's token sets together).
+    local: bool,
+}
+
+impl Setup {
+    fn sets(&self) -> usize {
+        if self.local {
+            self.ep * self.etp
+        } else {
+            self.ep
+        }
+    }
 }
 
 fn join(addr: SocketAddr, rank: usize, world: usize) -> CpuCommunicator {
@@ -259,20 +283,30 @@ fn data(ep: usize, positive: bool) -> (Vec<Tensor>, Vec<Tensor>) {
 }
 
 fn run(setup: &Setup, params: &HashMap<String, Plain>, xs: &[Plain], gs: &[Plain]) -> Vec<RankOut> {
-    let (ep, etp) = (setup.ep, setup.etp);
+    let (ep, etp, local) = (setup.ep, setup.etp, setup.local);
     let cfg = ModelConfig::from_value(setup.cfg.clone(), "inline/config.json").unwrap();
     let coeff = setup.aux.map(|a| a.0).unwrap_or(0.0);
     let scale = setup.aux.map(|a| a.1).unwrap_or(0.0);
     let mut outs = ranks(ep * etp, |rank, world| {
         let (epg, etpg) = groups(world, ep, etp);
         let (ep_rank, etp_rank) = (epg.rank, etpg.rank);
+        // The ETP ranks again, as the tensor-parallel group the tokens are partitioned over.
+        let mut seq = None;
+        if local {
+            for e in 0..ep {
+                let ranks: Vec<usize> = (0..etp).map(|t| e * etp + t).collect();
+                if let Some(c) = world.new_group(&ranks).unwrap() {
+                    seq = Some(ExpertGroup::new("tensor-parallel (moe tokens)", c));
+                }
+            }
+        }
         assert_eq!(rank, ep_rank * etp + etp_rank);
         let mut source: HashMap<String, Tensor> = params
             .iter()
             .map(|(n, p)| (n.clone(), p.tensor()))
             .collect();
         let spec = MoeSpec::new(&cfg, 0, coeff).unwrap();
-        let block = EpMoe::new(
+        let mut block = EpMoe::new(
             spec,
             Arc::new(epg),
             Arc::new(etpg),
@@ -281,9 +315,16 @@ fn run(setup: &Setup, params: &HashMap<String, Plain>, xs: &[Plain], gs: &[Plain
             &mut source,
         )
         .unwrap();
-        let x = xs[ep_rank].tensor();
-        let g = gs[ep_rank].tensor();
-        let valid = setup.valid.as_ref().map(|v| v[ep_rank].tensor());
+        let set = match seq {
+            Some(seq) => {
+                block.set_tokens(Arc::new(seq), Tokens::Local);
+                rank
+            }
+            None => ep_rank,
+        };
+        let x = xs[set].tensor();
+        let g = gs[set].tensor();
+        let valid = setup.valid.as_ref().map(|v| v[set].tensor());
         let fwd = block.forward(&x, valid.as_ref()).unwrap();
         let mut grads = HashMap::new();
         let out = block
@@ -328,8 +369,9 @@ fn check_against_reference(
     m: &Transformer,
     positive: bool,
 ) -> (Vec<RankOut>, Reference) {
-    let (xs, gs) = data(setup.ep, positive);
-    let r = reference(m, &xs, &gs, setup.aux);
+    let (xs, gs) = data(setup.sets(), positive);
+    let group = if setup.local { setup.etp } else { 1 };
+    let r = reference(m, &xs, &gs, setup.aux, group);
     let params = block_params(m);
     let xs_p: Vec<Plain> = xs.iter().map(Plain::of).collect();
     let gs_p: Vec<Plain> = gs.iter().map(Plain::of).collect();
@@ -337,8 +379,11 @@ fn check_against_reference(
     let mut replicated_sum: HashMap<String, Tensor> = HashMap::new();
     let mut expert_seen: HashMap<String, usize> = HashMap::new();
     for o in &outs {
-        let e = o.ep_rank;
-        let who = format!("ep rank {e}, etp rank {}", o.etp_rank);
+        let e = match setup.local {
+            true => o.ep_rank * setup.etp + o.etp_rank,
+            false => o.ep_rank,
+        };
+        let who = format!("ep rank {}, etp rank {}", o.ep_rank, o.etp_rank);
         assert_close(&format!("{who}: forward"), &o.y_fwd.tensor(), &r.y[e]);
         assert_close(
             &format!("{who}: forward_backward output"),
@@ -364,7 +409,8 @@ fn check_against_reference(
             let full = &r.grads[name];
             match placement {
                 Placement::Replicated => {
-                    // Only one ETP rank per EP rank contributes (ETP peers hold the same tokens).
+                    // Only one ETP rank per EP rank contributes (ETP peers hold the same tokens,
+                    // or, with local tokens, all-reduced their gradients over their group).
                     if o.etp_rank == 0 {
                         let acc = replicated_sum
                             .entry(name.clone())
@@ -432,6 +478,7 @@ fn ep2_matches_one_rank_block() {
         etp: 1,
         aux: None,
         valid: None,
+        local: false,
     };
     let (outs, _) = check_against_reference(&setup, &m, false);
     assert_eq!(outs[0].local_experts, 0..2);
@@ -453,6 +500,7 @@ fn ep4_with_aux_loss_matches_one_rank_block() {
         etp: 1,
         aux: Some((0.01, 3.0)),
         valid: None,
+        local: false,
     };
     let (xs, _) = data(4, false);
     let (outs, _) = check_against_reference(&setup, &m, false);
@@ -485,6 +533,7 @@ fn ep2_times_etp2_matches_one_rank_block() {
         etp: 2,
         aux: Some((0.05, 1.0)),
         valid: None,
+        local: false,
     };
     let (outs, _) = check_against_reference(&setup, &m, false);
     let w1 = outs[0]
@@ -496,6 +545,46 @@ fn ep2_times_etp2_matches_one_rank_block() {
 }
 
 #[test]
+fn local_tokens_gathered_over_etp_match_one_rank_block() {
+    // Megatron-core's sequence-parallel dispatch: every rank routes its own tokens, the rows an
+    // expert owner receives are all-gathered over its ETP group and the partial outputs
+    // reduce-scattered back; the statistics and the router loss are those of the ETP group's
+    // tokens together (the loss summed over the group is the loss of all its tokens).
+    let cfg = mixtral(4, 2);
+    let m = model(cfg.clone(), |_, _| {});
+    let setup = Setup {
+        cfg,
+        ep: 2,
+        etp: 2,
+        aux: Some((0.05, 1.0)),
+        valid: None,
+        local: true,
+    };
+    let (xs, _) = data(4, false);
+    let (outs, _) = check_against_reference(&setup, &m, false);
+    let router = m
+        .named_parameters()
+        .iter()
+        .find(|(n, _)| n.ends_with("block_sparse_moe.gate.weight"))
+        .unwrap()
+        .1
+        .shallow_clone();
+    for o in &outs {
+        assert_eq!(
+            o.stats.tokens,
+            2 * B * T,
+            "statistics of the ETP pair's tokens"
+        );
+        assert_eq!(o.stats.tokens_per_expert.iter().sum::<i64>(), 2 * 2 * B * T);
+        let pair = Tensor::cat(&[&xs[2 * o.ep_rank], &xs[2 * o.ep_rank + 1]], 0);
+        let want =
+            tch::no_grad(|| switch_aux(&pair.reshape([-1, H]), &router, 2, 0.05)).double_value(&[]);
+        let got = o.stats.aux_loss.unwrap();
+        assert!((got - want).abs() <= 1e-7, "aux loss {got} vs {want}");
+    }
+}
+
+#[test]
 fn qwen2_moe_shared_expert_matches_one_rank_block() {
     let m = model(qwen2_moe(), |_, _| {});
     let setup = Setup {
@@ -504,6 +593,7 @@ fn qwen2_moe_shared_expert_matches_one_rank_block() {
         etp: 1,
         aux: Some((0.02, 0.5)),
         valid: None,
+        local: false,
     };
     let (outs, _) = check_against_reference(&setup, &m, false);
     assert!(outs[0]
@@ -537,6 +627,7 @@ fn uneven_routing_with_idle_experts_and_idle_ranks() {
             etp: 1,
             aux: Some((0.01, 1.0)),
             valid: None,
+            local: false,
         };
         let (outs, r) = check_against_reference(&setup, &m, true);
         for o in &outs {
@@ -553,6 +644,35 @@ fn uneven_routing_with_idle_experts_and_idle_ranks() {
         }
         // The reference has every expert; the idle ones have zero gradients there.
         assert!(r.grads.keys().any(|n| n.contains("experts.1.")));
+    }
+    // Local tokens gathered over ETP, every token routed to experts 0 and 1: EP rank 1 (both of
+    // its ETP members) gets no rows at all.
+    let m = model(mixtral(4, 2), |name, t| {
+        if name.ends_with("block_sparse_moe.gate.weight") {
+            for e in [2i64, 3] {
+                let _ = t.get(e).fill_(-1.0);
+            }
+            for e in [0i64, 1] {
+                let mut row = t.get(e);
+                let a = row.abs() * 0.1;
+                row.copy_(&a);
+            }
+        }
+    });
+    let setup = Setup {
+        cfg: mixtral(4, 2),
+        ep: 2,
+        etp: 2,
+        aux: Some((0.01, 1.0)),
+        valid: None,
+        local: true,
+    };
+    let (outs, _) = check_against_reference(&setup, &m, true);
+    for o in &outs {
+        assert_eq!(o.stats.tokens_per_expert, vec![2 * B * T, 2 * B * T, 0, 0]);
+        if o.ep_rank == 1 {
+            assert!(o.grads.keys().all(|n| !n.contains(".experts.")));
+        }
     }
 }
 
@@ -572,6 +692,7 @@ fn load_statistics_and_metrics_match_direct_counts() {
         etp: 1,
         aux: Some((0.1, 1.0)),
         valid: Some(masks.iter().map(Plain::of).collect()),
+        local: false,
     };
     let params = block_params(&m);
     let outs = run(

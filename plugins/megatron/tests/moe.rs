@@ -1,6 +1,6 @@
 //! Expert parallelism in the Megatron actor, ranks as threads of this process with the CPU
 //! communicator: a tiny Mixtral (4 experts, top-2, 2 sparse layers, fp32) at EP = 2 (world 2), EP
-//! = 2 × TP = 2 (world 4, expert TP = TP), EP = 2 × expert-DP = 2 (world 4, the distributed
+//! = 2 × TP = 2 (world 4, expert TP = TP, sequence-parallel dispatch), EP = 2 × expert-DP = 2 (world 4, the distributed
 //! optimizer sharding the experts over the expert-data-parallel group) and EP = 2 × PP = 2 (world
 //! 4, one sparse layer per stage) against the one-rank
 //! Megatron actor: metrics (the per-expert load, imbalance and router loss included), updated
@@ -355,11 +355,12 @@ fn bad_expert_layouts_name_the_key_and_the_valid_sizes() {
     );
     let e = create(
         (2, 1, 2, 4),
-        json!({"actor_rollout_ref": {"actor": {"megatron": {"expert_tensor_parallel_size": 1}}}}),
+        json!({"actor_rollout_ref": {"actor": {"megatron": {"expert_tensor_parallel_size": 3}}}}),
     );
     assert!(
         e.contains("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size")
-            && e.contains("leave it null or set it to 2"),
+            && e.contains("expert_tensor_parallel_size=3 does not divide the expert intermediate size")
+            && e.contains("valid with expert_model_parallel_size=2 and 4 tensor × data-parallel ranks per stage: 1, 2"),
         "{e}"
     );
     let e = create(

@@ -451,7 +451,28 @@ impl Attention {
         backend: &mut dyn AttentionBackend,
     ) -> Result<Tensor> {
         let (b, t) = (x.size()[0], x.size()[1]);
-        let (q, k, v) = self.qkv(x, cos, sin)?;
+        let (q, k, v) = self.qkv_unrotated(x)?;
+        if !x.requires_grad() && !cos.requires_grad() && !sin.requires_grad() {
+            let call = AttentionCall {
+                layer,
+                window: self.window,
+                q: &q,
+                k: &k,
+                v: &v,
+            };
+            if let Some(out) = backend.attend_unrotated(call, cos, sin)? {
+                if out.size() != q.size() {
+                    return Err(NnError::input(
+                        format!("attention backend output (layer {layer})"),
+                        format!("shape {:?} (the queries')", q.size()),
+                        format!("shape {:?}", out.size()),
+                    ));
+                }
+                return self.project_out(&out, b, t);
+            }
+        }
+        let q = apply_rope(&q, cos, sin)?;
+        let k = apply_rope(&k, cos, sin)?;
         let out = backend.attend(AttentionCall {
             layer,
             window: self.window,
@@ -471,6 +492,12 @@ impl Attention {
 
     /// Queries `[B, heads, T, D]` and keys/values `[B, kv_heads, T, D]`, normed and rotated.
     fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (q, k, v) = self.qkv_unrotated(x)?;
+        Ok((apply_rope(&q, cos, sin)?, apply_rope(&k, cos, sin)?, v))
+    }
+
+    /// [`Attention::qkv`] before RoPE.
+    fn qkv_unrotated(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t) = (x.size()[0], x.size()[1]);
         let heads = |y: Tensor, n: i64, norm: &Option<RmsNorm>| -> Result<Tensor> {
             let y = y.f_view([b, t, n, self.head_dim])?;
@@ -504,8 +531,6 @@ impl Attention {
         let q = heads(qy, self.num_heads, &self.q_norm)?;
         let k = heads(ky, self.num_kv_heads, &self.k_norm)?;
         let v = heads(vy, self.num_kv_heads, &None)?;
-        let q = apply_rope(&q, cos, sin)?;
-        let k = apply_rope(&k, cos, sin)?;
         Ok((q, k, v))
     }
 

@@ -164,6 +164,21 @@ pub trait AttentionBackend {
     /// `[B, num_attention_heads, T, head_dim]` (softmax scale `1 / sqrt(head_dim)`), in the
     /// queries' dtype.
     fn attend(&mut self, call: AttentionCall<'_>) -> Result<Tensor>;
+
+    /// [`AttentionBackend::attend`] on queries and keys before RoPE (after q/k-norm), with the
+    /// rotation's `cos`/`sin` `[B, 1, T, head_dim]`: a backend that rotates them itself while it
+    /// stores the keys (one fused kernel) returns the output; `None` (the default) makes the
+    /// caller rotate and call [`AttentionBackend::attend`]. Only offered where nothing needs a
+    /// gradient.
+    fn attend_unrotated(
+        &mut self,
+        call: AttentionCall<'_>,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Option<Tensor>> {
+        let _ = (call, cos, sin);
+        Ok(None)
+    }
 }
 
 /// A group of parameters used together by the forward pass: the unit a sharding backend gathers

@@ -249,9 +249,59 @@ struct PagedAttention<'a> {
     masks: HashMap<Option<i64>, Tensor>,
     /// Decode steps use the CUDA paged-attention kernel ([`KvPool::kernel`]).
     kernel: bool,
+    /// `[S]` context lengths of a decode step (positions + 1), built once per forward.
+    seq_lens: Option<Tensor>,
 }
 
 impl PagedAttention<'_> {
+    fn views(&self, layer: usize) -> verl_nn::Result<&LayerViews> {
+        self.pool
+            .layers
+            .get(layer)
+            .ok_or_else(|| NnError::InvalidInput {
+                what: "paged attention layer".into(),
+                expected: format!("< {} layers in the KV pool", self.pool.layers.len()),
+                found: layer.to_string(),
+            })
+    }
+
+    /// A decode step's attention (`q` `[S, H, D]` contiguous, keys/values already stored) through
+    /// the paged-attention kernel, as `[S, H, 1, D]`.
+    fn decode_kernel(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        window: Option<i64>,
+    ) -> verl_nn::Result<Tensor> {
+        let b = self.batch;
+        let qs = q.size();
+        let (s, h, d) = (qs[0], qs[1], qs[2]);
+        let seq_lens = match &self.seq_lens {
+            Some(t) => t.shallow_clone(),
+            None => {
+                let t = b.pos.f_view([s])?.f_add_scalar(1)?;
+                self.seq_lens = Some(t.shallow_clone());
+                t
+            }
+        };
+        let views = self.views(layer)?;
+        let out = verl_torch_ext::paged_decode_attention(
+            q,
+            &views.k_blocks,
+            &views.v_blocks,
+            &b.table.f_view([s, b.nb])?,
+            &seq_lens,
+            1.0 / (d as f64).sqrt(),
+            window,
+        )
+        .map_err(|e| NnError::InvalidInput {
+            what: "paged attention kernel".into(),
+            expected: "a launch".into(),
+            found: e.to_string(),
+        })?;
+        Ok(out.f_view([s, h, 1, d])?)
+    }
+
     fn mask(
         &mut self,
         window: Option<i64>,
@@ -287,16 +337,51 @@ impl PagedAttention<'_> {
 }
 
 impl AttentionBackend for PagedAttention<'_> {
+    /// Decode steps through the kernels: one launch rotates q and k and stores k and v
+    /// ([`verl_torch_ext::rope_store`], bit-identical to RoPE's torch ops), then the
+    /// paged-attention kernel. Elsewhere (prefill, CPU, `VERL_FUSED_ROPE=0`) the model rotates.
+    fn attend_unrotated(
+        &mut self,
+        call: AttentionCall<'_>,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> verl_nn::Result<Option<Tensor>> {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let qs = call.q.size();
+        let (s, t, d) = (qs[0], qs[2], qs[3]);
+        let applies = t == 1
+            && self.kernel
+            && cos.size() == [s, 1, 1, d]
+            && sin.size() == [s, 1, 1, d]
+            && cos.kind() == call.q.kind()
+            && sin.kind() == call.q.kind()
+            && verl_torch_ext::row_kernels_available(call.q.device())
+            && *ON.get_or_init(|| std::env::var("VERL_FUSED_ROPE").as_deref() != Ok("0"));
+        if !applies {
+            return Ok(None);
+        }
+        let views = self.views(call.layer)?;
+        let flat = |x: &Tensor| x.f_reshape([s, d]).and_then(|x| x.f_contiguous());
+        let q = verl_torch_ext::rope_store(
+            &call.q.f_select(2, 0)?,
+            &call.k.f_select(2, 0)?,
+            &call.v.f_select(2, 0)?,
+            &flat(cos)?,
+            &flat(sin)?,
+            &self.batch.slots,
+            &views.k_slots,
+            &views.v_slots,
+        )
+        .map_err(|e| NnError::InvalidInput {
+            what: "rope/KV-store kernel".into(),
+            expected: "a launch".into(),
+            found: e.to_string(),
+        })?;
+        Ok(Some(self.decode_kernel(call.layer, &q, call.window)?))
+    }
+
     fn attend(&mut self, call: AttentionCall<'_>) -> verl_nn::Result<Tensor> {
-        let views = self
-            .pool
-            .layers
-            .get(call.layer)
-            .ok_or_else(|| NnError::InvalidInput {
-                what: "paged attention layer".into(),
-                expected: format!("< {} layers in the KV pool", self.pool.layers.len()),
-                found: call.layer.to_string(),
-            })?;
+        let views = self.views(call.layer)?;
         let qs = call.q.size();
         let (s, h, t, d) = (qs[0], qs[1], qs[2], qs[3]);
         let nkv = call.k.size()[1];
@@ -326,22 +411,8 @@ impl AttentionBackend for PagedAttention<'_> {
         if t == 1 && self.kernel {
             // One query per sequence: the paged-attention kernel reads each sequence's keys and
             // values in place through its block table (no gather, no mask).
-            let seq_lens = b.pos.f_view([s])?.f_add_scalar(1)?;
-            let out = verl_torch_ext::paged_decode_attention(
-                &call.q.f_reshape([s, h, d])?.f_contiguous()?,
-                &views.k_blocks,
-                &views.v_blocks,
-                &b.table.f_view([s, b.nb])?,
-                &seq_lens,
-                1.0 / (d as f64).sqrt(),
-                call.window,
-            )
-            .map_err(|e| NnError::InvalidInput {
-                what: "paged attention kernel".into(),
-                expected: "a launch".into(),
-                found: e.to_string(),
-            })?;
-            return Ok(out.f_view([s, h, 1, d])?);
+            let q = call.q.f_reshape([s, h, d])?.f_contiguous()?;
+            return self.decode_kernel(call.layer, &q, call.window);
         }
         let l = b.nb * self.pool.block_size;
         let gather = |blocks: &Tensor| -> Result<Tensor, tch::TchError> {
@@ -393,6 +464,7 @@ pub(crate) fn forward_device(
         batch: dev,
         masks: HashMap::new(),
         kernel: pool.kernel,
+        seq_lens: None,
     };
     let hidden = model.forward_hidden_with_backend(&dev.ids, &dev.pos, &mut backend)?;
     let last = if dev.t == 1 {

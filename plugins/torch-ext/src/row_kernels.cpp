@@ -72,6 +72,22 @@
     int vec;         /* 1: 8 elements per thread through 16-byte loads (16-bit dtypes) */ \
   };
 
+#define VT_ROPE_STORE_PARAMS_DEF                                                          \
+  struct VtRopeStoreParams {                                                              \
+    const void* q;        /* [S, H, D], strides below (elements), unit along D */         \
+    const void* k;        /* [S, KVH, D] */                                               \
+    const void* v;        /* [S, KVH, D] */                                               \
+    const void* cos;      /* [S, D] contiguous */                                         \
+    const void* sin;      /* [S, D] contiguous */                                         \
+    const long long* slots; /* [S] cache rows of the new keys/values */                   \
+    void* q_out;          /* [S, H, D] contiguous */                                      \
+    void* k_cache;        /* [rows, KVH, D] contiguous */                                 \
+    void* v_cache;        /* [rows, KVH, D] contiguous */                                 \
+    long long sq_s, sq_h, sk_s, sk_h, sv_s, sv_h;                                         \
+    long long s, h, kvh, d;                                                               \
+    int dtype;            /* 0 fp32, 1 bf16, 2 fp16 */                                    \
+  };
+
 #define VT_ROW_STR_(...) #__VA_ARGS__
 #define VT_ROW_STR(...) VT_ROW_STR_(__VA_ARGS__)
 
@@ -194,39 +210,62 @@ extern "C" __global__ void __launch_bounds__(THREADS) vt_sample_rows(const VtRow
   a.m = 0.0f;
   a.s = 1.0f;
   a.w = 0.0f;
-  if (p.uniforms != nullptr || p.out_lp != nullptr) a = row_acc(row, V, t);
+  __shared__ float row_m, row_s;
   if (p.uniforms == nullptr) {
+    if (p.out_lp != nullptr) a = row_acc(row, V, t);
     float bv = vt_neg_inf();
     long long bi = -1;
     for (long long v = threadIdx.x; v < V; v += THREADS) arg_better(bv, bi, row[v], v);
     const long long best = block_argmax(bv, bi);
     if (threadIdx.x == 0) chosen = best < 0 ? 0 : best;
   } else {
-    const float M = a.m;
     // Contiguous segments, one per warp, in tiles of 32 lanes x 4 consecutive tokens.
     const long long seg = ((V + WARPS - 1) / WARPS + 127) / 128 * 128;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __shared__ float seg_sum[WARPS];
+    __shared__ float seg_m[WARPS];
     __shared__ int owner;
     __shared__ float before;
     __shared__ float target;
     {
+      // One pass for the row's max and every segment's mass: an online (max, sum) per lane
+      // over the warp's segment, merged over the warp; the segments are rescaled to the row's
+      // max below.
       const long long lo = warp * seg, hi = min(V, lo + seg);
-      float s = 0.0f;
+      Acc la;
+      la.m = vt_neg_inf();
+      la.s = 0.0f;
+      la.w = 0.0f;
       for (long long base = lo; base < hi; base += 128) {
         const long long v0 = base + lane * 4;
         for (int k = 0; k < 4; ++k) {
           const long long v = v0 + k;
-          if (v < hi) s += expf(vt_scaled(row[v], t) - M);
+          if (v < hi) acc_add(la, vt_scaled(row[v], t));
         }
       }
-      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (lane == 0) seg_sum[warp] = s;
+      for (int o = 16; o > 0; o >>= 1) {
+        Acc b;
+        b.m = __shfl_xor_sync(0xffffffffu, la.m, o);
+        b.s = __shfl_xor_sync(0xffffffffu, la.s, o);
+        b.w = 0.0f;
+        la = acc_merge(la, b);
+      }
+      if (lane == 0) {
+        seg_m[warp] = la.m;
+        seg_sum[warp] = la.s;
+      }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+      float mx = vt_neg_inf();
+      for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, seg_m[w]);
       float total = 0.0f;
-      for (int w = 0; w < WARPS; ++w) total += seg_sum[w];
+      for (int w = 0; w < WARPS; ++w) {
+        seg_sum[w] = seg_m[w] == vt_neg_inf() ? 0.0f : seg_sum[w] * expf(seg_m[w] - mx);
+        total += seg_sum[w];
+      }
+      row_m = mx;
+      row_s = total;
       const float tgt = p.uniforms[r] * total;
       float acc = 0.0f;
       int own = -1, last = 0;
@@ -252,6 +291,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) vt_sample_rows(const VtRow
       chosen = -1;
     }
     __syncthreads();
+    const float M = row_m;
+    a.m = row_m;
+    a.s = row_s;
     if (warp == owner) {
       const long long lo = warp * seg, hi = min(V, lo + seg);
       float running = before;
@@ -485,13 +527,55 @@ extern "C" __global__ void __launch_bounds__(256) vt_swiglu(const VtSwigluParams
     vt_store(p.out, p.dtype, idx, v);
   }
 }
+// A decode step's rotary embedding and KV-cache write in one launch: q rotated into q_out, k
+// rotated and v copied into their cache rows. The rotation rounds exactly as vt_rope (and the
+// torch ops) do. One thread per rotated pair (i, i + D/2) of a q, k or v head.
+extern "C" __global__ void __launch_bounds__(256) vt_rope_store(const VtRopeStoreParams p) {
+  const long long half = p.d / 2;
+  const long long heads = p.h + 2 * p.kvh;
+  const long long n = p.s * heads * half;
+  for (long long idx = blockIdx.x * 256LL + threadIdx.x; idx < n; idx += gridDim.x * 256LL) {
+    const long long i = idx % half;
+    const long long rest = idx / half;
+    const long long hh = rest % heads;
+    const long long s = rest / heads;
+    if (hh >= p.h + p.kvh) {  // v: a plain copy into the cache
+      const long long h = hh - p.h - p.kvh;
+      const long long src = s * p.sv_s + h * p.sv_h;
+      const long long dst = (p.slots[s] * p.kvh + h) * p.d;
+      vt_store(p.v_cache, p.dtype, dst + i, vt_load(p.v, p.dtype, src + i));
+      vt_store(p.v_cache, p.dtype, dst + i + half, vt_load(p.v, p.dtype, src + i + half));
+      continue;
+    }
+    const bool is_q = hh < p.h;
+    const long long h = is_q ? hh : hh - p.h;
+    const void* x = is_q ? p.q : p.k;
+    const long long xo = is_q ? s * p.sq_s + h * p.sq_h : s * p.sk_s + h * p.sk_h;
+    const float x1 = vt_load(x, p.dtype, xo + i);
+    const float x2 = vt_load(x, p.dtype, xo + i + half);
+    const long long co = s * p.d;
+    const float c1 = vt_load(p.cos, p.dtype, co + i), c2 = vt_load(p.cos, p.dtype, co + i + half);
+    const float s1 = vt_load(p.sin, p.dtype, co + i), s2 = vt_load(p.sin, p.dtype, co + i + half);
+    const float o1 = vt_round(__fadd_rn(vt_round(__fmul_rn(x1, c1), p.dtype),
+                                        vt_round(__fmul_rn(-x2, s1), p.dtype)),
+                              p.dtype);
+    const float o2 = vt_round(__fadd_rn(vt_round(__fmul_rn(x2, c2), p.dtype),
+                                        vt_round(__fmul_rn(x1, s2), p.dtype)),
+                              p.dtype);
+    void* out = is_q ? p.q_out : p.k_cache;
+    const long long oo = is_q ? (s * p.h + h) * p.d : (p.slots[s] * p.kvh + h) * p.d;
+    vt_store(out, p.dtype, oo + i, o1);
+    vt_store(out, p.dtype, oo + i + half, o2);
+  }
+}
 )VTROW";
 
 const std::string& row_source() {
   static const std::string src = std::string("// verl-rs row kernels\n") +
                                  VT_ROW_STR(VT_ROW_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_ROPE_PARAMS_DEF) + "\n" +
-                                 VT_ROW_STR(VT_SWIGLU_PARAMS_DEF) + "\n" + kRowSource;
+                                 VT_ROW_STR(VT_SWIGLU_PARAMS_DEF) + "\n" +
+                                 VT_ROW_STR(VT_ROPE_STORE_PARAMS_DEF) + "\n" + kRowSource;
   return src;
 }
 
@@ -500,6 +584,7 @@ const std::string& row_source() {
 VT_ROW_PARAMS_DEF
 VT_ROPE_PARAMS_DEF
 VT_SWIGLU_PARAMS_DEF
+VT_ROPE_STORE_PARAMS_DEF
 
 using namespace vt_rt;
 
@@ -511,6 +596,7 @@ struct RowKernels {
   CUfunction_t grad = nullptr;
   CUfunction_t rope = nullptr;
   CUfunction_t swiglu = nullptr;
+  CUfunction_t rope_store = nullptr;
 };
 
 std::map<int, RowKernels> g_row_kernels;  // by device
@@ -523,13 +609,15 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   }
   const Binary bin = compile_source(row_source(), "verl_row_kernels", {}, info.arch, false);
   const auto fns = load_functions(
-      bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad", "vt_rope", "vt_swiglu"});
+      bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad", "vt_rope", "vt_swiglu",
+                "vt_rope_store"});
   RowKernels k;
   k.sample = fns[0];
   k.stats = fns[1];
   k.grad = fns[2];
   k.rope = fns[3];
   k.swiglu = fns[4];
+  k.rope_store = fns[5];
   std::lock_guard<std::mutex> lock(rt_mutex());
   return g_row_kernels.emplace(index, k).first->second;
 }
@@ -788,6 +876,93 @@ void swiglu(const at::Tensor* x, const at::Tensor* out) {
            "cuLaunchKernel(vt_swiglu)");
 }
 
+// [S, n, D] with unit stride along D (any other strides).
+void check_heads(const at::Tensor* t, const char* name, int64_t S, int64_t D,
+                 c10::ScalarType kind, const at::Device& dev) {
+  if (t == nullptr || !t->defined()) bad(name, "a tensor", "none");
+  if (t->device() != dev) bad(std::string(name) + " device", dev.str(), t->device().str());
+  if (t->dim() != 3 || t->size(0) != S || t->size(2) != D) {
+    bad(std::string(name) + " shape", "[" + std::to_string(S) + ", heads, " + std::to_string(D) + "]",
+        sizes_str(*t));
+  }
+  if (t->scalar_type() != kind) {
+    bad(std::string(name) + " dtype", c10::toString(kind), c10::toString(t->scalar_type()));
+  }
+  if (t->stride(2) != 1) bad(name, "unit stride along head_dim", "a strided one");
+}
+
+void rope_store(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v,
+                const at::Tensor* cos, const at::Tensor* sin, const at::Tensor* slots,
+                const at::Tensor* k_cache, const at::Tensor* v_cache, const at::Tensor* q_out) {
+  if (q == nullptr || !q->defined() || !q->is_cuda()) {
+    bad("rope_store q", "a CUDA tensor", q && q->defined() ? q->device().str() : "none");
+  }
+  const at::Device dev = q->device();
+  if (q->dim() != 3) bad("rope_store q", "[S, heads, head_dim]", sizes_str(*q));
+  const int64_t S = q->size(0), H = q->size(1), D = q->size(2);
+  if (D % 2 != 0) bad("rope_store head_dim", "an even number", std::to_string(D));
+  const auto kind = q->scalar_type();
+  const int dtype = storage_code(kind, "rope_store q dtype");
+  check_heads(q, "rope_store q", S, D, kind, dev);
+  check_heads(k, "rope_store k", S, D, kind, dev);
+  check_heads(v, "rope_store v", S, D, kind, dev);
+  const int64_t KVH = k->size(1);
+  if (v->size(1) != KVH) bad("rope_store v heads", std::to_string(KVH), sizes_str(*v));
+  for (const at::Tensor* t : {cos, sin}) {
+    check(t, "rope_store cos/sin [S, head_dim]", 2, S, kind, dev);
+    if (t->size(1) != D) bad("rope_store cos/sin shape", "[S, " + std::to_string(D) + "]",
+                             sizes_str(*t));
+  }
+  check(slots, "rope_store slots [S]", 1, S, c10::ScalarType::Long, dev);
+  for (const at::Tensor* t : {k_cache, v_cache}) {
+    if (t == nullptr || !t->defined()) bad("rope_store cache", "a tensor", "none");
+    check(t, "rope_store k/v cache [rows, kv_heads, head_dim]", 3, t->size(0), kind, dev);
+    if (t->size(1) != KVH || t->size(2) != D) {
+      bad("rope_store cache shape", "[rows, " + std::to_string(KVH) + ", " + std::to_string(D) + "]",
+          sizes_str(*t));
+    }
+  }
+  check(q_out, "rope_store q_out [S, heads, head_dim]", 3, S, kind, dev);
+  if (!q_out->sizes().equals(q->sizes())) bad("rope_store q_out shape", sizes_str(*q),
+                                              sizes_str(*q_out));
+  c10::DeviceGuard guard(dev);
+  const int index = dev.index();
+  VtRopeStoreParams p{};
+  p.q = q->data_ptr();
+  p.k = k->data_ptr();
+  p.v = v->data_ptr();
+  p.cos = cos->data_ptr();
+  p.sin = sin->data_ptr();
+  p.slots = reinterpret_cast<const long long*>(slots->data_ptr<int64_t>());
+  p.q_out = q_out->data_ptr();
+  p.k_cache = k_cache->data_ptr();
+  p.v_cache = v_cache->data_ptr();
+  p.sq_s = q->stride(0);
+  p.sq_h = q->stride(1);
+  p.sk_s = k->stride(0);
+  p.sk_h = k->stride(1);
+  p.sv_s = v->stride(0);
+  p.sv_h = v->stride(1);
+  p.s = S;
+  p.h = H;
+  p.kvh = KVH;
+  p.d = D;
+  p.dtype = dtype;
+  const int64_t n = S * (H + 2 * KVH) * (D / 2);
+  if (n == 0) return;
+  const DeviceInfo& info = device_info(index);
+  make_current(info);
+  const RowKernels kern = row_kernels(index, info);
+  int64_t blocks = (n + 255) / 256;
+  const int64_t cap = static_cast<int64_t>(info.sms) * 16;
+  if (blocks > cap) blocks = cap;
+  const CudaApi& cu = cuda_checked();
+  void* args[] = {&p};
+  cu_check(cu.cuLaunchKernel(kern.rope_store, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
+                             current_stream(index), args, nullptr),
+           "cuLaunchKernel(vt_rope_store)");
+}
+
 #endif  // VERL_WITH_CUDA
 
 [[noreturn]] void no_cuda() {
@@ -880,6 +1055,23 @@ char* vt_swiglu(at::Tensor* x, at::Tensor* out) {
     swiglu(x, out);
 #else
     (void)x, (void)out;
+    no_cuda();
+#endif
+  });
+}
+
+// A decode step's rotary embedding and KV-cache write: `q` [S, H, D] rotated into `q_out`
+// (contiguous), `k` [S, KVH, D] rotated into row slots[s] of `k_cache` [rows, KVH, D] and `v`
+// copied into `v_cache` there; cos/sin [S, D]. Rotation bit-identical to vt_rope.
+char* vt_rope_store(at::Tensor* q, at::Tensor* k, at::Tensor* v, at::Tensor* cos, at::Tensor* sin,
+                    at::Tensor* slots, at::Tensor* k_cache, at::Tensor* v_cache,
+                    at::Tensor* q_out) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    rope_store(q, k, v, cos, sin, slots, k_cache, v_cache, q_out);
+#else
+    (void)q, (void)k, (void)v, (void)cos, (void)sin, (void)slots, (void)k_cache, (void)v_cache,
+        (void)q_out;
     no_cuda();
 #endif
   });

@@ -33,6 +33,18 @@ extern "C" {
     fn vt_rope(x: CTensor, cos: CTensor, sin: CTensor, out: CTensor) -> *mut c_char;
     fn vt_swiglu(x: CTensor, out: CTensor) -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
+    fn vt_rope_store(
+        q: CTensor,
+        k: CTensor,
+        v: CTensor,
+        cos: CTensor,
+        sin: CTensor,
+        slots: CTensor,
+        k_cache: CTensor,
+        v_cache: CTensor,
+        q_out: CTensor,
+    ) -> *mut c_char;
+    #[allow(clippy::too_many_arguments)]
     fn vt_token_stats_grad(
         logits: CTensor,
         targets: CTensor,
@@ -238,4 +250,39 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
     let err = unsafe { vt_swiglu(x2.as_ptr(), out.as_ptr()) };
     check("swiglu", err)?;
     out.f_view(out_size.as_slice()).map_err(torch("view"))
+}
+
+/// A decode step's rotary embedding and KV-cache write in one kernel: returns `q` `[S, H, D]`
+/// rotated (contiguous); writes `k` `[S, KVH, D]` rotated and `v` as is into row `slots[s]` of
+/// `k_cache` / `v_cache` `[rows, KVH, D]` (contiguous). `q`, `k`, `v` may be strided views (unit
+/// stride along `D`, e.g. slices of a fused q/k/v projection); `cos`/`sin` `[S, D]` in their
+/// dtype. The rotation is bit-identical to [`rope`] (and so to the torch ops). No autograd.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_store(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    slots: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+) -> Result<Tensor> {
+    let out = Tensor::f_empty(q.size(), (q.kind(), q.device())).map_err(torch("empty"))?;
+    // SAFETY: live tch tensors borrowed for the call; the shim validates them.
+    let err = unsafe {
+        vt_rope_store(
+            q.as_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            cos.as_ptr(),
+            sin.as_ptr(),
+            slots.as_ptr(),
+            k_cache.as_ptr(),
+            v_cache.as_ptr(),
+            out.as_ptr(),
+        )
+    };
+    check("rope_store", err)?;
+    Ok(out)
 }

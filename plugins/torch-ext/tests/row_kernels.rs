@@ -4,8 +4,8 @@
 
 use tch::{Device, Kind, Tensor};
 use verl_torch_ext::{
-    cuda_graphs_compiled, rope, row_kernels_available, row_kernels_compile_check, sample_rows,
-    swiglu, token_stats, token_stats_grad,
+    cuda_graphs_compiled, rope, rope_store, row_kernels_available, row_kernels_compile_check,
+    sample_rows, swiglu, token_stats, token_stats_grad,
 };
 
 #[test]
@@ -289,4 +289,63 @@ fn swiglu_is_bit_identical_to_the_torch_ops() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("swiglu x"), "{e}");
+}
+
+/// The decode step's fused rotary embedding + KV-cache write against `rope` and `index_copy_`:
+/// q rotated bit-identically, k rotated and v copied into exactly their slots (every other cache
+/// row untouched), from q/k/v slices of one fused projection output as the model passes them.
+#[test]
+fn rope_store_equals_rope_then_the_cache_write() {
+    let Some(dev) = gpu() else { return };
+    tch::manual_seed(19);
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        for (s, h, kvh, d) in [(5i64, 4i64, 2i64, 64i64), (512, 12, 2, 128), (3, 14, 2, 64)] {
+            let qkv = Tensor::randn([s, (h + 2 * kvh) * d], (Kind::Float, dev)).to_kind(kind);
+            let q = qkv.narrow(1, 0, h * d).view([s, h, d]);
+            let k = qkv.narrow(1, h * d, kvh * d).view([s, kvh, d]);
+            let v = qkv.narrow(1, (h + kvh) * d, kvh * d).view([s, kvh, d]);
+            let pos = Tensor::randint(4000, [s], (Kind::Int64, dev)).to_kind(Kind::Float);
+            let inv = Tensor::arange_start_step(0, d, 2, (Kind::Float, dev)) / d as f64;
+            let inv = Tensor::from(10000.0f64)
+                .to_device(dev)
+                .pow(&inv)
+                .reciprocal();
+            let freqs = pos.unsqueeze(-1) * inv;
+            let emb = Tensor::cat(&[&freqs, &freqs], -1);
+            let (cos, sin) = (emb.cos().to_kind(kind), emb.sin().to_kind(kind));
+            let rows = 4 * s + 3;
+            let slots = Tensor::randperm(rows, (Kind::Int64, dev)).narrow(0, 0, s);
+            let k_cache = Tensor::randn([rows, kvh, d], (Kind::Float, dev)).to_kind(kind);
+            let v_cache = Tensor::randn([rows, kvh, d], (Kind::Float, dev)).to_kind(kind);
+            // Reference: rope on [B=S, heads, T=1, D] views, then index_copy_ into copies.
+            let as4 = |x: &Tensor| x.unsqueeze(2);
+            let want_q = rope(&as4(&q), &cos.unsqueeze(1), &sin.unsqueeze(1))
+                .unwrap()
+                .squeeze_dim(2);
+            let want_k = rope(&as4(&k), &cos.unsqueeze(1), &sin.unsqueeze(1))
+                .unwrap()
+                .squeeze_dim(2);
+            let mut want_kc = k_cache.copy();
+            let mut want_vc = v_cache.copy();
+            let _ = want_kc.index_copy_(0, &slots, &want_k);
+            let _ = want_vc.index_copy_(0, &slots, &v.contiguous());
+            let got_q = rope_store(&q, &k, &v, &cos, &sin, &slots, &k_cache, &v_cache).unwrap();
+            let same = |a: &Tensor, b: &Tensor| a.eq_tensor(b).all().int64_value(&[]) == 1;
+            let what = format!("{kind:?} s={s} h={h}/{kvh} d={d}");
+            assert!(got_q.is_contiguous());
+            assert!(same(&got_q, &want_q), "{what}: q differs");
+            assert!(same(&k_cache, &want_kc), "{what}: k cache differs");
+            assert!(same(&v_cache, &want_vc), "{what}: v cache differs");
+        }
+    }
+    // A cache of the wrong head count is named.
+    let q = Tensor::zeros([2, 4, 8], (Kind::Float, dev));
+    let k = Tensor::zeros([2, 2, 8], (Kind::Float, dev));
+    let cs = Tensor::zeros([2, 8], (Kind::Float, dev));
+    let slots = Tensor::zeros([2], (Kind::Int64, dev));
+    let bad = Tensor::zeros([4, 3, 8], (Kind::Float, dev));
+    let e = rope_store(&q, &k, &k, &cs, &cs, &slots, &bad, &bad)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cache"), "{e}");
 }

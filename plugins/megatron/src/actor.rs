@@ -14,9 +14,10 @@
 use std::path::{Path, PathBuf};
 
 use tch::{Device, Tensor};
+use verl_comm::ReduceOp;
 use verl_fsdp_core::config::{
     self, micro_batching, section, ActorSection, LogProbSection, MicroBatching, ModelSection,
-    TrainerSection,
+    RolloutEngineSection, TrainerSection,
 };
 use verl_fsdp_core::data::{
     chunks, column, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences,
@@ -76,6 +77,9 @@ pub struct MegatronActor {
     rollout_model: Option<Transformer>,
     /// Which of the two ([`crate::rollout::resolve`]).
     rollout_tp: RolloutTp,
+    /// The generation engine's keys (`rollout.gpu_memory_utilization`, `max_num_seqs`,
+    /// `enforce_eager`, ...), as the FSDP backend reads them.
+    engine: RolloutEngineSection,
     /// `*.megatron.param_offload` / `grad_offload` / `optimizer_offload` ([`crate::offload`]).
     offload: Offload,
 }
@@ -150,6 +154,7 @@ impl MegatronActor {
                 generate_calls: 0,
                 rollout_model: None,
                 rollout_tp,
+                engine: section(cfg, "actor_rollout_ref.rollout")?,
                 offload,
             }
             .offloaded_at_start();
@@ -215,6 +220,7 @@ impl MegatronActor {
             generate_calls: 0,
             rollout_model: None,
             rollout_tp,
+            engine: section(cfg, "actor_rollout_ref.rollout")?,
             offload,
         }
         .offloaded_at_start()
@@ -368,9 +374,30 @@ impl MegatronActor {
             ignore_eos: o.ignore_eos,
             return_log_probs: o.return_log_probs,
         };
+        let (device, engine) = (self.device, self.engine.clone());
+        let sharded = matches!(self.rollout_tp, RolloutTp::Sharded) && self.par.tp.size > 1;
+        let tp = self.par.tp.clone();
         let model = self.rollout_model()?;
-        let gen = tch::no_grad(|| verl_rollout::generate(model, &ids, &mask, &params))
-            .map_err(|e| MegatronError::Api(ApiError::failed(format!("generation: {e}"))))?;
+        // The FSDP backend's engine configuration: KV pool from gpu_memory_utilization, CUDA
+        // graphs unless enforce_eager, max_num_seqs / max_num_batched_tokens.
+        let mut budget =
+            verl_fsdp_core::actor::kv_budget(model, device, &engine, &mask, &params)
+                .map_err(|e| MegatronError::Api(ApiError::failed(format!("KV budget: {e}"))))?;
+        if sharded {
+            // The shards run the engine in lock-step: one pool size for the whole group (each
+            // rank measured its own free memory).
+            let mut tokens = [budget
+                .config
+                .kv_cache_tokens
+                .unwrap_or(budget.all_sequences_tokens) as f64];
+            tp.all_reduce_f64(&mut tokens, ReduceOp::Min, "all_reduce (KV pool tokens)")?;
+            budget.config.kv_cache_tokens = Some(tokens[0] as usize);
+        }
+        let (gen, stats) = tch::no_grad(|| {
+            verl_rollout::generate_with_config(model, &ids, &mask, &params, None, &budget.config)
+        })
+        .map_err(|e| MegatronError::Api(ApiError::failed(format!("generation: {e}"))))?;
+        let meta = budget.metrics(&stats);
         let rows = gen.prompt_index.len();
         let index = Tensor::f_from_slice(&gen.prompt_index)
             .and_then(|t| t.f_to_device(self.device))
@@ -411,6 +438,7 @@ impl MegatronActor {
             })
             .collect();
         out.insert_strings(col::FINISH_REASON, &reasons);
+        out.set_meta(&meta);
         Ok(out)
     }
 

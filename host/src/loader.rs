@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use abi_stable::library::{lib_header_from_path, LibraryError};
+use abi_stable::library::{lib_header_from_path, LibHeader, LibraryError};
 use verl_plugin_api::ffi::{BackendModuleRef, RewardModuleRef};
 use verl_plugin_api::header::HEADER_SYMBOL;
 use verl_plugin_api::{api_compatible, PluginHeader, PluginKind, API_VERSION};
@@ -252,10 +252,9 @@ impl Loader {
         }
         let lib = lib_header_from_path(&path).map_err(|e| library_error(&path, &header, e))?;
         let module = match header.kind {
-            PluginKind::Backend => Module::Backend(
-                lib.init_root_module::<BackendModuleRef>()
-                    .map_err(|e| library_error(&path, &header, e))?,
-            ),
+            PluginKind::Backend => {
+                Module::Backend(backend_root(lib).map_err(|e| library_error(&path, &header, e))?)
+            }
             PluginKind::Reward => Module::Reward(
                 lib.init_root_module::<RewardModuleRef>()
                     .map_err(|e| library_error(&path, &header, e))?,
@@ -275,6 +274,29 @@ impl Loader {
         };
         self.loaded.insert(key, loaded.clone());
         Ok(loaded)
+    }
+}
+
+/// A backend's root module. One built before fields were appended to [`BackendModuleRef`] fails
+/// abi_stable's check (a plugin may have more prefix-type fields than the host, not fewer); it is
+/// then checked against the frozen prefix (`ffi::v1`) and, when it has none of the appended fields,
+/// used with those fields absent (their accessors return `None`, e.g. no upfront `validate`).
+fn backend_root(lib: &'static LibHeader) -> Result<BackendModuleRef, LibraryError> {
+    match lib.init_root_module::<BackendModuleRef>() {
+        Err(full @ LibraryError::AbiInstability(_)) => {
+            match lib
+                .init_root_module::<verl_plugin_api::ffi::v1::BackendModuleRef>()
+                .ok()
+                .and_then(verl_plugin_api::ffi::v1::as_current)
+            {
+                Some(m) => {
+                    tracing::debug!("plugin built before the root module's appended fields");
+                    Ok(m)
+                }
+                None => Err(full),
+            }
+        }
+        other => other,
     }
 }
 
@@ -442,6 +464,21 @@ impl LoadedPlugin {
             obj,
             self.header.name.clone(),
         ))
+    }
+
+    /// The backend's upfront layout check (`verl run --dry-run`, and before ranks are launched):
+    /// `None` when the backend has none (a plugin built before the check existed, or one that
+    /// does not provide it), else its summary (one line per role) or its error.
+    pub fn validate_layout(
+        &self,
+        init: &verl_plugin_api::InitArgs,
+    ) -> Option<anyhow::Result<String>> {
+        let m = match self.backend() {
+            Ok(m) => m,
+            Err(e) => return Some(Err(e.into())),
+        };
+        verl_plugin_api::client::validate_layout(m, &self.header.name, init)
+            .map(|r| r.map_err(Into::into))
     }
 
     pub fn create_reward(

@@ -640,6 +640,26 @@ fn run(
     for w in &plan.warnings {
         outln!("  ! {w}");
     }
+    // The backend's own layout check (heads, layers, experts against the parallel sizes), from
+    // the model's config.json alone: a bad layout fails here, once, before any rank starts.
+    let roles: Vec<&str> = needed
+        .iter()
+        .filter(|r| !missing.contains(r))
+        .map(|r| r.as_str())
+        .collect();
+    let layout_init = verl_plugin_api::InitArgs {
+        world_size: u32::try_from(plan.layout.world_size).unwrap_or(u32::MAX),
+        extra: serde_json::json!({ "roles": roles }),
+        ..verl_plugin_api::InitArgs::new(
+            Role::Actor,
+            serde_json::to_value(&cfg).context("serialising the config for plugins")?,
+        )
+    };
+    if let Some(summary) = plugins.backend.validate_layout(&layout_init) {
+        for line in summary?.lines() {
+            outln!("layout        {line} ✓");
+        }
+    }
     match &mode {
         LaunchMode::Single => outln!("launch        1 process on {}", cfg.trainer.device),
         LaunchMode::Launcher { world } => outln!(

@@ -9,10 +9,10 @@ use serde::Serialize;
 
 use crate::batch::Batch;
 use crate::contract::{
-    self, GenerateOptions, LogProbOptions, ScoreOptions, UpdateOptions, ValueOptions,
+    self, GenerateOptions, InitArgs, LogProbOptions, ScoreOptions, UpdateOptions, ValueOptions,
 };
 use crate::error::{Error, Result};
-use crate::ffi::{ActorBox, CriticBox, DataParallel, RewardBox};
+use crate::ffi::{ActorBox, BackendModuleRef, CriticBox, DataParallel, RewardBox};
 use crate::sdk::metrics_from_ffi;
 use crate::Metrics;
 
@@ -25,6 +25,23 @@ fn path_str<'a>(call: &str, p: &'a Path) -> Result<&'a str> {
         call: call.into(),
         message: format!("path {} is not UTF-8", p.display()),
     })
+}
+
+/// Calls a backend's upfront layout check ([`crate::ffi::BackendModule::validate`]). `None`: the
+/// backend has no check (a plugin built before the field existed, or one that does not provide
+/// it); `Some(Ok(summary))`: the layout fits; `Some(Err(..))`: the plugin's error, naming the
+/// plugin and the call.
+pub fn validate_layout(
+    module: BackendModuleRef,
+    plugin: &str,
+    init: &InitArgs,
+) -> Option<Result<String>> {
+    let f = module.validate()?;
+    let json = to_json(init);
+    match f(RStr::from_str(&json)).into_result() {
+        Ok(summary) => summary.into_option().map(|s| Ok(s.into_string())),
+        Err(e) => Some(Err(Error::from_ffi(e, plugin, "layout validation"))),
+    }
 }
 
 /// A loaded actor (or reference) role.

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 
 use abi_stable::{
     sabi_trait::TD_Opaque,
-    std_types::{RErr, ROk, RResult, RStr, RString, Tuple2},
+    std_types::{RErr, RNone, ROk, ROption, RResult, RSome, RStr, RString, Tuple2},
 };
 use serde::de::DeserializeOwned;
 
@@ -105,6 +105,15 @@ pub trait BackendPlugin: 'static {
     }
     fn create_critic(_init: &InitArgs) -> Result<Box<dyn Critic>> {
         Err(Error::not_implemented("the critic role"))
+    }
+    /// Checks the job's parallel layout upfront (`verl run --dry-run`, and before a real run
+    /// launches its ranks) without creating a role or loading weights. `init.config` is the whole
+    /// job config, `init.world_size` the job's world size and `init.extra["roles"]` the roles the
+    /// job will create (`"actor"`, `"reference"`, `"critic"`). `Some(Ok(summary))`: the layout fits
+    /// (one line per role, printed by the host); `Some(Err(..))`: it does not (name the key, show
+    /// the arithmetic). `None`, the default: this backend has no upfront check.
+    fn validate(_init: &InitArgs) -> Option<Result<String>> {
+        None
     }
 }
 
@@ -404,6 +413,17 @@ pub fn backend_module<P: BackendPlugin>() -> BackendModuleRef {
             Ok(critic_box(P::create_critic(&parse_init(init)?)?))
         })
     }
+    extern "C" fn validate<P: BackendPlugin>(
+        init: RStr<'_>,
+    ) -> RResult<ROption<RString>, FfiError> {
+        ffi("validate", || {
+            let init = parse_init(init)?;
+            match P::validate(&init) {
+                None => Ok(RNone),
+                Some(r) => r.map(|s| RSome(RString::from(s))),
+            }
+        })
+    }
     use abi_stable::prefix_type::PrefixTypeTrait;
     BackendModule {
         header: header::<P>,
@@ -411,6 +431,7 @@ pub fn backend_module<P: BackendPlugin>() -> BackendModuleRef {
         create_actor: create_actor::<P>,
         create_reference: create_reference::<P>,
         create_critic: create_critic::<P>,
+        validate: validate::<P>,
     }
     .leak_into_prefix()
 }

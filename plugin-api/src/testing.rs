@@ -37,6 +37,11 @@ fn check_header(json: &str) -> Result<PluginHeader> {
     Ok(h)
 }
 
+/// The plugin's upfront layout check through the ABI adapter (`None`: it has none).
+pub fn validate<P: BackendPlugin>(init: &InitArgs) -> Option<Result<String>> {
+    crate::client::validate_layout(backend_module::<P>(), &P::info().name, init)
+}
+
 /// Create the plugin's actor through the ABI adapter.
 pub fn actor<P: BackendPlugin>(init: &InitArgs) -> Result<ActorClient> {
     let m = backend_module::<P>();

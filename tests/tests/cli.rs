@@ -134,6 +134,8 @@ fn dry_run_of_the_quickstart_checks_config_plugins_and_batches() {
         "{out}"
     );
     assert!(out.contains("dry run       ok"), "{out}");
+    // The fsdp backend has no layout check of its own: nothing more is printed.
+    assert!(!out.contains("layout "), "{out}");
 }
 
 #[test]
@@ -472,4 +474,144 @@ fn plot_draws_chosen_metrics_from_a_metrics_file() {
         &["plot", jsonl.to_str().unwrap(), "-m", "no/such/metric"],
     );
     assert_one_line_error(&missing, &["no/such/metric"]);
+}
+
+/// A model folder holding only a config.json (no weights, no tokenizer): the dry run's layout
+/// check needs nothing else.
+fn config_only_model(dir: &Path, config: serde_json::Value) -> String {
+    std::fs::create_dir_all(dir).unwrap();
+    write(dir, "config.json", &config.to_string());
+    dir.display().to_string()
+}
+
+fn tiny_qwen2(heads: i64, kv_heads: i64, layers: i64) -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128,
+        "tie_word_embeddings": true,
+    })
+}
+
+fn tiny_mixtral(experts: i64) -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": experts, "num_experts_per_tok": 2,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 128,
+    })
+}
+
+/// `verl run <quickstart> --dry-run` on the megatron backend with `model` and extra overrides.
+fn megatron_dry_run(model: &str, world: u32, extra: &[&str]) -> std::process::Output {
+    let inst = install(&["libverl_rewards.so", "libverl_megatron.so"]);
+    let job = quickstart_job();
+    let path = format!("actor_rollout_ref.model.path={model}");
+    let gpus = format!("trainer.n_gpus_per_node={world}");
+    let mut args = vec![
+        "run",
+        job.as_str(),
+        "actor_rollout_ref.actor.strategy=megatron",
+        path.as_str(),
+        gpus.as_str(),
+    ];
+    args.extend_from_slice(extra);
+    args.push("--dry-run");
+    run(&inst.path().join("verl"), &args)
+}
+
+#[test]
+fn megatron_dry_run_rejects_a_tensor_parallel_size_that_does_not_divide_the_heads() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = config_only_model(&dir.path().join("model"), tiny_qwen2(4, 2, 2));
+    let o = megatron_dry_run(
+        &model,
+        3,
+        &["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"],
+    );
+    assert_one_line_error(
+        &o,
+        &[
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+            "tensor_model_parallel_size=3 does not divide num_attention_heads=4",
+            "valid: 1, 2, 4",
+        ],
+    );
+}
+
+#[test]
+fn megatron_dry_run_rejects_experts_that_do_not_split_over_expert_parallel_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = config_only_model(&dir.path().join("model"), tiny_mixtral(4));
+    let o = megatron_dry_run(
+        &model,
+        3,
+        &[
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=3",
+            // Batches that split over the 3 data-parallel ranks, so the layout is what fails.
+            "data.train_batch_size=24",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=24",
+        ],
+    );
+    assert_one_line_error(
+        &o,
+        &[
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size",
+            "expert_model_parallel_size=3 does not divide num_experts=4",
+            "4 experts / 3 ranks = 1.33 experts per rank",
+            "valid",
+        ],
+    );
+}
+
+#[test]
+fn megatron_dry_run_prints_each_roles_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = config_only_model(&dir.path().join("model"), tiny_qwen2(4, 2, 4));
+    let o = megatron_dry_run(
+        &model,
+        4,
+        &[
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",
+            "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1",
+            "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=null",
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(
+        out.contains(
+            "layout        actor: TP 2 × PP 2 (VPP 2) × CP 1 × DP 1 = 4 rank(s); sequence parallel; distributed optimizer"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("layout        reference: TP 1 × PP 1 × CP 1 × DP 4 = 4 rank(s)"),
+        "{out}"
+    );
+    assert!(out.contains("dry run       ok"), "{out}");
+
+    // A mixture-of-experts model shows its expert grid.
+    let moe = config_only_model(&dir.path().join("moe"), tiny_mixtral(4));
+    let o = megatron_dry_run(
+        &moe,
+        4,
+        &[
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(
+        out.contains("layout        actor: TP 1 × PP 1 × CP 1 × DP 4 = 4 rank(s); experts: EP 2 × ETP 1 × EDP 2"),
+        "{out}"
+    );
 }

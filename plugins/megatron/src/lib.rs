@@ -9,7 +9,8 @@
 //!
 //! It owns a role's parallel layout ([`layout`]), its groups ([`parallel`]), the tensor-parallel
 //! model ([`tp`]) and its pipeline stages ([`pipeline`]), its training mechanics ([`train`]) and
-//! layout-independent checkpoints ([`ckpt`]). It must not contain RL-loop logic (advantages, rewards, KL control, step
+//! layout-independent checkpoints ([`ckpt`]); [`validate`] checks every role's layout upfront
+//! (`verl run --dry-run`) from config.json alone. It must not contain RL-loop logic (advantages, rewards, KL control, step
 //! scheduling: the host drives those), tokenize, or let a panic or tch exception cross the ABI.
 //! Generation (the `verl_rollout` engine) runs tensor-parallel on the training shards themselves
 //! (rollout TP = actor TP, the default) or on a TP=1 copy gathered from them (rollout TP = 1, and
@@ -28,6 +29,7 @@ pub mod pipeline;
 pub mod rollout;
 pub mod tp;
 pub mod train;
+pub mod validate;
 
 use verl_plugin_api::{
     Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Role,
@@ -71,6 +73,10 @@ impl BackendPlugin for MegatronPlugin {
     fn create_critic(init: &InitArgs) -> Result<Box<dyn Critic>> {
         Ok(Box::new(MegatronCritic::create(init)?))
     }
+    /// Each role's layout against the world size and the model's config.json ([`validate`]).
+    fn validate(init: &InitArgs) -> Option<Result<String>> {
+        Some(validate::validate(init).map_err(Into::into))
+    }
 }
 
 fn ready(role: Role) -> Capability {
@@ -107,6 +113,20 @@ mod tests {
             h.description
         );
         assert!(h.build.libtorch.as_deref().unwrap().starts_with("2.11"));
+    }
+
+    #[test]
+    fn validate_through_the_abi_names_a_missing_model_path() {
+        let init = InitArgs::new(
+            Role::Actor,
+            serde_json::json!({"trainer": {"device": "cpu"}}),
+        );
+        let e = testing::validate::<MegatronPlugin>(&init)
+            .expect("the megatron backend validates layouts")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("layout validation"), "{e}");
+        assert!(e.contains("actor_rollout_ref.model.path"), "{e}");
     }
 
     #[test]

@@ -43,9 +43,15 @@ fn bench_grpo_tiny_on_cpu_prints_one_json_line() {
     assert_eq!(v["arch"], "tiny");
     assert_eq!(v["tokens"], 2 * 2 * (16 + 8));
     assert_eq!(v["response_tokens"], 2 * 2 * 8);
+    // One mini-batch per step: the timed step skips the old-log-prob pass as the trainer does;
+    // the warm-up step runs it (for the exactness check below).
+    assert_eq!(v["old_log_prob_skipped"], true, "{v}");
+    assert_eq!(v["old_log_prob"].as_f64(), Some(0.0), "{v}");
+    let warm_old = v["per_step"][0]["old_log_prob"].as_f64().unwrap_or(0.0);
+    assert!(warm_old > 0.0, "warm-up step old_log_prob = {warm_old}");
+    assert_eq!(v["per_step"][0]["old_log_prob_skipped"], false, "{v}");
     for k in [
         "gen",
-        "old_log_prob",
         "ref",
         "update",
         "step",

@@ -436,11 +436,6 @@ impl FsdpActor {
         };
         let device = self.device;
         let seqs = Sequences::from_batch(batch, CALL, device)?;
-        // Absent on on-policy steps, where the host skips the pass (checked below).
-        let old_lp = match batch.contains(col::OLD_LOG_PROBS) {
-            true => Some(column::<f32>(batch, CALL, col::OLD_LOG_PROBS, device)?),
-            false => None,
-        };
         let adv = column::<f32>(batch, CALL, col::ADVANTAGES, device)?;
         let ref_lp = match batch.contains(col::REF_LOG_PROBS) {
             true => Some(column::<f32>(batch, CALL, col::REF_LOG_PROBS, device)?),
@@ -461,25 +456,16 @@ impl FsdpActor {
         // verl: with a single mini-batch and epoch the policy is still the one that produced
         // old_log_probs, so the ratio is taken against the current log-probs (exactly 1).
         let on_policy = minis.len() == 1 && plan.epochs == 1;
-        let old_lp = match old_lp {
-            Some(t) => t,
-            // Never read on-policy: the ratio is taken against the detached current log-probs.
-            None if on_policy => adv.f_zeros_like().ctx("old log-prob placeholder")?,
-            None => column::<f32>(batch, CALL, col::OLD_LOG_PROBS, device).map_err(|e| {
-                FsdpError::Api(ApiError::invalid_input(format!(
-                    "{e} (the update is not on-policy: {} mini-batch(es) × {} epoch(s) need the old-log-prob pass)",
-                    minis.len(),
-                    plan.epochs
-                )))
-            })?,
-        };
-        // The host skips the old-log-prob pass on on-policy steps and asks for actor/entropy here.
-        let entropy_metric = o
-            .extra
-            .get("entropy_metric")
-            .and_then(serde_json::Value::as_bool)
-            .unwrap_or(false);
-        let need_entropy = plan.calculate_entropy || plan.loss.needs_entropy() || entropy_metric;
+        let old_lp = old_log_probs_for_update(
+            batch,
+            CALL,
+            device,
+            &adv,
+            on_policy,
+            (minis.len(), plan.epochs),
+        )?;
+        let need_entropy =
+            plan.calculate_entropy || plan.loss.needs_entropy() || entropy_metric_requested(o);
         let (padding, head_chunk) = (self.padding, self.head_chunk);
         let mut acc = MetricAcc::default();
         let fail = |train: &mut TrainableModel, e: FsdpError| -> FsdpError {
@@ -752,6 +738,39 @@ fn check_temperature(temperature: f64) -> Result<()> {
         "a finite temperature > 0",
         temperature,
     ))
+}
+
+/// The update's old log-probs `[rows, R]`: the `old_log_probs` column, or, on an on-policy step
+/// whose old-log-prob pass the host skipped (the column is absent), a placeholder shaped like
+/// `like` that the loss never reads (it takes the ratio against the detached current log-probs,
+/// as verl does). Off-policy (`minis_epochs`: mini-batches and epochs) the column is required.
+pub fn old_log_probs_for_update(
+    batch: &Batch,
+    call: &'static str,
+    device: Device,
+    like: &Tensor,
+    on_policy: bool,
+    minis_epochs: (usize, usize),
+) -> Result<Tensor> {
+    if batch.contains(col::OLD_LOG_PROBS) || !on_policy {
+        return column::<f32>(batch, call, col::OLD_LOG_PROBS, device).map_err(|e| match on_policy {
+            true => e,
+            false => FsdpError::Api(ApiError::invalid_input(format!(
+                "{e} (the update is not on-policy: {} mini-batch(es) × {} epoch(s) need the old-log-prob pass)",
+                minis_epochs.0, minis_epochs.1
+            ))),
+        });
+    }
+    like.f_zeros_like().ctx("old log-prob placeholder")
+}
+
+/// Whether the host asked the update to report `actor/entropy` (it skipped the old-log-prob pass,
+/// which reports it otherwise).
+pub fn entropy_metric_requested(o: &UpdateOptions) -> bool {
+    o.extra
+        .get("entropy_metric")
+        .and_then(serde_json::Value::as_bool)
+        .unwrap_or(false)
 }
 
 /// The generation engine's configuration for one call, and where its KV budget came from.

@@ -490,11 +490,6 @@ impl MegatronActor {
         };
         let device = self.device;
         let seqs = Sequences::from_batch(batch, CALL, device)?;
-        // Absent on on-policy steps, where the host skips the pass (checked below).
-        let old_lp = match batch.contains(col::OLD_LOG_PROBS) {
-            true => Some(column::<f32>(batch, CALL, col::OLD_LOG_PROBS, device)?),
-            false => None,
-        };
         let adv = column::<f32>(batch, CALL, col::ADVANTAGES, device)?;
         let ref_lp = match batch.contains(col::REF_LOG_PROBS) {
             true => Some(column::<f32>(batch, CALL, col::REF_LOG_PROBS, device)?),
@@ -517,25 +512,17 @@ impl MegatronActor {
         // verl: with a single mini-batch and epoch the policy is still the one that produced
         // old_log_probs, so the ratio is taken against the current log-probs (exactly 1).
         let on_policy = minis.len() == 1 && plan.epochs == 1;
-        let old_lp = match old_lp {
-            Some(t) => t,
-            // Never read on-policy: the ratio is taken against the detached current log-probs.
-            None if on_policy => adv.f_zeros_like().ctx("old log-prob placeholder")?,
-            None => column::<f32>(batch, CALL, col::OLD_LOG_PROBS, device).map_err(|e| {
-                MegatronError::Api(ApiError::invalid_input(format!(
-                    "{e} (the update is not on-policy: {} mini-batch(es) × {} epoch(s) need the old-log-prob pass)",
-                    minis.len(),
-                    plan.epochs
-                )))
-            })?,
-        };
-        // The host skips the old-log-prob pass on on-policy steps and asks for actor/entropy here.
-        let entropy_metric = o
-            .extra
-            .get("entropy_metric")
-            .and_then(serde_json::Value::as_bool)
-            .unwrap_or(false);
-        let need_entropy = plan.calculate_entropy || plan.loss.needs_entropy() || entropy_metric;
+        let old_lp = verl_fsdp_core::actor::old_log_probs_for_update(
+            batch,
+            CALL,
+            device,
+            &adv,
+            on_policy,
+            (minis.len(), plan.epochs),
+        )?;
+        let need_entropy = plan.calculate_entropy
+            || plan.loss.needs_entropy()
+            || verl_fsdp_core::actor::entropy_metric_requested(o);
         let mut acc = MetricAcc::default();
         self.rollout_model = None;
         // Only this update's routing counts enter its metrics.

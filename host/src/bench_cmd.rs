@@ -419,6 +419,10 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         // bf16 parameters (and AdamW on them), as the Python reference.
         "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16".into(),
         "actor_rollout_ref.model.enable_gradient_checkpointing=false".into(),
+        // Rollout and log-prob passes share the attention kernel (exact rollout log-probs). Free
+        // on the timed on-policy step, which skips the old-log-prob pass; `--set
+        // actor_rollout_ref.rollout.consistent_attention=false` measures flash attention instead.
+        "actor_rollout_ref.rollout.consistent_attention=true".into(),
     ];
     overrides.extend(a.overrides.iter().cloned());
     let cfg = Config::from_overrides(&overrides)?;
@@ -430,6 +434,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             && actor.ppo_mini_batch_size >= a.prompts as u64
             && !cfg.algorithm.use_kl_in_reward
     };
+    let consistent = cfg.actor_rollout_ref.rollout.consistent_attention;
     let cfg_json = serde_json::to_value(&cfg)?;
     let extra = json!({"random_init": {"seed": a.seed}});
     let mut init = InitArgs::new(Role::Actor, cfg_json.clone());
@@ -591,9 +596,10 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         out["rollout_logprob_abs_diff_max"] = json!(max);
         table.push_str(&format!(
             "exactness (warm-up step): rollout log-probs vs the training forward on the same \
-             tokens: mean |dlogp| {mean:.2e}, max {max:.2e}\n"
+             tokens: mean |dlogp| {mean:.2e}, max {max:.2e} (consistent_attention {consistent})\n"
         ));
     }
+    out["consistent_attention"] = json!(consistent);
     if a.json {
         eprint!("{table}");
         println!("{}", serde_json::to_string(&out)?);

@@ -43,6 +43,8 @@ fn bench_grpo_tiny_on_cpu_prints_one_json_line() {
     assert_eq!(v["arch"], "tiny");
     assert_eq!(v["tokens"], 2 * 2 * (16 + 8));
     assert_eq!(v["response_tokens"], 2 * 2 * 8);
+    // The bench's default (a no-op on the CPU, where the paged kernel does not exist).
+    assert_eq!(v["consistent_attention"], true, "{v}");
     // One mini-batch per step: the timed step skips the old-log-prob pass as the trainer does;
     // the warm-up step runs it (for the exactness check below).
     assert_eq!(v["old_log_prob_skipped"], true, "{v}");

@@ -200,6 +200,13 @@ impl FsdpActor {
             random_init,
         )?;
         model.set_activation_checkpointing(model_cfg.enable_gradient_checkpointing);
+        model.set_consistent_attention(engine.consistent_attention);
+        if engine.consistent_attention && !verl_torch_ext::paged_attention_available(device) {
+            tracing::warn!(
+                "actor_rollout_ref.rollout.consistent_attention has no effect on {device:?}: it \
+                 needs the CUDA paged-attention kernel; attention runs as usual"
+            );
+        }
         let n = actor.rollout_n.or(rollout.n).unwrap_or(1).max(1);
         let mini = (actor.ppo_mini_batch_size * n) as usize / dp.size;
         if mini == 0 {

@@ -176,6 +176,10 @@ pub struct RolloutEngineSection {
     /// Batch sizes decode graphs are captured for; `null`: 1, 2, 4, 8, 16, ... up to
     /// `max_num_seqs` (at most 512).
     pub cudagraph_capture_sizes: Option<Vec<u64>>,
+    /// verl-rs: the engine and the actor's log-prob passes compute attention by the same kernel
+    /// in the same order (see `verl_nn::Transformer::set_consistent_attention`), so rollout
+    /// log-probs match the recomputed ones up to GEMM rounding. Slower log-prob passes.
+    pub consistent_attention: bool,
 }
 
 impl Default for RolloutEngineSection {
@@ -186,6 +190,7 @@ impl Default for RolloutEngineSection {
             max_num_batched_tokens: None,
             enforce_eager: false,
             cudagraph_capture_sizes: None,
+            consistent_attention: false,
         }
     }
 }

@@ -3,7 +3,7 @@
 //! config.json, through the same code the roles run when they are created ([`common::role_layout`],
 //! [`crate::rollout::resolve`]), without joining groups, touching a device or reading weights.
 
-use verl_fsdp_core::config::{self, section, CriticSection, ModelSection};
+use verl_fsdp_core::config::{self, section, CriticSection, ModelSection, RolloutEngineSection};
 use verl_nn::ModelConfig;
 use verl_plugin_api::InitArgs;
 
@@ -16,6 +16,14 @@ use crate::rollout::RolloutTp;
 /// `actor: TP 2 × PP 2 (VPP 2) × CP 1 × DP 1 = 4 ranks; ...`, or the first role's layout error.
 pub fn validate(init: &InitArgs) -> Result<String> {
     let cfg = &init.config;
+    let engine: RolloutEngineSection = section(cfg, "actor_rollout_ref.rollout")?;
+    if engine.consistent_attention {
+        return Err(crate::error::MegatronError::config(
+            "actor_rollout_ref.rollout.consistent_attention",
+            "false with the megatron backend (the fsdp backend implements it)",
+            "true",
+        ));
+    }
     let roles: Vec<&str> = match init.extra.get("roles").and_then(|r| r.as_array()) {
         Some(r) => r.iter().filter_map(|v| v.as_str()).collect(),
         None => vec!["actor"],
@@ -179,5 +187,21 @@ mod tests {
             "{e}"
         );
         assert!(e.contains("num_attention_heads=4"), "{e}");
+    }
+
+    #[test]
+    fn consistent_attention_is_refused_by_name() {
+        let d = model_dir(qwen2(4, 2, 4));
+        let mut args = init(d.path(), 1, serde_json::json!({}));
+        args.config["actor_rollout_ref"]["rollout"] =
+            serde_json::json!({"consistent_attention": true});
+        let e = validate(&args).unwrap_err().to_string();
+        assert!(
+            e.contains("actor_rollout_ref.rollout.consistent_attention"),
+            "{e}"
+        );
+        args.config["actor_rollout_ref"]["rollout"] =
+            serde_json::json!({"consistent_attention": false});
+        validate(&args).unwrap();
     }
 }

@@ -260,6 +260,32 @@ pub(crate) struct LayerCtx {
     /// causal (`is_causal`, GQA in the kernel, no mask; flash attention on CUDA) and `masks` is
     /// empty.
     pub causal: bool,
+    /// Set by [`crate::Transformer::set_consistent_attention`] on a causal CUDA forward: attention
+    /// where nothing needs a gradient runs through the paged decode kernel, one query per
+    /// position, so its arithmetic is exactly that of a generation engine's decode steps.
+    pub consistent: Option<ConsistentAttention>,
+}
+
+/// Index tensors that present a causal `[B, T]` forward to the paged decode kernel: the keys and
+/// values `[B, T, n_kv, D]` are a cache of `B` blocks of `T` slots, and query `(b, t)` is a
+/// sequence whose block table is `[b]` and whose length is `t + 1`.
+pub(crate) struct ConsistentAttention {
+    /// int64 `[B*T, 1]`.
+    pub table: Tensor,
+    /// int64 `[B*T]`.
+    pub seq_lens: Tensor,
+}
+
+impl ConsistentAttention {
+    pub fn new(b: i64, t: i64, device: tch::Device) -> Result<Self> {
+        let opts = (Kind::Int64, device);
+        Ok(ConsistentAttention {
+            table: Tensor::f_arange(b, opts)?
+                .f_repeat_interleave_self_int(t, Some(0), None)?
+                .f_view([b * t, 1])?,
+            seq_lens: Tensor::f_arange_start(1, t + 1, opts)?.f_repeat([b])?,
+        })
+    }
 }
 
 impl LayerCtx {
@@ -412,6 +438,12 @@ impl Attention {
             Some(slot) => slot.append(k, v)?,
         };
         if ctx.causal && !cached {
+            if let Some(c) = &ctx.consistent {
+                if self.window.is_none() && !q.requires_grad() {
+                    let out = self.consistent_attention(&q, &k, &v, c, b, t)?;
+                    return self.project_out(&out, b, t);
+                }
+            }
             let out = Tensor::f_scaled_dot_product_attention(
                 &q,
                 &k,
@@ -438,6 +470,36 @@ impl Attention {
             false,
         )?;
         self.project_out(&out, b, t)
+    }
+
+    /// Causal attention of `q` `[B, H, T, D]` over `k`, `v` `[B, n_kv, T, D]` through the paged
+    /// decode kernel (see [`ConsistentAttention`]), as `[B, H, T, D]`.
+    fn consistent_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        c: &ConsistentAttention,
+        b: i64,
+        t: i64,
+    ) -> Result<Tensor> {
+        let (h, d) = (self.num_heads, self.head_dim);
+        let rows = |x: &Tensor| x.f_transpose(1, 2).and_then(|x| x.f_contiguous());
+        let q = rows(q)?.f_view([b * t, h, d])?;
+        let out = verl_torch_ext::paged_decode_attention_with(
+            &q,
+            &rows(k)?,
+            &rows(v)?,
+            &c.table,
+            &c.seq_lens,
+            1.0 / (d as f64).sqrt(),
+            None,
+            verl_torch_ext::PagedAttentionOptions {
+                num_splits: 1,
+                ..Default::default()
+            },
+        )?;
+        Ok(out.f_view([b, t, h, d])?.f_transpose(1, 2)?)
     }
 
     /// Attention whose key/value storage and score computation belong to `backend` (a paged KV

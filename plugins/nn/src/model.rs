@@ -240,6 +240,8 @@ pub struct Transformer {
     head: Head,
     padding_idx: i64,
     checkpointing: bool,
+    /// See [`Transformer::set_consistent_attention`].
+    consistent_attention: bool,
     /// Indices into `params` of each decoder layer's parameters.
     layer_params: Vec<std::ops::Range<usize>>,
     /// Indices of the final norm and the head's own parameters.
@@ -340,6 +342,7 @@ impl Transformer {
             head,
             padding_idx,
             checkpointing: false,
+            consistent_attention: false,
             layer_params,
             head_params,
             tied_head,
@@ -512,6 +515,20 @@ impl Transformer {
 
     pub fn activation_checkpointing(&self) -> bool {
         self.checkpointing
+    }
+
+    /// With `on`, causal forwards on CUDA whose attention needs no gradient (log-prob and
+    /// reference passes) compute attention with the generation engine's paged decode kernel, one
+    /// query per position and one context split, the way the engine does under the same switch
+    /// (`rollout.consistent_attention`). Each position's attention output is then bit-identical
+    /// to the one its decode step produced, so rollout log-probs and recomputed log-probs differ
+    /// only by the GEMMs' accumulation order. Off: flash attention (faster).
+    pub fn set_consistent_attention(&mut self, on: bool) {
+        self.consistent_attention = on;
+    }
+
+    pub fn consistent_attention(&self) -> bool {
+        self.consistent_attention
     }
 
     /// A fresh growing cache for this model.
@@ -1118,12 +1135,21 @@ impl Transformer {
         } else {
             self.attention_masks(&new_mask, &full_mask, past, total)?
         };
+        let consistent = if causal
+            && self.consistent_attention
+            && verl_torch_ext::paged_attention_available(device)
+        {
+            Some(crate::layers::ConsistentAttention::new(b, t, device)?)
+        } else {
+            None
+        };
         Ok(Prepared {
             layer: LayerCtx {
                 cos: cos.f_unsqueeze(1)?,
                 sin: sin.f_unsqueeze(1)?,
                 masks,
                 causal,
+                consistent,
             },
             full_mask,
         })

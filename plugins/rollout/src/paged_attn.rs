@@ -37,6 +37,10 @@ pub(crate) struct KvPool {
     /// has it, unless `VERL_PAGED_ATTENTION_KERNEL=0`); otherwise blocks are gathered and SDPA
     /// runs over them.
     pub kernel: bool,
+    /// The model's [`Transformer::consistent_attention`] (with the kernel): every attention,
+    /// prefill included, runs through the kernel with one context split, one query per position,
+    /// exactly as the training forward computes it under the same switch.
+    pub consistent: bool,
 }
 
 impl KvPool {
@@ -67,6 +71,7 @@ impl KvPool {
             layers,
             block_size: bs,
             kernel,
+            consistent: kernel && model.consistent_attention(),
         })
     }
 
@@ -285,7 +290,7 @@ impl PagedAttention<'_> {
             }
         };
         let views = self.views(layer)?;
-        let out = verl_torch_ext::paged_decode_attention(
+        let out = verl_torch_ext::paged_decode_attention_with(
             q,
             &views.k_blocks,
             &views.v_blocks,
@@ -293,6 +298,10 @@ impl PagedAttention<'_> {
             &seq_lens,
             1.0 / (d as f64).sqrt(),
             window,
+            verl_torch_ext::PagedAttentionOptions {
+                num_splits: usize::from(self.pool.consistent),
+                ..Default::default()
+            },
         )
         .map_err(|e| NnError::InvalidInput {
             what: "paged attention kernel".into(),
@@ -392,6 +401,39 @@ impl AttentionBackend for PagedAttention<'_> {
         let mut v_slots = views.v_slots.shallow_clone();
         let _ = k_slots.f_index_copy_(0, &b.slots, &fresh(call.k)?)?;
         let _ = v_slots.f_index_copy_(0, &b.slots, &fresh(call.v)?)?;
+        if self.pool.consistent && t > 1 && call.window.is_none() {
+            // Every query as its own decode step (see `KvPool::consistent`): the row of query
+            // (s, i) is sequence s's block table, its length the query's position + 1.
+            let q = call
+                .q
+                .f_transpose(1, 2)?
+                .f_contiguous()?
+                .f_view([s * t, h, d])?;
+            let table =
+                b.table
+                    .f_view([s, b.nb])?
+                    .f_repeat_interleave_self_int(t, Some(0), None)?;
+            let seq_lens = b.pos.f_view([s * t])?.f_add_scalar(1)?;
+            let out = verl_torch_ext::paged_decode_attention_with(
+                &q,
+                &views.k_blocks,
+                &views.v_blocks,
+                &table,
+                &seq_lens,
+                1.0 / (d as f64).sqrt(),
+                None,
+                verl_torch_ext::PagedAttentionOptions {
+                    num_splits: 1,
+                    ..Default::default()
+                },
+            )
+            .map_err(|e| NnError::InvalidInput {
+                what: "paged attention kernel".into(),
+                expected: "a launch".into(),
+                found: e.to_string(),
+            })?;
+            return Ok(out.f_view([s, t, h, d])?.f_transpose(1, 2)?);
+        }
         if b.from_scratch && t > 1 && call.window.is_none() {
             // A prefill of right-padded prompts: each real query sees exactly the keys at or
             // before it, all real and all computed in this forward, so plain causal attention

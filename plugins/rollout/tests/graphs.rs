@@ -106,3 +106,112 @@ fn graphed_decode_matches_eager() {
     windowed["sliding_window"] = json!(6);
     check(&model(windowed, Kind::Float), &sampled);
 }
+
+/// Mean and max |rollout log-prob − scoring-forward log-prob| over the generated tokens, with the
+/// model's consistent attention `on` for both the engine and the forward.
+fn rollout_vs_forward(m: &mut Transformer, on: bool) -> (f64, f64) {
+    m.set_consistent_attention(on);
+    let (b, p, n) = (4i64, 13i64, 3i64);
+    tch::manual_seed(2);
+    let ids = Tensor::randint(300, [b, p], (Kind::Int64, Device::Cpu));
+    // Left-padded prompts of 13, 10, 7 and 4 tokens.
+    let lens: Vec<i64> = (0..b).map(|r| p - 3 * r).collect();
+    let mask = Tensor::from_slice(
+        &(0..b)
+            .flat_map(|r| (0..p).map(move |c| i64::from(c >= 3 * r)))
+            .collect::<Vec<_>>(),
+    )
+    .view([b, p]);
+    let params = SamplingParams {
+        n: n as usize,
+        max_new_tokens: 37,
+        do_sample: true,
+        seed: Some(11),
+        ignore_eos: true,
+        return_log_probs: true,
+        ..SamplingParams::default()
+    };
+    let config = EngineConfig {
+        block_size: 16,
+        ..EngineConfig::default()
+    };
+    let dev = m.device();
+    let (g, _) = generate_with_config(
+        m,
+        &ids.to_device(dev),
+        &mask.to_device(dev),
+        &params,
+        None,
+        &config,
+    )
+    .unwrap();
+    let rollout_lp = g.log_probs.expect("log-probs").to_device(Device::Cpu);
+    let resp = g.responses.to_device(Device::Cpu);
+    let r = resp.size()[1];
+    // The scoring layout of the training passes: each row's real tokens first (prompt ‖ response),
+    // padding after them, no mask (causal attention keeps real tokens from the padding).
+    let rows = b * n;
+    let width = p + r;
+    let mut input = vec![0i64; (rows * width) as usize];
+    for (row, &prompt) in g.prompt_index.iter().enumerate() {
+        let len = lens[prompt as usize];
+        let prompt_ids = Vec::<i64>::try_from(&ids.get(prompt).narrow(0, p - len, len)).unwrap();
+        let resp_ids = Vec::<i64>::try_from(&resp.get(row as i64)).unwrap();
+        let at = row * width as usize;
+        input[at..at + len as usize].copy_from_slice(&prompt_ids);
+        input[at + len as usize..at + (len + r) as usize].copy_from_slice(&resp_ids);
+    }
+    let input = Tensor::from_slice(&input)
+        .view([rows, width])
+        .to_device(dev);
+    let (mut sum, mut max) = (0f64, 0f64);
+    tch::no_grad(|| {
+        let hidden = m.forward_hidden(&input, None, None, None).unwrap();
+        let w = m.lm_head_weight().unwrap();
+        for (row, &prompt) in g.prompt_index.iter().enumerate() {
+            let len = lens[prompt as usize];
+            // States len-1 .. len+r-2 predict the r response tokens.
+            let h = hidden.get(row as i64).narrow(0, len - 1, r);
+            let logits = verl_nn::linear_fp32(&h, w).unwrap();
+            let lp = logits
+                .log_softmax(-1, Kind::Float)
+                .gather(1, &resp.get(row as i64).to_device(dev).unsqueeze(1), false)
+                .squeeze_dim(1)
+                .to_device(Device::Cpu);
+            let d = (&lp - rollout_lp.get(row as i64)).abs();
+            sum += d.sum(Kind::Double).double_value(&[]);
+            max = max.max(d.max().double_value(&[]));
+        }
+    });
+    (sum / (rows * r) as f64, max)
+}
+
+#[test]
+fn consistent_attention_makes_rollout_log_probs_match_the_scoring_forward() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    // bf16, head_dim 64 (the tensor-core kernel) and 32 (the CUDA-core kernel).
+    for (hidden, heads) in [(256, 4), (128, 4)] {
+        let mut cfg = qwen2();
+        cfg["hidden_size"] = json!(hidden);
+        cfg["num_attention_heads"] = json!(heads);
+        let mut m = model(cfg, Kind::BFloat16);
+        let (off_mean, off_max) = rollout_vs_forward(&mut m, false);
+        let (on_mean, on_max) = rollout_vs_forward(&mut m, true);
+        eprintln!(
+            "head_dim {}: flash forward mean {off_mean:.3e} max {off_max:.3e}; \
+             consistent mean {on_mean:.3e} max {on_max:.3e}",
+            hidden / heads
+        );
+        assert!(
+            on_mean < 1e-5 && on_max < 1e-3,
+            "consistent: {on_mean} / {on_max}"
+        );
+        assert!(
+            off_mean > 10.0 * on_mean,
+            "flash {off_mean} vs consistent {on_mean}"
+        );
+    }
+}

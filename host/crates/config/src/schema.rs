@@ -380,6 +380,9 @@ pub struct RolloutConfig {
     pub val_kwargs: SamplingConfig,
     pub multi_turn: Any,
     pub calculate_log_probs: bool,
+    /// verl-rs: rollout and log-prob passes share one attention kernel and order (rollout
+    /// log-probs match the recomputed ones up to GEMM rounding); slower log-prob passes.
+    pub consistent_attention: bool,
     pub agent: Any,
     pub checkpoint_engine: Any,
     pub trace: Any,

@@ -289,17 +289,40 @@ impl PagedAttention<'_> {
                 t
             }
         };
+        let out = self.kernel(
+            layer,
+            q,
+            &b.table.f_view([s, b.nb])?,
+            &seq_lens,
+            window,
+            usize::from(self.pool.consistent),
+        )?;
+        Ok(out.f_view([s, h, 1, d])?)
+    }
+
+    /// The paged-attention kernel over layer `layer`'s blocks (`q` `[N, H, D]` contiguous, one
+    /// block-table row and one length per query), with `num_splits` context splits (0: auto).
+    fn kernel(
+        &self,
+        layer: usize,
+        q: &Tensor,
+        table: &Tensor,
+        seq_lens: &Tensor,
+        window: Option<i64>,
+        num_splits: usize,
+    ) -> verl_nn::Result<Tensor> {
         let views = self.views(layer)?;
-        let out = verl_torch_ext::paged_decode_attention_with(
+        let d = q.size()[2];
+        verl_torch_ext::paged_decode_attention_with(
             q,
             &views.k_blocks,
             &views.v_blocks,
-            &b.table.f_view([s, b.nb])?,
-            &seq_lens,
+            table,
+            seq_lens,
             1.0 / (d as f64).sqrt(),
             window,
             verl_torch_ext::PagedAttentionOptions {
-                num_splits: usize::from(self.pool.consistent),
+                num_splits,
                 ..Default::default()
             },
         )
@@ -307,8 +330,7 @@ impl PagedAttention<'_> {
             what: "paged attention kernel".into(),
             expected: "a launch".into(),
             found: e.to_string(),
-        })?;
-        Ok(out.f_view([s, h, 1, d])?)
+        })
     }
 
     fn mask(
@@ -414,24 +436,7 @@ impl AttentionBackend for PagedAttention<'_> {
                     .f_view([s, b.nb])?
                     .f_repeat_interleave_self_int(t, Some(0), None)?;
             let seq_lens = b.pos.f_view([s * t])?.f_add_scalar(1)?;
-            let out = verl_torch_ext::paged_decode_attention_with(
-                &q,
-                &views.k_blocks,
-                &views.v_blocks,
-                &table,
-                &seq_lens,
-                1.0 / (d as f64).sqrt(),
-                None,
-                verl_torch_ext::PagedAttentionOptions {
-                    num_splits: 1,
-                    ..Default::default()
-                },
-            )
-            .map_err(|e| NnError::InvalidInput {
-                what: "paged attention kernel".into(),
-                expected: "a launch".into(),
-                found: e.to_string(),
-            })?;
+            let out = self.kernel(call.layer, &q, &table, &seq_lens, None, 1)?;
             return Ok(out.f_view([s, t, h, d])?.f_transpose(1, 2)?);
         }
         if b.from_scratch && t > 1 && call.window.is_none() {

@@ -423,9 +423,20 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         // on the timed on-policy step, which skips the old-log-prob pass; `--set
         // actor_rollout_ref.rollout.consistent_attention=false` measures flash attention instead.
         "actor_rollout_ref.rollout.consistent_attention=true".into(),
+        // The rollout's log-probs, for `--set algorithm.rollout_correction.bypass_mode=true`
+        // (they are the old log-probs then: no old-log-prob pass on any step).
+        "actor_rollout_ref.rollout.calculate_log_probs=true".into(),
     ];
     overrides.extend(a.overrides.iter().cloned());
     let cfg = Config::from_overrides(&overrides)?;
+    let bypass = match verl_host::trainer::rollout_correction(&cfg)? {
+        None => false,
+        Some(c) if c.bypass_mode => true,
+        Some(_) => anyhow::bail!(
+            "verl bench grpo: algorithm.rollout_correction supports bypass_mode only here \
+             (importance weights and rejection need rewards; use `verl run`)"
+        ),
+    };
     // The trainer's rule (one mini-batch = the whole step here unless overridden).
     let skip_old_pass = {
         let actor = &cfg.actor_rollout_ref.actor;
@@ -512,7 +523,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             ignore_eos: a.ignore_eos,
             // The warm-up step also returns the sampler's log-probs, to measure how far they are
             // from the training forward's on the same tokens; timed steps skip that work.
-            return_log_probs: step == 0,
+            return_log_probs: step == 0 || bypass,
             ..Default::default()
         };
         let t = Instant::now();
@@ -526,7 +537,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         };
         // As the trainer: an on-policy step skips the old-log-prob pass (the warm-up step keeps
         // it, to measure the rollout's log-prob exactness against it).
-        let skip_old = step > 0 && skip_old_pass;
+        let skip_old = step > 0 && (skip_old_pass || bypass);
         let (old, t_old) = if skip_old {
             (None, 0.0)
         } else {
@@ -545,7 +556,12 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         let t_ref = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
-        let upd = update_batch(&gen, old.as_ref(), &rf, a.n, &mut rng)?;
+        let mut upd = update_batch(&gen, old.as_ref(), &rf, a.n, &mut rng)?;
+        if bypass {
+            // Bypass mode: the rollout's log-probs are the PPO anchor.
+            let rl = gen.tensor::<f32>(col::ROLLOUT_LOG_PROBS)?;
+            upd.insert_tensor(col::OLD_LOG_PROBS, &[rl.rows(), rl.cols()], &rl.data);
+        }
         other += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let metrics = actor.update(
@@ -553,7 +569,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             &UpdateOptions {
                 global_step: step as u64 + 1,
                 temperature: Some(1.0),
-                extra: json!({ "entropy_metric": skip_old }),
+                extra: json!({ "entropy_metric": skip_old, "bypass_mode": bypass }),
             },
         )?;
         probe(&mut actor)?;
@@ -600,6 +616,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         ));
     }
     out["consistent_attention"] = json!(consistent);
+    out["bypass_mode"] = json!(bypass);
     if a.json {
         eprint!("{table}");
         println!("{}", serde_json::to_string(&out)?);
@@ -720,7 +737,7 @@ impl Report {
             let secs = self.times.phase(name);
             if i == 1 && self.times.old_skipped {
                 o.push_str(&format!(
-                    "{name:<13} {:>9} (on-policy step: the update takes its own log-probs, as the trainer)\n",
+                    "{name:<13} {:>9} (on-policy step, or bypass mode: the update takes its own or the rollout's log-probs, as the trainer)\n",
                     "skipped"
                 ));
                 continue;

@@ -324,6 +324,11 @@ impl CrossRankSum for &HostGroup {
         self.all_reduce_f64(values, ReduceOp::Sum)
             .map_err(|e| e.to_string())
     }
+
+    fn max_in_place(&mut self, values: &mut [f64]) -> Result<(), String> {
+        self.all_reduce_f64(values, ReduceOp::Max)
+            .map_err(|e| e.to_string())
+    }
 }
 
 #[cfg(test)]

@@ -555,6 +555,7 @@ fn run(
         }};
     }
     let plan = validate_batches(&cfg, layout)?;
+    let correction = verl_host::trainer::rollout_correction(&cfg)?;
     let search: Vec<PathBuf> = cfg.plugins.search_path.iter().map(PathBuf::from).collect();
     let mut loader = Loader::new(&search);
     let plugins = load_job_plugins(&mut loader, cli, &cfg)?;
@@ -630,6 +631,25 @@ fn run(
             _ => String::new(),
         }
     );
+    if let Some(c) = &correction {
+        if c.bypass_mode {
+            outln!("  correction  bypass mode: the rollout's log-probs are the old log-probs (no old-log-prob pass)");
+        } else {
+            let is = match c.is {
+                Some(spec) => format!("{:?} importance weights ({:?})", spec.level, spec.threshold),
+                None => "no importance weights".into(),
+            };
+            let rs: Vec<&str> = c.rs.iter().map(|r| r.name.as_str()).collect();
+            outln!(
+                "  correction  decoupled: {is}; rejection: {}",
+                if rs.is_empty() {
+                    "none".to_string()
+                } else {
+                    rs.join(", ")
+                }
+            );
+        }
+    }
     if let Some(c) = &plan.critic {
         outln!(
             "  critic      mini-batch {} responses, {} optimizer step(s) per step",

@@ -32,6 +32,13 @@ pub mod col {
     /// reports `actor/entropy` when `UpdateOptions.extra.entropy_metric` is true.
     pub const OLD_LOG_PROBS: &str = "old_log_probs";
     pub const REF_LOG_PROBS: &str = "ref_log_prob";
+    /// Optional input of `update` `[rows, response_length]`, f32: per-token importance weights
+    /// multiplied into the policy loss (verl's rollout correction, `rollout_is`).
+    pub const ROLLOUT_IS_WEIGHTS: &str = "rollout_is_weights";
+    /// Optional input of `update` `[rows, response_length]`, i64: the response tokens the losses
+    /// count, a subset of `response_mask` (verl's rollout-correction rejection sampling removes
+    /// tokens here). `response_mask` still says which tokens exist; absent: `response_mask`.
+    pub const LOSS_MASK: &str = "loss_mask";
     pub const ADVANTAGES: &str = "advantages";
     pub const RETURNS: &str = "returns";
     pub const VALUES: &str = "values";
@@ -86,6 +93,8 @@ pub const ACTOR_UPDATE_IN: &[ColumnSpec] = &[
     ColumnSpec::tensor(col::ADVANTAGES, DType::F32, &[ROWS, RL]),
     ColumnSpec::tensor(col::REF_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),
     ColumnSpec::tensor(col::ROLLOUT_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),
+    ColumnSpec::tensor(col::ROLLOUT_IS_WEIGHTS, DType::F32, &[ROWS, RL]).optional(),
+    ColumnSpec::tensor(col::LOSS_MASK, DType::I64, &[ROWS, RL]).optional(),
 ];
 pub const VALUES_OUT: &[ColumnSpec] = &[ColumnSpec::tensor(col::VALUES, DType::F32, &[ROWS, RL])];
 pub const CRITIC_UPDATE_IN: &[ColumnSpec] = &[
@@ -95,6 +104,7 @@ pub const CRITIC_UPDATE_IN: &[ColumnSpec] = &[
     ColumnSpec::tensor(col::RESPONSE_MASK, DType::I64, &[ROWS, RL]),
     ColumnSpec::tensor(col::VALUES, DType::F32, &[ROWS, RL]),
     ColumnSpec::tensor(col::RETURNS, DType::F32, &[ROWS, RL]),
+    ColumnSpec::tensor(col::LOSS_MASK, DType::I64, &[ROWS, RL]).optional(),
 ];
 pub const REWARD_IN: &[ColumnSpec] = &[
     ColumnSpec::strings(col::PROMPT_TEXT),

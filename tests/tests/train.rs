@@ -645,3 +645,171 @@ fn on_policy_steps_skip_the_old_log_prob_pass_without_changing_any_metric() {
     assert!(diff[&1].contains_key("timing_s/old_log_prob"));
     assert!(diff[&1].contains_key("training/rollout_probs_diff_mean"));
 }
+
+/// verl's `algorithm.rollout_correction` through the real binary and plugins.
+/// * Bypass mode takes the rollout's log-probs as the old log-probs: an off-policy job (two
+///   mini-batches) then never runs the old-log-prob pass, through both backends, and trains as
+///   the job that recomputes them (on the CPU in fp32 the two agree to rounding).
+/// * Decoupled importance weights and rejection: the `rollout_corr/*` metrics, weights ≈ 1 for an
+///   unchanged policy, and a rejection rule that removes every token reaches the update, which
+///   then has nothing to train on.
+/// * A setting it cannot honour fails before anything runs, naming the key.
+#[test]
+fn rollout_correction_bypasses_the_old_pass_and_corrects_through_the_plugins() {
+    let inst = install(&[
+        "libverl_fsdp.so",
+        "libverl_megatron.so",
+        "libverl_rewards.so",
+    ]);
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    write_model(&root.join("model"));
+    write_data(&root.join("train.jsonl"), 8, "train");
+    write_data(&root.join("val.jsonl"), 4, "test");
+    let go = |name: &str, extra: &[&str]| {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let job = write(&dir, "job.yaml", &job_yaml(root, name));
+        let mut args = vec![
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "actor_rollout_ref.rollout.calculate_log_probs=true",
+        ];
+        args.extend_from_slice(extra);
+        (verl_run(inst.path(), &dir, &job, &args), dir)
+    };
+    let run = |name: &str, extra: &[&str]| {
+        let (o, dir) = go(name, extra);
+        assert!(
+            o.status.success(),
+            "{name}: stdout:\n{}\nstderr:\n{}",
+            stdout(&o),
+            stderr(&o)
+        );
+        metrics_by_step(&jsonl_of(&dir))
+    };
+    let bypass = "algorithm.rollout_correction.bypass_mode=true";
+
+    // Off-policy (ppo_mini_batch_size 2 of 4 prompts): the recomputing run against bypass.
+    let recomputed = run("fsdp_recompute", &[]);
+    let bypassed = run("fsdp_bypass", &[bypass]);
+    let mut bad = Vec::new();
+    for step in 1..=3 {
+        assert!(recomputed[&step].contains_key("timing_s/old_log_prob"));
+        assert!(
+            !bypassed[&step].contains_key("timing_s/old_log_prob"),
+            "step {step}: bypass mode ran the old-log-prob pass"
+        );
+        let (a, b) = (comparable(&recomputed[&step]), comparable(&bypassed[&step]));
+        for k in [
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/kl_loss",
+            "critic/score/mean",
+        ] {
+            let (Some(va), Some(vb)) = (a.get(k), b.get(k)) else {
+                bad.push(format!("step {step}: `{k}` missing"));
+                continue;
+            };
+            if (va - vb).abs() > 1e-3 * va.abs().max(1e-1) {
+                bad.push(format!(
+                    "step {step}: `{k}` is {vb} bypassed, {va} recomputed"
+                ));
+            }
+        }
+        // The anchor differs from the recomputed one by rounding only (the second mini-batch's
+        // KL against it is the optimizer step's, in both runs).
+        let kl = |m: &BTreeMap<String, f64>| m.get("actor/ppo_kl").copied().unwrap_or(f64::NAN);
+        assert!(
+            (kl(&a) - kl(&b)).abs() < 1e-5,
+            "step {step}: actor/ppo_kl {} bypassed, {} recomputed",
+            kl(&b),
+            kl(&a)
+        );
+    }
+    assert!(bad.is_empty(), "bypass vs recomputed:\n{}", bad.join("\n"));
+    let mega = run(
+        "megatron_bypass",
+        &[
+            bypass,
+            "actor_rollout_ref.actor.strategy=megatron",
+            "actor_rollout_ref.actor.megatron.dtype=float32",
+            "actor_rollout_ref.ref.megatron.dtype=float32",
+        ],
+    );
+    assert!(!mega[&1].contains_key("timing_s/old_log_prob"));
+    assert!(mega[&3].contains_key("actor/pg_loss"));
+
+    // Decoupled: token weights truncated at 2 plus a geometric-mean rejection rule.
+    let corrected = run(
+        "fsdp_is_rs",
+        &[
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=1.5",
+        ],
+    );
+    for step in 1..=3 {
+        let m = comparable(&corrected[&step]);
+        let get = |k: &str| {
+            *m.get(&format!("rollout_corr/{k}"))
+                .unwrap_or_else(|| panic!("step {step}: no rollout_corr/{k}"))
+        };
+        assert!(
+            (get("rollout_is_mean") - 1.0).abs() < 1e-3,
+            "{}",
+            get("rollout_is_mean")
+        );
+        assert!(get("kl").abs() < 1e-4 && get("chi2_token").abs() < 1e-3);
+        assert_eq!(
+            get("rollout_rs_masked_fraction"),
+            0.0,
+            "a ratio ≈ 1 is kept"
+        );
+        assert!(get("training_ppl") > 1.0 && get("rollout_is_eff_sample_size") > 0.99);
+        assert!(m.contains_key("actor/pg_loss"));
+    }
+    // A band that excludes ratio 1 rejects every token: the updates have nothing to count.
+    let rejected = run(
+        "fsdp_reject_all",
+        &[
+            "algorithm.rollout_correction.rollout_rs=token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=2.0_3.0",
+        ],
+    );
+    for step in 1..=3 {
+        let m = comparable(&rejected[&step]);
+        assert!(m["rollout_corr/rollout_rs_masked_fraction"] > 1.0 - 1e-6);
+        assert_eq!(m["rollout_corr/rollout_rs_seq_masked_fraction"], 1.0);
+        assert!(
+            !m.contains_key("actor/pg_loss"),
+            "step {step}: the update trained on rejected tokens: {:?}",
+            m.get("actor/pg_loss")
+        );
+    }
+
+    // Up-front refusals, before any model is loaded.
+    for (extra, key) in [
+        (
+            &[
+                "actor_rollout_ref.rollout.calculate_log_probs=false",
+                bypass,
+            ][..],
+            "actor_rollout_ref.rollout.calculate_log_probs",
+        ),
+        (
+            &[bypass, "algorithm.rollout_correction.loss_type=reinforce"],
+            "algorithm.rollout_correction.loss_type",
+        ),
+        (
+            &["algorithm.rollout_correction.rollout_rs=geometric"],
+            "seq_mean_k1",
+        ),
+    ] {
+        let mut args = vec!["--dry-run"];
+        args.extend_from_slice(extra);
+        let (o, _) = go("refused", &args);
+        assert!(!o.status.success(), "{extra:?} was accepted");
+        assert!(stderr(&o).contains(key), "{extra:?}: {}", stderr(&o));
+    }
+}

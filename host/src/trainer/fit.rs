@@ -16,8 +16,9 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use verl_algos::{
-    apply_kl_penalty_across, compute_advantage_across, masked_mean, AdvantageEstimator,
-    AdvantageInputs, AdvantageParams, Grid, Groups, KlController, KlPenalty,
+    apply_kl_penalty_across, compute_advantage_across, compute_rollout_correction_across,
+    masked_mean, AdvantageEstimator, AdvantageInputs, AdvantageParams, Grid, Groups, KlController,
+    KlPenalty,
 };
 use verl_checkpoint::{
     CheckpointManager, KeepPolicy, ResumeDecision, ResumeMode, Role as CkptRole, RoleWriter,
@@ -344,6 +345,8 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         ..AdvantageParams::default()
     };
     let kl_penalty: KlPenalty = cfg.algorithm.kl_penalty.parse()?;
+    let correction = super::rollout_corr::rollout_correction(cfg)?;
+    let bypass = correction.as_ref().is_some_and(|c| c.bypass_mode);
     let kc = &cfg.algorithm.kl_ctrl;
     let mut kl_ctrl = match kc.kind.as_str() {
         "adaptive" => KlController::adaptive(kc.kl_coef, kc.target_kl, kc.horizon as i64)?,
@@ -618,10 +621,17 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         // needs them; the update then reports actor/entropy from its own forward (same weights).
         // The rollout-vs-training log-prob metrics need the pass: verl reports them with
         // `rollout.calculate_log_probs`, and so the pass runs then.
-        let skip_old = on_policy_old_log_prob_unused(cfg, &plan.actor)
-            && t.critic_warmup <= global_step
-            && !cfg.actor_rollout_ref.rollout.calculate_log_probs;
-        let old_lp = if skip_old {
+        // Bypass mode (algorithm.rollout_correction.bypass_mode) takes the rollout's log-probs
+        // as the old log-probs on every step, as verl does, and never runs the pass.
+        let skip_old = bypass
+            || (on_policy_old_log_prob_unused(cfg, &plan.actor)
+                && t.critic_warmup <= global_step
+                && !cfg.actor_rollout_ref.rollout.calculate_log_probs);
+        let old_lp = if bypass {
+            let rl = tensor_f32(&batch, col::ROLLOUT_LOG_PROBS, "rollout (bypass mode)")?;
+            batch.insert_tensor(col::OLD_LOG_PROBS, &[rows, width], &rl.data);
+            Some(rl)
+        } else if skip_old {
             None
         } else {
             let t0 = Instant::now();
@@ -692,8 +702,34 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
             }
             _ => scores.clone(),
         };
+        // Decoupled rollout correction: importance weights and rejection against the recomputed
+        // old log-probs, before the advantages (which, like the losses, skip rejected tokens).
+        let loss_mask = match (&correction, &old_lp) {
+            (Some(c), Some(old)) if c.corrects_in_trainer() => {
+                let rl = tensor_f32(&batch, col::ROLLOUT_LOG_PROBS, "rollout")?;
+                let (old_g, rl_g) = (grid_f64(old)?, grid_f64(&rl)?);
+                let out = with_reducer(group, |reducer| {
+                    compute_rollout_correction_across(c, &old_g, &rl_g, &mask, reducer)
+                })?;
+                metrics.extend(out.metrics);
+                if let Some(w) = &out.weights {
+                    batch.insert_tensor(col::ROLLOUT_IS_WEIGHTS, &[rows, width], &w.to_f32());
+                }
+                if !c.rs.is_empty() {
+                    let m: Vec<i64> = out
+                        .response_mask
+                        .as_slice()
+                        .iter()
+                        .map(|&v| v as i64)
+                        .collect();
+                    batch.insert_tensor(col::LOSS_MASK, &[rows, width], &m);
+                }
+                out.response_mask
+            }
+            _ => mask.clone(),
+        };
         let groups = Groups::from_keys(&rollout.prompt_index);
-        let mut inputs = AdvantageInputs::new(&token_rewards, &mask).with_index(&groups);
+        let mut inputs = AdvantageInputs::new(&token_rewards, &loss_mask).with_index(&groups);
         if let Some(v) = &values {
             inputs = inputs.with_values(v);
         }
@@ -738,6 +774,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
             extra: serde_json::json!({
                 "total_training_steps": total_steps,
                 "entropy_metric": skip_old,
+                "bypass_mode": bypass,
             }),
         };
         if let Some(critic) = roles.critic.as_mut() {

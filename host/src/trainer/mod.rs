@@ -14,10 +14,12 @@ mod fit;
 mod plugins;
 mod prompts;
 mod reward;
+mod rollout_corr;
 
 pub use error::TrainerError;
 pub use fit::{fit, FitOptions, FitSummary};
 pub use plugins::{BackendFactory, InProcessBackend, InProcessReward, JobPlugins, RewardFactory};
+pub use rollout_corr::rollout_correction;
 
 /// The reward plugin names the job routes to: `plugins.reward.default`, then each distinct
 /// target of `plugins.reward.routes`. The CLI loads each and passes it as `(name, plugin)` in

@@ -461,8 +461,10 @@ impl FsdpActor {
         let lengths = seqs.row_lengths()?;
         let minis = chunks(&rows, plan.mini_batch_rows);
         // verl: with a single mini-batch and epoch the policy is still the one that produced
-        // old_log_probs, so the ratio is taken against the current log-probs (exactly 1).
-        let on_policy = minis.len() == 1 && plan.epochs == 1;
+        // old_log_probs, so the ratio is taken against the current log-probs (exactly 1) —
+        // except in bypass mode, where the rollout's log-probs are the anchor.
+        let on_policy = minis.len() == 1 && plan.epochs == 1 && !bypass_mode_requested(o);
+        let is_w = rollout_is_weights(batch, CALL, device)?;
         let old_lp = old_log_probs_for_update(
             batch,
             CALL,
@@ -523,6 +525,7 @@ impl FsdpActor {
                     let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
                     let (old, a) = (pick(&old_lp)?, pick(&adv)?);
                     let r = ref_lp.as_ref().map(pick).transpose()?;
+                    let w = is_w.as_ref().map(pick).transpose()?;
                     // Taken before the call: on several ranks the head unit holds its full values
                     // while the loss runs.
                     let weight = lm_head(&train.model)?;
@@ -544,6 +547,7 @@ impl FsdpActor {
                                     old: &old,
                                     advantages: &a,
                                     ref_log_prob: r.as_ref(),
+                                    rollout_is_weights: w.as_ref(),
                                     on_policy,
                                     dummy,
                                     need_entropy,
@@ -672,6 +676,8 @@ pub struct MicroBatchLoss<'a> {
     pub old: &'a Tensor,
     pub advantages: &'a Tensor,
     pub ref_log_prob: Option<&'a Tensor>,
+    /// `[rows, R]` rollout-correction importance weights.
+    pub rollout_is_weights: Option<&'a Tensor>,
     /// The ratio is taken against the current log-probs (one mini-batch, one epoch).
     pub on_policy: bool,
     /// A padding pass of a rank with fewer micro-batches: loss × 0.
@@ -719,7 +725,7 @@ pub fn actor_micro_batch_loss(
                 response_mask: &layout.response_mask,
                 entropy: ent.as_ref(),
                 ref_log_prob: m.ref_log_prob,
-                rollout_is_weights: None,
+                rollout_is_weights: m.rollout_is_weights,
             },
             m.norm,
         )?;
@@ -769,6 +775,33 @@ pub fn old_log_probs_for_update(
         });
     }
     like.f_zeros_like().ctx("old log-prob placeholder")
+}
+
+/// Whether the host runs verl's rollout-correction bypass mode: `old_log_probs` are the rollout's
+/// log-probs and anchor the PPO ratio even on an on-policy update (one mini-batch, one epoch),
+/// where the ratio is otherwise taken against the current log-probs.
+pub fn bypass_mode_requested(o: &UpdateOptions) -> bool {
+    o.extra
+        .get("bypass_mode")
+        .and_then(serde_json::Value::as_bool)
+        .unwrap_or(false)
+}
+
+/// The update's optional `rollout_is_weights` column (rollout-correction importance weights).
+pub fn rollout_is_weights(
+    batch: &Batch,
+    call: &'static str,
+    device: Device,
+) -> Result<Option<Tensor>> {
+    match batch.contains(col::ROLLOUT_IS_WEIGHTS) {
+        true => Ok(Some(column::<f32>(
+            batch,
+            call,
+            col::ROLLOUT_IS_WEIGHTS,
+            device,
+        )?)),
+        false => Ok(None),
+    }
 }
 
 /// Whether the host asked the update to report `actor/entropy` (it skipped the old-log-prob pass,

@@ -73,6 +73,38 @@ impl Sequences {
             .f_ne(0)
             .and_then(|m| m.f_to_kind(Kind::Float))
             .ctx("response mask")?;
+        // The tokens the losses count (rollout-correction rejection), a subset of the response.
+        let response_mask = match batch.contains(col::LOSS_MASK) {
+            false => response_mask,
+            true => {
+                let loss = column::<i64>(batch, call, col::LOSS_MASK, device)?
+                    .f_ne(0)
+                    .and_then(|m| m.f_to_kind(Kind::Float))
+                    .ctx("loss mask")?;
+                if loss.size() != response_mask.size() {
+                    return Err(FsdpError::Input {
+                        call,
+                        column: col::LOSS_MASK.into(),
+                        expected: format!("the shape of response_mask {:?}", response_mask.size()),
+                        found: format!("{:?}", loss.size()),
+                    });
+                }
+                let outside = loss
+                    .f_gt_tensor(&response_mask)
+                    .and_then(|m| m.f_any())
+                    .and_then(|m| m.f_int64_value(&[]))
+                    .ctx("loss mask")?;
+                if outside != 0 {
+                    return Err(FsdpError::Input {
+                        call,
+                        column: col::LOSS_MASK.into(),
+                        expected: "a subset of response_mask".into(),
+                        found: "a 1 where response_mask is 0".into(),
+                    });
+                }
+                loss
+            }
+        };
         Ok(Sequences {
             input_ids,
             attention_mask,
@@ -311,5 +343,51 @@ mod tests {
         let rows: Vec<usize> = (0..7).collect();
         let parts = micro_batches(&rows, &[1; 7], MicroBatching::Rows(3), "k").unwrap();
         assert_eq!(parts, vec![vec![0, 1, 2], vec![3, 4, 5], vec![6]]);
+    }
+}
+
+#[cfg(test)]
+mod loss_mask_tests {
+    use super::*;
+
+    fn batch(loss: Option<&[i64]>) -> Batch {
+        let mut b = Batch::new();
+        b.insert_tensor(col::PROMPTS, &[2, 2], &[0i64, 5, 6, 7]);
+        b.insert_tensor(col::PROMPT_MASK, &[2, 2], &[0i64, 1, 1, 1]);
+        b.insert_tensor(col::RESPONSES, &[2, 3], &[1i64, 2, 0, 3, 4, 5]);
+        b.insert_tensor(col::RESPONSE_MASK, &[2, 3], &[1i64, 1, 0, 1, 1, 1]);
+        if let Some(l) = loss {
+            b.insert_tensor(col::LOSS_MASK, &[2, 3], l);
+        }
+        b
+    }
+
+    #[test]
+    fn the_loss_mask_narrows_what_the_losses_count_not_the_layout() {
+        let plain = Sequences::from_batch(&batch(None), "t", Device::Cpu).unwrap();
+        let narrowed =
+            Sequences::from_batch(&batch(Some(&[1, 0, 0, 0, 0, 0])), "t", Device::Cpu).unwrap();
+        let v = |t: &Tensor| Vec::<f32>::try_from(t.reshape([-1])).unwrap();
+        assert_eq!(v(&plain.response_mask), [1., 1., 0., 1., 1., 1.]);
+        assert_eq!(v(&narrowed.response_mask), [1., 0., 0., 0., 0., 0.]);
+        // The tokens that exist (attention, lengths) are response_mask's.
+        assert_eq!(
+            plain.row_lengths().unwrap(),
+            narrowed.row_lengths().unwrap()
+        );
+        assert!(plain.attention_mask.equal(&narrowed.attention_mask));
+    }
+
+    #[test]
+    fn a_loss_mask_outside_the_response_is_refused() {
+        let e = Sequences::from_batch(
+            &batch(Some(&[1, 1, 1, 0, 0, 0])),
+            "Actor.update",
+            Device::Cpu,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("loss_mask") && e.contains("subset"), "{e}");
     }
 }

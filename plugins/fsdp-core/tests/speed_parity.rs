@@ -326,6 +326,7 @@ fn surrogate_backward_equals_full_logits_backward() {
                                     old: &old,
                                     advantages: &adv,
                                     ref_log_prob: Some(&reference),
+                                    rollout_is_weights: None,
                                     on_policy: false,
                                     dummy: false,
                                     need_entropy: true,

@@ -511,7 +511,10 @@ impl MegatronActor {
         let minis = chunks(&rows, plan.mini_batch_rows);
         // verl: with a single mini-batch and epoch the policy is still the one that produced
         // old_log_probs, so the ratio is taken against the current log-probs (exactly 1).
-        let on_policy = minis.len() == 1 && plan.epochs == 1;
+        let on_policy = minis.len() == 1
+            && plan.epochs == 1
+            && !verl_fsdp_core::actor::bypass_mode_requested(o);
+        let is_w = verl_fsdp_core::actor::rollout_is_weights(batch, CALL, device)?;
         let old_lp = verl_fsdp_core::actor::old_log_probs_for_update(
             batch,
             CALL,
@@ -571,6 +574,7 @@ impl MegatronActor {
                     old: Tensor,
                     adv: Tensor,
                     ref_lp: Option<Tensor>,
+                    is_w: Option<Tensor>,
                     dummy: bool,
                 }
                 let micros = parts
@@ -583,6 +587,7 @@ impl MegatronActor {
                             old: pick(&old_lp)?,
                             adv: pick(&adv)?,
                             ref_lp: ref_lp.as_ref().map(pick).transpose()?,
+                            is_w: is_w.as_ref().map(pick).transpose()?,
                             dummy: *dummy,
                         })
                     })
@@ -603,6 +608,7 @@ impl MegatronActor {
                         old,
                         adv: a,
                         ref_lp: r,
+                        is_w: w,
                         dummy,
                     } = &micros[ui];
                     let h = sub.response_slice(hidden)?;
@@ -621,7 +627,7 @@ impl MegatronActor {
                             response_mask: &sub.response_mask,
                             entropy: ent.as_ref(),
                             ref_log_prob: r.as_ref(),
-                            rollout_is_weights: None,
+                            rollout_is_weights: w.as_ref(),
                         },
                         &norm,
                     )?;

@@ -41,6 +41,7 @@ mod error;
 mod grid;
 mod groups;
 mod kl;
+mod rollout_corr;
 mod stats;
 
 pub use advantage::{
@@ -58,6 +59,11 @@ pub use kl::{
     apply_kl_penalty, apply_kl_penalty_across, kl_penalty, KlController, KlCtrlConfig, KlCtrlType,
     KlMetrics, KlPenalty, KlPenaltyOutput, METRIC_REWARD_KL_PENALTY,
     METRIC_REWARD_KL_PENALTY_COEFF,
+};
+pub use rollout_corr::{
+    compute_rollout_correction_across, CorrectionLoss, IsLevel, IsSpec, IsThreshold,
+    RolloutCorrection, RolloutCorrectionKeys, RolloutCorrectionOutput, RsAgg, RsRule, RsStat,
+    SAFETY_BOUND,
 };
 pub use stats::{
     masked_mean, masked_mean_per_row, masked_sum, masked_var, masked_whiten, masked_whiten_across,

@@ -20,6 +20,13 @@ pub trait CrossRankSum {
     /// Replaces each element of `values` by its sum over ranks. The error text is reported as
     /// [`AlgoError::Collective`].
     fn sum_in_place(&mut self, values: &mut [f64]) -> std::result::Result<(), String>;
+
+    /// Replaces each element of `values` by its maximum over ranks (batch maxima and, negated,
+    /// minima). Reducers that only sum report that they cannot.
+    fn max_in_place(&mut self, values: &mut [f64]) -> std::result::Result<(), String> {
+        let _ = values;
+        Err("this reducer has no cross-rank maximum".into())
+    }
 }
 
 /// The whole batch is on this process: sums need no communication.
@@ -30,6 +37,20 @@ impl CrossRankSum for LocalOnly {
     fn sum_in_place(&mut self, _values: &mut [f64]) -> std::result::Result<(), String> {
         Ok(())
     }
+
+    fn max_in_place(&mut self, _values: &mut [f64]) -> std::result::Result<(), String> {
+        Ok(())
+    }
+}
+
+pub(crate) fn reduce_max(
+    reducer: &mut dyn CrossRankSum,
+    op: &'static str,
+    values: &mut [f64],
+) -> Result<()> {
+    reducer
+        .max_in_place(values)
+        .map_err(|message| AlgoError::Collective { op, message })
 }
 
 pub(crate) fn reduce(

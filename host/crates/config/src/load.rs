@@ -335,6 +335,10 @@ fn check_types(
         }
         Value::Number(n) => match value {
             Value::Number(_) => {}
+            // verl's thresholds that also take text (`"lower_upper"`) or one per rule.
+            Value::String(s)
+                if NUMBER_OR_TEXT.contains(&leaf) && s.trim().parse::<f64>().is_err() => {}
+            Value::Sequence(_) if NUMBER_OR_TEXT.contains(&leaf) => {}
             Value::String(s) => match s.trim().parse::<f64>() {
                 Ok(f) if n.is_f64() || f.fract() != 0.0 => *value = Value::Number(f.into()),
                 Ok(f) if f >= 0.0 && f <= u64::MAX as f64 => {
@@ -390,6 +394,9 @@ fn serde_error(e: serde_path_to_error::Error<serde_yaml::Error>, origins: &Origi
         origin,
     }
 }
+
+/// Keys whose default is a number but that verl also accepts as text or a list.
+const NUMBER_OR_TEXT: &[&str] = &["rollout_is_threshold", "rollout_rs_threshold"];
 
 const STRATEGIES: &[&str] = &["fsdp", "fsdp2", "megatron"];
 const LOSS_AGG_MODES: &[&str] = &[

@@ -545,7 +545,50 @@ pub struct AlgorithmConfig {
     pub kl_ctrl: KlControlConfig,
     pub use_pf_ppo: bool,
     pub pf_ppo: PfPpoConfig,
-    pub rollout_correction: Any,
+    pub rollout_correction: RolloutCorrectionConfig,
+}
+
+/// A threshold verl spells as a number or as text (`"lower_upper"`, or a comma list).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum NumOrText {
+    Num(f64),
+    Text(String),
+    /// One per rule (`[0.999_1.001, 0.01]`), the YAML form of a comma list.
+    List(Vec<NumOrText>),
+}
+
+impl NumOrText {
+    /// The text verl parses: a number, `"lower_upper"`, or a comma list of those.
+    pub fn to_text(&self) -> String {
+        match self {
+            NumOrText::Num(v) => v.to_string(),
+            NumOrText::Text(s) => s.clone(),
+            NumOrText::List(v) => v
+                .iter()
+                .map(NumOrText::to_text)
+                .collect::<Vec<_>>()
+                .join(","),
+        }
+    }
+}
+
+/// verl's `algorithm.rollout_correction`: importance weights and rejection against the rollout
+/// policy's log-probs (`rollout.calculate_log_probs`), or bypass mode (the rollout log-probs are
+/// the old log-probs; no old-log-prob pass).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutCorrectionConfig {
+    /// `null`, `token` or `sequence`.
+    pub rollout_is: Option<String>,
+    pub rollout_is_threshold: Option<NumOrText>,
+    pub rollout_is_batch_normalize: bool,
+    /// Comma list (or YAML list) of `token_k1`, `seq_sum_k2`, `seq_mean_k1`, `seq_max_k3`, ...
+    pub rollout_rs: Option<OneOrMany>,
+    pub rollout_rs_threshold: Option<NumOrText>,
+    pub bypass_mode: bool,
+    /// `ppo_clip` or `reinforce`.
+    pub loss_type: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -3,37 +3,42 @@
 
 use verl_e2e::*;
 
+/// `verl bench grpo` on the CPU with the `tiny` architecture and a small fixed workload (two
+/// steps), as JSON, plus `extra`.
+fn tiny_bench_args<'a>(fsdp: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "bench",
+        "grpo",
+        "--plugin",
+        fsdp,
+        "--arch",
+        "tiny",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--prompt-len",
+        "16",
+        "--response-len",
+        "8",
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--calibrate-n",
+        "64",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 #[test]
 fn bench_grpo_tiny_on_cpu_prints_one_json_line() {
     let verl = verl_bin();
     let fsdp = plugin("libverl_fsdp.so");
-    let o = run(
-        &verl,
-        &[
-            "bench",
-            "grpo",
-            "--plugin",
-            fsdp.to_str().unwrap(),
-            "--arch",
-            "tiny",
-            "--prompts",
-            "2",
-            "--n",
-            "2",
-            "--prompt-len",
-            "16",
-            "--response-len",
-            "8",
-            "--ignore-eos",
-            "--device",
-            "cpu",
-            "--steps",
-            "2",
-            "--calibrate-n",
-            "64",
-            "--json",
-        ],
-    );
+    let o = run(&verl, &tiny_bench_args(fsdp.to_str().unwrap(), &[]));
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -101,33 +106,9 @@ fn bench_grpo_rejects_an_unknown_arch() {
 fn bench_grpo_bypass_mode_skips_the_off_policy_old_pass() {
     let fsdp = plugin("libverl_fsdp.so");
     let bench = |extra: &[&str]| {
-        let mut args = vec![
-            "bench",
-            "grpo",
-            "--plugin",
-            fsdp.to_str().unwrap(),
-            "--arch",
-            "tiny",
-            "--prompts",
-            "2",
-            "--n",
-            "2",
-            "--prompt-len",
-            "16",
-            "--response-len",
-            "8",
-            "--ignore-eos",
-            "--device",
-            "cpu",
-            "--steps",
-            "2",
-            "--calibrate-n",
-            "64",
-            "--json",
-            "--set",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
-        ];
-        args.extend_from_slice(extra);
+        let mut all = vec!["--set", "actor_rollout_ref.actor.ppo_mini_batch_size=1"];
+        all.extend_from_slice(extra);
+        let args = tiny_bench_args(fsdp.to_str().unwrap(), &all);
         let o = run(&verl_bin(), &args);
         assert!(o.status.success(), "{}", stderr(&o));
         let out = stdout(&o);
@@ -145,18 +126,10 @@ fn bench_grpo_bypass_mode_skips_the_off_policy_old_pass() {
     // Decoupled weights need rewards, which the bench has not: refused by name.
     let o = run(
         &verl_bin(),
-        &[
-            "bench",
-            "grpo",
-            "--plugin",
+        &tiny_bench_args(
             fsdp.to_str().unwrap(),
-            "--arch",
-            "tiny",
-            "--device",
-            "cpu",
-            "--set",
-            "algorithm.rollout_correction.rollout_is=token",
-        ],
+            &["--set", "algorithm.rollout_correction.rollout_is=token"],
+        ),
     );
     assert!(!o.status.success());
     assert!(stderr(&o).contains("bypass_mode"), "{}", stderr(&o));

@@ -236,14 +236,58 @@ fn comparable(m: &serde_json::Map<String, Value>) -> BTreeMap<String, f64> {
         .collect()
 }
 
+/// One test's world: the installed binary and plugins, the tiny model, 8 training and 4
+/// validation rows, all in temporary directories; each job runs in its own directory under it.
+struct Fixture {
+    inst: tempfile::TempDir,
+    tmp: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn new(plugins: &[&str]) -> Fixture {
+        let inst = install(plugins);
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        write_model(&root.join("model"));
+        write_data(&root.join("train.jsonl"), 8, "train");
+        write_data(&root.join("val.jsonl"), 4, "test");
+        Fixture { inst, tmp }
+    }
+
+    fn root(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    /// `verl run` of job `name` (the standard job with `args`); its output and directory.
+    fn output(&self, name: &str, args: &[&str]) -> (std::process::Output, PathBuf) {
+        let dir = self.root().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let job = write(&dir, "job.yaml", &job_yaml(self.root(), name));
+        (verl_run(self.inst.path(), &dir, &job, args), dir)
+    }
+
+    /// As [`Fixture::output`], which must succeed; the job's directory.
+    fn run(&self, name: &str, args: &[&str]) -> PathBuf {
+        let (o, dir) = self.output(name, args);
+        assert!(
+            o.status.success(),
+            "{name}: stdout:\n{}\nstderr:\n{}",
+            stdout(&o),
+            stderr(&o)
+        );
+        dir
+    }
+
+    /// The metrics of a successful job, by step.
+    fn metrics(&self, name: &str, args: &[&str]) -> BTreeMap<u64, serde_json::Map<String, Value>> {
+        metrics_by_step(&jsonl_of(&self.run(name, args)))
+    }
+}
+
 #[test]
 fn grpo_trains_checkpoints_and_resumes_identically_through_the_fsdp_plugin() {
-    let inst = install(&["libverl_fsdp.so", "libverl_rewards.so"]);
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path();
-    write_model(&root.join("model"));
-    write_data(&root.join("train.jsonl"), 8, "train");
-    write_data(&root.join("val.jsonl"), 4, "test");
+    let fx = Fixture::new(&["libverl_fsdp.so", "libverl_rewards.so"]);
+    let (inst, root) = (&fx.inst, fx.root());
 
     // Uninterrupted: 3 steps.
     let straight = root.join("straight");
@@ -377,16 +421,8 @@ fn generate_runs_through_the_fsdp_plugin_and_is_batch_invariant_when_greedy() {
 /// each chunk their own rows, so several mini-batches would differ from one rank by design).
 #[test]
 fn grpo_on_two_and_four_cpu_ranks_equals_one_rank_and_resumes_across_world_sizes() {
-    let inst = install(&["libverl_fsdp.so", "libverl_rewards.so"]);
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path();
-    write_model(&root.join("model"));
-    write_data(&root.join("train.jsonl"), 8, "train");
-    write_data(&root.join("val.jsonl"), 4, "test");
+    let fx = Fixture::new(&["libverl_fsdp.so", "libverl_rewards.so"]);
     let run = |name: &str, extra: &[&str]| {
-        let dir = root.join(name);
-        std::fs::create_dir_all(&dir).unwrap();
-        let job = write(&dir, "job.yaml", &job_yaml(root, name));
         let mut args = vec![
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
@@ -394,7 +430,7 @@ fn grpo_on_two_and_four_cpu_ranks_equals_one_rank_and_resumes_across_world_sizes
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
         ];
         args.extend_from_slice(extra);
-        let o = verl_run(inst.path(), &dir, &job, &args);
+        let (o, dir) = fx.output(name, &args);
         assert!(
             o.status.success(),
             "{name}: stdout:\n{}\nstderr:\n{}",
@@ -466,20 +502,13 @@ fn grpo_on_two_and_four_cpu_ranks_equals_one_rank_and_resumes_across_world_sizes
 /// zero and the update pure rounding noise, while the critic's values make GAE's advantages real.
 #[test]
 fn megatron_tensor_and_pipeline_parallel_ranks_train_like_one_fsdp_rank() {
-    let inst = install(&[
+    let fx = Fixture::new(&[
         "libverl_fsdp.so",
         "libverl_megatron.so",
         "libverl_rewards.so",
     ]);
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path();
-    write_model(&root.join("model"));
-    write_data(&root.join("train.jsonl"), 8, "train");
-    write_data(&root.join("val.jsonl"), 4, "test");
+    let root = fx.root();
     let run = |name: &str, extra: &[&str]| {
-        let dir = root.join(name);
-        std::fs::create_dir_all(&dir).unwrap();
-        let job = write(&dir, "job.yaml", &job_yaml(root, name));
         let critic_model = format!("critic.model.path={}", root.join("model").display());
         let mut args = vec![
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -499,14 +528,7 @@ fn megatron_tensor_and_pipeline_parallel_ranks_train_like_one_fsdp_rank() {
             "actor_rollout_ref.ref.megatron.dtype=float32",
         ];
         args.extend_from_slice(extra);
-        let o = verl_run(inst.path(), &dir, &job, &args);
-        assert!(
-            o.status.success(),
-            "{name}: stdout:\n{}\nstderr:\n{}",
-            stdout(&o),
-            stderr(&o)
-        );
-        dir
+        fx.run(name, &args)
     };
     let base = metrics_by_step(&jsonl_of(&run("fsdp", &[])));
     assert!(
@@ -563,30 +585,15 @@ fn megatron_tensor_and_pipeline_parallel_ranks_train_like_one_fsdp_rank() {
 /// mini-batches) and `rollout.calculate_log_probs` still run it.
 #[test]
 fn on_policy_steps_skip_the_old_log_prob_pass_without_changing_any_metric() {
-    let inst = install(&[
+    let fx = Fixture::new(&[
         "libverl_fsdp.so",
         "libverl_megatron.so",
         "libverl_rewards.so",
     ]);
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path();
-    write_model(&root.join("model"));
-    write_data(&root.join("train.jsonl"), 8, "train");
-    write_data(&root.join("val.jsonl"), 4, "test");
     let run = |name: &str, extra: &[&str]| {
-        let dir = root.join(name);
-        std::fs::create_dir_all(&dir).unwrap();
-        let job = write(&dir, "job.yaml", &job_yaml(root, name));
         let mut args = vec!["trainer.test_freq=-1", "trainer.save_freq=-1"];
         args.extend_from_slice(extra);
-        let o = verl_run(inst.path(), &dir, &job, &args);
-        assert!(
-            o.status.success(),
-            "{name}: stdout:\n{}\nstderr:\n{}",
-            stdout(&o),
-            stderr(&o)
-        );
-        metrics_by_step(&jsonl_of(&dir))
+        fx.metrics(name, &args)
     };
     let on_policy = "actor_rollout_ref.actor.ppo_mini_batch_size=4";
     let keep = "trainer.skip_on_policy_old_log_prob=false";
@@ -656,38 +663,22 @@ fn on_policy_steps_skip_the_old_log_prob_pass_without_changing_any_metric() {
 /// * A setting it cannot honour fails before anything runs, naming the key.
 #[test]
 fn rollout_correction_bypasses_the_old_pass_and_corrects_through_the_plugins() {
-    let inst = install(&[
+    let fx = Fixture::new(&[
         "libverl_fsdp.so",
         "libverl_megatron.so",
         "libverl_rewards.so",
     ]);
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path();
-    write_model(&root.join("model"));
-    write_data(&root.join("train.jsonl"), 8, "train");
-    write_data(&root.join("val.jsonl"), 4, "test");
-    let go = |name: &str, extra: &[&str]| {
-        let dir = root.join(name);
-        std::fs::create_dir_all(&dir).unwrap();
-        let job = write(&dir, "job.yaml", &job_yaml(root, name));
+    fn with_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
         let mut args = vec![
             "trainer.test_freq=-1",
             "trainer.save_freq=-1",
             "actor_rollout_ref.rollout.calculate_log_probs=true",
         ];
         args.extend_from_slice(extra);
-        (verl_run(inst.path(), &dir, &job, &args), dir)
-    };
-    let run = |name: &str, extra: &[&str]| {
-        let (o, dir) = go(name, extra);
-        assert!(
-            o.status.success(),
-            "{name}: stdout:\n{}\nstderr:\n{}",
-            stdout(&o),
-            stderr(&o)
-        );
-        metrics_by_step(&jsonl_of(&dir))
-    };
+        args
+    }
+    let go = |name: &str, extra: &[&str]| fx.output(name, &with_args(extra));
+    let run = |name: &str, extra: &[&str]| fx.metrics(name, &with_args(extra));
     let bypass = "algorithm.rollout_correction.bypass_mode=true";
 
     // Off-policy (ppo_mini_batch_size 2 of 4 prompts): the recomputing run against bypass.

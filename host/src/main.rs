@@ -555,6 +555,7 @@ fn run(
         }};
     }
     let plan = validate_batches(&cfg, layout)?;
+    verl_host::trainer::refuse_unimplemented(&cfg)?;
     let correction = verl_host::trainer::rollout_correction(&cfg)?;
     let search: Vec<PathBuf> = cfg.plugins.search_path.iter().map(PathBuf::from).collect();
     let mut loader = Loader::new(&search);

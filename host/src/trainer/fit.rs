@@ -345,6 +345,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         ..AdvantageParams::default()
     };
     let kl_penalty: KlPenalty = cfg.algorithm.kl_penalty.parse()?;
+    super::refuse_unimplemented(cfg)?;
     let correction = super::rollout_corr::rollout_correction(cfg)?;
     let bypass = correction.as_ref().is_some_and(|c| c.bypass_mode);
     let kc = &cfg.algorithm.kl_ctrl;

@@ -66,6 +66,11 @@ impl KvPool {
         }
         let kernel = verl_torch_ext::paged_attention_available(model.device())
             && std::env::var("VERL_PAGED_ATTENTION_KERNEL").as_deref() != Ok("0");
+        tracing::debug!(
+            kernel,
+            consistent = kernel && model.consistent_attention(),
+            "KV pool"
+        );
         Ok(KvPool {
             data,
             layers,

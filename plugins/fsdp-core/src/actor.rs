@@ -502,19 +502,11 @@ impl FsdpActor {
         let rows: Vec<usize> = (0..seqs.rows()).collect();
         let lengths = seqs.row_lengths()?;
         let minis = chunks(&rows, plan.mini_batch_rows);
-        // verl: with a single mini-batch and epoch the policy is still the one that produced
-        // old_log_probs, so the ratio is taken against the current log-probs (exactly 1) —
-        // except in bypass mode, where the rollout's log-probs are the anchor.
-        let on_policy = minis.len() == 1 && plan.epochs == 1 && !bypass_mode_requested(o);
-        let is_w = rollout_is_weights(batch, CALL, device)?;
-        let old_lp = old_log_probs_for_update(
-            batch,
-            CALL,
-            device,
-            &adv,
+        let PolicyAnchor {
             on_policy,
-            (minis.len(), plan.epochs),
-        )?;
+            old_log_probs: old_lp,
+            is_weights: is_w,
+        } = policy_anchor(batch, CALL, device, &adv, (minis.len(), plan.epochs), o)?;
         let need_entropy =
             plan.calculate_entropy || plan.loss.needs_entropy() || entropy_metric_requested(o);
         let (padding, head_chunk) = (self.padding, self.head_chunk);
@@ -799,7 +791,7 @@ fn check_temperature(temperature: f64) -> Result<()> {
 /// whose old-log-prob pass the host skipped (the column is absent), a placeholder shaped like
 /// `like` that the loss never reads (it takes the ratio against the detached current log-probs,
 /// as verl does). Off-policy (`minis_epochs`: mini-batches and epochs) the column is required.
-pub fn old_log_probs_for_update(
+fn old_log_probs_for_update(
     batch: &Batch,
     call: &'static str,
     device: Device,
@@ -819,10 +811,48 @@ pub fn old_log_probs_for_update(
     like.f_zeros_like().ctx("old log-prob placeholder")
 }
 
+/// What the update's policy loss is anchored to.
+pub struct PolicyAnchor {
+    /// One mini-batch and one epoch, outside bypass mode: the ratio is taken against the
+    /// detached current log-probs (exactly 1), as verl's actor does.
+    pub on_policy: bool,
+    /// `[rows, R]`: see [`old_log_probs_for_update`].
+    pub old_log_probs: Tensor,
+    /// Rollout-correction importance weights, when the host sent them.
+    pub is_weights: Option<Tensor>,
+}
+
+/// The update's [`PolicyAnchor`] for `minis_epochs` (mini-batches, epochs), shared by the
+/// backends: verl takes a single mini-batch and epoch as on-policy (the policy is still the one
+/// that produced the old log-probs), except in bypass mode, where the rollout's log-probs are
+/// the anchor.
+pub fn policy_anchor(
+    batch: &Batch,
+    call: &'static str,
+    device: Device,
+    like: &Tensor,
+    minis_epochs: (usize, usize),
+    o: &UpdateOptions,
+) -> Result<PolicyAnchor> {
+    let on_policy = minis_epochs == (1, 1) && !bypass_mode_requested(o);
+    Ok(PolicyAnchor {
+        on_policy,
+        old_log_probs: old_log_probs_for_update(
+            batch,
+            call,
+            device,
+            like,
+            on_policy,
+            minis_epochs,
+        )?,
+        is_weights: rollout_is_weights(batch, call, device)?,
+    })
+}
+
 /// Whether the host runs verl's rollout-correction bypass mode: `old_log_probs` are the rollout's
 /// log-probs and anchor the PPO ratio even on an on-policy update (one mini-batch, one epoch),
 /// where the ratio is otherwise taken against the current log-probs.
-pub fn bypass_mode_requested(o: &UpdateOptions) -> bool {
+fn bypass_mode_requested(o: &UpdateOptions) -> bool {
     o.extra
         .get("bypass_mode")
         .and_then(serde_json::Value::as_bool)
@@ -830,11 +860,7 @@ pub fn bypass_mode_requested(o: &UpdateOptions) -> bool {
 }
 
 /// The update's optional `rollout_is_weights` column (rollout-correction importance weights).
-pub fn rollout_is_weights(
-    batch: &Batch,
-    call: &'static str,
-    device: Device,
-) -> Result<Option<Tensor>> {
+fn rollout_is_weights(batch: &Batch, call: &'static str, device: Device) -> Result<Option<Tensor>> {
     match batch.contains(col::ROLLOUT_IS_WEIGHTS) {
         true => Ok(Some(column::<f32>(
             batch,

@@ -509,19 +509,17 @@ impl MegatronActor {
         let rows: Vec<usize> = (0..seqs.rows()).collect();
         let lengths = seqs.row_lengths()?;
         let minis = chunks(&rows, plan.mini_batch_rows);
-        // verl: with a single mini-batch and epoch the policy is still the one that produced
-        // old_log_probs, so the ratio is taken against the current log-probs (exactly 1).
-        let on_policy = minis.len() == 1
-            && plan.epochs == 1
-            && !verl_fsdp_core::actor::bypass_mode_requested(o);
-        let is_w = verl_fsdp_core::actor::rollout_is_weights(batch, CALL, device)?;
-        let old_lp = verl_fsdp_core::actor::old_log_probs_for_update(
+        let verl_fsdp_core::actor::PolicyAnchor {
+            on_policy,
+            old_log_probs: old_lp,
+            is_weights: is_w,
+        } = verl_fsdp_core::actor::policy_anchor(
             batch,
             CALL,
             device,
             &adv,
-            on_policy,
             (minis.len(), plan.epochs),
+            o,
         )?;
         let need_entropy = plan.calculate_entropy
             || plan.loss.needs_entropy()

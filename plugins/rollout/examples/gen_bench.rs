@@ -6,7 +6,7 @@
 //! Qwen2.5-0.5B-shaped model in bf16 on a GPU, 64 prompts x 8 samples x 512 tokens:
 //!   gen_bench --model qwen2.5-0.5b --device cuda --dtype bf16 --batches 64 --n 8 --new-tokens 512
 //! Flags: --batches 1,8,64  --prompt-len N  --new-tokens N  --n N (samples per prompt)
-//!        --greedy  --iters N (timed runs per batch, after one warm-up)  --threads N (CPU intra-op)
+//!        --greedy  --consistent (rollout.consistent_attention)  --iters N (timed runs per batch, after one warm-up)  --threads N (CPU intra-op)
 //!        --engines v1,v2,v2e (v2e: v2 without CUDA graphs; ratios vs the first)  --block-size N  --kv-tokens N (paged KV budget; default: everything fits)
 //!        --max-seqs N  --eos-frac F (token ids below F * vocab end a response: uneven lengths)
 
@@ -26,6 +26,8 @@ struct Args {
     new_tokens: Option<usize>,
     n: usize,
     greedy: bool,
+    /// `rollout.consistent_attention`: every attention through the paged kernel, one split.
+    consistent: bool,
     iters: usize,
     threads: Option<i32>,
     engines: Vec<String>,
@@ -43,6 +45,7 @@ fn parse() -> Result<Args, String> {
         new_tokens: None,
         n: 1,
         greedy: false,
+        consistent: false,
         iters: 2,
         threads: None,
         engines: vec!["v1".into(), "v2".into()],
@@ -81,6 +84,7 @@ fn parse() -> Result<Args, String> {
             "--iters" => a.iters = num::<usize>(&flag, &value()?)?.max(1),
             "--threads" => a.threads = Some(num(&flag, &value()?)?),
             "--greedy" => a.greedy = true,
+            "--consistent" => a.consistent = true,
             "--engines" => {
                 a.engines = value()?.split(',').map(|s| s.trim().to_string()).collect();
                 if let Some(e) = a.engines.iter().find(|e| !["v1", "v2", "v2e"].contains(&e.as_str())) {
@@ -93,7 +97,7 @@ fn parse() -> Result<Args, String> {
             "--eos-frac" => a.eos_frac = num(&flag, &value()?)?,
             "-h" | "--help" => {
                 return Err("flags: --model tiny|qwen2.5-0.5b|qwen2.5-1.5b --device cpu|cuda --dtype f32|bf16|f16 \
-                     --batches 1,8,64 --prompt-len N --new-tokens N --n N --greedy --iters N --threads N \
+                     --batches 1,8,64 --prompt-len N --new-tokens N --n N --greedy --consistent --iters N --threads N \
                      --engines v1,v2,v2e --block-size N --kv-tokens N --max-seqs N --eos-frac F"
                     .into())
             }
@@ -171,7 +175,7 @@ fn run() -> Result<(), String> {
         _ => (a.prompt_len.unwrap_or(256), a.new_tokens.unwrap_or(256)),
     };
     tch::manual_seed(0);
-    let model = Transformer::new(
+    let mut model = Transformer::new(
         cfg,
         &ModelOptions {
             device: a.device,
@@ -180,6 +184,7 @@ fn run() -> Result<(), String> {
         },
     )
     .map_err(|e| e.to_string())?;
+    model.set_consistent_attention(a.consistent);
     println!(
         "model {} ({:?}, {:?}), prompt {p} tokens, {m} new tokens, n={}, {}",
         a.model,

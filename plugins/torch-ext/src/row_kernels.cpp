@@ -202,6 +202,33 @@ __device__ Acc row_acc(const float* row, long long V, float t) {
   return block_acc(a);
 }
 
+// The first of WARPS consecutive masses `sums` (after `start`) whose running total passes
+// `target`, with the running total before it; when rounding leaves the target past them all
+// (u * total rounded up to total), the last one with mass.
+__device__ void vt_find_part(const float* sums, float start, float target, int& part,
+                             float& before) {
+  float acc = start;
+  int own = -1, last = 0;
+  float own_before = start, last_before = start;
+  for (int w = 0; w < WARPS; ++w) {
+    if (sums[w] > 0.0f) {
+      last = w;
+      last_before = acc;
+    }
+    if (own < 0 && acc + sums[w] > target && sums[w] > 0.0f) {
+      own = w;
+      own_before = acc;
+    }
+    acc += sums[w];
+  }
+  if (own < 0) {
+    own = last;
+    own_before = last_before;
+  }
+  part = own;
+  before = own_before;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) vt_sample_rows(const VtRowParams p) {
   const long long r = blockIdx.x;
   const long long V = p.vocab;
@@ -288,24 +315,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) vt_sample_rows(const VtRow
       row_m = mx;
       row_s = total;
       const float tgt = p.uniforms[r] * total;
-      float acc = 0.0f;
-      int own = -1, last = 0;
-      float own_before = 0.0f, last_before = 0.0f;
-      for (int w = 0; w < WARPS; ++w) {
-        if (seg_sum[w] > 0.0f) {
-          last = w;
-          last_before = acc;
-        }
-        if (own < 0 && acc + seg_sum[w] > tgt && seg_sum[w] > 0.0f) {
-          own = w;
-          own_before = acc;
-        }
-        acc += seg_sum[w];
-      }
-      if (own < 0) {  // u * total rounded up to total: the last token with mass
-        own = last;
-        own_before = last_before;
-      }
+      int own;
+      float own_before;
+      vt_find_part(seg_sum, 0.0f, tgt, own, own_before);
       owner = own;
       before = own_before;
       target = tgt;
@@ -338,24 +350,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) vt_sample_rows(const VtRow
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      float acc = before;
-      int own = -1, last = 0;
-      float own_before = before, last_before = before;
-      for (int w = 0; w < WARPS; ++w) {
-        if (sub_sum[w] > 0.0f) {
-          last = w;
-          last_before = acc;
-        }
-        if (own < 0 && acc + sub_sum[w] > target && sub_sum[w] > 0.0f) {
-          own = w;
-          own_before = acc;
-        }
-        acc += sub_sum[w];
-      }
-      if (own < 0) {  // rounding left the target past the segment: its last part with mass
-        own = last;
-        own_before = last_before;
-      }
+      int own;
+      float own_before;
+      vt_find_part(sub_sum, before, target, own, own_before);
       sub_owner = own;
       sub_before = own_before;
     }

@@ -369,10 +369,29 @@ fn mismatched_collectives_are_an_error_on_every_rank_not_a_hang() {
 
 #[test]
 fn bad_arguments_are_named() {
-    let results = with_ranks(2, |c| {
-        let x = Tensor::zeros([5], (Kind::Float, tch::Device::Cpu));
-        let mut out = Tensor::zeros([9], (Kind::Float, tch::Device::Cpu));
-        c.all_gather_into(&mut out, &x).unwrap_err().to_string()
+    // A rank may still be setting up its communicator when the other has already failed the
+    // call and posted its failure: setting up then reports that failure (the peer is gone), so
+    // this test joins by hand instead of unwrapping the set-up as `with_ranks` does.
+    let server = StoreServer::bind("127.0.0.1:0").unwrap();
+    let addr = server.connect_addr();
+    let results: Vec<String> = thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                s.spawn(move || {
+                    let store = Arc::new(StoreClient::connect_as(addr, rank, T).unwrap());
+                    match CpuCommunicator::new(store, rank, 2, opts()) {
+                        Ok(c) => {
+                            let x = Tensor::zeros([5], (Kind::Float, tch::Device::Cpu));
+                            let mut out = Tensor::zeros([9], (Kind::Float, tch::Device::Cpu));
+                            c.all_gather_into(&mut out, &x).unwrap_err().to_string()
+                        }
+                        Err(e @ CommError::PeerFailed { .. }) => e.to_string(),
+                        Err(e) => panic!("rank {rank}: set-up failed: {e}"),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     // Each rank reports the error itself, or (if the other rank posted first) names that rank.
     let msg = "all_gather: output element count: expected 10 (world size 2 x input 5), found 9 (shape [9])";

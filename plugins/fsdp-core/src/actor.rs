@@ -1131,10 +1131,12 @@ impl Actor for FsdpActor {
         Ok(self.spmd(r)?)
     }
     fn compute_log_prob(&mut self, batch: &Batch, options: &LogProbOptions) -> ApiResult<Batch> {
+        let _trace = verl_nn::profile::trace("log_prob", self.device);
         let r = self.do_log_prob(batch, options);
         Ok(self.spmd(r)?)
     }
     fn update(&mut self, batch: &Batch, options: &UpdateOptions) -> ApiResult<Metrics> {
+        let _trace = verl_nn::profile::trace("update", self.device);
         let r = self.do_update(batch, options);
         Ok(self.spmd(r)?)
     }

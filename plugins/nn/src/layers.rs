@@ -221,13 +221,14 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(x.f_mul(cos)?.f_add(&rotate_half(x)?.f_mul(sin)?)?)
 }
 
-/// [`apply_rope`] in one CUDA kernel (bit-identical to the five torch ops, see
-/// [`verl_torch_ext::rope`]) where nothing needs a gradient: generation and scoring forwards.
-/// `None` where it does not apply (CPU, autograd, other layouts, `VERL_FUSED_ROPE=0`).
+/// [`apply_rope`] in one CUDA kernel, bit-identical to the five torch ops: where nothing needs a
+/// gradient (generation and scoring forwards) [`verl_torch_ext::rope`], else
+/// [`verl_torch_ext::rope_autograd`], whose backward is one kernel too (training forwards).
+/// `None` where it does not apply (CPU, a gradient for cos/sin, other layouts,
+/// `VERL_FUSED_ROPE=0`).
 fn fused_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let applies = matches!(x.device(), Device::Cuda(_))
-        && !x.requires_grad()
         && !cos.requires_grad()
         && !sin.requires_grad()
         && x.dim() == 4
@@ -245,6 +246,9 @@ fn fused_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> 
     let (xs, cs) = (x.size(), c.size());
     if !c.is_contiguous() || !s.is_contiguous() || cs != [xs[0], xs[2], xs[3]] {
         return Ok(None);
+    }
+    if x.requires_grad() {
+        return Ok(Some(verl_torch_ext::rope_autograd(x, &c, &s)?));
     }
     Ok(Some(verl_torch_ext::rope(x, &c, &s)?))
 }
@@ -625,16 +629,36 @@ fn repeat_kv(x: &Tensor, groups: i64) -> Result<Tensor> {
         .f_reshape([s[0], s[1] * groups, s[2], s[3]])?)
 }
 
+fn fused_swiglu_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VERL_FUSED_SWIGLU").as_deref() != Ok("0"))
+}
+
 /// Whether `silu(gate) * up` over a fused gate/up output `gu` runs as one CUDA kernel
 /// ([`verl_torch_ext::swiglu`], bit-identical to the two torch ops, which read the two strided
 /// halves slowly). Only reached on no-grad paths (the fused projection is never differentiated);
 /// off with `VERL_FUSED_SWIGLU=0`.
 fn fused_swiglu(gu: &Tensor) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     matches!(gu.device(), Device::Cuda(_))
         && !gu.requires_grad()
         && verl_torch_ext::row_kernels_available(gu.device())
-        && *ON.get_or_init(|| std::env::var("VERL_FUSED_SWIGLU").as_deref() != Ok("0"))
+        && fused_swiglu_on()
+}
+
+/// `silu(g) * u`: on CUDA one autograd-recorded kernel forward and one backward
+/// ([`verl_torch_ext::silu_mul`], bit-identical to the torch ops and their backward, and it keeps
+/// no `silu(g)` for the backward), else the two torch ops. Off with `VERL_FUSED_SWIGLU=0`.
+fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    if matches!(g.device(), Device::Cuda(_))
+        && g.size() == u.size()
+        && g.kind() == u.kind()
+        && matches!(g.kind(), Kind::Float | Kind::BFloat16 | Kind::Half)
+        && verl_torch_ext::row_kernels_available(g.device())
+        && fused_swiglu_on()
+    {
+        return Ok(verl_torch_ext::silu_mul(g, u)?);
+    }
+    Ok(g.f_silu()?.f_mul(u)?)
 }
 
 /// SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
@@ -695,8 +719,8 @@ impl Mlp {
                 .down
                 .forward(&g.f_mul(&gu.f_narrow(-1, inter, inter)?)?);
         }
-        let g = self.gate.forward(x)?.f_silu()?;
-        self.down.forward(&g.f_mul(&self.up.forward(x)?)?)
+        let g = self.gate.forward(x)?;
+        self.down.forward(&silu_mul(&g, &self.up.forward(x)?)?)
     }
 }
 
@@ -708,9 +732,8 @@ impl Mlp {
             // Without a down bias the local MLP's output is exactly the partial sum.
             None => tp.reduce_with_bias(&self.forward(x)?, None),
             Some(bias) => {
-                let g = self.gate.forward(x)?.f_silu()?;
-                let partial = g
-                    .f_mul(&self.up.forward(x)?)?
+                let g = self.gate.forward(x)?;
+                let partial = silu_mul(&g, &self.up.forward(x)?)?
                     .f_linear(&self.down.weight, None::<&Tensor>)?;
                 tp.reduce_with_bias(&partial, Some(bias))
             }

@@ -5,6 +5,9 @@
 //! environment asks for it, and then every call is a no-op returning `None`. Phases accumulate in
 //! one process-wide table (per shared library: each plugin keeps its own) that
 //! [`take_report`] prints and clears.
+//!
+//! [`trace`] (`VERL_TRACE_DIR=dir`) records a phase's CUDA kernels with libtorch's profiler into
+//! a Chrome trace, for per-kernel attribution without Nsight.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
@@ -84,6 +87,55 @@ pub fn take_report() -> Option<String> {
     }
     t.clear();
     Some(s)
+}
+
+/// A libtorch (kineto) trace of one phase, written when dropped; see [`trace`].
+pub struct Trace {
+    device: Device,
+    path: std::path::PathBuf,
+}
+
+/// With `VERL_TRACE_DIR` set, traces the CUDA kernels (and with `VERL_TRACE_CPU=1` the aten ops)
+/// from now until the returned guard drops, into `$VERL_TRACE_DIR/{name}-{n}.json` (a Chrome
+/// trace; `n` counts this name's calls from 0). `None` when unset or on a CPU device. A trace
+/// that cannot start or be written is logged and skipped: it never fails the phase.
+pub fn trace(name: &str, device: Device) -> Option<Trace> {
+    static COUNTS: Mutex<BTreeMap<String, usize>> = Mutex::new(BTreeMap::new());
+    let dir = std::env::var_os("VERL_TRACE_DIR").filter(|d| !d.is_empty())?;
+    if !matches!(device, Device::Cuda(_)) {
+        return None;
+    }
+    let n = {
+        let mut c = COUNTS.lock().unwrap_or_else(|e| e.into_inner());
+        let e = c.entry(name.to_string()).or_insert(0);
+        *e += 1;
+        *e - 1
+    };
+    let dir = std::path::PathBuf::from(dir);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        tracing::warn!("VERL_TRACE_DIR {}: {e}; no trace", dir.display());
+        return None;
+    }
+    sync(device);
+    let cpu = std::env::var("VERL_TRACE_CPU").as_deref() == Ok("1");
+    if let Err(e) = verl_torch_ext::trace_start(cpu) {
+        tracing::warn!("trace {name}: {e}");
+        return None;
+    }
+    Some(Trace {
+        device,
+        path: dir.join(format!("{name}-{n}.json")),
+    })
+}
+
+impl Drop for Trace {
+    fn drop(&mut self) {
+        sync(self.device);
+        match verl_torch_ext::trace_stop(&self.path) {
+            Ok(()) => tracing::info!("trace written to {}", self.path.display()),
+            Err(e) => tracing::warn!("trace {}: {e}", self.path.display()),
+        }
+    }
 }
 
 #[cfg(test)]

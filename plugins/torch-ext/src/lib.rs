@@ -63,6 +63,28 @@ extern "C" {
     fn vt_graph_capture_begin(g: *mut c_void, share: *mut c_void) -> *mut c_char;
     fn vt_graph_capture_end(g: *mut c_void) -> *mut c_char;
     fn vt_graph_replay(g: *mut c_void) -> *mut c_char;
+    fn vt_trace_start(cpu: i32) -> *mut c_char;
+    fn vt_trace_stop(path: *const c_char) -> *mut c_char;
+}
+
+/// Starts libtorch's profiler (kineto) over this process: CUDA kernels and copies, and with
+/// `cpu` the aten ops that launched them. [`trace_stop`] ends it.
+pub fn trace_start(cpu: bool) -> Result<()> {
+    // SAFETY: no arguments borrowed; errors come back as an owned string.
+    check("trace_start", unsafe { vt_trace_start(i32::from(cpu)) })
+}
+
+/// Stops the profiler [`trace_start`] started and writes its Chrome trace (JSON) to `path`.
+pub fn trace_stop(path: &std::path::Path) -> Result<()> {
+    let c = std::ffi::CString::new(path.to_string_lossy().as_bytes()).map_err(|_| {
+        TorchExtError::Input {
+            what: "trace path",
+            expected: "a path without NUL bytes".into(),
+            found: path.display().to_string(),
+        }
+    })?;
+    // SAFETY: `c` outlives the call.
+    check("trace_stop", unsafe { vt_trace_stop(c.as_ptr()) })
 }
 
 fn check(op: &'static str, err: *mut c_char) -> Result<()> {

@@ -28,7 +28,11 @@
 #include <string>
 
 #ifdef VERL_WITH_CUDA
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/DeviceGuard.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <sstream>
@@ -57,19 +61,36 @@
 #define VT_ROPE_PARAMS_DEF                                                                \
   struct VtRopeParams {                                                                   \
     const void* x;   /* [B, H, T, D], strides below (elements) */                         \
-    void* out;       /* [B, H, T, D] contiguous */                                        \
+    void* out;       /* [B, H, T, D], strides ob.. (elements) */                          \
     const void* cos; /* [B, T, D] contiguous */                                           \
     const void* sin; /* [B, T, D] contiguous */                                           \
     long long b, h, t, d;                                                                 \
     long long sb, sh, st, sd;                                                             \
+    long long ob, oh, ot, od;                                                             \
     int dtype;       /* 0 fp32, 1 bf16, 2 fp16 */                                         \
+    int bwd;         /* 1: the vector-Jacobian product (transpose of the rotation) */     \
+    int small;       /* 1: every index and offset fits in 32 bits */                      \
+    int x2;          /* 1: two pairs per thread, 32-bit loads (16-bit, unit D strides) */ \
   };
 
 #define VT_SWIGLU_PARAMS_DEF                                                              \
   struct VtSwigluParams {                                                                 \
-    const void* x;   /* [R, 2 I]: gate | up, row stride below (elements) */               \
+    const void* x;   /* [R, I] gate rows, row stride `stride` (elements) */               \
+    const void* up;  /* [R, I] up rows, row stride `ustride` */                           \
     void* out;       /* [R, I] contiguous */                                              \
-    long long rows, inter, stride;                                                        \
+    long long rows, inter, stride, ustride;                                               \
+    int dtype;       /* 0 fp32, 1 bf16, 2 fp16 */                                         \
+    int vec;         /* 1: 8 elements per thread through 16-byte loads (16-bit dtypes) */ \
+  };
+
+#define VT_SWIGLU_BWD_PARAMS_DEF                                                          \
+  struct VtSwigluBwdParams {                                                              \
+    const void* go;  /* [R, I] gradient of silu(gate) * up, contiguous */                 \
+    const void* g;   /* [R, I] gate, contiguous */                                        \
+    const void* u;   /* [R, I] up, contiguous */                                          \
+    void* dg;        /* [R, I] out, contiguous */                                         \
+    void* du;        /* [R, I] out, contiguous */                                         \
+    long long n;     /* R * I */                                                          \
     int dtype;       /* 0 fp32, 1 bf16, 2 fp16 */                                         \
     int vec;         /* 1: 8 elements per thread through 16-byte loads (16-bit dtypes) */ \
   };
@@ -485,10 +506,17 @@ __device__ __forceinline__ float vt_load(const void* p, int dtype, long long i) 
 __device__ __forceinline__ float vt_round(float g, int dtype) {
   if (dtype == 0) return g;
   if (dtype == 1) {
+#if __CUDA_ARCH__ >= 800
+    // One instruction; round-to-nearest-even as below (a NaN stays a NaN).
+    unsigned short b;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(g));
+    return __uint_as_float(static_cast<unsigned int>(b) << 16);
+#else
     unsigned int u = __float_as_uint(g);
     if ((u & 0x7fffffffu) > 0x7f800000u) return g;
     u += 0x7fffu + ((u >> 16) & 1u);
     return __uint_as_float(u & 0xffff0000u);
+#endif
   }
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(g));
@@ -497,33 +525,6 @@ __device__ __forceinline__ float vt_round(float g, int dtype) {
   return f;
 }
 
-extern "C" __global__ void __launch_bounds__(256) vt_rope(const VtRopeParams p) {
-  const long long half = p.d / 2;
-  const long long n = p.b * p.h * p.t * half;
-  for (long long idx = blockIdx.x * 256LL + threadIdx.x; idx < n; idx += gridDim.x * 256LL) {
-    const long long i = idx % half;
-    long long rest = idx / half;
-    const long long t = rest % p.t;
-    rest /= p.t;
-    const long long h = rest % p.h;
-    const long long b = rest / p.h;
-    const long long xo = b * p.sb + h * p.sh + t * p.st;
-    const float x1 = vt_load(p.x, p.dtype, xo + i * p.sd);
-    const float x2 = vt_load(p.x, p.dtype, xo + (i + half) * p.sd);
-    const long long co = (b * p.t + t) * p.d;
-    const float c1 = vt_load(p.cos, p.dtype, co + i), c2 = vt_load(p.cos, p.dtype, co + i + half);
-    const float s1 = vt_load(p.sin, p.dtype, co + i), s2 = vt_load(p.sin, p.dtype, co + i + half);
-    const float o1 = vt_round(__fadd_rn(vt_round(__fmul_rn(x1, c1), p.dtype),
-                                        vt_round(__fmul_rn(-x2, s1), p.dtype)),
-                              p.dtype);
-    const float o2 = vt_round(__fadd_rn(vt_round(__fmul_rn(x2, c2), p.dtype),
-                                        vt_round(__fmul_rn(x1, s2), p.dtype)),
-                              p.dtype);
-    const long long oo = ((b * p.h + h) * p.t + t) * p.d;
-    vt_store(p.out, p.dtype, oo + i, o1);
-    vt_store(p.out, p.dtype, oo + i + half, o2);
-  }
-}
 // silu(gate) * up over the two halves of a fused gate/up projection, rounded as torch's silu
 // and mul round (silu in fp32 to the dtype, the product in fp32 to the dtype): bit-identical to
 // silu(x[:, :I]) * x[:, I:].
@@ -553,41 +554,229 @@ __device__ __forceinline__ float vt_half16(unsigned int w, int hi, int dtype) {
   return f;
 }
 
+// One rotated pair (i, i + D/2) per thread. Forward: (x1 c1 - x2 s1, x2 c2 + x1 s2). Backward
+// (the vector-Jacobian product of the forward, as autograd computes it through the torch ops:
+// g * cos and rotate_half's transpose of g * sin, each rounded, then summed and rounded):
+// (g1 c1 + g2 s2, g2 c2 - g1 s1). Index type I: 32-bit where everything fits (instruction-bound
+// otherwise).
+template <typename I>
+__device__ __forceinline__ void vt_rope_body(const VtRopeParams& p) {
+  const I half = (I)(p.d / 2), T = (I)p.t, H = (I)p.h;
+  const I n = (I)p.b * H * T * half;
+  for (I idx = (I)blockIdx.x * 256 + (I)threadIdx.x; idx < n; idx += (I)gridDim.x * 256) {
+    const I i = idx % half;
+    I rest = idx / half;
+    const I t = rest % T;
+    rest /= T;
+    const I h = rest % H;
+    const I b = rest / H;
+    const I xo = b * (I)p.sb + h * (I)p.sh + t * (I)p.st;
+    const float x1 = vt_load(p.x, p.dtype, xo + i * (I)p.sd);
+    const float x2 = vt_load(p.x, p.dtype, xo + (i + half) * (I)p.sd);
+    const I co = (b * T + t) * (I)p.d;
+    const float c1 = vt_load(p.cos, p.dtype, co + i), c2 = vt_load(p.cos, p.dtype, co + i + half);
+    const float s1 = vt_load(p.sin, p.dtype, co + i), s2 = vt_load(p.sin, p.dtype, co + i + half);
+    float o1, o2;
+    if (p.bwd) {
+      o1 = vt_round(__fadd_rn(vt_round(__fmul_rn(x1, c1), p.dtype),
+                              vt_round(__fmul_rn(x2, s2), p.dtype)),
+                    p.dtype);
+      o2 = vt_round(__fadd_rn(vt_round(__fmul_rn(x2, c2), p.dtype),
+                              -vt_round(__fmul_rn(x1, s1), p.dtype)),
+                    p.dtype);
+    } else {
+      o1 = vt_round(__fadd_rn(vt_round(__fmul_rn(x1, c1), p.dtype),
+                              vt_round(__fmul_rn(-x2, s1), p.dtype)),
+                    p.dtype);
+      o2 = vt_round(__fadd_rn(vt_round(__fmul_rn(x2, c2), p.dtype),
+                              vt_round(__fmul_rn(x1, s2), p.dtype)),
+                    p.dtype);
+    }
+    const I oo = b * (I)p.ob + h * (I)p.oh + t * (I)p.ot;
+    vt_store(p.out, p.dtype, oo + i * (I)p.od, o1);
+    vt_store(p.out, p.dtype, oo + (i + half) * (I)p.od, o2);
+  }
+}
+
+// Two neighbouring pairs (i, i + 1 | i + D/2, i + D/2 + 1) per thread through 32-bit loads and
+// stores (16-bit dtypes, unit strides along D, even other strides, D % 4 == 0; the host checks),
+// the dtype a template argument, 32-bit item arithmetic: an item is (row = b * T + t, head, i).
+// Same arithmetic per element as vt_rope_body.
+template <int DT>
+__device__ __forceinline__ void vt_rope_x2(const VtRopeParams& p) {
+  typedef unsigned int u32;
+  const u32 half = (u32)(p.d / 2), q2 = half / 2, T = (u32)p.t;
+  const u32 per_row = (u32)p.h * q2;
+  const u32 n = (u32)p.b * T * per_row;
+  const bool pow2 = (q2 & (q2 - 1)) == 0;
+  const u32 q2_shift = __ffs(q2) - 1;
+  for (u32 idx = blockIdx.x * 256u + threadIdx.x; idx < n; idx += gridDim.x * 256u) {
+    const u32 r = idx / per_row, j = idx - r * per_row;
+    const u32 h = pow2 ? (j >> q2_shift) : j / q2;
+    const u32 i = 2 * (j - h * q2);
+    const u32 b = r / T, t = r - b * T;
+    const unsigned short* x = static_cast<const unsigned short*>(p.x) +
+                              ((long long)b * p.sb + (long long)h * p.sh + (long long)t * p.st) + i;
+    const unsigned short* cs = static_cast<const unsigned short*>(p.cos) + (long long)r * p.d + i;
+    const unsigned short* sn = static_cast<const unsigned short*>(p.sin) + (long long)r * p.d + i;
+    const u32 xa = *reinterpret_cast<const u32*>(x), xb = *reinterpret_cast<const u32*>(x + half);
+    const u32 ca = *reinterpret_cast<const u32*>(cs), cb = *reinterpret_cast<const u32*>(cs + half);
+    const u32 sa = *reinterpret_cast<const u32*>(sn), sb = *reinterpret_cast<const u32*>(sn + half);
+    float o1[2], o2[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float x1 = vt_half16(xa, e, DT), x2 = vt_half16(xb, e, DT);
+      const float c1 = vt_half16(ca, e, DT), c2 = vt_half16(cb, e, DT);
+      const float s1 = vt_half16(sa, e, DT), s2 = vt_half16(sb, e, DT);
+      if (p.bwd) {
+        o1[e] = vt_round(__fadd_rn(vt_round(__fmul_rn(x1, c1), DT), vt_round(__fmul_rn(x2, s2), DT)),
+                         DT);
+        o2[e] = vt_round(__fadd_rn(vt_round(__fmul_rn(x2, c2), DT), -vt_round(__fmul_rn(x1, s1), DT)),
+                         DT);
+      } else {
+        o1[e] = vt_round(__fadd_rn(vt_round(__fmul_rn(x1, c1), DT), vt_round(__fmul_rn(-x2, s1), DT)),
+                         DT);
+        o2[e] = vt_round(__fadd_rn(vt_round(__fmul_rn(x2, c2), DT), vt_round(__fmul_rn(x1, s2), DT)),
+                         DT);
+      }
+    }
+    unsigned short* out = static_cast<unsigned short*>(p.out) +
+                          ((long long)b * p.ob + (long long)h * p.oh + (long long)t * p.ot) + i;
+    *reinterpret_cast<u32*>(out) = vt_pack16(o1[0], o1[1], DT);
+    *reinterpret_cast<u32*>(out + half) = vt_pack16(o2[0], o2[1], DT);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) vt_rope(const VtRopeParams p) {
+  if (p.x2) {
+    if (p.dtype == 1) {
+      vt_rope_x2<1>(p);
+    } else {
+      vt_rope_x2<2>(p);
+    }
+    return;
+  }
+  if (p.small) {
+    vt_rope_body<int>(p);
+  } else {
+    vt_rope_body<long long>(p);
+  }
+}
+template <int DT>
+__device__ __forceinline__ void vt_swiglu_vec(const VtSwigluParams& p) {
+  const long long per_row = p.inter / 8;
+  const long long n = p.rows * per_row;
+  // Rows back to back (a training forward's separate gate and up): no row arithmetic.
+  const bool flat = p.stride == p.inter && p.ustride == p.inter;
+  const bool small = n < 0x40000000LL;
+  for (long long idx = blockIdx.x * 256LL + threadIdx.x; idx < n; idx += gridDim.x * 256LL) {
+    long long r, c;
+    if (flat) {
+      r = 0;
+      c = idx * 8;
+    } else if (small) {
+      const unsigned int r32 = (unsigned int)idx / (unsigned int)per_row;
+      r = r32;
+      c = (idx - r * per_row) * 8;
+    } else {
+      r = idx / per_row;
+      c = (idx - r * per_row) * 8;
+    }
+    const unsigned short* row = static_cast<const unsigned short*>(p.x) + r * p.stride;
+    const unsigned short* urow = static_cast<const unsigned short*>(p.up) + r * p.ustride;
+    const uint4 g = *reinterpret_cast<const uint4*>(row + c);
+    const uint4 u = *reinterpret_cast<const uint4*>(urow + c);
+    const unsigned int gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+    unsigned int ow[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float lo = vt_silu_mul1(vt_half16(gw[j], 0, DT), vt_half16(uw[j], 0, DT),
+                                    DT);
+      const float hi = vt_silu_mul1(vt_half16(gw[j], 1, DT), vt_half16(uw[j], 1, DT),
+                                    DT);
+      ow[j] = vt_pack16(lo, hi, DT);
+    }
+    uint4 o;
+    o.x = ow[0];
+    o.y = ow[1];
+    o.z = ow[2];
+    o.w = ow[3];
+    *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.out) + r * p.inter + c) = o;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(256) vt_swiglu(const VtSwigluParams p) {
   if (p.vec) {
-    const long long per_row = p.inter / 8;
-    const long long n = p.rows * per_row;
-    for (long long idx = blockIdx.x * 256LL + threadIdx.x; idx < n; idx += gridDim.x * 256LL) {
-      const long long r = idx / per_row, c = (idx - r * per_row) * 8;
-      const unsigned short* row = static_cast<const unsigned short*>(p.x) + r * p.stride;
-      const uint4 g = *reinterpret_cast<const uint4*>(row + c);
-      const uint4 u = *reinterpret_cast<const uint4*>(row + p.inter + c);
-      const unsigned int gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
-      unsigned int ow[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float lo = vt_silu_mul1(vt_half16(gw[j], 0, p.dtype), vt_half16(uw[j], 0, p.dtype),
-                                      p.dtype);
-        const float hi = vt_silu_mul1(vt_half16(gw[j], 1, p.dtype), vt_half16(uw[j], 1, p.dtype),
-                                      p.dtype);
-        ow[j] = vt_pack16(lo, hi, p.dtype);
-      }
-      uint4 o;
-      o.x = ow[0];
-      o.y = ow[1];
-      o.z = ow[2];
-      o.w = ow[3];
-      *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.out) + r * p.inter + c) = o;
+    if (p.dtype == 1) {
+      vt_swiglu_vec<1>(p);
+    } else {
+      vt_swiglu_vec<2>(p);
     }
     return;
   }
   const long long n = p.rows * p.inter;
   for (long long idx = blockIdx.x * 256LL + threadIdx.x; idx < n; idx += gridDim.x * 256LL) {
     const long long r = idx / p.inter, c = idx - r * p.inter;
-    const long long xo = r * p.stride + c;
-    const float v = vt_silu_mul1(vt_load(p.x, p.dtype, xo), vt_load(p.x, p.dtype, xo + p.inter),
-                                 p.dtype);
+    const float v = vt_silu_mul1(vt_load(p.x, p.dtype, r * p.stride + c),
+                                 vt_load(p.up, p.dtype, r * p.ustride + c), p.dtype);
     vt_store(p.out, p.dtype, idx, v);
+  }
+}
+
+// The vector-Jacobian product of silu(g) * u for the output gradient go, rounded as autograd
+// rounds it through torch's mul and silu backward kernels: du = go * s and dg =
+// silu_backward(go * u, g), where s = silu(g) rounded to the dtype (the value mul saw) and
+// silu_backward(dy, x) = dy * sig(x) * (1 + x (1 - sig(x))) in fp32, written as torch writes it.
+__device__ __forceinline__ void vt_swiglu_bwd1(float go, float g, float u, int dtype, float& dg,
+                                               float& du) {
+  const float den = 1.0f + expf(-g);  // the same value in silu's forward and its backward
+  const float s = vt_round(g / den, dtype);
+  du = vt_round(go * s, dtype);
+  const float dy = vt_round(go * u, dtype);
+  const float sig = 1.0f / den;
+  dg = vt_round(dy * sig * (1.0f + g * (1.0f - sig)), dtype);
+}
+
+template <int DT>
+__device__ __forceinline__ void vt_swiglu_bwd_vec(const VtSwigluBwdParams& p) {
+  const long long n8 = p.n / 8;
+  for (long long idx = blockIdx.x * 256LL + threadIdx.x; idx < n8; idx += gridDim.x * 256LL) {
+    const uint4 o = reinterpret_cast<const uint4*>(p.go)[idx];
+    const uint4 g = reinterpret_cast<const uint4*>(p.g)[idx];
+    const uint4 u = reinterpret_cast<const uint4*>(p.u)[idx];
+    const unsigned int ow[4] = {o.x, o.y, o.z, o.w}, gw[4] = {g.x, g.y, g.z, g.w},
+                       uw[4] = {u.x, u.y, u.z, u.w};
+    unsigned int dgw[4], duw[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float dg0, du0, dg1, du1;
+      vt_swiglu_bwd1(vt_half16(ow[j], 0, DT), vt_half16(gw[j], 0, DT),
+                     vt_half16(uw[j], 0, DT), DT, dg0, du0);
+      vt_swiglu_bwd1(vt_half16(ow[j], 1, DT), vt_half16(gw[j], 1, DT),
+                     vt_half16(uw[j], 1, DT), DT, dg1, du1);
+      dgw[j] = vt_pack16(dg0, dg1, DT);
+      duw[j] = vt_pack16(du0, du1, DT);
+    }
+    reinterpret_cast<uint4*>(p.dg)[idx] = make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]);
+    reinterpret_cast<uint4*>(p.du)[idx] = make_uint4(duw[0], duw[1], duw[2], duw[3]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) vt_swiglu_bwd(const VtSwigluBwdParams p) {
+  if (p.vec) {
+    if (p.dtype == 1) {
+      vt_swiglu_bwd_vec<1>(p);
+    } else {
+      vt_swiglu_bwd_vec<2>(p);
+    }
+    return;
+  }
+  for (long long idx = blockIdx.x * 256LL + threadIdx.x; idx < p.n; idx += gridDim.x * 256LL) {
+    float dg, du;
+    vt_swiglu_bwd1(vt_load(p.go, p.dtype, idx), vt_load(p.g, p.dtype, idx),
+                   vt_load(p.u, p.dtype, idx), p.dtype, dg, du);
+    vt_store(p.dg, p.dtype, idx, dg);
+    vt_store(p.du, p.dtype, idx, du);
   }
 }
 // A decode step's rotary embedding and KV-cache write in one launch: q rotated into q_out, k
@@ -703,6 +892,7 @@ const std::string& row_source() {
                                  VT_ROW_STR(VT_ROW_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_ROPE_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_SWIGLU_PARAMS_DEF) + "\n" +
+                                 VT_ROW_STR(VT_SWIGLU_BWD_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_ROPE_STORE_PARAMS_DEF) + "\n" + kRowSource;
   return src;
 }
@@ -712,6 +902,7 @@ const std::string& row_source() {
 VT_ROW_PARAMS_DEF
 VT_ROPE_PARAMS_DEF
 VT_SWIGLU_PARAMS_DEF
+VT_SWIGLU_BWD_PARAMS_DEF
 VT_ROPE_STORE_PARAMS_DEF
 
 using namespace vt_rt;
@@ -725,6 +916,7 @@ struct RowKernels {
   CUfunction_t rope = nullptr;
   CUfunction_t swiglu = nullptr;
   CUfunction_t rope_store = nullptr;
+  CUfunction_t swiglu_bwd = nullptr;
 };
 
 std::map<int, RowKernels> g_row_kernels;  // by device
@@ -738,7 +930,7 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   const Binary bin = compile_source(row_source(), "verl_row_kernels", {}, info.arch, false);
   const auto fns = load_functions(
       bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad", "vt_rope", "vt_swiglu",
-                "vt_rope_store"});
+                "vt_rope_store", "vt_swiglu_bwd"});
   RowKernels k;
   k.sample = fns[0];
   k.stats = fns[1];
@@ -746,6 +938,7 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   k.rope = fns[3];
   k.swiglu = fns[4];
   k.rope_store = fns[5];
+  k.swiglu_bwd = fns[6];
   std::lock_guard<std::mutex> lock(rt_mutex());
   return g_row_kernels.emplace(index, k).first->second;
 }
@@ -912,8 +1105,10 @@ int storage_code(c10::ScalarType t, const char* what) {
   }
 }
 
-void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
-          const at::Tensor* out) {
+// x [B, heads, T, head_dim] (any strides) rotated with cos/sin [B, T, head_dim] into `out` (x's
+// shape, any strides that do not overlap): the forward, or with `bwd` its vector-Jacobian product.
+void rope_launch(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
+                 const at::Tensor* out, bool bwd) {
   if (x == nullptr || !x->defined() || !x->is_cuda()) {
     bad("rope x", "a CUDA tensor", x && x->defined() ? x->device().str() : "none");
   }
@@ -930,8 +1125,15 @@ void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
           sizes_str(*t));
     }
   }
-  check(out, "rope out [B, heads, T, head_dim]", 4, B, x->scalar_type(), dev);
+  if (out == nullptr || !out->defined()) bad("rope out", "a tensor", "none");
+  if (out->device() != dev) bad("rope out device", dev.str(), out->device().str());
+  if (out->scalar_type() != x->scalar_type()) {
+    bad("rope out dtype", c10::toString(x->scalar_type()), c10::toString(out->scalar_type()));
+  }
   if (!out->sizes().equals(x->sizes())) bad("rope out shape", sizes_str(*x), sizes_str(*out));
+  if (!out->is_non_overlapping_and_dense()) {
+    bad("rope out", "a dense tensor (no overlapping elements)", "a strided view");
+  }
   c10::DeviceGuard guard(dev);
   const int index = dev.index();
   VtRopeParams p{};
@@ -947,7 +1149,12 @@ void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
   p.sh = x->stride(1);
   p.st = x->stride(2);
   p.sd = x->stride(3);
+  p.ob = out->stride(0);
+  p.oh = out->stride(1);
+  p.ot = out->stride(2);
+  p.od = out->stride(3);
   p.dtype = dtype;
+  p.bwd = bwd ? 1 : 0;
   const int64_t n = B * H * T * (D / 2);
   if (n == 0) return;
   const DeviceInfo& info = device_info(index);
@@ -956,6 +1163,27 @@ void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
   int64_t blocks = (n + 255) / 256;
   const int64_t cap = static_cast<int64_t>(info.sms) * 16;
   if (blocks > cap) blocks = cap;
+  // 32-bit index arithmetic where the largest index, offset and loop bound fit.
+  const auto extent = [](const at::Tensor& t) {
+    int64_t e = 1;
+    for (int64_t d = 0; d < t.dim(); ++d) e += (t.size(d) - 1) * std::abs(t.stride(d));
+    return e;
+  };
+  const int64_t lim = (int64_t{1} << 31) - blocks * 256 - 1;
+  p.small = (n < lim && extent(*x) < lim && extent(*out) < lim && B * T * D < lim) ? 1 : 0;
+  const auto even = [](const at::Tensor& t) {
+    return t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0 && t.stride(2) % 2 == 0 &&
+           reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
+  };
+  p.x2 = (p.small && dtype != 0 && D % 4 == 0 && p.sd == 1 && p.od == 1 && even(*x) &&
+          even(*out) && reinterpret_cast<uintptr_t>(p.cos) % 4 == 0 &&
+          reinterpret_cast<uintptr_t>(p.sin) % 4 == 0)
+             ? 1
+             : 0;
+  if (p.x2) {
+    // Half the items: two pairs each.
+    blocks = std::min<int64_t>((n / 2 + 255) / 256, cap);
+  }
   const CudaApi& cu = cuda_checked();
   void* args[] = {&p};
   cu_check(cu.cuLaunchKernel(k.rope, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
@@ -963,33 +1191,38 @@ void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
            "cuLaunchKernel(vt_rope)");
 }
 
-void swiglu(const at::Tensor* x, const at::Tensor* out) {
-  if (x == nullptr || !x->defined() || !x->is_cuda()) {
-    bad("swiglu x", "a CUDA tensor", x && x->defined() ? x->device().str() : "none");
+void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
+          const at::Tensor* out) {
+  if (out != nullptr && out->defined() && !out->is_contiguous()) {
+    bad("rope out", "a contiguous tensor", "a strided one");
   }
-  const at::Device dev = x->device();
-  if (x->dim() != 2 || x->size(1) % 2 != 0) {
-    bad("swiglu x", "[rows, 2 * intermediate]", sizes_str(*x));
-  }
-  if (x->stride(1) != 1) bad("swiglu x", "unit stride along the last dimension", "a strided one");
-  const int64_t R = x->size(0), I = x->size(1) / 2;
-  const int dtype = storage_code(x->scalar_type(), "swiglu x dtype");
-  check(out, "swiglu out [rows, intermediate]", 2, R, x->scalar_type(), dev);
+  rope_launch(x, cos, sin, out, false);
+}
+
+// silu(gate) * up into `out` [rows, I] (contiguous); gate and up [rows, I] with unit stride
+// along the last dimension (any row stride).
+void swiglu_launch(const at::Tensor& gate, const at::Tensor& up, const at::Tensor* out) {
+  const at::Device dev = gate.device();
+  const int64_t R = gate.size(0), I = gate.size(1);
+  const int dtype = storage_code(gate.scalar_type(), "swiglu x dtype");
+  check(out, "swiglu out [rows, intermediate]", 2, R, gate.scalar_type(), dev);
   if (out->size(1) != I) bad("swiglu out shape", "[" + std::to_string(R) + ", " +
                                                       std::to_string(I) + "]", sizes_str(*out));
   if (R == 0 || I == 0) return;
   c10::DeviceGuard guard(dev);
   const int index = dev.index();
   VtSwigluParams p{};
-  p.x = x->data_ptr();
+  p.x = gate.data_ptr();
+  p.up = up.data_ptr();
   p.out = out->data_ptr();
   p.rows = R;
   p.inter = I;
-  p.stride = R > 1 ? x->stride(0) : 2 * I;
+  p.stride = R > 1 ? gate.stride(0) : I;
+  p.ustride = R > 1 ? up.stride(0) : I;
   p.dtype = dtype;
   const auto addr = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
-  p.vec = dtype != 0 && I % 8 == 0 && p.stride % 8 == 0 && addr(p.x) % 16 == 0 &&
-          addr(p.out) % 16 == 0;
+  p.vec = dtype != 0 && I % 8 == 0 && p.stride % 8 == 0 && p.ustride % 8 == 0 &&
+          addr(p.x) % 16 == 0 && addr(p.up) % 16 == 0 && addr(p.out) % 16 == 0;
   const int64_t n = p.vec ? R * (I / 8) : R * I;
   const DeviceInfo& info = device_info(index);
   make_current(info);
@@ -1003,6 +1236,121 @@ void swiglu(const at::Tensor* x, const at::Tensor* out) {
                              current_stream(index), args, nullptr),
            "cuLaunchKernel(vt_swiglu)");
 }
+
+void swiglu(const at::Tensor* x, const at::Tensor* out) {
+  if (x == nullptr || !x->defined() || !x->is_cuda()) {
+    bad("swiglu x", "a CUDA tensor", x && x->defined() ? x->device().str() : "none");
+  }
+  if (x->dim() != 2 || x->size(1) % 2 != 0) {
+    bad("swiglu x", "[rows, 2 * intermediate]", sizes_str(*x));
+  }
+  if (x->stride(1) != 1) bad("swiglu x", "unit stride along the last dimension", "a strided one");
+  const int64_t I = x->size(1) / 2;
+  swiglu_launch(x->narrow(1, 0, I), x->narrow(1, I, I), out);
+}
+
+// dg, du (contiguous, go's shape) of silu(g) * u for the output gradient go; all contiguous.
+void swiglu_bwd_launch(const at::Tensor& go, const at::Tensor& g, const at::Tensor& u,
+                       const at::Tensor& dg, const at::Tensor& du) {
+  for (const at::Tensor* t : {&go, &g, &u, &dg, &du}) {
+    if (!t->is_contiguous() || !t->sizes().equals(go.sizes()) ||
+        t->scalar_type() != go.scalar_type() || t->device() != go.device()) {
+      bad("swiglu backward operand", "contiguous tensors of one shape, dtype and device",
+          sizes_str(*t) + " " + c10::toString(t->scalar_type()) + " on " + t->device().str());
+    }
+  }
+  const int64_t n = go.numel();
+  if (n == 0) return;
+  const at::Device dev = go.device();
+  c10::DeviceGuard guard(dev);
+  const int index = dev.index();
+  VtSwigluBwdParams p{};
+  p.go = go.data_ptr();
+  p.g = g.data_ptr();
+  p.u = u.data_ptr();
+  p.dg = dg.data_ptr();
+  p.du = du.data_ptr();
+  p.n = n;
+  p.dtype = storage_code(go.scalar_type(), "swiglu backward dtype");
+  const auto addr = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
+  p.vec = p.dtype != 0 && n % 8 == 0;
+  for (const void* q : {p.go, p.g, p.u, static_cast<const void*>(p.dg),
+                        static_cast<const void*>(p.du)}) {
+    if (addr(q) % 16 != 0) p.vec = 0;
+  }
+  const int64_t work = p.vec ? n / 8 : n;
+  const DeviceInfo& info = device_info(index);
+  make_current(info);
+  const RowKernels k = row_kernels(index, info);
+  int64_t blocks = (work + 255) / 256;
+  const int64_t cap = static_cast<int64_t>(info.sms) * 16;
+  if (blocks > cap) blocks = cap;
+  const CudaApi& cu = cuda_checked();
+  void* args[] = {&p};
+  cu_check(cu.cuLaunchKernel(k.swiglu_bwd, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
+                             current_stream(index), args, nullptr),
+           "cuLaunchKernel(vt_swiglu_bwd)");
+}
+
+// Autograd functions over the kernels above, for training forwards: each backward is one kernel
+// and bit-identical to autograd's backward through the torch ops the forward replaces.
+
+// x [B, heads, T, head_dim] -> rotated, in x's memory layout where x is dense (a transposed view of
+// a projection stays one), so the gradient handed back is laid out as x's producer wants it.
+struct RopeFn : public torch::autograd::Function<RopeFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& cos, const at::Tensor& sin) {
+    at::Tensor out = x.is_non_overlapping_and_dense() ? at::empty_like(x)
+                                                      : at::empty(x.sizes(), x.options());
+    rope_launch(&x, &cos, &sin, &out, false);
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["strides"] = out.strides().vec();
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& g = grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const std::vector<int64_t> strides = ctx->saved_data["strides"].toIntVector();
+    at::Tensor dx = at::empty_strided(g.sizes(), strides, g.options());
+    rope_launch(&g, &saved[0], &saved[1], &dx, true);
+    return {dx, at::Tensor(), at::Tensor()};
+  }
+};
+
+// silu(gate) * up over two tensors of one shape; saves gate and up (not silu(gate): the backward
+// recomputes it, rounded as the forward rounded it).
+struct SiluMulFn : public torch::autograd::Function<SiluMulFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
+                            const at::Tensor& up) {
+    if (!gate.sizes().equals(up.sizes()) || gate.scalar_type() != up.scalar_type() ||
+        gate.device() != up.device() || gate.dim() < 1) {
+      bad("silu_mul gate/up", "two tensors of one shape, dtype and device",
+          sizes_str(gate) + " and " + sizes_str(up));
+    }
+    if (!gate.is_cuda()) bad("silu_mul gate", "a CUDA tensor", gate.device().str());
+    const at::Tensor g = gate.contiguous(), u = up.contiguous();
+    const int64_t I = g.size(-1), R = I == 0 ? 0 : g.numel() / I;
+    at::Tensor out = at::empty(g.sizes(), g.options());
+    const at::Tensor out2 = out.view({R, I});
+    swiglu_launch(g.view({R, I}), u.view({R, I}), &out2);
+    ctx->save_for_backward({g, u});
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor go = grads[0].contiguous();
+    at::Tensor dg = at::empty(saved[0].sizes(), saved[0].options());
+    at::Tensor du = at::empty(saved[1].sizes(), saved[1].options());
+    swiglu_bwd_launch(go, saved[0], saved[1], dg, du);
+    return {dg, du};
+  }
+};
 
 // [S, n, D] with unit stride along D (any other strides).
 void check_heads(const at::Tensor* t, const char* name, int64_t S, int64_t D,
@@ -1212,6 +1560,38 @@ char* vt_rope_store(at::Tensor* q, at::Tensor* k, at::Tensor* v, at::Tensor* cos
 #else
     (void)q, (void)k, (void)v, (void)cos, (void)sin, (void)slots, (void)k_cache, (void)v_cache,
         (void)q_out;
+    no_cuda();
+#endif
+  });
+}
+
+// Autograd-recorded rotary embedding of `x` [B, heads, T, head_dim] (see RopeFn): a new tensor in
+// `*out` (freed by the caller), bit-identical to the torch ops forward and backward.
+char* vt_rope_autograd(at::Tensor* x, at::Tensor* cos, at::Tensor* sin, at::Tensor** out) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    if (x == nullptr || cos == nullptr || sin == nullptr || out == nullptr) {
+      bad("rope", "tensors", "a null handle");
+    }
+    if (cos->requires_grad() || sin->requires_grad()) {
+      bad("rope cos/sin", "tensors that need no gradient", "a tensor that requires grad");
+    }
+    *out = new at::Tensor(RopeFn::apply(*x, *cos, *sin));
+#else
+    (void)x, (void)cos, (void)sin, (void)out;
+    no_cuda();
+#endif
+  });
+}
+
+// Autograd-recorded silu(gate) * up (see SiluMulFn): a new tensor in `*out` (freed by the caller).
+char* vt_silu_mul(at::Tensor* gate, at::Tensor* up, at::Tensor** out) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    if (gate == nullptr || up == nullptr || out == nullptr) bad("silu_mul", "tensors", "null");
+    *out = new at::Tensor(SiluMulFn::apply(*gate, *up));
+#else
+    (void)gate, (void)up, (void)out;
     no_cuda();
 #endif
   });

@@ -32,6 +32,13 @@ extern "C" {
     ) -> *mut c_char;
     fn vt_rope(x: CTensor, cos: CTensor, sin: CTensor, out: CTensor) -> *mut c_char;
     fn vt_swiglu(x: CTensor, out: CTensor) -> *mut c_char;
+    fn vt_rope_autograd(
+        x: CTensor,
+        cos: CTensor,
+        sin: CTensor,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
+    fn vt_silu_mul(gate: CTensor, up: CTensor, out: *mut *mut torch_sys::C_tensor) -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
     fn vt_rope_store(
         q: CTensor,
@@ -250,6 +257,42 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
     let err = unsafe { vt_swiglu(x2.as_ptr(), out.as_ptr()) };
     check("swiglu", err)?;
     out.f_view(out_size.as_slice()).map_err(torch("view"))
+}
+
+/// Takes ownership of the tensor a shim call allocated into `out` (null after a failed call).
+fn adopt(op: &'static str, err: *mut c_char, out: *mut torch_sys::C_tensor) -> Result<Tensor> {
+    check(op, err)?;
+    if out.is_null() {
+        return Err(TorchExtError::Torch {
+            op,
+            message: "no tensor returned".into(),
+        });
+    }
+    // SAFETY: a successful call stored a heap `at::Tensor*` that nothing else owns; tch frees it.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// [`rope`] for training forwards: recorded by autograd, whose backward is one kernel too,
+/// bit-identical to autograd's backward through the torch ops (`g * cos` plus rotate_half's
+/// transpose of `g * sin`, each rounded as they round). `x` `[B, heads, T, head_dim]` (CUDA);
+/// `cos`/`sin` `[B, T, head_dim]` contiguous, x's dtype, without gradient. The result keeps x's
+/// memory layout where x is dense (a transposed view of a projection), and so does the
+/// gradient handed back to x.
+pub fn rope_autograd(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors borrowed for the call; the shim validates them and allocates `out`.
+    let err = unsafe { vt_rope_autograd(x.as_ptr(), cos.as_ptr(), sin.as_ptr(), &mut out) };
+    adopt("rope_autograd", err, out)
+}
+
+/// `silu(gate) * up` recorded by autograd (CUDA; one shape, dtype and device for both), forward
+/// and backward one kernel each, both bit-identical to torch's `silu` and `mul` and their
+/// backward. Saves `gate` and `up` only (torch's ops also keep `silu(gate)`).
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors borrowed for the call; the shim validates them and allocates `out`.
+    let err = unsafe { vt_silu_mul(gate.as_ptr(), up.as_ptr(), &mut out) };
+    adopt("silu_mul", err, out)
 }
 
 /// A decode step's rotary embedding and KV-cache write in one kernel: returns `q` `[S, H, D]`

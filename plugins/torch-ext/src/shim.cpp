@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <c10/util/Exception.h>
 
 #include "ext_util.h"
@@ -185,6 +186,28 @@ char* vt_graph_replay(void* g) {
     (void)g;
     throw std::runtime_error("CUDA graphs: this build of the torch extension has no CUDA");
 #endif
+  });
+}
+
+// libtorch's (kineto) profiler over this process: CUDA kernels and copies (and CPU-side aten ops
+// with `cpu`) from vt_trace_start to vt_trace_stop, saved as a Chrome trace (JSON) at `path`.
+char* vt_trace_start(int cpu) {
+  return vt_util::guarded([&] {
+    using torch::profiler::impl::ActivityType;
+    using torch::profiler::impl::ProfilerConfig;
+    using torch::profiler::impl::ProfilerState;
+    const ProfilerConfig cfg(ProfilerState::KINETO);
+    std::set<ActivityType> acts{ActivityType::CUDA};
+    if (cpu != 0) acts.insert(ActivityType::CPU);
+    torch::autograd::profiler::prepareProfiler(cfg, acts);
+    torch::autograd::profiler::enableProfiler(cfg, acts);
+  });
+}
+
+char* vt_trace_stop(const char* path) {
+  return vt_util::guarded([&] {
+    auto result = torch::autograd::profiler::disableProfiler();
+    if (result && path != nullptr) result->save(path);
   });
 }
 

@@ -322,16 +322,22 @@ impl ChunkedLmHead {
                 let w = weight_leaf.f_detach().op(OP)?;
                 g_hidden.push(g_logits.f_mm(&w.f_to_kind(h.kind()).op(OP)?).op(OP)?);
                 if want_weight_grad {
-                    let gw = g_logits
-                        .f_tr()
-                        .op(OP)?
-                        .f_mm(&h)
-                        .op(OP)?
-                        .f_to_kind(acc_kind)
-                        .op(OP)?;
-                    g_weight = Some(match g_weight {
-                        None => gw,
-                        Some(acc) => acc.f_add(&gw).op(OP)?,
+                    let gt = g_logits.f_tr().op(OP)?;
+                    g_weight = Some(if fp32_accumulating_gemm(&h, acc_kind) {
+                        // One GEMM per chunk accumulating in fp32 (no bf16 rounding of each
+                        // chunk's product, no conversion and add passes over [V, H]).
+                        match g_weight {
+                            None => gt.f_mm_dtype(&h, Kind::Float).op(OP)?,
+                            Some(acc) => {
+                                acc.f_addmm_dtype_out(&acc, &gt, &h, Kind::Float).op(OP)?
+                            }
+                        }
+                    } else {
+                        let gw = gt.f_mm(&h).op(OP)?.f_to_kind(acc_kind).op(OP)?;
+                        match g_weight {
+                            None => gw,
+                            Some(acc) => acc.f_add(&gw).op(OP)?,
+                        }
                     });
                 }
                 continue;
@@ -371,6 +377,24 @@ impl ChunkedLmHead {
                     Some(acc) => acc.f_add(&gw).op(OP)?,
                 });
             }
+        }
+        if kept.is_some()
+            && hidden.requires_grad()
+            && !g_hidden.is_empty()
+            && matches!(hidden.device(), tch::Device::Cuda(_))
+        {
+            // The fused path on CUDA: the gradients handed straight to hidden and weight by one
+            // autograd node (one pass each) instead of differentiating Σ hidden·g_h + Σ weight·g_w.
+            let g_hidden = Tensor::f_cat(&g_hidden, 0).op(OP)?;
+            let zero = Tensor::f_zeros([], (acc_kind, hidden.device())).op(OP)?;
+            let push = verl_torch_ext::inject_grads(
+                &zero,
+                hidden,
+                Some(&g_hidden),
+                weight,
+                g_weight.as_ref().filter(|_| weight.requires_grad()),
+            )?;
+            return Ok((loss.f_detach().op(OP)?, stats, Some(push)));
         }
         let mut push: Option<Tensor> = None;
         if hidden.requires_grad() && !g_hidden.is_empty() {
@@ -492,6 +516,14 @@ fn chunks(n: i64, size: i64) -> impl Iterator<Item = (i64, i64)> {
 }
 
 /// fp64 stays fp64; everything else is computed in fp32.
+/// Whether a `[V, C] x [C, H]` product of `h`'s dtype can accumulate straight into an fp32
+/// tensor through cuBLAS (`addmm` with an fp32 output for bf16/fp16 operands on CUDA).
+fn fp32_accumulating_gemm(h: &Tensor, acc_kind: Kind) -> bool {
+    acc_kind == Kind::Float
+        && matches!(h.kind(), Kind::BFloat16 | Kind::Half)
+        && matches!(h.device(), tch::Device::Cuda(_))
+}
+
 fn work_kind(t: &Tensor) -> Kind {
     if t.kind() == Kind::Double {
         Kind::Double

@@ -160,3 +160,47 @@ fn fused_lm_head_matches_full_logits_autograd_in_fp32() {
     assert!(lp_err < 1e-4 && ent_err < 1e-4, "values {lp_err} {ent_err}");
     assert!(gh < 1e-3 && gw < 1e-3, "grads {gh} {gw}");
 }
+
+/// The fused head's surrogate on CUDA (gradients handed to hidden and weight by one autograd
+/// node) with a tied weight: the hidden states are an embedding lookup of the same weight, so
+/// the weight's gradient sums the head's and the embedding's, as full-logits autograd on the
+/// CPU computes it; a bf16 weight gets it in bf16.
+#[test]
+fn fused_surrogate_with_a_tied_weight_matches_the_cpu() {
+    let Some(dev) = cuda() else { return };
+    tch::manual_seed(5);
+    let (n, h, v) = (260i64, 32i64, 3000i64);
+    let w0 = Tensor::randn([v, h], (Kind::Float, Device::Cpu)) * 0.2;
+    let ids = Tensor::randint(v, [n], (Kind::Int64, Device::Cpu));
+    let targets = Tensor::randint(v, [n], (Kind::Int64, Device::Cpu));
+    let adv = Tensor::randn([n], (Kind::Float, Device::Cpu));
+    let run = |dev: Device, kind: Kind| -> (Tensor, Tensor) {
+        let w = w0
+            .to_device(dev)
+            .to_kind(kind)
+            .detach()
+            .set_requires_grad(true);
+        let hidden = Tensor::embedding(&w, &ids.to_device(dev), -1, false, false) * 1.5;
+        let head = ChunkedLmHead::new(64, 0.9, true);
+        let adv = adv.to_device(dev);
+        let (surrogate, stats) = head
+            .loss_and_surrogate(&hidden, &w, &targets.to_device(dev), |lp, ent| {
+                Ok((lp * &adv).mean(Kind::Float).neg() + ent.unwrap().mean(Kind::Float) * 0.01)
+            })
+            .unwrap();
+        surrogate.backward();
+        (w.grad(), stats.log_probs)
+    };
+    let (g_cpu, lp_cpu) = run(Device::Cpu, Kind::Float);
+    let (g_cuda, lp_cuda) = run(dev, Kind::Float);
+    let lp_err = max_rel_err(&to_vec(&lp_cuda), &to_vec(&lp_cpu), 1.0);
+    let gw = max_rel_err(&to_vec(&g_cuda), &to_vec(&g_cpu), 1e-4);
+    assert!(
+        lp_err < 1e-4 && gw < 1e-3,
+        "fp32: log-probs {lp_err}, tied grad {gw}"
+    );
+    let (g_bf16, _) = run(dev, Kind::BFloat16);
+    assert_eq!(g_bf16.kind(), Kind::BFloat16);
+    let gb = max_rel_err(&to_vec(&g_bf16), &to_vec(&g_cpu), 1e-2);
+    assert!(gb < 5e-2, "bf16 tied grad {gb}");
+}

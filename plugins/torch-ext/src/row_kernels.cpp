@@ -31,6 +31,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/mul.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -213,13 +214,43 @@ __device__ long long block_argmax(float v, long long i) {
   return best;
 }
 
-// The row's scaled-logit state, thread-strided (coalesced).
+// Four values into the state with one max test and at most one rescale (instead of a
+// divergent branch per value).
+__device__ __forceinline__ void acc_add4(Acc& a, float x0, float x1, float x2, float x3) {
+  const float m4 = fmaxf(fmaxf(x0, x1), fmaxf(x2, x3));
+  if (m4 > a.m) {
+    const float c = a.m == vt_neg_inf() ? 0.0f : expf(a.m - m4);
+    a.s *= c;
+    a.w *= c;
+    a.m = m4;
+  }
+  const float xs[4] = {x0, x1, x2, x3};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (xs[k] == vt_neg_inf()) continue;  // exp(-inf) = 0 adds nothing (and -inf * 0 is NaN)
+    const float e = expf(xs[k] - a.m);
+    a.s += e;
+    a.w += e * xs[k];
+  }
+}
+
+// The row's scaled-logit state: through 16-byte loads where the row allows (V % 4 == 0 and an
+// aligned row), thread-strided (coalesced) either way.
 __device__ Acc row_acc(const float* row, long long V, float t) {
   Acc a;
   a.m = vt_neg_inf();
   a.s = 0.0f;
   a.w = 0.0f;
-  for (long long v = threadIdx.x; v < V; v += THREADS) acc_add(a, vt_scaled(row[v], t));
+  if (V % 4 == 0 && (reinterpret_cast<unsigned long long>(row) & 15ull) == 0) {
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+    const int n4 = (int)(V / 4);
+    for (int v = threadIdx.x; v < n4; v += THREADS) {
+      const float4 x = r4[v];
+      acc_add4(a, vt_scaled(x.x, t), vt_scaled(x.y, t), vt_scaled(x.z, t), vt_scaled(x.w, t));
+    }
+  } else {
+    for (long long v = threadIdx.x; v < V; v += THREADS) acc_add(a, vt_scaled(row[v], t));
+  }
   return block_acc(a);
 }
 
@@ -472,6 +503,10 @@ __device__ __forceinline__ void vt_store(void* base, int dtype, long long i, flo
   }
 }
 
+// Defined with the elementwise kernels below.
+__device__ __forceinline__ float vt_round(float g, int dtype);
+__device__ __forceinline__ unsigned int vt_pack16(float lo, float hi, int dtype);
+
 extern "C" __global__ void __launch_bounds__(THREADS) vt_token_stats_grad(const VtRowParams p) {
   const long long r = blockIdx.x;
   const long long V = p.vocab;
@@ -481,6 +516,37 @@ extern "C" __global__ void __launch_bounds__(THREADS) vt_token_stats_grad(const 
   const float gent = p.g_ent != nullptr ? p.g_ent[r] : 0.0f;
   const long long tg = p.targets[r];
   const float inv_t = 1.0f / t;
+  if (V % 4 == 0 && V / 4 < 0x7fffffffLL && (reinterpret_cast<unsigned long long>(row) & 15ull) == 0 &&
+      (p.grad_dtype == 0 ? (reinterpret_cast<unsigned long long>(p.grad) & 15ull) == 0
+                         : (reinterpret_cast<unsigned long long>(p.grad) & 7ull) == 0)) {
+    // Four logits per 16-byte load; four gradients per 16-byte (fp32) or 8-byte store.
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+    const int n4 = (int)(V / 4);
+    for (int v4 = threadIdx.x; v4 < n4; v4 += THREADS) {
+      const float4 x = r4[v4];
+      const float xv[4] = {x.x, x.y, x.z, x.w};
+      float g[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float xs = vt_scaled(xv[k], t);
+        const float pr = expf(xs - lse);
+        float gk = -glp * pr - gent * pr * (xs - mean);
+        if (4LL * v4 + k == tg) gk += glp;
+        g[k] = t == 1.0f ? gk : gk * inv_t;
+      }
+      const long long o = r * V + 4LL * v4;
+      if (p.grad_dtype == 0) {
+        *reinterpret_cast<float4*>(static_cast<float*>(p.grad) + o) = make_float4(g[0], g[1], g[2], g[3]);
+      } else {
+        const int dt = p.grad_dtype;
+        uint2 w;
+        w.x = vt_pack16(vt_round(g[0], dt), vt_round(g[1], dt), dt);
+        w.y = vt_pack16(vt_round(g[2], dt), vt_round(g[3], dt), dt);
+        *reinterpret_cast<uint2*>(static_cast<unsigned short*>(p.grad) + o) = w;
+      }
+    }
+    return;
+  }
   for (long long v = threadIdx.x; v < V; v += THREADS) {
     const float xs = vt_scaled(row[v], t);
     const float pr = expf(xs - lse);
@@ -1352,6 +1418,45 @@ struct SiluMulFn : public torch::autograd::Function<SiluMulFn> {
   }
 };
 
+// A tensor equal to `value` whose backward hands precomputed gradients to two inputs: `ga * g`
+// to `a` and `gb * g` to `b` (g the gradient arriving at the result, a scalar for a scalar
+// value), each computed in their dtype (fp32 for an fp32 gradient) and written in the input's
+// dtype in one pass. An undefined `ga`/`gb` gives that input no gradient.
+struct InjectFn : public torch::autograd::Function<InjectFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& value,
+                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& ga,
+                            const at::Tensor& gb) {
+    for (const auto& [x, gx, name] :
+         {std::tuple<const at::Tensor&, const at::Tensor&, const char*>{a, ga, "a"},
+          std::tuple<const at::Tensor&, const at::Tensor&, const char*>{b, gb, "b"}}) {
+      if (gx.defined() && (!x.defined() || !gx.sizes().equals(x.sizes()))) {
+        bad(std::string("inject_grads gradient of ") + name,
+            x.defined() ? sizes_str(x) : std::string("a defined input"), sizes_str(gx));
+      }
+    }
+    ctx->saved_data["ga"] = ga;
+    ctx->saved_data["gb"] = gb;
+    ctx->saved_data["a_kind"] = static_cast<int64_t>(a.defined() ? a.scalar_type() : ga.scalar_type());
+    ctx->saved_data["b_kind"] = static_cast<int64_t>(b.defined() ? b.scalar_type() : gb.scalar_type());
+    return value.clone();
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& g = grads[0];
+    const auto scaled = [&](const char* key, const char* kind_key) -> at::Tensor {
+      const at::Tensor gx = ctx->saved_data[key].toTensor();
+      if (!gx.defined() || !g.defined()) return at::Tensor();
+      const auto kind = static_cast<c10::ScalarType>(ctx->saved_data[kind_key].toInt());
+      at::Tensor out = at::empty(gx.sizes(), gx.options().dtype(kind));
+      at::mul_out(out, gx, g.to(gx.scalar_type()));
+      return out;
+    };
+    return {at::Tensor(), scaled("ga", "a_kind"), scaled("gb", "b_kind"), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
 // [S, n, D] with unit stride along D (any other strides).
 void check_heads(const at::Tensor* t, const char* name, int64_t S, int64_t D,
                  c10::ScalarType kind, const at::Device& dev) {
@@ -1592,6 +1697,23 @@ char* vt_silu_mul(at::Tensor* gate, at::Tensor* up, at::Tensor** out) {
     *out = new at::Tensor(SiluMulFn::apply(*gate, *up));
 #else
     (void)gate, (void)up, (void)out;
+    no_cuda();
+#endif
+  });
+}
+
+// See InjectFn: a new tensor equal to `value` in `*out` (freed by the caller). `a`, `b`, `ga`,
+// `gb` may be null (undefined).
+char* vt_inject_grads(at::Tensor* value, at::Tensor* a, at::Tensor* b, at::Tensor* ga,
+                      at::Tensor* gb, at::Tensor** out) {
+  return vt_util::guarded([&] {
+    if (value == nullptr || out == nullptr) bad("inject_grads", "a value", "null");
+    const at::Tensor none;
+    const auto ref = [&](at::Tensor* t) -> const at::Tensor& { return t ? *t : none; };
+#ifdef VERL_WITH_CUDA
+    *out = new at::Tensor(InjectFn::apply(*value, ref(a), ref(b), ref(ga), ref(gb)));
+#else
+    (void)ref;
     no_cuda();
 #endif
   });

@@ -39,6 +39,14 @@ extern "C" {
         out: *mut *mut torch_sys::C_tensor,
     ) -> *mut c_char;
     fn vt_silu_mul(gate: CTensor, up: CTensor, out: *mut *mut torch_sys::C_tensor) -> *mut c_char;
+    fn vt_inject_grads(
+        value: CTensor,
+        a: CTensor,
+        b: CTensor,
+        ga: CTensor,
+        gb: CTensor,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
     fn vt_rope_store(
         q: CTensor,
@@ -293,6 +301,34 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     // SAFETY: live tch tensors borrowed for the call; the shim validates them and allocates `out`.
     let err = unsafe { vt_silu_mul(gate.as_ptr(), up.as_ptr(), &mut out) };
     adopt("silu_mul", err, out)
+}
+
+/// A tensor equal to `value` whose backward hands precomputed gradients to two tensors: `ga · g`
+/// to `a` and `gb · g` to `b`, where `g` is the gradient arriving at the result (`value` is a
+/// scalar), each written in its input's dtype in one pass (an fp32 `gb` for a bf16 `b` is
+/// rounded once). A `None` gradient gives that input none. For a loss whose gradients were
+/// computed by hand (the chunked LM head): one kernel per input instead of differentiating
+/// `Σ a·ga + Σ b·gb`. Needs a CUDA build of the extension.
+pub fn inject_grads(
+    value: &Tensor,
+    a: &Tensor,
+    ga: Option<&Tensor>,
+    b: &Tensor,
+    gb: Option<&Tensor>,
+) -> Result<Tensor> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors (or null for an absent gradient) borrowed for the call.
+    let err = unsafe {
+        vt_inject_grads(
+            value.as_ptr(),
+            a.as_ptr(),
+            b.as_ptr(),
+            ptr(ga),
+            ptr(gb),
+            &mut out,
+        )
+    };
+    adopt("inject_grads", err, out)
 }
 
 /// A decode step's rotary embedding and KV-cache write in one kernel: returns `q` `[S, H, D]`

@@ -491,6 +491,7 @@ impl FsdpActor {
             false => None,
         };
         let temperature = o.temperature.unwrap_or(self.default_temperature);
+        let kept_logits_bytes = kept_logits_budget(device);
         let total = o
             .extra
             .get("total_training_steps")
@@ -587,6 +588,7 @@ impl FsdpActor {
                                     need_entropy,
                                     temperature,
                                     chunk_tokens: head_chunk,
+                                    kept_logits_bytes,
                                 },
                             )
                         },
@@ -719,6 +721,24 @@ pub struct MicroBatchLoss<'a> {
     pub need_entropy: bool,
     pub temperature: f64,
     pub chunk_tokens: i64,
+    /// fp32 logits the LM head may keep from its forward for its backward (bytes); see
+    /// [`kept_logits_budget`].
+    pub kept_logits_bytes: u64,
+}
+
+/// Bytes of fp32 LM-head logits an update may keep from a micro-batch's forward for its backward
+/// (saving one head GEMM per chunk): a quarter of the device memory free now (`cuMemGetInfo`,
+/// which does not count what the caching allocator already holds), so keeping them cannot take
+/// the last of it; 0 off CUDA, when the query fails, or with `VERL_KEEP_HEAD_LOGITS=0`.
+pub fn kept_logits_budget(device: Device) -> u64 {
+    let Device::Cuda(gpu) = device else { return 0 };
+    if std::env::var("VERL_KEEP_HEAD_LOGITS").as_deref() == Ok("0") {
+        return 0;
+    }
+    verl_comm::nccl::cuda_context(gpu)
+        .ok()
+        .and_then(|ctx| ctx.mem_get_info().ok())
+        .map_or(0, |(free, _)| free as u64 / 4)
 }
 
 /// The actor loss of one micro-batch from the final hidden states `[rows, L, H]`, as a surrogate
@@ -734,7 +754,8 @@ pub fn actor_micro_batch_loss(
 ) -> Result<(Tensor, std::collections::BTreeMap<String, f64>)> {
     check_temperature(m.temperature)?;
     let picked = layout.gather(hidden)?;
-    let head = ChunkedLmHead::new(m.chunk_tokens, m.temperature, m.need_entropy);
+    let head = ChunkedLmHead::new(m.chunk_tokens, m.temperature, m.need_entropy)
+        .with_kept_logits(m.kept_logits_bytes);
     let mut metrics = None;
     let (surrogate, _) = head.loss_and_surrogate(&picked, weight, &layout.targets, |lp, ent| {
         let torch = |source| verl_losses::LossError::Torch {

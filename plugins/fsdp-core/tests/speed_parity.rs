@@ -332,6 +332,7 @@ fn surrogate_backward_equals_full_logits_backward() {
                                     need_entropy: true,
                                     temperature: TEMPERATURE,
                                     chunk_tokens: chunk,
+                                    kept_logits_bytes: 0,
                                 },
                             )
                             .unwrap();

@@ -40,8 +40,10 @@ pub fn logprobs_from_logits(logits: &Tensor, labels: &Tensor) -> Result<Tensor> 
     picked.f_sub(&logits.f_logsumexp(-1, false).op(OP)?).op(OP)
 }
 
-/// A chunk's per-token `(logsumexp, E_p[logits / T])`, kept from the fused forward for the backward.
-type ChunkConstants = (Tensor, Tensor);
+/// A chunk's per-token `(logsumexp, E_p[logits / T])` kept from the fused forward for the backward,
+/// with the chunk's fp32 logits where the memory budget kept them (the backward then skips their
+/// recomputation).
+type ChunkConstants = (Tensor, Tensor, Option<Tensor>);
 
 /// Options of the chunked LM-head computation.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -52,6 +54,11 @@ pub struct ChunkedLmHead {
     pub temperature: f64,
     /// Also compute the entropy of each token's distribution.
     pub with_entropy: bool,
+    /// Bytes of fp32 logits the fused CUDA path may keep from the forward of
+    /// [`ChunkedLmHead::loss_and_backward`] / [`ChunkedLmHead::loss_and_surrogate`] for their
+    /// backward (chunk by chunk, in order, while they fit), instead of recomputing them with a
+    /// GEMM. 0 (the default) keeps none.
+    pub kept_logits_bytes: u64,
 }
 
 /// Per-token results: `[N]` fp32 (fp64 when the hidden states are fp64).
@@ -67,7 +74,15 @@ impl ChunkedLmHead {
             chunk_tokens,
             temperature,
             with_entropy,
+            kept_logits_bytes: 0,
         }
+    }
+
+    /// This head with a budget of `bytes` for fp32 logits kept between the forward and the
+    /// backward (see [`ChunkedLmHead::kept_logits_bytes`]).
+    pub fn with_kept_logits(mut self, bytes: u64) -> Self {
+        self.kept_logits_bytes = bytes;
+        self
     }
 
     /// Values only (no autograd graph is kept): for `compute_log_prob` / reference log-probs.
@@ -80,7 +95,7 @@ impl ChunkedLmHead {
     ) -> Result<TokenStats> {
         self.check(hidden, weight, targets)?;
         let _guard = tch::no_grad_guard();
-        Ok(self.forward_kept(hidden, weight, targets)?.0)
+        Ok(self.forward_kept(hidden, weight, targets, 0)?.0)
     }
 
     /// Whether the fused CUDA kernels compute the statistics (and their gradient): hidden states
@@ -118,8 +133,10 @@ impl ChunkedLmHead {
         hidden: &Tensor,
         weight: &Tensor,
         targets: &Tensor,
+        keep_budget: u64,
     ) -> Result<(TokenStats, Option<Vec<ChunkConstants>>)> {
         const OP: &str = "ChunkedLmHead";
+        let mut budget = keep_budget;
         let _guard = tch::no_grad_guard();
         let n = hidden.size()[0];
         let fused = self.fused(hidden);
@@ -138,7 +155,12 @@ impl ChunkedLmHead {
                 if let Some(e) = s.entropy {
                     ents.push(e);
                 }
-                kept.push((s.lse, s.mean));
+                let bytes = (logits.numel() * logits.kind().elt_size_in_bytes()) as u64;
+                let keep = bytes <= budget;
+                if keep {
+                    budget -= bytes;
+                }
+                kept.push((s.lse, s.mean, keep.then_some(logits)));
             } else {
                 let (lp, ent) = self.chunk_stats(&h, weight, &t, false)?;
                 lps.push(lp);
@@ -236,7 +258,8 @@ impl ChunkedLmHead {
     {
         const OP: &str = "ChunkedLmHead::loss_and_backward";
         self.check(hidden, weight, targets)?;
-        let (stats, kept) = self.forward_kept(hidden, weight, targets)?;
+        let (stats, mut kept) =
+            self.forward_kept(hidden, weight, targets, self.kept_logits_bytes)?;
         let lp_leaf = stats
             .log_probs
             .f_detach()
@@ -283,7 +306,7 @@ impl ChunkedLmHead {
         let mut g_hidden = Vec::new();
         let mut g_weight: Option<Tensor> = None;
         for (ci, (start, len)) in chunks(hidden.size()[0], self.chunk_tokens).enumerate() {
-            if let Some(kept) = &kept {
+            if let Some(kept) = &mut kept {
                 // Fused: the logits' gradient from one kernel over recomputed fp32 logits, then
                 // the head's two GEMMs by hand (no autograd graph over [C, V] tensors).
                 let _guard = tch::no_grad_guard();
@@ -293,8 +316,11 @@ impl ChunkedLmHead {
                     .op(OP)?
                     .f_contiguous()
                     .op(OP)?;
-                let logits = Self::chunk_logits(&h, &weight_leaf)?;
-                let (lse, mean) = &kept[ci];
+                let (lse, mean, kept_logits) = &mut kept[ci];
+                let logits = match kept_logits.take() {
+                    Some(l) => l,
+                    None => Self::chunk_logits(&h, &weight_leaf)?,
+                };
                 let f32c = |g: &Tensor| -> Result<Tensor> {
                     g.f_narrow(0, start, len)
                         .op(OP)?

@@ -204,3 +204,36 @@ fn fused_surrogate_with_a_tied_weight_matches_the_cpu() {
     let gb = max_rel_err(&to_vec(&g_bf16), &to_vec(&g_cpu), 1e-2);
     assert!(gb < 5e-2, "bf16 tied grad {gb}");
 }
+
+/// Logits kept from the forward for the backward (a budget for two of three chunks) give the
+/// same log-probs and bit-identical gradients as recomputing them.
+#[test]
+fn kept_logits_give_the_recomputed_gradients() {
+    let Some(dev) = cuda() else { return };
+    tch::manual_seed(6);
+    let (n, h, v) = (300i64, 64i64, 4000i64);
+    let hidden = (Tensor::randn([n, h], (Kind::Float, dev)) * 0.5).to_kind(Kind::BFloat16);
+    let w = (Tensor::randn([v, h], (Kind::Float, dev)) * 0.1).to_kind(Kind::BFloat16);
+    let targets = Tensor::randint(v, [n], (Kind::Int64, dev));
+    let adv = Tensor::randn([n], (Kind::Float, dev));
+    let run = |budget: u64| {
+        let hl = hidden.detach().set_requires_grad(true);
+        let wl = w.detach().set_requires_grad(true);
+        let head = ChunkedLmHead::new(100, 0.8, true).with_kept_logits(budget);
+        let (_, stats) = head
+            .loss_and_backward(&hl, &wl, &targets, |lp, ent| {
+                Ok((lp * &adv).mean(Kind::Float).neg() + ent.unwrap().mean(Kind::Float) * 0.01)
+            })
+            .unwrap();
+        (stats.log_probs, hl.grad(), wl.grad())
+    };
+    let (lp0, gh0, gw0) = run(0);
+    let (lp1, gh1, gw1) = run(2 * 100 * 4000 * 4);
+    for (a, b, what) in [
+        (&lp0, &lp1, "log-probs"),
+        (&gh0, &gh1, "grad hidden"),
+        (&gw0, &gw1, "grad W"),
+    ] {
+        assert!(a.eq_tensor(b).all().int64_value(&[]) == 1, "{what} differ");
+    }
+}

@@ -957,8 +957,8 @@ impl KvBudget {
 
 /// The engine configuration of one generate call: `rollout.max_num_seqs` and
 /// `rollout.max_num_batched_tokens` when set; on CUDA a KV cache of
-/// `gpu_memory_utilization × total − used` bytes (device memory as `cuMemGetInfo` reports it, taken
-/// with the weights resident), capped at what every sequence of the call needs at once; on the CPU
+/// `gpu_memory_utilization × total − used` bytes (device memory as `cuMemGetInfo` reports it after
+/// the caching allocator's unused blocks are released, taken with the weights resident), capped at what every sequence of the call needs at once; on the CPU
 /// (or when the query fails) that everything-fits pool.
 pub fn kv_budget(
     model: &Transformer,
@@ -1014,6 +1014,10 @@ pub fn kv_budget(
     let longest = lens.iter().copied().max().unwrap_or(0) as usize;
     let mut budget_bytes = None;
     if let Device::Cuda(gpu) = device {
+        // The caching allocator's unused blocks (the last update's activations) go back to the
+        // driver first, as verl's hybrid engine empties the cache before rollout: "used" is then
+        // what is live (weights, gradients, optimizer state), not what training last touched.
+        verl_torch_ext::cuda_empty_cache()?;
         let info = verl_comm::nccl::cuda_context(gpu)
             .ok()
             .and_then(|ctx| ctx.mem_get_info().ok());

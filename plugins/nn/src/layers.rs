@@ -582,13 +582,26 @@ impl Attention {
             .then(|| self.fused_qkv.lock().unwrap_or_else(|e| e.into_inner()))
             .and_then(|g| g.as_ref().map(|(w, bias)| x.f_linear(w, bias.as_ref())))
             .transpose()?;
-        let (qy, ky, vy) = match fused {
-            Some(y) => (
+        let concatenated = match fused {
+            Some(_) => None,
+            None => self.qkv_concatenated(x)?,
+        };
+        let (qy, ky, vy) = match (fused, concatenated) {
+            (Some(y), _) => (
                 y.f_narrow(-1, 0, nq)?,
                 y.f_narrow(-1, nq, nkv)?,
                 y.f_narrow(-1, nq + nkv, nkv)?,
             ),
-            None => (
+            // One split (its backward is one concatenation, where three narrows would each
+            // scatter into a zero tensor of the full width).
+            (None, Some(y)) => {
+                let mut parts = y.f_split_with_sizes([nq, nkv, nkv], -1)?.into_iter();
+                match (parts.next(), parts.next(), parts.next()) {
+                    (Some(q), Some(k), Some(v)) => (q, k, v),
+                    _ => return Err(NnError::input("q/k/v projection", "three parts", "fewer")),
+                }
+            }
+            (None, None) => (
                 self.q_proj.forward(x)?,
                 self.k_proj.forward(x)?,
                 self.v_proj.forward(x)?,
@@ -598,6 +611,28 @@ impl Attention {
         let k = heads(ky, self.num_kv_heads, &self.k_norm)?;
         let v = heads(vy, self.num_kv_heads, &None)?;
         Ok((q, k, v))
+    }
+
+    /// On CUDA, q/k/v as one GEMM over the concatenated weights (and biases), recorded by
+    /// autograd where the weights need gradients: the same GEMM shape as a generation engine's
+    /// fused projection, one launch instead of three forward and one input-gradient GEMM instead
+    /// of three (and their sum) backward. `None` off CUDA, with mixed biases, or with
+    /// `VERL_FUSED_QKV=0`.
+    fn qkv_concatenated(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if !matches!(x.device(), Device::Cuda(_))
+            || !*ON.get_or_init(|| std::env::var("VERL_FUSED_QKV").as_deref() != Ok("0"))
+        {
+            return Ok(None);
+        }
+        let (q, k, v) = (&self.q_proj, &self.k_proj, &self.v_proj);
+        let bias = match (&q.bias, &k.bias, &v.bias) {
+            (Some(a), Some(b), Some(c)) => Some(Tensor::f_cat(&[a, b, c], 0)?),
+            (None, None, None) => None,
+            _ => return Ok(None),
+        };
+        let w = Tensor::f_cat(&[&q.weight, &k.weight, &v.weight], 0)?;
+        Ok(Some(x.f_linear(&w, bias.as_ref())?))
     }
 
     /// `[B, heads, T, D]` attention output -> `o_proj` over `[B, T, heads * D]`.

@@ -35,6 +35,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -1363,11 +1364,27 @@ void swiglu_bwd_launch(const at::Tensor& go, const at::Tensor& g, const at::Tens
 
 // x [B, heads, T, head_dim] -> rotated, in x's memory layout where x is dense (a transposed view of
 // a projection stays one), so the gradient handed back is laid out as x's producer wants it.
+// An uninitialised dense tensor of x's shape whose dimensions are laid out in the order of x's
+// strides (x's own layout where x is dense; for a slice of a wider projection, the layout that
+// slice would have on its own).
+at::Tensor empty_in_stride_order(const at::Tensor& x) {
+  if (x.is_non_overlapping_and_dense()) return at::empty_like(x);
+  std::vector<int64_t> perm(static_cast<size_t>(x.dim()));
+  for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int64_t>(i);
+  std::stable_sort(perm.begin(), perm.end(),
+                   [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+  std::vector<int64_t> sizes, inverse(perm.size());
+  for (size_t i = 0; i < perm.size(); ++i) {
+    sizes.push_back(x.size(perm[i]));
+    inverse[static_cast<size_t>(perm[i])] = static_cast<int64_t>(i);
+  }
+  return at::empty(sizes, x.options()).permute(inverse);
+}
+
 struct RopeFn : public torch::autograd::Function<RopeFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& cos, const at::Tensor& sin) {
-    at::Tensor out = x.is_non_overlapping_and_dense() ? at::empty_like(x)
-                                                      : at::empty(x.sizes(), x.options());
+    at::Tensor out = empty_in_stride_order(x);
     rope_launch(&x, &cos, &sin, &out, false);
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["strides"] = out.strides().vec();

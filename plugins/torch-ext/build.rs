@@ -131,6 +131,12 @@ fn main() {
     if cuda_inc.is_some() {
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
         println!("cargo:rustc-link-lib=dylib=c10_cuda");
+        // rustc links with --as-needed, which drops libtorch_cuda from this package's tests and
+        // examples (nothing there references it by symbol): CUDA would then be unavailable and
+        // the GPU tests would skip on a GPU machine.
+        for kind in ["tests", "examples"] {
+            println!("cargo:rustc-link-arg-{kind}=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
+        }
     }
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");

@@ -8,6 +8,15 @@ use tch::{Device, Kind, Tensor};
 use verl_nn::{ModelConfig, ModelOptions, Transformer};
 use verl_rollout::{generate_with_config, EngineConfig, GenerationStats, SamplingParams};
 
+/// The tests here take turns: they seed libtorch's global generator and one of them flips a
+/// process-wide environment variable, so run side by side (cargo's default) each could draw the
+/// other's random prompts or run under the other's attention path.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn model(v: serde_json::Value, dtype: Kind) -> Transformer {
     tch::manual_seed(7);
     let cfg = ModelConfig::from_value(v, "inline/config.json").unwrap();
@@ -79,6 +88,7 @@ fn check(m: &Transformer, params: &SamplingParams) {
 
 #[test]
 fn graphed_decode_matches_eager() {
+    let _turn = serial();
     if !tch::Cuda::is_available() {
         eprintln!("skipped: no CUDA device");
         return;
@@ -188,6 +198,7 @@ fn rollout_vs_forward(m: &mut Transformer, on: bool) -> (f64, f64) {
 
 #[test]
 fn consistent_attention_makes_rollout_log_probs_match_the_scoring_forward() {
+    let _turn = serial();
     if !tch::Cuda::is_available() {
         eprintln!("skipped: no CUDA device");
         return;

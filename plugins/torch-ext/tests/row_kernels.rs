@@ -149,7 +149,8 @@ fn stats_and_gradient_match_autograd() {
         let g_ent = Tensor::randn([rows], (Kind::Float, dev));
         let obj = (&lp * g_lp.to_kind(Kind::Double)).sum(Kind::Double)
             + (&ent * g_ent.to_kind(Kind::Double)).sum(Kind::Double);
-        let want = Tensor::run_backward(&[&obj], &[&x], false, false)[0].shallow_clone();
+        // The graph is kept: the entropy-free objective below differentiates it again.
+        let want = Tensor::run_backward(&[&obj], &[&x], true, false)[0].shallow_clone();
         for kind in [Kind::Float, Kind::BFloat16] {
             let g = token_stats_grad(
                 &logits,
@@ -216,10 +217,22 @@ fn rope_is_bit_identical_to_the_torch_ops() {
     let Some(dev) = gpu() else { return };
     tch::manual_seed(13);
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
-        for (b, h, t, d) in [(3i64, 5i64, 7i64, 64i64), (512, 14, 1, 64), (2, 4, 9, 128)] {
-            // [B, T, H, D] projection output viewed as [B, H, T, D].
-            let x = Tensor::randn([b, t, h, d], (Kind::Float, dev))
+        for (b, h, t, d, wide) in [
+            (3i64, 5i64, 7i64, 64i64, false),
+            (512, 14, 1, 64, false),
+            (2, 4, 9, 128, false),
+            (6, 4, 11, 16, false),
+            (6, 4, 1, 16, true),
+            (6, 2, 11, 16, true),
+            (5, 3, 4, 32, true),
+        ] {
+            // [B, T, H, D] projection output viewed as [B, H, T, D]; `wide`: the first H heads of
+            // a wider (fused q/k/v) projection.
+            let width = if wide { 3 * h * d } else { h * d };
+            let x = Tensor::randn([b, t, width], (Kind::Float, dev))
                 .to_kind(kind)
+                .narrow(-1, 0, h * d)
+                .view([b, t, h, d])
                 .transpose(1, 2);
             let pos = Tensor::randint(4000, [b, t], (Kind::Int64, dev)).to_kind(Kind::Float);
             let inv = Tensor::arange_start_step(0, d, 2, (Kind::Float, dev)) / d as f64;

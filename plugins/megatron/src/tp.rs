@@ -2009,68 +2009,15 @@ fn surrogate(y: &Tensor, g: &Tensor) -> Result<Tensor> {
         .ctx("surrogate loss")
 }
 
-fn rotate_half(x: &Tensor) -> Result<Tensor> {
-    let d = x.size().last().copied().unwrap_or(0);
-    let r = || -> std::result::Result<Tensor, tch::TchError> {
-        let x1 = x.f_narrow(-1, 0, d / 2)?;
-        let x2 = x.f_narrow(-1, d / 2, d / 2)?;
-        Tensor::f_cat(&[&x2.f_neg()?, &x1], -1)
-    };
-    r().ctx("rotate half")
-}
-
-/// `silu(g) · u`: on CUDA one autograd-recorded kernel forward and one backward, bit-identical to
-/// the two torch ops and their backward (`VERL_FUSED_SWIGLU=0` for the ops).
-fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
-    let fused = matches!(g.device(), Device::Cuda(_))
-        && g.size() == u.size()
-        && g.kind() == u.kind()
-        && matches!(g.kind(), Kind::Float | Kind::BFloat16 | Kind::Half)
-        && verl_torch_ext::row_kernels_available(g.device())
-        && std::env::var("VERL_FUSED_SWIGLU").as_deref() != Ok("0");
-    if fused {
-        return Ok(verl_torch_ext::silu_mul(g, u)?);
-    }
-    g.f_silu().and_then(|s| s.f_mul(u)).ctx("swiglu")
-}
-
-/// [`rope`] as one CUDA kernel forward and backward ([`verl_torch_ext::rope_autograd`],
-/// bit-identical to the ops and their backward) where the tables are `[B, 1, T, D]` in x's dtype
-/// without gradient; `None` elsewhere (CPU, other layouts, `VERL_FUSED_ROPE=0`).
-fn fused_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
-    let applies = matches!(x.device(), Device::Cuda(_))
-        && !cos.requires_grad()
-        && !sin.requires_grad()
-        && x.dim() == 4
-        && cos.dim() == 4
-        && cos.size()[1] == 1
-        && cos.size() == sin.size()
-        && cos.kind() == x.kind()
-        && sin.kind() == x.kind()
-        && verl_torch_ext::row_kernels_available(x.device())
-        && std::env::var("VERL_FUSED_ROPE").as_deref() != Ok("0");
-    if !applies {
-        return Ok(None);
-    }
-    let (c, s) = (
-        cos.f_squeeze_dim(1).ctx("rope")?,
-        sin.f_squeeze_dim(1).ctx("rope")?,
-    );
-    let xs = x.size();
-    if !c.is_contiguous() || !s.is_contiguous() || c.size() != [xs[0], xs[2], xs[3]] {
-        return Ok(None);
-    }
-    Ok(Some(verl_torch_ext::rope_autograd(x, &c, &s)?))
-}
-
+/// `x · cos + rotate_half(x) · sin`, through the model crate's rotary embedding (one CUDA kernel
+/// forward and backward where it applies, the torch ops elsewhere).
 fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if let Some(out) = fused_rope(x, cos, sin)? {
-        return Ok(out);
-    }
-    let r = rotate_half(x)?;
-    x.f_mul(cos)
-        .and_then(|a| a.f_add(&r.f_mul(sin)?))
-        .ctx("rope")
+    Ok(verl_nn::apply_rope(x, cos, sin)?)
+}
+
+/// `silu(g) · u`, through the model crate's (one CUDA kernel forward and backward where it applies).
+fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    Ok(verl_nn::silu_mul(g, u)?)
 }
 
 /// `[B, n_kv, L, D]` → `[B, n_kv · groups, L, D]`.

@@ -213,8 +213,10 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
     Ok(Tensor::f_cat(&[&x2.f_neg()?, &x1], -1)?)
 }
 
-/// `x`: `[B, heads, T, D]`; `cos`/`sin`: `[B, 1, T, D]`.
-fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+/// Rotary position embedding `x · cos + rotate_half(x) · sin`: `x` `[B, heads, T, D]`,
+/// `cos`/`sin` `[B, 1, T, D]`. On CUDA one kernel (an autograd node with a one-kernel backward
+/// where x needs a gradient), bit-identical to the torch ops; the ops elsewhere.
+pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if let Some(out) = fused_rope(x, cos, sin)? {
         return Ok(out);
     }
@@ -683,7 +685,7 @@ fn fused_swiglu(gu: &Tensor) -> bool {
 /// `silu(g) * u`: on CUDA one autograd-recorded kernel forward and one backward
 /// ([`verl_torch_ext::silu_mul`], bit-identical to the torch ops and their backward, and it keeps
 /// no `silu(g)` for the backward), else the two torch ops. Off with `VERL_FUSED_SWIGLU=0`.
-fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+pub fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     if matches!(g.device(), Device::Cuda(_))
         && g.size() == u.size()
         && g.kind() == u.kind()

@@ -456,10 +456,11 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     init.extra = extra;
     let mut reference = backend.create_reference(&init)?;
     eprintln!(
-        "[bench] {} ({} M params) built on {} in {:.1}s; calibrating",
+        "[bench] {} ({} M params) built on {} by the {} backend in {:.1}s; calibrating",
         s.name,
         sig(s.n_params() as f64 / 1e6),
         a.device,
+        backend.header.name,
         t.elapsed().as_secs_f64()
     );
 
@@ -617,6 +618,8 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     }
     out["consistent_attention"] = json!(consistent);
     out["bypass_mode"] = json!(bypass);
+    // Which backend ran (A/B runs of one workload differ only here).
+    out["backend"] = json!(backend.header.name);
     if a.json {
         eprint!("{table}");
         println!("{}", serde_json::to_string(&out)?);

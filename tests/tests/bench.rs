@@ -45,6 +45,7 @@ fn bench_grpo_tiny_on_cpu_prints_one_json_line() {
     assert_eq!(lines.len(), 1, "one JSON line on stdout, got:\n{out}");
     let v: serde_json::Value = serde_json::from_str(lines[0]).expect("JSON");
     assert_eq!(v["system"], "verl-rs");
+    assert_eq!(v["backend"], "fsdp");
     assert_eq!(v["arch"], "tiny");
     assert_eq!(v["tokens"], 2 * 2 * (16 + 8));
     assert_eq!(v["response_tokens"], 2 * 2 * 8);
@@ -89,6 +90,38 @@ fn bench_grpo_tiny_on_cpu_prints_one_json_line() {
     // The table goes to stderr with --json.
     let err = stderr(&o);
     assert!(err.contains("decode") || err.contains("HBM roof"), "{err}");
+}
+
+/// The same workload through the Megatron backend (users A/B backends on one job): it answers
+/// the bench's `calibrate` and `memory` calls, and the JSON names it.
+#[test]
+fn bench_grpo_runs_on_the_megatron_backend() {
+    let verl = verl_bin();
+    let megatron = plugin("libverl_megatron.so");
+    let o = run(&verl, &tiny_bench_args(megatron.to_str().unwrap(), &[]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one JSON line on stdout, got:\n{out}");
+    let v: serde_json::Value = serde_json::from_str(lines[0]).expect("JSON");
+    assert_eq!(v["backend"], "megatron", "{v}");
+    for k in [
+        "gen",
+        "ref",
+        "update",
+        "step",
+        "peak_tflops",
+        "hbm_gbps",
+        "peak_mem_gb",
+    ] {
+        let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+        assert!(x > 0.0 && x.is_finite(), "{k} = {x}");
+    }
+    let gap = v["rollout_logprob_abs_diff_mean"]
+        .as_f64()
+        .expect("exactness");
+    assert!(gap < 1e-2, "rollout vs training log-probs: {gap}");
+    assert!(stderr(&o).contains("megatron backend"), "{}", stderr(&o));
 }
 
 #[test]

@@ -1152,6 +1152,7 @@ fn i64_vec(t: &Tensor) -> Result<Vec<i64>> {
 
 impl Actor for FsdpActor {
     fn generate(&mut self, prompts: &Batch, options: &GenerateOptions) -> ApiResult<Batch> {
+        let _trace = verl_nn::profile::trace("generate", self.device);
         let r = self.do_generate(prompts, options);
         Ok(self.spmd(r)?)
     }

@@ -796,4 +796,27 @@ impl Actor for MegatronActor {
             size: self.par.dp.size as u32,
         }
     }
+    /// `verl bench`'s device calls, as the FSDP backend answers them: `calibrate` (measured
+    /// peak matmul FLOP/s and copy bandwidth of this rank's device) and `memory` (device memory
+    /// in use and this rank's parameter, gradient and optimizer bytes).
+    fn call(
+        &mut self,
+        method: &str,
+        _batch: &Batch,
+        options: &serde_json::Value,
+    ) -> ApiResult<Batch> {
+        let r: Result<Batch> = match method {
+            verl_fsdp_core::bench::CALIBRATE => {
+                verl_fsdp_core::bench::calibrate(self.device, options).map_err(Into::into)
+            }
+            verl_fsdp_core::bench::MEMORY => {
+                verl_fsdp_core::bench::memory(self.device, self.memory_bytes()).map_err(Into::into)
+            }
+            _ => Err(MegatronError::Api(ApiError::not_implemented(format!(
+                "megatron {} call `{method}` (it answers `calibrate` and `memory`)",
+                self.role
+            )))),
+        };
+        Ok(self.spmd(r)?)
+    }
 }

@@ -1174,6 +1174,23 @@ int storage_code(c10::ScalarType t, const char* what) {
 
 // x [B, heads, T, head_dim] (any strides) rotated with cos/sin [B, T, head_dim] into `out` (x's
 // shape, any strides that do not overlap): the forward, or with `bwd` its vector-Jacobian product.
+// Blocks of 256 threads for a grid-stride loop over `items` work items: at most 16 per SM.
+int64_t grid_blocks(int64_t items, const DeviceInfo& info) {
+  const int64_t cap = static_cast<int64_t>(info.sms) * 16;
+  return std::min<int64_t>((items + 255) / 256, cap);
+}
+
+// Launches `fn` over `blocks` blocks of 256 threads with the parameter block `p` on device
+// `index`'s current stream.
+template <typename P>
+void launch_blocks(CUfunction_t fn, int64_t blocks, int index, P& p, const char* what) {
+  const CudaApi& cu = cuda_checked();
+  void* args[] = {&p};
+  cu_check(cu.cuLaunchKernel(fn, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
+                             current_stream(index), args, nullptr),
+           what);
+}
+
 void rope_launch(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
                  const at::Tensor* out, bool bwd) {
   if (x == nullptr || !x->defined() || !x->is_cuda()) {
@@ -1227,9 +1244,7 @@ void rope_launch(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* s
   const DeviceInfo& info = device_info(index);
   make_current(info);
   const RowKernels k = row_kernels(index, info);
-  int64_t blocks = (n + 255) / 256;
-  const int64_t cap = static_cast<int64_t>(info.sms) * 16;
-  if (blocks > cap) blocks = cap;
+  int64_t blocks = grid_blocks(n, info);
   // 32-bit index arithmetic where the largest index, offset and loop bound fit.
   const auto extent = [](const at::Tensor& t) {
     int64_t e = 1;
@@ -1247,15 +1262,8 @@ void rope_launch(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* s
           reinterpret_cast<uintptr_t>(p.sin) % 4 == 0)
              ? 1
              : 0;
-  if (p.x2) {
-    // Half the items: two pairs each.
-    blocks = std::min<int64_t>((n / 2 + 255) / 256, cap);
-  }
-  const CudaApi& cu = cuda_checked();
-  void* args[] = {&p};
-  cu_check(cu.cuLaunchKernel(k.rope, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
-                             current_stream(index), args, nullptr),
-           "cuLaunchKernel(vt_rope)");
+  if (p.x2) blocks = grid_blocks(n / 2, info);  // half the items: two pairs each
+  launch_blocks(k.rope, blocks, index, p, "cuLaunchKernel(vt_rope)");
 }
 
 void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
@@ -1294,14 +1302,7 @@ void swiglu_launch(const at::Tensor& gate, const at::Tensor& up, const at::Tenso
   const DeviceInfo& info = device_info(index);
   make_current(info);
   const RowKernels k = row_kernels(index, info);
-  int64_t blocks = (n + 255) / 256;
-  const int64_t cap = static_cast<int64_t>(info.sms) * 16;
-  if (blocks > cap) blocks = cap;
-  const CudaApi& cu = cuda_checked();
-  void* args[] = {&p};
-  cu_check(cu.cuLaunchKernel(k.swiglu, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
-                             current_stream(index), args, nullptr),
-           "cuLaunchKernel(vt_swiglu)");
+  launch_blocks(k.swiglu, grid_blocks(n, info), index, p, "cuLaunchKernel(vt_swiglu)");
 }
 
 void swiglu(const at::Tensor* x, const at::Tensor* out) {
@@ -1349,14 +1350,7 @@ void swiglu_bwd_launch(const at::Tensor& go, const at::Tensor& g, const at::Tens
   const DeviceInfo& info = device_info(index);
   make_current(info);
   const RowKernels k = row_kernels(index, info);
-  int64_t blocks = (work + 255) / 256;
-  const int64_t cap = static_cast<int64_t>(info.sms) * 16;
-  if (blocks > cap) blocks = cap;
-  const CudaApi& cu = cuda_checked();
-  void* args[] = {&p};
-  cu_check(cu.cuLaunchKernel(k.swiglu_bwd, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
-                             current_stream(index), args, nullptr),
-           "cuLaunchKernel(vt_swiglu_bwd)");
+  launch_blocks(k.swiglu_bwd, grid_blocks(work, info), index, p, "cuLaunchKernel(vt_swiglu_bwd)");
 }
 
 // Autograd functions over the kernels above, for training forwards: each backward is one kernel
@@ -1557,20 +1551,14 @@ void rope_store(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v,
   const int64_t n = S * (H + 2 * KVH) * (D / 2) / (p.x2 ? 2 : 1);
   if (n == 0) return;
   const DeviceInfo& info = device_info(index);
-  int64_t blocks = (n + 255) / 256;
-  const int64_t cap = static_cast<int64_t>(info.sms) * 16;
-  if (blocks > cap) blocks = cap;
+  const int64_t blocks = grid_blocks(n, info);
   // The kernel indexes in 32 bits: the last index plus one grid stride must stay below 2^32.
   if (n + blocks * 256 >= (int64_t{1} << 32)) {
     bad("rope_store sequences x heads x head_dim / 2", "< 2^32 - grid", std::to_string(n));
   }
   make_current(info);
   const RowKernels kern = row_kernels(index, info);
-  const CudaApi& cu = cuda_checked();
-  void* args[] = {&p};
-  cu_check(cu.cuLaunchKernel(kern.rope_store, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
-                             current_stream(index), args, nullptr),
-           "cuLaunchKernel(vt_rope_store)");
+  launch_blocks(kern.rope_store, blocks, index, p, "cuLaunchKernel(vt_rope_store)");
 }
 
 #endif  // VERL_WITH_CUDA

@@ -428,7 +428,39 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         "actor_rollout_ref.rollout.calculate_log_probs=true".into(),
     ];
     overrides.extend(a.overrides.iter().cloned());
-    let cfg = Config::from_overrides(&overrides)?;
+    let mut cfg = Config::from_overrides(&overrides)?;
+    // The backend's own check of the job (as `verl run` makes it). A backend without the
+    // consistent attention path refuses the bench's default for it; unless the user asked for it,
+    // the bench then measures without it (and says so) rather than report a mode that did not run.
+    let check = |cfg: &Config| -> anyhow::Result<Option<anyhow::Result<String>>> {
+        let init = InitArgs::new(Role::Actor, serde_json::to_value(cfg)?);
+        Ok(backend.validate_layout(&init))
+    };
+    if let Some(Err(e)) = check(&cfg)? {
+        const KEY: &str = "actor_rollout_ref.rollout.consistent_attention";
+        let user_set = a
+            .overrides
+            .iter()
+            .any(|o| o.starts_with(&format!("{KEY}=")));
+        if user_set || !cfg.actor_rollout_ref.rollout.consistent_attention {
+            return Err(e.context(format!(
+                "the {} backend refused the bench job",
+                backend.header.name
+            )));
+        }
+        overrides.push(format!("{KEY}=false"));
+        cfg = Config::from_overrides(&overrides)?;
+        if let Some(Err(e2)) = check(&cfg)? {
+            return Err(e2.context(format!(
+                "the {} backend refused the bench job",
+                backend.header.name
+            )));
+        }
+        eprintln!(
+            "[bench] the {} backend refused the bench's default {KEY}=true ({e:#}); measuring with false",
+            backend.header.name
+        );
+    }
     let bypass = match verl_host::trainer::rollout_correction(&cfg)? {
         None => false,
         Some(c) if c.bypass_mode => true,

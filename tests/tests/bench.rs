@@ -121,7 +121,33 @@ fn bench_grpo_runs_on_the_megatron_backend() {
         .as_f64()
         .expect("exactness");
     assert!(gap < 1e-2, "rollout vs training log-probs: {gap}");
-    assert!(stderr(&o).contains("megatron backend"), "{}", stderr(&o));
+    // It has no consistent-attention path: the bench measures without one and says so, rather
+    // than report the mode the FSDP backend would run.
+    assert_eq!(v["consistent_attention"], false, "{v}");
+    let err = stderr(&o);
+    assert!(err.contains("megatron backend"), "{err}");
+    assert!(
+        err.contains("refused the bench's default actor_rollout_ref.rollout.consistent_attention"),
+        "{err}"
+    );
+    // Asked for explicitly, the refusal is the answer.
+    let o = run(
+        &verl,
+        &tiny_bench_args(
+            megatron.to_str().unwrap(),
+            &[
+                "--set",
+                "actor_rollout_ref.rollout.consistent_attention=true",
+            ],
+        ),
+    );
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("megatron backend refused the bench job")
+            && err.contains("actor_rollout_ref.rollout.consistent_attention"),
+        "{err}"
+    );
 }
 
 #[test]

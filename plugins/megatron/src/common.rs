@@ -152,11 +152,15 @@ pub fn build_model(
             )
         }
         Some(s) => {
+            // Drawn on this rank's device, as the FSDP backend draws it (the same weights for one
+            // seed, and seconds instead of minutes for a billion parameters on the CPU's serial
+            // generator); every rank draws the whole model with the same seed, then keeps its
+            // slices.
             tch::manual_seed(s as i64);
             let full = Transformer::new(
                 cfg.clone(),
                 &ModelOptions {
-                    device: Device::Cpu,
+                    device: par.device,
                     dtype,
                     head,
                 },

@@ -254,6 +254,11 @@ struct Ctx {
     /// Real (non-padding) tokens `[B, T]`: what the MoE load statistics and router loss count.
     valid: Tensor,
     masks: Vec<(Option<i64>, Tensor)>,
+    /// On CUDA, every row's real tokens come first (padding, if any, only after them) and no
+    /// layer has a window: attention is plain causal attention (`is_causal`, GQA in the kernel, no
+    /// mask: flash attention), as in the FSDP backend. Real queries see exactly the keys the mask
+    /// allows; padding queries (whose outputs nothing reads) see earlier padding too.
+    causal: bool,
 }
 
 impl Ctx {
@@ -1098,17 +1103,30 @@ impl TpModel {
         let k = rope(&heads(l.k, self.kv_local, l.k_norm)?, &ctx.cos, &ctx.sin)?;
         let v = heads(l.v, self.kv_local, None)?;
         let groups = self.heads_local / self.kv_local;
-        let (k, v) = (repeat_kv(&k, groups)?, repeat_kv(&v, groups)?);
-        let out = Tensor::f_scaled_dot_product_attention(
-            &q,
-            &k,
-            &v,
-            Some(ctx.mask(l.window)?),
-            0.0,
-            false,
-            None::<f64>,
-            false,
-        )
+        let out = if ctx.causal {
+            Tensor::f_scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                None::<&Tensor>,
+                0.0,
+                true,
+                None::<f64>,
+                groups > 1,
+            )
+        } else {
+            let (k, v) = (repeat_kv(&k, groups)?, repeat_kv(&v, groups)?);
+            Tensor::f_scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                Some(ctx.mask(l.window)?),
+                0.0,
+                false,
+                None::<f64>,
+                false,
+            )
+        }
         .and_then(|o| o.f_transpose(1, 2))
         .and_then(|o| o.f_contiguous())
         .and_then(|o| o.f_view([b, t, self.heads_local * hd]))
@@ -1355,6 +1373,12 @@ impl TpModel {
             }
             Ok(masks)
         };
+        // One host sync per forward: does any row have a real token after a padding one?
+        // CUDA only: on the CPU libtorch's causal kernel blocks its work by the head count, so a
+        // tensor-parallel shard would no longer compute exactly what one rank computes.
+        let causal = device.is_cuda()
+            && self.layers.iter().all(|l| l.window.is_none())
+            && real_tokens_first(&new_mask).ctx("padding layout")?;
         Ok(Ctx {
             ids,
             t: t0,
@@ -1362,7 +1386,12 @@ impl TpModel {
             valid: new_mask.shallow_clone(),
             cos: cos.f_unsqueeze(1).ctx("rope")?,
             sin: sin.f_unsqueeze(1).ctx("rope")?,
-            masks: build().ctx("attention masks")?,
+            masks: if causal {
+                Vec::new()
+            } else {
+                build().ctx("attention masks")?
+            },
+            causal,
         })
     }
 
@@ -2011,6 +2040,20 @@ fn surrogate(y: &Tensor, g: &Tensor) -> Result<Tensor> {
 
 /// `x · cos + rotate_half(x) · sin`, through the model crate's rotary embedding (one CUDA kernel
 /// forward and backward where it applies, the torch ops elsewhere).
+/// Whether every row of the boolean mask `[B, T]` (true = real token) has its real tokens first:
+/// no real token after a padding one. One host synchronisation.
+fn real_tokens_first(mask: &Tensor) -> std::result::Result<bool, tch::TchError> {
+    let t = mask.size()[1];
+    if t < 2 {
+        return Ok(true);
+    }
+    let later = mask.f_narrow(1, 1, t - 1)?;
+    let earlier_pad = mask.f_narrow(1, 0, t - 1)?.f_logical_not()?;
+    Ok(!bool::try_from(
+        later.f_logical_and(&earlier_pad)?.f_any()?,
+    )?)
+}
+
 fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(verl_nn::apply_rope(x, cos, sin)?)
 }
@@ -2090,4 +2133,26 @@ fn cos_sin(inv: &Tensor, positions: &Tensor, kind: Kind) -> Result<(Tensor, Tens
         Ok((emb.f_cos()?.f_to_kind(kind)?, emb.f_sin()?.f_to_kind(kind)?))
     };
     f().ctx("rope tables")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The layout test behind the causal (flash) attention path: rows whose real tokens come
+    /// first pass (with or without trailing padding, all padding too); a row with padding in
+    /// front or a hole does not.
+    #[test]
+    fn real_tokens_first_spots_front_padding_and_holes() {
+        let rows = |v: &[&[i64]]| -> Tensor {
+            let flat: Vec<i64> = v.iter().flat_map(|r| r.iter().copied()).collect();
+            Tensor::from_slice(&flat)
+                .view([v.len() as i64, v[0].len() as i64])
+                .ne(0)
+        };
+        assert!(real_tokens_first(&rows(&[&[1, 1, 1, 1], &[1, 1, 0, 0], &[0, 0, 0, 0]])).unwrap());
+        assert!(!real_tokens_first(&rows(&[&[1, 1, 1, 1], &[0, 1, 1, 1]])).unwrap());
+        assert!(!real_tokens_first(&rows(&[&[1, 0, 1, 0]])).unwrap());
+        assert!(real_tokens_first(&rows(&[&[1], &[0]])).unwrap());
+    }
 }

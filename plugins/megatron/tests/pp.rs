@@ -314,7 +314,13 @@ fn generation_on_the_gathered_stages_equals_one_rank_and_reference_matches_actor
             .map(|&m| m != 0)
             .collect();
         assert_slices_match(&want_lp, &mask, 1, &[(0, lp)], "generated rows: log-probs");
-        assert_eq!(lp, ref_lp, "the reference starts from the actor's weights");
+        // Same weights, same forward: equal up to the CPU kernels' run-to-run rounding (one ulp
+        // was seen with ranks as threads on a 2-core AVX-512 box).
+        let d = max_abs_diff(lp, ref_lp);
+        assert!(
+            d < 1e-5,
+            "the reference starts from the actor's weights: log-probs differ by {d}"
+        );
     }
 }
 

@@ -156,7 +156,13 @@ fn chunked_log_probs_and_entropy_equal_full_logits_padded_or_not() {
                 d < 1e-6,
                 "tied {tied} chunk {chunk}: log-probs differ by {d}"
             );
-            assert!(max_diff(&ent.unwrap(), &want_ent) < 1e-6);
+            // Entropy sums p·log p over the vocabulary in a different order per layout: a few
+            // fp32 ulps apart (1.3e-6 at 2.01 on a 2-core AVX-512 box).
+            let d = max_diff(&ent.unwrap(), &want_ent);
+            assert!(
+                d < 5e-6,
+                "tied {tied} chunk {chunk}: entropy differs by {d}"
+            );
             // Remove: equal at real response tokens, 0 elsewhere, over shorter rows.
             let rm = RowLayout::new(&s, &rows, Padding::Remove).unwrap();
             assert!(rm.positions() <= keep.positions());
@@ -166,7 +172,11 @@ fn chunked_log_probs_and_entropy_equal_full_logits_padded_or_not() {
             );
             let (lp, ent) = layout_token_stats(&m, &rm, TEMPERATURE, true, chunk).unwrap();
             assert!(max_diff(&lp, &(&want_lp * &mask)) < 1e-6);
-            assert!(max_diff(&ent.unwrap(), &(&want_ent * &mask)) < 1e-6);
+            let d = max_diff(&ent.unwrap(), &(&want_ent * &mask));
+            assert!(
+                d < 5e-6,
+                "tied {tied} chunk {chunk}, unpadded: entropy differs by {d}"
+            );
             assert_eq!(lp.size(), vec![rows.len() as i64, RL as i64]);
         }
     }
@@ -452,7 +462,9 @@ fn remove_padding_trains_like_the_padded_path() {
         }
     };
     close(&runs[0].0, &runs[1].0, col::LOG_PROBS, 1e-6);
-    close(&runs[0].0, &runs[1].0, col::ENTROPY, 1e-6);
+    // A few fp32 ulps: the entropy's sums run in a different order per layout (1.3e-6 at 2.01
+    // was seen on a 2-core AVX-512 box).
+    close(&runs[0].0, &runs[1].0, col::ENTROPY, 5e-6);
     close(&runs[0].2, &runs[1].2, col::LOG_PROBS, 1e-5);
     assert_ne!(
         f32s(&runs[0].0, col::LOG_PROBS),

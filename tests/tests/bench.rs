@@ -34,16 +34,21 @@ fn tiny_bench_args<'a>(fsdp: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     args
 }
 
+/// The single JSON line a `--json` run prints on stdout.
+fn one_json_line(o: &std::process::Output) -> serde_json::Value {
+    let out = stdout(o);
+    let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one JSON line on stdout, got:\n{out}");
+    serde_json::from_str(lines[0]).expect("JSON")
+}
+
 #[test]
 fn bench_grpo_tiny_on_cpu_prints_one_json_line() {
     let verl = verl_bin();
     let fsdp = plugin("libverl_fsdp.so");
     let o = run(&verl, &tiny_bench_args(fsdp.to_str().unwrap(), &[]));
     assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
-    let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "one JSON line on stdout, got:\n{out}");
-    let v: serde_json::Value = serde_json::from_str(lines[0]).expect("JSON");
+    let v = one_json_line(&o);
     assert_eq!(v["system"], "verl-rs");
     assert_eq!(v["backend"], "fsdp");
     assert_eq!(v["arch"], "tiny");
@@ -100,10 +105,7 @@ fn bench_grpo_runs_on_the_megatron_backend() {
     let megatron = plugin("libverl_megatron.so");
     let o = run(&verl, &tiny_bench_args(megatron.to_str().unwrap(), &[]));
     assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
-    let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "one JSON line on stdout, got:\n{out}");
-    let v: serde_json::Value = serde_json::from_str(lines[0]).expect("JSON");
+    let v = one_json_line(&o);
     assert_eq!(v["backend"], "megatron", "{v}");
     for k in [
         "gen",

@@ -1104,16 +1104,7 @@ impl TpModel {
         let v = heads(l.v, self.kv_local, None)?;
         let groups = self.heads_local / self.kv_local;
         let out = if ctx.causal {
-            Tensor::f_scaled_dot_product_attention(
-                &q,
-                &k,
-                &v,
-                None::<&Tensor>,
-                0.0,
-                true,
-                None::<f64>,
-                groups > 1,
-            )
+            verl_nn::causal_attention(&q, &k, &v)?
         } else {
             let (k, v) = (repeat_kv(&k, groups)?, repeat_kv(&v, groups)?);
             Tensor::f_scaled_dot_product_attention(
@@ -1126,11 +1117,13 @@ impl TpModel {
                 None::<f64>,
                 false,
             )
-        }
-        .and_then(|o| o.f_transpose(1, 2))
-        .and_then(|o| o.f_contiguous())
-        .and_then(|o| o.f_view([b, t, self.heads_local * hd]))
-        .ctx("attention")?;
+            .ctx("attention")?
+        };
+        let out = out
+            .f_transpose(1, 2)
+            .and_then(|o| o.f_contiguous())
+            .and_then(|o| o.f_view([b, t, self.heads_local * hd]))
+            .ctx("attention")?;
         self.linear(&out, l.o, false)
     }
 

@@ -213,6 +213,21 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
     Ok(Tensor::f_cat(&[&x2.f_neg()?, &x1], -1)?)
 }
 
+/// Plain causal attention of `q` `[B, H, T, D]` over `k`, `v` `[B, KVH, T, D]` (no mask, GQA in
+/// the kernel when `KVH < H`): flash attention on CUDA. For rows whose real tokens come first.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    Ok(Tensor::f_scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        None::<&Tensor>,
+        0.0,
+        true,
+        None::<f64>,
+        q.size()[1] != k.size()[1],
+    )?)
+}
+
 /// Rotary position embedding `x · cos + rotate_half(x) · sin`: `x` `[B, heads, T, D]`,
 /// `cos`/`sin` `[B, 1, T, D]`. On CUDA one kernel (an autograd node with a one-kernel backward
 /// where x needs a gradient), bit-identical to the torch ops; the ops elsewhere.
@@ -450,16 +465,7 @@ impl Attention {
                     return self.project_out(&out, b, t);
                 }
             }
-            let out = Tensor::f_scaled_dot_product_attention(
-                &q,
-                &k,
-                &v,
-                None::<&Tensor>,
-                0.0,
-                true,
-                None::<f64>,
-                self.num_heads != self.num_kv_heads,
-            )?;
+            let out = causal_attention(&q, &k, &v)?;
             return self.project_out(&out, b, t);
         }
         let groups = self.num_heads / self.num_kv_heads;

@@ -436,6 +436,12 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         let init = InitArgs::new(Role::Actor, serde_json::to_value(cfg)?);
         Ok(backend.validate_layout(&init))
     };
+    let refused = |e: anyhow::Error| {
+        e.context(format!(
+            "the {} backend refused the bench job",
+            backend.header.name
+        ))
+    };
     if let Some(Err(e)) = check(&cfg)? {
         const KEY: &str = "actor_rollout_ref.rollout.consistent_attention";
         let user_set = a
@@ -443,18 +449,12 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             .iter()
             .any(|o| o.starts_with(&format!("{KEY}=")));
         if user_set || !cfg.actor_rollout_ref.rollout.consistent_attention {
-            return Err(e.context(format!(
-                "the {} backend refused the bench job",
-                backend.header.name
-            )));
+            return Err(refused(e));
         }
         overrides.push(format!("{KEY}=false"));
         cfg = Config::from_overrides(&overrides)?;
         if let Some(Err(e2)) = check(&cfg)? {
-            return Err(e2.context(format!(
-                "the {} backend refused the bench job",
-                backend.header.name
-            )));
+            return Err(refused(e2));
         }
         eprintln!(
             "[bench] the {} backend refused the bench's default {KEY}=true ({e:#}); measuring with false",

@@ -423,6 +423,10 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         // on the timed on-policy step, which skips the old-log-prob pass; `--set
         // actor_rollout_ref.rollout.consistent_attention=false` measures flash attention instead.
         "actor_rollout_ref.rollout.consistent_attention=true".into(),
+        // The samples of a prompt share its forward in the log-prob and update passes (verl's
+        // PrefixGrouper): the same results with the prompt's tokens through the weights once per
+        // group; `--set actor_rollout_ref.actor.use_prefix_grouper=false` measures without.
+        "actor_rollout_ref.actor.use_prefix_grouper=true".into(),
         // The rollout's log-probs, for `--set algorithm.rollout_correction.bypass_mode=true`
         // (they are the old log-probs then: no old-log-prob pass on any step).
         "actor_rollout_ref.rollout.calculate_log_probs=true".into(),
@@ -430,8 +434,9 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     overrides.extend(a.overrides.iter().cloned());
     let mut cfg = Config::from_overrides(&overrides)?;
     // The backend's own check of the job (as `verl run` makes it). A backend without the
-    // consistent attention path refuses the bench's default for it; unless the user asked for it,
-    // the bench then measures without it (and says so) rather than report a mode that did not run.
+    // consistent attention or prefix-grouper path refuses the bench's defaults for them; unless the
+    // user asked for them, the bench then measures without them (and says so) rather than report
+    // a mode that did not run.
     let check = |cfg: &Config| -> anyhow::Result<Option<anyhow::Result<String>>> {
         let init = InitArgs::new(Role::Actor, serde_json::to_value(cfg)?);
         Ok(backend.validate_layout(&init))
@@ -443,22 +448,33 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         ))
     };
     if let Some(Err(e)) = check(&cfg)? {
-        const KEY: &str = "actor_rollout_ref.rollout.consistent_attention";
-        let user_set = a
-            .overrides
-            .iter()
-            .any(|o| o.starts_with(&format!("{KEY}=")));
-        if user_set || !cfg.actor_rollout_ref.rollout.consistent_attention {
+        const DEFAULTS: [&str; 2] = [
+            "actor_rollout_ref.rollout.consistent_attention",
+            "actor_rollout_ref.actor.use_prefix_grouper",
+        ];
+        let off: Vec<&str> = DEFAULTS
+            .into_iter()
+            .filter(|key| {
+                !a.overrides
+                    .iter()
+                    .any(|o| o.starts_with(&format!("{key}=")))
+            })
+            .collect();
+        if off.is_empty() {
             return Err(refused(e));
         }
-        overrides.push(format!("{KEY}=false"));
+        overrides.extend(off.iter().map(|key| format!("{key}=false")));
         cfg = Config::from_overrides(&overrides)?;
         if let Some(Err(e2)) = check(&cfg)? {
             return Err(refused(e2));
         }
         eprintln!(
-            "[bench] the {} backend refused the bench's default {KEY}=true ({e:#}); measuring with false",
-            backend.header.name
+            "[bench] the {} backend refused the bench's defaults ({e:#}); measuring with {}",
+            backend.header.name,
+            off.iter()
+                .map(|k| format!("{k}=false"))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     let bypass = match verl_host::trainer::rollout_correction(&cfg)? {
@@ -648,7 +664,15 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
              tokens: mean |dlogp| {mean:.2e}, max {max:.2e} (consistent_attention {consistent})\n"
         ));
     }
+    let grouper = cfg.actor_rollout_ref.actor.use_prefix_grouper;
+    if grouper {
+        table.push_str(
+            "prefix grouper on: a prompt's samples share its forward in the log-prob and update \
+             passes; MFU counts the FLOPs of the unshared workload (as the Python reference runs it)\n",
+        );
+    }
     out["consistent_attention"] = json!(consistent);
+    out["prefix_grouper"] = json!(grouper);
     out["bypass_mode"] = json!(bypass);
     // Which backend ran (A/B runs of one workload differ only here).
     out["backend"] = json!(backend.header.name);

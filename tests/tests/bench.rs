@@ -56,6 +56,8 @@ fn bench_grpo_tiny_on_cpu_prints_one_json_line() {
     assert_eq!(v["response_tokens"], 2 * 2 * 8);
     // The bench's default (a no-op on the CPU, where the paged kernel does not exist).
     assert_eq!(v["consistent_attention"], true, "{v}");
+    // The bench's default: the 2 samples of each prompt share its forward.
+    assert_eq!(v["prefix_grouper"], true, "{v}");
     // One mini-batch per step: the timed step skips the old-log-prob pass as the trainer does;
     // the warm-up step runs it (for the exactness check below).
     assert_eq!(v["old_log_prob_skipped"], true, "{v}");
@@ -126,10 +128,13 @@ fn bench_grpo_runs_on_the_megatron_backend() {
     // It has no consistent-attention path: the bench measures without one and says so, rather
     // than report the mode the FSDP backend would run.
     assert_eq!(v["consistent_attention"], false, "{v}");
+    assert_eq!(v["prefix_grouper"], false, "{v}");
     let err = stderr(&o);
     assert!(err.contains("megatron backend"), "{err}");
     assert!(
-        err.contains("refused the bench's default actor_rollout_ref.rollout.consistent_attention"),
+        err.contains("refused the bench's defaults")
+            && err.contains("actor_rollout_ref.rollout.consistent_attention=false")
+            && err.contains("actor_rollout_ref.actor.use_prefix_grouper=false"),
         "{err}"
     );
     // Asked for explicitly, the refusal is the answer.

@@ -59,7 +59,8 @@ pub struct FsdpActor {
     /// Base of the per-call generation seeds; with `generate_calls` it is this role's RNG state.
     seed: u64,
     generate_calls: u64,
-    /// `actor_rollout_ref.model.use_remove_padding`.
+    /// `actor_rollout_ref.model.use_remove_padding` and `actor_rollout_ref.actor.use_prefix_grouper`
+    /// (for the actor's and the reference's passes, as verl).
     padding: Padding,
     /// Selected response tokens per LM-head chunk.
     head_chunk: i64,
@@ -189,7 +190,10 @@ impl FsdpActor {
             batch_invariant_gemms();
         }
         let default_temperature = rollout.temperature.unwrap_or(1.0);
-        let padding = Padding::from_flag(model_cfg.use_remove_padding.unwrap_or(true));
+        let padding = Padding::from_flags(
+            model_cfg.use_remove_padding.unwrap_or(true),
+            actor.use_prefix_grouper,
+        );
         if reference {
             let reference: LogProbSection = section(cfg, "actor_rollout_ref.ref")?;
             let fsdp = reference
@@ -565,13 +569,8 @@ impl FsdpActor {
                     // while the loss runs.
                     let weight = lm_head(&train.model)?;
                     verl_nn::profile::lap(&mut timer, "train/micro_prep");
-                    let res = train.forward_backward_hidden_with(
-                        dp,
-                        &layout.input_ids,
-                        layout.model_mask(),
-                        Some(&layout.position_ids),
-                        "actor loss",
-                        |hidden| {
+                    let res =
+                        train.forward_backward_layout_with(dp, &layout, "actor loss", |hidden| {
                             actor_micro_batch_loss(
                                 &layout,
                                 hidden,
@@ -591,8 +590,7 @@ impl FsdpActor {
                                     kept_logits_bytes,
                                 },
                             )
-                        },
-                    );
+                        });
                     let (loss, m) = match res {
                         Ok(v) => v,
                         Err(e) => return Err(fail(train, e)),

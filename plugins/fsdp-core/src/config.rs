@@ -207,6 +207,9 @@ pub struct ActorSection {
     pub ppo_epochs: u64,
     pub grad_clip: f64,
     pub calculate_entropy: bool,
+    /// verl's PrefixGrouper: the samples of a prompt share its forward in the log-prob and update
+    /// passes ([`crate::packing::Padding::SharedPrompt`]).
+    pub use_prefix_grouper: bool,
     pub rollout_n: Option<u64>,
     pub optim: OptimSection,
     pub fsdp_config: FsdpSection,
@@ -223,6 +226,7 @@ impl Default for ActorSection {
             ppo_epochs: 1,
             grad_clip: 1.0,
             calculate_entropy: false,
+            use_prefix_grouper: false,
             rollout_n: None,
             optim: OptimSection::default(),
             fsdp_config: FsdpSection::default(),

@@ -8,7 +8,7 @@ use verl_nn::Transformer;
 use crate::config::MicroBatching;
 use crate::data::{index_tensor, micro_batches, Sequences};
 use crate::error::{FsdpError, Result, TorchContext};
-use crate::packing::{length_sorted_micro_batches, Padding, RowLayout};
+use crate::packing::{Padding, RowLayout};
 
 /// Logits of the positions that predict response tokens, fp32, divided by `temperature`.
 pub fn response_logits(seqs: &Sequences, head_out: &Tensor, temperature: f64) -> Result<Tensor> {
@@ -64,12 +64,7 @@ pub fn layout_token_stats(
 ) -> Result<(Tensor, Option<Tensor>)> {
     check_temperature(temperature)?;
     let _guard = tch::no_grad_guard();
-    let hidden = model.forward_hidden(
-        &layout.input_ids,
-        layout.model_mask(),
-        Some(&layout.position_ids),
-        None,
-    )?;
+    let hidden = layout.forward_hidden(model)?;
     let picked = layout.gather(&hidden)?;
     drop(hidden);
     let stats = ChunkedLmHead::new(chunk_tokens, temperature, with_entropy).forward(
@@ -89,17 +84,13 @@ pub fn layout_token_stats(
 /// autograd.
 pub fn layout_values(model: &Transformer, layout: &RowLayout) -> Result<Tensor> {
     let _guard = tch::no_grad_guard();
-    let out = model.forward(
-        &layout.input_ids,
-        layout.model_mask(),
-        Some(&layout.position_ids),
-        None,
-    )?;
+    let out = model.apply_head(&layout.forward_hidden(model)?, layout.model_mask())?;
     layout.scatter(&layout.gather(&out)?).ctx("scatter values")
 }
 
 /// Runs `f` on the micro-batches of a forward-only pass — rows grouped by length
-/// ([`length_sorted_micro_batches`]) and laid out for `padding` — and scatters its `[rows, R]`
+/// ([`length_sorted_micro_batches`]), or in batch order when prompts are shared
+/// ([`Padding::forward_micro_batches`]), laid out for `padding` — and scatters its `[rows, R]`
 /// outputs back into batch order. `outputs` is how many tensors `f` returns.
 pub fn per_micro_batch_layout<F>(
     seqs: &Sequences,
@@ -113,7 +104,7 @@ where
     F: FnMut(&RowLayout) -> Result<Vec<Tensor>>,
 {
     let lengths = seqs.row_lengths()?;
-    let parts = length_sorted_micro_batches(&lengths, batching, budget_key)?;
+    let parts = padding.forward_micro_batches(&lengths, batching, budget_key)?;
     let device = seqs.input_ids.device();
     let mut out: Vec<Tensor> = (0..outputs)
         .map(|_| {

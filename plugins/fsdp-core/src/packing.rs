@@ -8,13 +8,23 @@
 //! long as its longest real row, and reads the positions of real response tokens only; the other
 //! positions of its per-token outputs are 0, as verl's unpadded path writes them.
 //!
-//! Both layouts give the same values at real tokens: position ids are carried over from the full
+//! [`Padding::SharedPrompt`] (verl's `actor.use_prefix_grouper`) also drops the padding and
+//! packs the micro-batch into one token stream where rows with the same prompt (a GRPO group's
+//! samples) share it: the prompt's tokens appear once, so the projections and MLPs run over them
+//! once, and attention runs per row over the shared prompt's keys/values and the row's own
+//! response ([`verl_nn::AttentionRows`]).
+//!
+//! All layouts give the same values at real tokens: position ids are carried over from the full
 //! row, attention keeps its causal order, and padded keys are masked either way.
+
+use std::collections::HashMap;
 
 use tch::{Device, Kind, Tensor};
 
+use verl_nn::{AttentionRows, Transformer};
+
 use crate::config::MicroBatching;
-use crate::data::{chunks, index_tensor, Sequences};
+use crate::data::{chunks, index_tensor, micro_batches, Sequences};
 use crate::error::{FsdpError, Result, TorchContext};
 
 /// Whether a micro-batch keeps its padding (`use_remove_padding: false`) or drops it.
@@ -22,14 +32,42 @@ use crate::error::{FsdpError, Result, TorchContext};
 pub enum Padding {
     Keep,
     Remove,
+    /// Padding removed and prompts shared within the micro-batch (`actor.use_prefix_grouper`).
+    SharedPrompt,
 }
 
 impl Padding {
+    /// `use_remove_padding` and `use_prefix_grouper` (which drops the padding whatever the first
+    /// says).
+    pub fn from_flags(remove: bool, share_prompts: bool) -> Padding {
+        match (remove, share_prompts) {
+            (_, true) => Padding::SharedPrompt,
+            (true, false) => Padding::Remove,
+            (false, false) => Padding::Keep,
+        }
+    }
+
     pub fn from_flag(remove: bool) -> Padding {
-        if remove {
-            Padding::Remove
-        } else {
-            Padding::Keep
+        Self::from_flags(remove, false)
+    }
+
+    /// Micro-batches of a forward-only pass: cut in batch order when prompts are shared (a
+    /// group's samples sit together there), else grouped by length
+    /// ([`length_sorted_micro_batches`]).
+    pub fn forward_micro_batches(
+        self,
+        lengths: &[i64],
+        mode: MicroBatching,
+        budget_key: &str,
+    ) -> Result<Vec<Vec<usize>>> {
+        match self {
+            Padding::SharedPrompt => {
+                let rows: Vec<usize> = (0..lengths.len()).collect();
+                micro_batches(&rows, lengths, mode, budget_key)
+            }
+            Padding::Keep | Padding::Remove => {
+                length_sorted_micro_batches(lengths, mode, budget_key)
+            }
         }
     }
 }
@@ -56,6 +94,8 @@ pub struct RowLayout {
     /// Every row's real tokens come first (padding only at the end): causal attention alone keeps
     /// real tokens from seeing padding, so the model needs no mask ([`RowLayout::model_mask`]).
     pub prefix_aligned: bool,
+    /// [`Padding::SharedPrompt`]: `input_ids` is one `[1, N]` stream attended through these rows.
+    pub attention_rows: Option<AttentionRows>,
 }
 
 impl RowLayout {
@@ -73,7 +113,130 @@ impl RowLayout {
         match padding {
             Padding::Keep => Self::keep(seqs, &index),
             Padding::Remove => Self::remove(seqs, &index),
+            Padding::SharedPrompt => Self::shared(seqs, &index),
         }
+    }
+
+    /// Final hidden states of the layout's forward (`[rows, L, H]`, or `[1, N, H]` for a
+    /// shared-prompt stream).
+    pub fn forward_hidden(&self, model: &Transformer) -> verl_nn::Result<Tensor> {
+        match &self.attention_rows {
+            Some(rows) => model.forward_hidden_rows(&self.input_ids, &self.position_ids, rows),
+            None => model.forward_hidden(
+                &self.input_ids,
+                self.model_mask(),
+                Some(&self.position_ids),
+                None,
+            ),
+        }
+    }
+
+    fn shared(seqs: &Sequences, index: &Tensor) -> Result<RowLayout> {
+        let device = seqs.input_ids.device();
+        let pick = |t: &Tensor| t.f_index_select(0, index).ctx("select micro-batch rows");
+        let (p, r) = (seqs.prompt_len, seqs.response_len);
+        let total = (p + r) as usize;
+        let response_mask = pick(&seqs.response_mask)?;
+        let rows = response_mask.size()[0];
+        let ids = to_host_i64(&pick(&seqs.input_ids)?, "input ids")?;
+        let mask = to_host_i64(&pick(&seqs.attention_mask)?, "attention mask")?;
+        let pos = to_host_i64(&pick(&seqs.position_ids)?, "position ids")?;
+        let resp = to_host_i64(
+            &response_mask
+                .f_ne(0)
+                .and_then(|m| m.f_to_kind(Kind::Int64))
+                .ctx("response mask")?,
+            "response mask",
+        )?;
+        let (p, r) = (p as usize, r as usize);
+        let mut stream = Stream::default();
+        // Prompt key -> (stream offset of its tokens, their count, the row whose attention row
+        // gives them their outputs).
+        let mut groups: HashMap<Vec<i64>, (usize, usize, usize)> = HashMap::new();
+        // Per row: its group, its response's stream offset and length.
+        let mut row_parts: Vec<((usize, usize, usize), usize, usize)> = Vec::new();
+        for i in 0..rows as usize {
+            let row = |v: &[i64]| -> Vec<i64> { v[i * total..(i + 1) * total].to_vec() };
+            let (m, ids, pos) = (row(&mask), row(&ids), row(&pos));
+            let first = m.iter().position(|&x| x != 0).unwrap_or(0);
+            let last = m.iter().rposition(|&x| x != 0).map_or(0, |k| k + 1);
+            // Each row's span as in `Remove`: from its first real token (at most the last prompt
+            // column, which predicts the first response token) through its last real token, and
+            // far enough to hold the predictor of its last selected response token.
+            let start = first.min(p - 1);
+            let needed = resp[i * r..(i + 1) * r]
+                .iter()
+                .rposition(|&x| x != 0)
+                .unwrap_or(0);
+            let resp_len = last.saturating_sub(p).max(needed);
+            let mut key = ids[start..p].to_vec();
+            key.extend_from_slice(&pos[start..p]);
+            let group = *groups.entry(key).or_insert_with(|| {
+                let at = stream.push(&ids[start..p], &pos[start..p]);
+                (at, p - start, i)
+            });
+            let at = stream.push(&ids[p..p + resp_len], &pos[p..p + resp_len]);
+            row_parts.push((group, at, resp_len));
+        }
+        let len = row_parts
+            .iter()
+            .map(|((_, plen, _), _, rl)| plen + rl)
+            .max()
+            .unwrap_or(1);
+        let n = stream.ids.len();
+        let mut gather = Vec::with_capacity(rows as usize * len);
+        let mut scatter = vec![0i64; n];
+        let (mut predictors, mut slots) = (Vec::new(), Vec::new());
+        for (i, &((p_at, plen, owner), at, rl)) in row_parts.iter().enumerate() {
+            gather.extend((p_at..p_at + plen).map(|k| k as i64));
+            gather.extend((at..at + rl).map(|k| k as i64));
+            gather.extend(std::iter::repeat_n(0, len - plen - rl));
+            if owner == i {
+                for k in 0..plen {
+                    scatter[p_at + k] = (i * len + k) as i64;
+                }
+            }
+            for j in 0..rl {
+                scatter[at + j] = (i * len + plen + j) as i64;
+            }
+            for j in 0..r {
+                if resp[i * r + j] != 0 {
+                    predictors.push(if j == 0 { p_at + plen - 1 } else { at + j - 1 } as i64);
+                    slots.push((i * r + j) as i64);
+                }
+            }
+        }
+        let on_device = |v: &[i64], what: &str| {
+            Tensor::f_from_slice(v)
+                .and_then(|t| t.f_to_device(device))
+                .ctx(what)
+        };
+        let stream_row = |v: &[i64], what: &str| on_device(v, what)?.f_view([1, -1]).ctx(what);
+        let slots = on_device(&slots, "response slots")?;
+        let targets = pick(&seqs.responses)?
+            .f_reshape([-1])
+            .and_then(|t| t.f_index_select(0, &slots))
+            .ctx("response targets")?;
+        let attention_rows = AttentionRows::new(
+            on_device(&gather, "attention row columns")?,
+            on_device(&scatter, "stream token outputs")?,
+            rows,
+            len as i64,
+        )?;
+        Ok(RowLayout {
+            input_ids: stream_row(&stream.ids, "stream ids")?,
+            attention_mask: Tensor::f_ones([1, n as i64], (Kind::Int64, device))
+                .ctx("stream mask")?,
+            position_ids: stream_row(&stream.pos, "stream positions")?,
+            predictors: on_device(&predictors, "response predictor indices")?,
+            slots,
+            targets,
+            response_mask,
+            rows,
+            response_len: r as i64,
+            prefix_aligned: true,
+            attention_rows: Some(attention_rows),
+        })
     }
 
     fn keep(seqs: &Sequences, index: &Tensor) -> Result<RowLayout> {
@@ -108,6 +271,7 @@ impl RowLayout {
             rows,
             response_len: r,
             prefix_aligned: false,
+            attention_rows: None,
         })
     }
 
@@ -189,6 +353,7 @@ impl RowLayout {
             rows,
             response_len: r,
             prefix_aligned: true,
+            attention_rows: None,
         })
     }
 
@@ -207,11 +372,11 @@ impl RowLayout {
     /// `[N, ...]`.
     pub fn gather(&self, out: &Tensor) -> Result<Tensor> {
         let s = out.size();
-        if s.len() < 2 || s[0] != self.rows || s[1] != self.input_ids.size()[1] {
+        let want = self.input_ids.size();
+        if s.len() < 2 || s[..2] != want[..] {
             return Err(FsdpError::Api(verl_plugin_api::Error::failed(format!(
                 "model output has shape {s:?}, expected [{}, {}, ..] (the micro-batch layout)",
-                self.rows,
-                self.input_ids.size()[1]
+                want[0], want[1]
             ))));
         }
         let mut flat = vec![s[0] * s[1]];
@@ -231,6 +396,23 @@ impl RowLayout {
         )?
         .f_index_copy(0, &self.slots, &values)?
         .f_view([self.rows, self.response_len])
+    }
+}
+
+/// The token stream of a [`Padding::SharedPrompt`] layout under construction.
+#[derive(Default)]
+struct Stream {
+    ids: Vec<i64>,
+    pos: Vec<i64>,
+}
+
+impl Stream {
+    /// Appends tokens; returns the stream offset of the first.
+    fn push(&mut self, ids: &[i64], pos: &[i64]) -> usize {
+        let at = self.ids.len();
+        self.ids.extend_from_slice(ids);
+        self.pos.extend_from_slice(pos);
+        at
     }
 }
 

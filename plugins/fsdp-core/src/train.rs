@@ -21,6 +21,7 @@ use crate::config::{OptimSection, Precision};
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::optim::{clip_grad_norm, AdamW, LrSchedule};
+use crate::packing::RowLayout;
 use crate::shard::{
     read_named, sum_bytes, Gate, Layout, MemoryStats, Offload, ShardState, Source, What,
 };
@@ -237,6 +238,44 @@ impl TrainableModel {
         )
     }
 
+    /// [`TrainableModel::forward_backward_hidden_with`] of a micro-batch laid out by `layout`
+    /// (a padded, unpadded or shared-prompt [`RowLayout`]).
+    pub fn forward_backward_layout_with<T>(
+        &mut self,
+        dp: &Dp,
+        layout: &RowLayout,
+        what: &'static str,
+        loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<(Tensor, T)> {
+        let Some(rows) = &layout.attention_rows else {
+            return self.forward_backward_hidden_with(
+                dp,
+                &layout.input_ids,
+                layout.model_mask(),
+                Some(&layout.position_ids),
+                what,
+                loss_fn,
+            );
+        };
+        let (ids, pos) = (&layout.input_ids, &layout.position_ids);
+        with_side_values(what, loss_fn, |loss_fn| {
+            let Some(shard) = self.shard.as_mut() else {
+                return Ok(self
+                    .model
+                    .forward_backward_hidden_rows(ids, pos, rows, loss_fn)?);
+            };
+            let mut gate = Gate {
+                state: shard,
+                dp,
+                error: None,
+            };
+            let res = self
+                .model
+                .forward_backward_gated_hidden_rows(ids, pos, rows, &mut gate, loss_fn);
+            finish_gated(gate.error.take(), shard_release(self.shard.as_mut()), res)
+        })
+    }
+
     fn forward_backward_to<F>(
         &mut self,
         input: LossInput,
@@ -281,16 +320,7 @@ impl TrainableModel {
                 loss_fn,
             ),
         };
-        let kept = gate.error.take();
-        let released = shard_release(self.shard.as_mut());
-        match (kept, res) {
-            (Some(e), _) => Err(e),
-            (None, Err(e)) => Err(e.into()),
-            (None, Ok(loss)) => {
-                released?;
-                Ok(loss)
-            }
-        }
+        finish_gated(gate.error.take(), shard_release(self.shard.as_mut()), res)
     }
 
     /// [`TrainableModel::forward_backward`] for a loss function that fails with this crate's error and
@@ -350,31 +380,9 @@ impl TrainableModel {
         what: &'static str,
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(Tensor, T)> {
-        let mut captured: Option<Result<T>> = None;
-        let loss =
-            self.forward_backward_to(input, dp, input_ids, attention_mask, position_ids, |out| {
-                match loss_fn(out) {
-                    Ok((loss, side)) => {
-                        captured = Some(Ok(side));
-                        Ok(loss)
-                    }
-                    Err(e) => {
-                        captured = Some(Err(e));
-                        Err(NnError::InvalidInput {
-                            what: what.into(),
-                            expected: "a loss".into(),
-                            found: "an error (reported separately)".into(),
-                        })
-                    }
-                }
-            });
-        match (loss, captured) {
-            (_, Some(Err(e))) | (Err(e), _) => Err(e),
-            (Ok(loss), Some(Ok(side))) => Ok((loss, side)),
-            (Ok(_), None) => Err(FsdpError::Api(verl_plugin_api::Error::failed(
-                "the model returned a loss without running the loss function",
-            ))),
-        }
+        with_side_values(what, loss_fn, |f| {
+            self.forward_backward_to(input, dp, input_ids, attention_mask, position_ids, f)
+        })
     }
 
     /// Runs `f` on the whole model. On several ranks every parameter is gathered for the call
@@ -817,4 +825,64 @@ fn copy_named(
         }
         Ok(())
     })
+}
+
+/// The result of a sharded forward-backward: the gate's kept error first, then the model's, then
+/// the release of the gathered parameters.
+fn finish_gated(
+    kept: Option<FsdpError>,
+    released: Result<()>,
+    res: verl_nn::Result<Tensor>,
+) -> Result<Tensor> {
+    match (kept, res) {
+        (Some(e), _) => Err(e),
+        (None, Err(e)) => Err(e.into()),
+        (None, Ok(loss)) => {
+            released?;
+            Ok(loss)
+        }
+    }
+}
+
+/// Runs `run` with a model-facing loss function made from `loss_fn`, which fails with this crate's
+/// error and returns side values: the model only sees a loss, so the error and the side values are
+/// carried around it here; `what` names the loss if the model fails instead.
+fn with_side_values<T, L>(
+    what: &'static str,
+    loss_fn: L,
+    run: impl FnOnce(&mut dyn FnMut(&Tensor) -> verl_nn::Result<Tensor>) -> Result<Tensor>,
+) -> Result<(Tensor, T)>
+where
+    L: FnOnce(&Tensor) -> Result<(Tensor, T)>,
+{
+    let mut captured: Option<Result<T>> = None;
+    let mut loss_fn = Some(loss_fn);
+    let loss = run(&mut |out: &Tensor| {
+        let f = loss_fn.take().ok_or_else(|| NnError::InvalidInput {
+            what: what.into(),
+            expected: "one loss call".into(),
+            found: "a second".into(),
+        })?;
+        match f(out) {
+            Ok((loss, side)) => {
+                captured = Some(Ok(side));
+                Ok(loss)
+            }
+            Err(e) => {
+                captured = Some(Err(e));
+                Err(NnError::InvalidInput {
+                    what: what.into(),
+                    expected: "a loss".into(),
+                    found: "an error (reported separately)".into(),
+                })
+            }
+        }
+    });
+    match (loss, captured) {
+        (_, Some(Err(e))) | (Err(e), _) => Err(e),
+        (Ok(loss), Some(Ok(side))) => Ok((loss, side)),
+        (Ok(_), None) => Err(FsdpError::Api(verl_plugin_api::Error::failed(
+            "the model returned a loss without running the loss function",
+        ))),
+    }
 }

@@ -306,6 +306,16 @@ fn actor_on(job: &Job, rank: usize, cfg: &Value) -> ActorClient {
 type ActorRun = (Vec<Metrics>, Option<Weights>, Vec<f32>);
 
 fn actor_steps(world: usize, model: &Path, patch: Value, steps: u64) -> Vec<ActorRun> {
+    actor_steps_on(world, model, patch, steps, global_batch)
+}
+
+fn actor_steps_on(
+    world: usize,
+    model: &Path,
+    patch: Value,
+    steps: u64,
+    batch: fn(u64) -> Batch,
+) -> Vec<ActorRun> {
     let job = Job::new(world);
     let cfg = config(model, patch);
     let job = std::sync::Arc::new(job);
@@ -315,7 +325,7 @@ fn actor_steps(world: usize, model: &Path, patch: Value, steps: u64) -> Vec<Acto
         let mut metrics = Vec::new();
         let mut last = None;
         for step in 0..steps {
-            let b = shard_rows(&global_batch(100 + step), rank, world);
+            let b = shard_rows(&batch(100 + step), rank, world);
             let m = a
                 .update(
                     &b,
@@ -400,6 +410,47 @@ fn dynamic_batch_sizes_with_unequal_micro_batch_counts_still_match() {
             let (x, y) = (m1[name], m[name]);
             assert!((x - y).abs() <= TOL * (1.0 + x.abs()), "{name}: {x} vs {y}");
         }
+    }
+}
+
+/// [`global_batch`] with GRPO groups: rows 0-3 and 4-7 each share the prompt of their first row.
+fn grouped_batch(seed: u64) -> Batch {
+    let mut b = global_batch(seed);
+    for name in [col::PROMPTS, col::PROMPT_MASK] {
+        let t = b.tensor::<i64>(name).unwrap();
+        let data: Vec<i64> = (0..ROWS).flat_map(|i| t.row(i - i % 4).to_vec()).collect();
+        b.insert_tensor(name, &[ROWS, PL], &data);
+    }
+    b
+}
+
+#[test]
+fn prefix_grouper_at_world_2_equals_unshared_ranks() {
+    // Each rank's micro-batches of 3 rows hold parts of a group; the shared-prompt forward and
+    // its gathered-parameter backward give the unshared update (weights: also one rank's).
+    let dir = tiny_model(false, HeadKind::CausalLm);
+    let micro = json!({"actor_rollout_ref": {"actor": {"ppo_micro_batch_size_per_gpu": 3}}});
+    let mut shared = micro.clone();
+    shared["actor_rollout_ref"]["actor"]["use_prefix_grouper"] = json!(true);
+    let one = actor_steps_on(1, dir.path(), micro.clone(), 2, grouped_batch).remove(0);
+    let plain = actor_steps_on(2, dir.path(), micro, 2, grouped_batch);
+    let runs = actor_steps_on(2, dir.path(), shared, 2, grouped_batch);
+    let w = runs[0].1.as_ref().unwrap();
+    for (what, want) in [("one rank", &one.1), ("two unshared ranks", &plain[0].1)] {
+        let d = max_weight_diff(want.as_ref().unwrap(), w);
+        assert!(d < TOL, "weights differ from {what} by {d}");
+    }
+    for (rank, (run, want)) in runs.iter().zip(&plain).enumerate() {
+        for (step, (m1, m)) in want.0.iter().zip(&run.0).enumerate() {
+            assert_metrics_close(m1, m, &format!("rank {rank} step {step}"));
+        }
+        let d = want
+            .2
+            .iter()
+            .zip(&run.2)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(d < 1e-4, "rank {rank}: log-probs differ by {d}");
     }
 }
 

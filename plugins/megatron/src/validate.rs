@@ -24,6 +24,17 @@ pub fn validate(init: &InitArgs) -> Result<String> {
             "true",
         ));
     }
+    if cfg
+        .pointer("/actor_rollout_ref/actor/use_prefix_grouper")
+        .and_then(|v| v.as_bool())
+        == Some(true)
+    {
+        return Err(crate::error::MegatronError::config(
+            "actor_rollout_ref.actor.use_prefix_grouper",
+            "false with the megatron backend (the fsdp backend implements it)",
+            "true",
+        ));
+    }
     let roles: Vec<&str> = match init.extra.get("roles").and_then(|r| r.as_array()) {
         Some(r) => r.iter().filter_map(|v| v.as_str()).collect(),
         None => vec!["actor"],
@@ -190,7 +201,7 @@ mod tests {
     }
 
     #[test]
-    fn consistent_attention_is_refused_by_name() {
+    fn consistent_attention_and_prefix_grouper_are_refused_by_name() {
         let d = model_dir(qwen2(4, 2, 4));
         let mut args = init(d.path(), 1, serde_json::json!({}));
         args.config["actor_rollout_ref"]["rollout"] =
@@ -203,5 +214,11 @@ mod tests {
         args.config["actor_rollout_ref"]["rollout"] =
             serde_json::json!({"consistent_attention": false});
         validate(&args).unwrap();
+        args.config["actor_rollout_ref"]["actor"]["use_prefix_grouper"] = serde_json::json!(true);
+        let e = validate(&args).unwrap_err().to_string();
+        assert!(
+            e.contains("actor_rollout_ref.actor.use_prefix_grouper"),
+            "{e}"
+        );
     }
 }

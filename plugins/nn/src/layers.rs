@@ -285,6 +285,105 @@ pub(crate) struct LayerCtx {
     /// where nothing needs a gradient runs through the paged decode kernel, one query per
     /// position, so its arithmetic is exactly that of a generation engine's decode steps.
     pub consistent: Option<ConsistentAttention>,
+    /// Set for a packed `[1, N]` forward whose attention runs over rows assembled from the
+    /// stream ([`AttentionRows`]).
+    pub rows: Option<AttentionRows>,
+}
+
+/// How a packed forward's `[1, N]` token stream is attended: attention runs over `rows` rows of
+/// `len` columns gathered from the stream, each row causal with its real tokens first, and each
+/// stream token takes its output from one (row, column). Every other op (projections, norms,
+/// MLPs) runs once per stream token. A GRPO group's samples share their prompt this way: the
+/// prompt's tokens appear once in the stream and at the head of every sample's row, so they pass
+/// through the weights once, and their keys/values reach every sample's response (their
+/// gradients summed over the samples by the gather's backward).
+#[derive(Debug)]
+pub struct AttentionRows {
+    /// int64 `[rows * len]`: the stream index at column `c` of row `a` (index `a * len + c`).
+    /// Columns past a row's tokens may repeat any stream index: causal attention keeps every
+    /// real column from seeing them, and no token takes its output from them.
+    pub gather: Tensor,
+    /// int64 `[N]`: for each stream token, `a * len + c` of the column that gives its output.
+    pub scatter: Tensor,
+    pub rows: i64,
+    pub len: i64,
+}
+
+impl AttentionRows {
+    /// Checks the shapes and kinds (not the index values: an index out of range fails in the
+    /// forward's gather).
+    pub fn new(gather: Tensor, scatter: Tensor, rows: i64, len: i64) -> Result<AttentionRows> {
+        let flat = |t: &Tensor, what: &str, n: Option<i64>| -> Result<()> {
+            let s = t.size();
+            let ok = t.kind() == Kind::Int64 && s.len() == 1 && n.is_none_or(|n| s[0] == n);
+            if ok {
+                return Ok(());
+            }
+            Err(NnError::input(
+                what,
+                match n {
+                    Some(n) => format!("int64 [{n}]"),
+                    None => "int64 [N]".into(),
+                },
+                format!("{:?} {s:?}", t.kind()),
+            ))
+        };
+        if rows < 1 || len < 1 {
+            return Err(NnError::input(
+                "attention rows",
+                "at least one row of at least one column",
+                format!("{rows} rows of {len}"),
+            ));
+        }
+        flat(&gather, "attention rows gather index", Some(rows * len))?;
+        flat(&scatter, "attention rows scatter index", None)?;
+        Ok(AttentionRows {
+            gather,
+            scatter,
+            rows,
+            len,
+        })
+    }
+
+    /// Stream tokens `N`.
+    pub fn tokens(&self) -> i64 {
+        self.scatter.size()[0]
+    }
+
+    pub(crate) fn shallow_clone(&self) -> AttentionRows {
+        AttentionRows {
+            gather: self.gather.shallow_clone(),
+            scatter: self.scatter.shallow_clone(),
+            rows: self.rows,
+            len: self.len,
+        }
+    }
+
+    /// `[1, heads, N, D]` stream keys/queries/values -> `[N, heads, D]`.
+    fn stream(x: &Tensor) -> Result<Tensor> {
+        let s = x.size();
+        Ok(x.f_squeeze_dim(0)?
+            .f_transpose(0, 1)?
+            .f_reshape([s[2], s[1], s[3]])?)
+    }
+
+    /// `[N, heads, D]` -> `[rows, len, heads, D]`.
+    fn assemble(&self, x: &Tensor) -> Result<Tensor> {
+        let s = x.size();
+        Ok(x.f_index_select(0, &self.gather)?
+            .f_view([self.rows, self.len, s[1], s[2]])?)
+    }
+
+    /// `[rows, heads, len, D]` attention output -> the stream's `[1, heads, N, D]`.
+    fn disperse(&self, out: &Tensor) -> Result<Tensor> {
+        let s = out.size();
+        Ok(out
+            .f_transpose(1, 2)?
+            .f_reshape([self.rows * self.len, s[1], s[3]])?
+            .f_index_select(0, &self.scatter)?
+            .f_transpose(0, 1)?
+            .f_unsqueeze(0)?)
+    }
 }
 
 /// Index tensors that present a causal `[B, T]` forward to the paged decode kernel: the keys and
@@ -298,6 +397,18 @@ pub(crate) struct ConsistentAttention {
 }
 
 impl ConsistentAttention {
+    /// For a packed forward: query `i` of the stream reads row `scatter[i] / len` of the
+    /// assembled keys/values up to its own column.
+    pub fn for_rows(rows: &AttentionRows) -> Result<Self> {
+        Ok(ConsistentAttention {
+            table: rows
+                .scatter
+                .f_floor_divide_scalar(rows.len)?
+                .f_view([-1, 1])?,
+            seq_lens: rows.scatter.f_remainder(rows.len)?.f_add_scalar(1)?,
+        })
+    }
+
     pub fn new(b: i64, t: i64, device: tch::Device) -> Result<Self> {
         let opts = (Kind::Int64, device);
         Ok(ConsistentAttention {
@@ -453,6 +564,9 @@ impl Attention {
     pub fn forward(&self, x: &Tensor, ctx: &LayerCtx, kv: Option<KvSlot<'_>>) -> Result<Tensor> {
         let (b, t) = (x.size()[0], x.size()[1]);
         let (q, k, v) = self.qkv(x, &ctx.cos, &ctx.sin)?;
+        if let Some(rows) = &ctx.rows {
+            return self.forward_rows(&q, &k, &v, ctx, rows, t);
+        }
         let cached = kv.is_some();
         let (k, v) = match kv {
             None => (k, v),
@@ -482,6 +596,47 @@ impl Attention {
             false,
         )?;
         self.project_out(&out, b, t)
+    }
+
+    /// Attention of a packed forward (`[1, heads, N, D]` stream queries/keys/values) over the
+    /// rows of `rows`, then `o_proj`.
+    fn forward_rows(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        ctx: &LayerCtx,
+        rows: &AttentionRows,
+        n: i64,
+    ) -> Result<Tensor> {
+        let k = rows.assemble(&AttentionRows::stream(k)?)?;
+        let v = rows.assemble(&AttentionRows::stream(v)?)?;
+        if let Some(c) = &ctx.consistent {
+            if self.window.is_none() && !q.requires_grad() {
+                // One query per stream token (no duplicated prompt queries), over its row.
+                let d = self.head_dim;
+                let q = AttentionRows::stream(q)?.f_contiguous()?;
+                let out = verl_torch_ext::paged_decode_attention_with(
+                    &q,
+                    &k,
+                    &v,
+                    &c.table,
+                    &c.seq_lens,
+                    1.0 / (d as f64).sqrt(),
+                    None,
+                    verl_torch_ext::PagedAttentionOptions {
+                        num_splits: 1,
+                        ..Default::default()
+                    },
+                )?;
+                let out = out.f_transpose(0, 1)?.f_unsqueeze(0)?;
+                return self.project_out(&out, 1, n);
+            }
+        }
+        let heads = |x: Tensor| x.f_transpose(1, 2);
+        let q = heads(rows.assemble(&AttentionRows::stream(q)?)?)?;
+        let out = causal_attention(&q, &heads(k)?, &heads(v)?)?;
+        self.project_out(&rows.disperse(&out)?, 1, n)
     }
 
     /// Causal attention of `q` `[B, H, T, D]` over `k`, `v` `[B, n_kv, T, D]` through the paged

@@ -5,7 +5,7 @@ use tch::{nn, Device, Kind, Tensor};
 use crate::config::ModelConfig;
 use crate::error::{NnError, Result};
 use crate::layers::{
-    DecoderLayer, InitMode, KvSlot, LayerCtx, Linear, ParamFactory, RmsNorm, Rope,
+    AttentionRows, DecoderLayer, InitMode, KvSlot, LayerCtx, Linear, ParamFactory, RmsNorm, Rope,
 };
 use crate::tp::{TpComm, TpShard};
 
@@ -557,7 +557,35 @@ impl Transformer {
         position_ids: Option<&Tensor>,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        let ctx = self.prepare(input_ids, attention_mask, position_ids, cache.as_deref())?;
+        self.forward_hidden_in(input_ids, attention_mask, position_ids, cache, None)
+    }
+
+    /// [`Transformer::forward_hidden`] of a packed token stream: `input_ids` and `position_ids`
+    /// int64 `[1, N]`, attention over `rows` (see [`AttentionRows`]); hidden states `[1, N, H]`.
+    pub fn forward_hidden_rows(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        rows: &AttentionRows,
+    ) -> Result<Tensor> {
+        self.forward_hidden_in(input_ids, None, Some(position_ids), None, Some(rows))
+    }
+
+    fn forward_hidden_in(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+        rows: Option<&AttentionRows>,
+    ) -> Result<Tensor> {
+        let ctx = self.prepare(
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache.as_deref(),
+            rows,
+        )?;
         let mut h = self.embed(input_ids)?;
         match cache {
             None => {
@@ -706,6 +734,7 @@ impl Transformer {
             input_ids,
             attention_mask,
             position_ids,
+            None,
             loss_fn,
         )
     }
@@ -729,6 +758,29 @@ impl Transformer {
             input_ids,
             attention_mask,
             position_ids,
+            None,
+            loss_fn,
+        )
+    }
+
+    /// [`Transformer::forward_backward_hidden`] of a packed token stream (see
+    /// [`Transformer::forward_hidden_rows`]): `loss_fn` gets the hidden states `[1, N, H]`.
+    pub fn forward_backward_hidden_rows<F>(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        rows: &AttentionRows,
+        loss_fn: F,
+    ) -> Result<Tensor>
+    where
+        F: FnOnce(&Tensor) -> Result<Tensor>,
+    {
+        self.forward_backward_to(
+            Output::Hidden,
+            input_ids,
+            None,
+            Some(position_ids),
+            Some(rows),
             loss_fn,
         )
     }
@@ -796,6 +848,7 @@ impl Transformer {
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
         position_ids: Option<&Tensor>,
+        rows: Option<&AttentionRows>,
         loss_fn: F,
     ) -> Result<Tensor>
     where
@@ -804,11 +857,10 @@ impl Transformer {
         self.check_trainable()?;
         if !self.checkpointing {
             let mut timer = crate::profile::start(self.device());
+            let h = self.forward_hidden_in(input_ids, attention_mask, position_ids, None, rows)?;
             let out = match output {
-                Output::Head => self.forward(input_ids, attention_mask, position_ids, None)?,
-                Output::Hidden => {
-                    self.forward_hidden(input_ids, attention_mask, position_ids, None)?
-                }
+                Output::Head => self.apply_head(&h, attention_mask)?,
+                Output::Hidden => h,
             };
             crate::profile::lap(&mut timer, "train/forward");
             let loss = loss_fn(&out)?;
@@ -818,7 +870,7 @@ impl Transformer {
             crate::profile::lap(&mut timer, "train/backward");
             return Ok(loss.f_detach()?);
         }
-        let ctx = self.prepare(input_ids, attention_mask, position_ids, None)?;
+        let ctx = self.prepare(input_ids, attention_mask, position_ids, None, rows)?;
         // Inputs of every layer, kept without autograd history.
         let mut inputs: Vec<Tensor> = Vec::with_capacity(self.layers.len());
         let mut h = tch::no_grad(|| self.embed(input_ids))?;
@@ -873,6 +925,7 @@ impl Transformer {
             input_ids,
             attention_mask,
             position_ids,
+            None,
             gate,
             loss_fn,
         )
@@ -897,17 +950,44 @@ impl Transformer {
             input_ids,
             attention_mask,
             position_ids,
+            None,
             gate,
             loss_fn,
         )
     }
 
+    /// [`Transformer::forward_backward_gated_hidden`] of a packed token stream (see
+    /// [`Transformer::forward_hidden_rows`]).
+    pub fn forward_backward_gated_hidden_rows<F>(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        rows: &AttentionRows,
+        gate: &mut dyn ParamGate,
+        loss_fn: F,
+    ) -> Result<Tensor>
+    where
+        F: FnOnce(&Tensor) -> Result<Tensor>,
+    {
+        self.forward_backward_gated_to(
+            Output::Hidden,
+            input_ids,
+            None,
+            Some(position_ids),
+            Some(rows),
+            gate,
+            loss_fn,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn forward_backward_gated_to<F>(
         &self,
         output: Output,
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
         position_ids: Option<&Tensor>,
+        rows: Option<&AttentionRows>,
         gate: &mut dyn ParamGate,
         loss_fn: F,
     ) -> Result<Tensor>
@@ -915,7 +995,7 @@ impl Transformer {
         F: FnOnce(&Tensor) -> Result<Tensor>,
     {
         self.check_trainable()?;
-        let ctx = self.prepare(input_ids, attention_mask, position_ids, None)?;
+        let ctx = self.prepare(input_ids, attention_mask, position_ids, None, rows)?;
         let mut inputs: Vec<Tensor> = Vec::with_capacity(self.layers.len());
         let mut h = gated(gate, Unit::Embedding, |_| {
             tch::no_grad(|| self.embed(input_ids))
@@ -1077,8 +1157,12 @@ impl Transformer {
         attention_mask: Option<&Tensor>,
         position_ids: Option<&Tensor>,
         cache: Option<&KvCache>,
+        rows: Option<&AttentionRows>,
     ) -> Result<Prepared> {
         let (b, t) = ids_shape(input_ids)?;
+        if let Some(r) = rows {
+            self.check_rows(r, b, t, attention_mask.is_some() || cache.is_some())?;
+        }
         let device = input_ids.device();
         if device != self.device() {
             return Err(NnError::input(
@@ -1139,7 +1223,10 @@ impl Transformer {
             && self.consistent_attention
             && verl_torch_ext::paged_attention_available(device)
         {
-            Some(crate::layers::ConsistentAttention::new(b, t, device)?)
+            Some(match rows {
+                Some(r) => crate::layers::ConsistentAttention::for_rows(r)?,
+                None => crate::layers::ConsistentAttention::new(b, t, device)?,
+            })
         } else {
             None
         };
@@ -1150,9 +1237,36 @@ impl Transformer {
                 masks,
                 causal,
                 consistent,
+                rows: rows.map(AttentionRows::shallow_clone),
             },
             full_mask,
         })
+    }
+
+    /// A packed forward: `[1, N]` tokens, no mask or cache, full causal attention in every layer.
+    fn check_rows(&self, rows: &AttentionRows, b: i64, t: i64, masked: bool) -> Result<()> {
+        if b != 1 || t != rows.tokens() {
+            return Err(NnError::input(
+                "packed input_ids",
+                format!("[1, {}] (the attention rows' stream)", rows.tokens()),
+                format!("[{b}, {t}]"),
+            ));
+        }
+        if masked {
+            return Err(NnError::input(
+                "packed forward",
+                "no attention mask and no KV cache (the rows say what each token sees)",
+                "a mask or a cache",
+            ));
+        }
+        if let Some(i) = self.layers.iter().position(|l| l.window().is_some()) {
+            return Err(NnError::input(
+                "packed forward",
+                "full causal attention in every layer",
+                format!("a sliding window in layer {i}"),
+            ));
+        }
+        Ok(())
     }
 
     /// The boolean masks `[B, 1, T, total]` of one forward, one per distinct sliding window.

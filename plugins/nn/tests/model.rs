@@ -596,3 +596,189 @@ fn fused_decode_weights_give_the_same_logits_and_leave_training_alone() {
         }
     }
 }
+
+/// A packed stream of GRPO-style groups (one prompt, several responses): the stream, its
+/// positions, the attention rows, and for each row its predictor stream indices (the last prompt
+/// token, then every response token but the last) next to the same positions in the row's own
+/// unshared sequence.
+struct Packed {
+    ids: Tensor,
+    positions: Tensor,
+    rows: verl_nn::AttentionRows,
+    /// Per row: (its full sequence, stream indices of its tokens, stream indices of its predictors).
+    per_row: Vec<(Vec<i64>, Vec<i64>, Vec<i64>)>,
+}
+
+fn pack(groups: &[(Vec<i64>, Vec<Vec<i64>>)], device: tch::Device) -> Packed {
+    let (mut ids, mut pos) = (Vec::new(), Vec::new());
+    let mut per_row = Vec::new();
+    let mut scatter_of: Vec<(usize, i64)> = Vec::new(); // per stream token: (row, column)
+    for (prompt, responses) in groups {
+        let p0 = ids.len() as i64;
+        let first_row = per_row.len();
+        for (k, &t) in prompt.iter().enumerate() {
+            ids.push(t);
+            pos.push(k as i64);
+            scatter_of.push((first_row, k as i64));
+        }
+        let prompt_idx: Vec<i64> = (p0..p0 + prompt.len() as i64).collect();
+        for resp in responses {
+            let row = per_row.len();
+            let r0 = ids.len() as i64;
+            for (j, &t) in resp.iter().enumerate() {
+                ids.push(t);
+                pos.push((prompt.len() + j) as i64);
+                scatter_of.push((row, (prompt.len() + j) as i64));
+            }
+            let resp_idx: Vec<i64> = (r0..r0 + resp.len() as i64).collect();
+            let mut full = prompt.clone();
+            full.extend(resp);
+            let mut idx = prompt_idx.clone();
+            idx.extend(&resp_idx);
+            let mut predictors = vec![*prompt_idx.last().unwrap()];
+            predictors.extend(&resp_idx[..resp.len().saturating_sub(1)]);
+            predictors.truncate(resp.len());
+            per_row.push((full, idx, predictors));
+        }
+    }
+    let len = per_row.iter().map(|r| r.1.len()).max().unwrap() as i64;
+    let mut gather = Vec::new();
+    for (_, idx, _) in &per_row {
+        gather.extend(idx);
+        gather.extend(std::iter::repeat_n(0, len as usize - idx.len()));
+    }
+    let scatter: Vec<i64> = scatter_of
+        .iter()
+        .map(|&(a, c)| a as i64 * len + c)
+        .collect();
+    let t = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+    Packed {
+        ids: t(&ids).view([1, -1]),
+        positions: t(&pos).view([1, -1]),
+        rows: verl_nn::AttentionRows::new(t(&gather), t(&scatter), per_row.len() as i64, len)
+            .unwrap(),
+        per_row,
+    }
+}
+
+/// A packed forward (shared prompts, attention over assembled rows) gives every token the hidden
+/// state of the same token in its own unshared sequence, and the parameter gradients of a loss on
+/// the predictor states equal the unshared sequences' summed gradients (plain and checkpointed).
+#[test]
+fn packed_rows_match_unshared_sequences() {
+    check_packed(tch::Device::Cpu, false, 1e-5);
+}
+
+/// The same on CUDA: flash/efficient attention over the rows, and the paged decode kernel
+/// (consistent attention, one query per stream token) where nothing needs a gradient.
+#[test]
+fn packed_rows_match_unshared_sequences_on_cuda() {
+    if !tch::Cuda::is_available() {
+        eprintln!("SKIP: no CUDA device; packed rows on CUDA not checked");
+        return;
+    }
+    check_packed(tch::Device::Cuda(0), false, 1e-4);
+    check_packed(tch::Device::Cuda(0), true, 1e-4);
+}
+
+fn check_packed(dev: tch::Device, consistent: bool, tol: f64) {
+    let (_dir, cpu) = saved(json!({"model_type": "qwen2"}));
+    let mut m = if dev == tch::Device::Cpu {
+        cpu
+    } else {
+        Transformer::from_pretrained(
+            _dir.path(),
+            &ModelOptions {
+                device: dev,
+                ..ModelOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    m.set_consistent_attention(consistent);
+    let groups = vec![
+        (
+            vec![5, 17, 42, 9, 77],
+            vec![vec![3, 4, 5, 6], vec![8], vec![100, 101, 102]],
+        ),
+        (vec![250, 12], vec![vec![7, 7, 7, 7, 7, 7]]),
+    ];
+    let p = pack(&groups, dev);
+    let hidden = tch::no_grad(|| m.forward_hidden_rows(&p.ids, &p.positions, &p.rows)).unwrap();
+    assert_eq!(hidden.size(), [1, p.ids.size()[1], 32]);
+    let u: Vec<Tensor> = p
+        .per_row
+        .iter()
+        .map(|(full, ..)| Tensor::randn([full.len() as i64, 32], (Kind::Float, dev)))
+        .collect();
+    // Unshared reference: each row alone, gradients summed over rows.
+    let mut want_loss = 0.0;
+    for ((full, idx, predictors), u) in p.per_row.iter().zip(&u) {
+        let ids = Tensor::from_slice(full).view([1, -1]).to_device(dev);
+        let h = tch::no_grad(|| m.forward_hidden(&ids, None, None, None)).unwrap();
+        let got = hidden
+            .get(0)
+            .index_select(0, &Tensor::from_slice(idx).to_device(dev));
+        let d = max_abs(&got, &h.get(0));
+        assert!(
+            d < tol,
+            "{dev:?} consistent {consistent}: packed vs unshared hidden states: {d:.3e}"
+        );
+        let n = predictors.len() as i64;
+        let plen = full.len() as i64 - n;
+        let l = m
+            .forward_backward_hidden(&ids, None, None, |h| {
+                Ok(h.get(0)
+                    .narrow(0, plen - 1, n)
+                    .f_mul(&u.narrow(0, 0, n))?
+                    .sum(Kind::Float))
+            })
+            .unwrap();
+        want_loss += l.double_value(&[]);
+    }
+    // (The LM head gets no gradient from a loss on hidden states.)
+    let defined_grads = |m: &Transformer| -> Vec<(String, Tensor)> {
+        m.named_parameters()
+            .iter()
+            .filter(|(_, p)| p.grad().defined())
+            .map(|(n, p)| (n.clone(), p.grad().copy()))
+            .collect()
+    };
+    let want = defined_grads(&m);
+    assert!(
+        want.len() + 1 == m.named_parameters().len(),
+        "every weight but the head"
+    );
+    let all_pred: Vec<i64> = p.per_row.iter().flat_map(|r| r.2.clone()).collect();
+    let all_u = Tensor::cat(
+        &p.per_row
+            .iter()
+            .zip(&u)
+            .map(|(r, u)| u.narrow(0, 0, r.2.len() as i64))
+            .collect::<Vec<_>>(),
+        0,
+    );
+    for ckpt in [false, true] {
+        m.set_activation_checkpointing(ckpt);
+        zero_grads(&m);
+        let l = m
+            .forward_backward_hidden_rows(&p.ids, &p.positions, &p.rows, |h| {
+                Ok(h.get(0)
+                    .index_select(0, &Tensor::from_slice(&all_pred).to_device(dev))
+                    .f_mul(&all_u)?
+                    .sum(Kind::Float))
+            })
+            .unwrap();
+        assert!((l.double_value(&[]) - want_loss).abs() < 1e-4 * want_loss.abs().max(1.0));
+        let got = defined_grads(&m);
+        assert_eq!(got.len(), want.len());
+        for ((n, a), (_, b)) in want.iter().zip(got.iter()) {
+            let scale = a.abs().max().double_value(&[]).max(1.0);
+            assert!(
+                max_abs(a, b) <= tol * scale,
+                "{n}: packed gradient differs (checkpointing {ckpt}): {:.3e}",
+                max_abs(a, b)
+            );
+        }
+    }
+}

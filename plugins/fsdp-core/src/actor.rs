@@ -25,7 +25,7 @@ use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::forward::{head_chunk_tokens, layout_token_stats, lm_head, per_micro_batch_layout};
 use crate::metrics::MetricAcc;
-use crate::packing::{Padding, RowLayout};
+use crate::packing::{prompt_group_micro_batches, Padding, PromptGroups, RowLayout};
 use crate::shard::{MemoryStats, Offload};
 use crate::train::{Sharding, TrainableModel};
 
@@ -515,6 +515,11 @@ impl FsdpActor {
         let need_entropy =
             plan.calculate_entropy || plan.loss.needs_entropy() || entropy_metric_requested(o);
         let (padding, head_chunk) = (self.padding, self.head_chunk);
+        // Shared prompts: micro-batches keep a prompt's rows together.
+        let groups = match padding {
+            Padding::SharedPrompt => Some(PromptGroups::of(&seqs)?),
+            Padding::Keep | Padding::Remove => None,
+        };
         let mut acc = MetricAcc::default();
         let fail = |train: &mut TrainableModel, e: FsdpError| -> FsdpError {
             let _ = train.zero_grad();
@@ -549,12 +554,13 @@ impl FsdpActor {
                 let norm = Normaliser::Global(LossScale::new(counts, 1));
                 train.zero_grad()?;
                 let mut mini_entropy: Option<f64> = None;
-                let parts = micro_batches(
-                    mini,
-                    &lengths,
-                    plan.micro,
-                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-                )?;
+                const BUDGET_KEY: &str = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu";
+                let parts = match &groups {
+                    Some(g) => {
+                        prompt_group_micro_batches(mini, g, &lengths, plan.micro, BUDGET_KEY)?
+                    }
+                    None => micro_batches(mini, &lengths, plan.micro, BUDGET_KEY)?,
+                };
                 let parts = same_micro_batch_count(dp, parts)?;
                 for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
                     let mut timer = verl_nn::profile::start(device);

@@ -103,8 +103,7 @@ pub fn per_micro_batch_layout<F>(
 where
     F: FnMut(&RowLayout) -> Result<Vec<Tensor>>,
 {
-    let lengths = seqs.row_lengths()?;
-    let parts = padding.forward_micro_batches(&lengths, batching, budget_key)?;
+    let parts = padding.forward_micro_batches(seqs, batching, budget_key)?;
     let device = seqs.input_ids.device();
     let mut out: Vec<Tensor> = (0..outputs)
         .map(|_| {

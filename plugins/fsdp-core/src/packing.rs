@@ -24,7 +24,7 @@ use tch::{Device, Kind, Tensor};
 use verl_nn::{AttentionRows, Transformer};
 
 use crate::config::MicroBatching;
-use crate::data::{chunks, index_tensor, micro_batches, Sequences};
+use crate::data::{chunks, index_tensor, Sequences};
 use crate::error::{FsdpError, Result, TorchContext};
 
 /// Whether a micro-batch keeps its padding (`use_remove_padding: false`) or drops it.
@@ -51,22 +51,25 @@ impl Padding {
         Self::from_flags(remove, false)
     }
 
-    /// Micro-batches of a forward-only pass: cut in batch order when prompts are shared (a
-    /// group's samples sit together there), else grouped by length
+    /// Micro-batches of a forward-only pass over `seqs`, whose results are per row so the
+    /// grouping is free: with shared prompts a group's rows stay together
+    /// ([`prompt_group_micro_batches`]), otherwise rows are grouped by length
     /// ([`length_sorted_micro_batches`]).
     pub fn forward_micro_batches(
         self,
-        lengths: &[i64],
+        seqs: &Sequences,
         mode: MicroBatching,
         budget_key: &str,
     ) -> Result<Vec<Vec<usize>>> {
+        let lengths = seqs.row_lengths()?;
         match self {
             Padding::SharedPrompt => {
                 let rows: Vec<usize> = (0..lengths.len()).collect();
-                micro_batches(&rows, lengths, mode, budget_key)
+                let groups = PromptGroups::of(seqs)?;
+                prompt_group_micro_batches(&rows, &groups, &lengths, mode, budget_key)
             }
             Padding::Keep | Padding::Remove => {
-                length_sorted_micro_batches(lengths, mode, budget_key)
+                length_sorted_micro_batches(&lengths, mode, budget_key)
             }
         }
     }
@@ -399,6 +402,124 @@ impl RowLayout {
     }
 }
 
+/// Which rows of a batch share a prompt (the same tokens at the same positions over the prompt's
+/// span, the key [`RowLayout`]'s shared layout uses), and each prompt's span length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptGroups {
+    /// Per row: its group, numbered by first appearance.
+    pub group: Vec<usize>,
+    /// Per row: the tokens its prompt adds to a shared stream (the span from its first real
+    /// prompt token, at least the last prompt column).
+    pub prompt_len: Vec<i64>,
+}
+
+impl PromptGroups {
+    pub fn of(seqs: &Sequences) -> Result<PromptGroups> {
+        let p = seqs.prompt_len;
+        let prompt = |t: &Tensor, what: &str| to_host_i64(&t.f_narrow(1, 0, p).ctx(what)?, what);
+        let ids = prompt(&seqs.input_ids, "prompt ids")?;
+        let mask = prompt(&seqs.attention_mask, "prompt mask")?;
+        let pos = prompt(&seqs.position_ids, "prompt positions")?;
+        let p = p as usize;
+        let mut keys: HashMap<Vec<i64>, usize> = HashMap::new();
+        let (mut group, mut prompt_len) = (Vec::new(), Vec::new());
+        for i in 0..seqs.rows() {
+            let span = i * p..(i + 1) * p;
+            let start = mask[span.clone()]
+                .iter()
+                .position(|&m| m != 0)
+                .unwrap_or(p - 1);
+            let mut key = ids[span.clone()][start..].to_vec();
+            key.extend_from_slice(&pos[span][start..]);
+            let next = keys.len();
+            group.push(*keys.entry(key).or_insert(next));
+            prompt_len.push((p - start) as i64);
+        }
+        Ok(PromptGroups { group, prompt_len })
+    }
+}
+
+/// Micro-batches of `rows` that keep each prompt group's rows together, so their prompt is shared
+/// ([`Padding::SharedPrompt`]). `Rows(n)`: `rows` cut in order, `n` each (a group's rows sit
+/// together in a GRPO batch). `Tokens(budget)`: each group's rows (split into consecutive parts
+/// only where the group alone exceeds the budget) weigh the tokens of their shared stream, the
+/// prompt once plus each row's response, and are packed longest-first into the fewest
+/// micro-batches that keep every one under `budget`. Each micro-batch lists its rows in increasing
+/// order.
+pub fn prompt_group_micro_batches(
+    rows: &[usize],
+    groups: &PromptGroups,
+    lengths: &[i64],
+    mode: MicroBatching,
+    budget_key: &str,
+) -> Result<Vec<Vec<usize>>> {
+    let budget = match mode {
+        MicroBatching::Rows(n) => return Ok(chunks(rows, n)),
+        MicroBatching::Tokens(b) => b as i64,
+    };
+    if let Some(&r) = rows.iter().find(|&&r| lengths[r] > budget) {
+        return Err(FsdpError::config(
+            budget_key,
+            format!(
+                "a token budget of at least the longest sequence ({} tokens, row {r})",
+                lengths[r]
+            ),
+            budget,
+        ));
+    }
+    // Items: (stream tokens, rows), a group's rows in batch order.
+    let mut by_group: Vec<(usize, Vec<usize>)> = Vec::new();
+    for &r in rows {
+        let g = groups.group[r];
+        match by_group.iter_mut().find(|(k, _)| *k == g) {
+            Some((_, v)) => v.push(r),
+            None => by_group.push((g, vec![r])),
+        }
+    }
+    let mut items: Vec<(i64, Vec<usize>)> = Vec::new();
+    for (_, members) in by_group {
+        let prompt = groups.prompt_len[members[0]];
+        let mut cur: (i64, Vec<usize>) = (prompt, Vec::new());
+        for r in members {
+            let add = (lengths[r] - prompt).max(0);
+            if !cur.1.is_empty() && cur.0 + add > budget {
+                items.push(std::mem::replace(&mut cur, (prompt, Vec::new())));
+            }
+            cur.0 += add;
+            cur.1.push(r);
+        }
+        items.push(cur);
+    }
+    items.sort_by_key(|(cost, v)| (std::cmp::Reverse(*cost), v[0]));
+    let total: i64 = items.iter().map(|(c, _)| c).sum();
+    let mut k = ((total + budget - 1) / budget).max(1) as usize;
+    k = k.min(items.len().max(1));
+    loop {
+        let mut bins: Vec<(i64, Vec<usize>)> = vec![(0, Vec::new()); k];
+        for (cost, members) in &items {
+            let b = bins
+                .iter_mut()
+                .min_by_key(|(load, _)| *load)
+                .expect("k >= 1");
+            b.0 += cost;
+            b.1.extend(members);
+        }
+        if bins.iter().all(|(load, _)| *load <= budget) || k >= items.len() {
+            let mut out: Vec<Vec<usize>> = bins
+                .into_iter()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(_, mut v)| {
+                    v.sort_unstable();
+                    v
+                })
+                .collect();
+            out.sort_by_key(|v| v[0]);
+            return Ok(out);
+        }
+        k += 1;
+    }
+}
+
 /// The token stream of a [`Padding::SharedPrompt`] layout under construction.
 #[derive(Default)]
 struct Stream {
@@ -478,6 +599,76 @@ pub fn length_sorted_micro_batches(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prompt_groups_stay_together_under_a_token_budget() {
+        // Groups: rows 0-3 (prompt 4), 4-5 (prompt 2), 6 (prompt 3), 7-9 (prompt 5).
+        let groups = PromptGroups {
+            group: vec![0, 0, 0, 0, 1, 1, 2, 3, 3, 3],
+            prompt_len: vec![4, 4, 4, 4, 2, 2, 3, 5, 5, 5],
+        };
+        let lengths = vec![7, 9, 5, 8, 6, 3, 10, 9, 8, 12];
+        let stream = |part: &[usize]| -> i64 {
+            let mut seen = Vec::new();
+            let mut cost = 0;
+            for &r in part {
+                if !seen.contains(&groups.group[r]) {
+                    seen.push(groups.group[r]);
+                    cost += groups.prompt_len[r];
+                }
+                cost += lengths[r] - groups.prompt_len[r];
+            }
+            cost
+        };
+        let rows: Vec<usize> = (0..10).collect();
+        for budget in [12, 16, 20, 40, 100] {
+            let parts = prompt_group_micro_batches(
+                &rows,
+                &groups,
+                &lengths,
+                MicroBatching::Tokens(budget),
+                "k",
+            )
+            .unwrap();
+            let mut seen: Vec<usize> = parts.iter().flatten().copied().collect();
+            seen.sort_unstable();
+            assert_eq!(seen, rows, "budget {budget}: {parts:?}");
+            for p in &parts {
+                assert!(stream(p) <= budget as i64, "budget {budget}: {parts:?}");
+                assert!(p.windows(2).all(|w| w[0] < w[1]));
+            }
+            // A group whose stream fits the budget is never split.
+            for (g, size) in [(0, 17), (1, 7), (2, 10), (3, 19)] {
+                if size <= budget as i64 {
+                    let holders = parts
+                        .iter()
+                        .filter(|p| p.iter().any(|&r| groups.group[r] == g))
+                        .count();
+                    assert_eq!(holders, 1, "budget {budget}: group {g} split: {parts:?}");
+                }
+            }
+        }
+        // One micro-batch when everything fits; the whole stream is cheaper than the rows.
+        let parts =
+            prompt_group_micro_batches(&rows, &groups, &lengths, MicroBatching::Tokens(100), "k")
+                .unwrap();
+        assert_eq!(parts.len(), 1);
+        assert!(stream(&parts[0]) < lengths.iter().sum::<i64>());
+        let e = prompt_group_micro_batches(
+            &rows,
+            &groups,
+            &lengths,
+            MicroBatching::Tokens(11),
+            "x.max_token_len",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("x.max_token_len"), "{e}");
+        assert_eq!(
+            prompt_group_micro_batches(&[4, 5, 6], &groups, &lengths, MicroBatching::Rows(2), "k")
+                .unwrap(),
+            vec![vec![4, 5], vec![6]]
+        );
+    }
 
     #[test]
     fn length_sorted_groups_cover_every_row_under_the_budget() {

@@ -955,6 +955,10 @@ impl KvBudget {
             "rollout/cuda_graph_steps".into(),
             stats.cuda_graph_steps.into(),
         );
+        m.insert(
+            "rollout/overlapped_steps".into(),
+            stats.overlapped_steps.into(),
+        );
         m
     }
 }

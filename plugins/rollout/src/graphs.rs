@@ -123,9 +123,21 @@ impl DecodeGraphs {
         Some((sb, nbb))
     }
 
+    /// Whether a decode step of `s` rows over `nb` table blocks would replay a captured graph.
+    pub fn ready(&self, s: usize, nb: usize, kernel: bool) -> bool {
+        !self.disabled
+            && self
+                .bucket(s, nb, kernel)
+                .is_some_and(|k| self.graphs.contains_key(&k))
+    }
+
     /// The sampled tokens `[batch.s]` (and their log-probs) of a decode step run through a graph,
     /// sampling included, or `None` when the caller should run it eagerly (no bucket, not
     /// captured yet, or graphs failed). `uniforms`: one per row (`None` when greedy).
+    ///
+    /// `prev`: the rows' input tokens come from the device instead of `batch.ids` — row `r` takes
+    /// `tokens[rows[r]]` (`rows` `None`: row `r` takes `tokens[r]`), the tokens a previous step
+    /// sampled, so the step can be queued before the host has seen them.
     pub fn decode(
         &mut self,
         model: &Transformer,
@@ -133,6 +145,7 @@ impl DecodeGraphs {
         batch: &HostBatch,
         sampler: &Sampler,
         uniforms: Option<&[f32]>,
+        prev: Option<(&Tensor, Option<&Tensor>)>,
     ) -> Result<Option<(Tensor, Option<Tensor>)>> {
         if self.disabled || batch.t != 1 {
             return Ok(None);
@@ -169,6 +182,14 @@ impl DecodeGraphs {
         let src = paged_attn::upload_i64(&flat, model.device())?;
         let mut input = c.input.shallow_clone();
         input.f_copy_(&src)?;
+        if let Some((tokens, rows)) = prev {
+            // Token ids lead the flat layout (one per row in a decode step).
+            let mut ids = c.input.f_narrow(0, 0, batch.s as i64)?;
+            match rows {
+                Some(rows) => ids.f_copy_(&tokens.f_index_select(0, rows)?)?,
+                None => ids.f_copy_(&tokens.f_narrow(0, 0, batch.s as i64)?)?,
+            }
+        }
         if let (Some(dst), Some(u)) = (&c.uniforms, &padded_u) {
             let src = paged_attn::upload_f32(u, model.device())?;
             let mut dst = dst.shallow_clone();

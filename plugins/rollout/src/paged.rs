@@ -17,8 +17,14 @@
 //! outputs.
 //!
 //! Host/device traffic per forward: one non-blocking upload of the index data, one of the
-//! uniforms, and one blocking download of the sampled ids (+ log-probs) — the only sync, which
-//! the scheduler needs to see finished sequences.
+//! uniforms, and one download of the sampled ids (+ log-probs), which the scheduler needs to see
+//! finished sequences. Eager steps wait for it at once. A graphed decode step queues the download
+//! (to pinned memory, with an event after it) and the next step is queued from its tokens on the
+//! device before the host records them (async scheduling, as vLLM's), unless something needs the
+//! tokens first (an admission, a preemption, a graph not captured yet): the device then never
+//! waits for the host between decode steps. A row whose token turns out to be EOS has decoded
+//! once more by then; that token is dropped, and its blocks go back to the pool behind the step
+//! in stream order.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
@@ -118,6 +124,22 @@ struct Seq {
     cached: usize,
     /// Whether `table` starts with the group's shared full prompt blocks.
     holds_prompt: bool,
+    /// Stopped (EOS or length); a token a step already queued for it is dropped.
+    finished: bool,
+}
+
+/// A decode step whose sampled tokens are still on their way to the host (async scheduling): the
+/// next step can be queued from them on the device while the host records them.
+struct Inflight {
+    /// The step's sequences, in row order.
+    seqs: Vec<usize>,
+    /// Its sampled tokens on the device (a graph's static output: read before that graph's next
+    /// replay, which the stream order guarantees for a step queued after this one).
+    tokens: Tensor,
+    /// Pinned host copies, queued right after the step, and the event after them.
+    host_tokens: Tensor,
+    host_lp: Option<Tensor>,
+    event: verl_torch_ext::CudaEvent,
 }
 
 #[derive(Debug)]
@@ -157,6 +179,11 @@ struct Engine<'a> {
     /// Decode CUDA graphs (CUDA, dense models, `EngineConfig::cuda_graphs`); they hold `kv`'s
     /// addresses and are dropped with it.
     graphs: Option<DecodeGraphs>,
+    /// The last graphed decode step, not yet recorded on the host (see [`Inflight`]).
+    inflight: Option<Inflight>,
+    /// Async scheduling: a graphed decode step is queued before the host has recorded the step
+    /// before it (`VERL_ASYNC_DECODE=0` turns it off).
+    overlap: bool,
 }
 
 impl<'a> Engine<'a> {
@@ -212,6 +239,7 @@ impl<'a> Engine<'a> {
                 table: Vec::new(),
                 cached: 0,
                 holds_prompt: false,
+                finished: false,
             })
             .collect();
         Ok(Engine {
@@ -227,6 +255,8 @@ impl<'a> Engine<'a> {
             groups,
             running: Vec::new(),
             first_token_at: None,
+            inflight: None,
+            overlap: std::env::var("VERL_ASYNC_DECODE").as_deref() != Ok("0"),
             // A tensor-parallel shard decodes eagerly: its collectives run outside the graph's
             // stream capture.
             graphs: if model.tp_size() > 1 {
@@ -244,6 +274,10 @@ impl<'a> Engine<'a> {
     fn run(&mut self, out: &mut Outputs, stats: &mut GenerationStats) -> Result<()> {
         stats.kv_blocks = self.pool.usable();
         loop {
+            if !self.waiting.is_empty() {
+                // Admission plans with every sampled token recorded.
+                self.flush(out)?;
+            }
             while !self.waiting.is_empty() && self.admit(out, stats)? {}
             if self.running.is_empty() {
                 if let Some(&s) = self.waiting.front() {
@@ -262,6 +296,7 @@ impl<'a> Engine<'a> {
             stats.max_running = stats.max_running.max(self.running.len());
             self.decode_step(out, stats)?;
         }
+        self.flush(out)?;
         // Every table was released exactly once per reference: a leak or a double release
         // would show here (and corrupt a longer run's sharing), so every call checks it.
         let held = self.pool.used();
@@ -307,9 +342,14 @@ impl<'a> Engine<'a> {
     /// Blocks the running sequences need for their next decode token (new blocks and copies of
     /// shared blocks they are about to write), counting a shared block's last writer as owner.
     fn decode_needs(&self) -> usize {
+        self.decode_needs_of(&self.running)
+    }
+
+    /// [`Engine::decode_needs`] of the sequences `rows`.
+    fn decode_needs_of(&self, rows: &[usize]) -> usize {
         let mut refs: HashMap<u32, u32> = HashMap::new();
         let mut need = 0;
-        for &s in &self.running {
+        for &s in rows {
             let seq = &self.seqs[s];
             let bi = seq.cached / self.bs;
             match seq.table.get(bi) {
@@ -487,6 +527,11 @@ impl<'a> Engine<'a> {
     /// The sampling uniforms of `seqs` (`None` when greedy): each sequence's own stream at its
     /// next position.
     fn uniforms(&self, seqs: &[usize]) -> Option<Vec<f32>> {
+        self.uniforms_ahead(seqs, 0)
+    }
+
+    /// [`Engine::uniforms`] when each of `seqs` has `ahead` sampled tokens not yet recorded.
+    fn uniforms_ahead(&self, seqs: &[usize], ahead: usize) -> Option<Vec<f32>> {
         if self.job.sampler.is_greedy() {
             return None;
         }
@@ -494,7 +539,7 @@ impl<'a> Engine<'a> {
             seqs.iter()
                 .map(|&s| {
                     let seq = &self.seqs[s];
-                    rng::uniform(seq.key, seq.out.len() as u64) as f32
+                    rng::uniform(seq.key, (seq.out.len() + ahead) as u64) as f32
                 })
                 .collect(),
         )
@@ -538,11 +583,35 @@ impl<'a> Engine<'a> {
     ) -> Result<()> {
         let mut timer = verl_nn::profile::start(self.model.device());
         let (tokens, lps) = fetch_samples(tokens, lp)?;
+        self.record_host(seqs, &tokens, lps.as_deref(), out);
+        verl_nn::profile::lap(
+            &mut timer,
+            if phase == "decode" {
+                "decode/fetch_bookkeeping"
+            } else {
+                "prefill/fetch_bookkeeping"
+            },
+        );
+        Ok(())
+    }
+
+    /// Records the sampled `tokens` (and log-probs) of `seqs` and retires the sequences that
+    /// finished; a token of a sequence already finished (queued one step ahead) is dropped.
+    fn record_host(
+        &mut self,
+        seqs: &[usize],
+        tokens: &[i64],
+        lps: Option<&[f32]>,
+        out: &mut Outputs,
+    ) {
         let params = &self.job.params;
         let m = params.max_new_tokens;
         let mut done = Vec::new();
         for (k, &s) in seqs.iter().enumerate() {
             let seq = &mut self.seqs[s];
+            if seq.finished {
+                continue;
+            }
             let tok = tokens[k];
             let t = seq.out.len();
             seq.out.push(tok);
@@ -553,9 +622,11 @@ impl<'a> Engine<'a> {
             out.lengths[seq.row] = t + 1;
             if !params.ignore_eos && params.eos_token_ids.contains(&tok) {
                 out.finish[seq.row] = FinishReason::Stop;
+                seq.finished = true;
                 done.push(s);
             } else if t + 1 == m {
                 out.finish[seq.row] = FinishReason::Length;
+                seq.finished = true;
                 done.push(s);
             }
         }
@@ -565,15 +636,166 @@ impl<'a> Engine<'a> {
             }
             self.running.retain(|s| !done.contains(s));
         }
-        verl_nn::profile::lap(
-            &mut timer,
-            if phase == "decode" {
-                "decode/fetch_bookkeeping"
-            } else {
-                "prefill/fetch_bookkeeping"
-            },
-        );
+    }
+
+    /// Waits for the in-flight step's tokens (their copy was queued right after it) and records
+    /// them.
+    fn flush(&mut self, out: &mut Outputs) -> Result<()> {
+        let Some(f) = self.inflight.take() else {
+            return Ok(());
+        };
+        let mut timer = verl_nn::profile::start(self.model.device());
+        f.event.synchronize()?;
+        let tokens = Vec::<i64>::try_from(&f.host_tokens)?;
+        let lps = match &f.host_lp {
+            Some(t) => Some(Vec::<f32>::try_from(t)?),
+            None => None,
+        };
+        self.record_host(&f.seqs, &tokens, lps.as_deref(), out);
+        verl_nn::profile::lap(&mut timer, "decode/fetch_bookkeeping");
         Ok(())
+    }
+
+    /// Queues the copy of a graphed step's sampled tokens (and log-probs) to pinned host memory
+    /// and an event after it.
+    fn start_fetch(
+        &self,
+        seqs: Vec<usize>,
+        tokens: Tensor,
+        lp: Option<Tensor>,
+    ) -> Result<Inflight> {
+        let dev = self.model.device();
+        let Device::Cuda(index) = dev else {
+            return Err(RolloutError::input(
+                "async decode",
+                "a CUDA device",
+                format!("{dev:?}"),
+            ));
+        };
+        let pinned = |t: &Tensor| -> Result<Tensor> {
+            let host =
+                Tensor::f_empty(t.size(), (t.kind(), Device::Cpu))?.f_internal_pin_memory(dev)?;
+            verl_torch_ext::copy_nonblocking(&host, t)?;
+            Ok(host)
+        };
+        let host_tokens = pinned(&tokens)?;
+        let host_lp = lp.as_ref().map(pinned).transpose()?;
+        Ok(Inflight {
+            seqs,
+            tokens,
+            host_tokens,
+            host_lp,
+            event: verl_torch_ext::CudaEvent::record(index)?,
+        })
+    }
+
+    /// Allocates the blocks `rows` write next (a fresh block, or a private copy of a shared one)
+    /// and queues the copies.
+    fn grow_tables(&mut self, rows: &[usize]) -> Result<()> {
+        let bs = self.bs;
+        let (mut cow_src, mut cow_dst) = (Vec::new(), Vec::new());
+        for &s in rows {
+            let bi = self.seqs[s].cached / bs;
+            match self.seqs[s].table.get(bi).copied() {
+                None => {
+                    let b = self.pool.alloc()?;
+                    self.seqs[s].table.push(b);
+                }
+                Some(b) if self.pool.refcount(b) > 1 => {
+                    let fresh = self.pool.alloc()?;
+                    self.pool.release(b);
+                    self.seqs[s].table[bi] = fresh;
+                    cow_src.push(b);
+                    cow_dst.push(fresh);
+                }
+                Some(_) => {}
+            }
+        }
+        self.kv.copy_blocks(&cow_src, &cow_dst)
+    }
+
+    /// Queues the next decode step from the in-flight step's tokens on the device, before the
+    /// host has recorded them, when nothing needs them first: no sequence waits for admission,
+    /// no preemption is needed and the step's graph is captured. A sequence that the in-flight
+    /// token ends by EOS decodes once more (that token is dropped); one it ends by length does
+    /// not. Returns the new in-flight step, or `None` to record first and step as usual.
+    fn overlapped_step(
+        &mut self,
+        f: &Inflight,
+        stats: &mut GenerationStats,
+    ) -> Result<Option<Inflight>> {
+        if !self.overlap || !self.waiting.is_empty() {
+            return Ok(None);
+        }
+        let Some(graphs) = self.graphs.as_ref() else {
+            return Ok(None);
+        };
+        let m = self.job.params.max_new_tokens;
+        let rows: Vec<usize> = f
+            .seqs
+            .iter()
+            .copied()
+            .filter(|&s| !self.seqs[s].finished && self.seqs[s].out.len() + 1 < m)
+            .collect();
+        if rows.is_empty() || self.decode_needs_of(&rows) > self.pool.num_free() {
+            return Ok(None);
+        }
+        let nb = rows
+            .iter()
+            .map(|&s| {
+                let seq = &self.seqs[s];
+                seq.table.len().max(seq.cached / self.bs + 1)
+            })
+            .max()
+            .unwrap_or(0);
+        if !graphs.ready(rows.len(), nb, self.kv.kernel) {
+            return Ok(None);
+        }
+        let mut timer = verl_nn::profile::start(self.model.device());
+        self.grow_tables(&rows)?;
+        let mut batch = HostBatch::new(rows.len(), 1, nb);
+        batch.table.fill(TRASH_BLOCK as i64);
+        for (r, &s) in rows.iter().enumerate() {
+            let seq = &self.seqs[s];
+            // The token itself comes from the device.
+            batch.set_row(r, &[0], seq.cached, &seq.table, self.bs);
+        }
+        let identity = rows.len() <= f.seqs.len() && rows.iter().zip(&f.seqs).all(|(a, b)| a == b);
+        let src = if identity {
+            None
+        } else {
+            let pos: HashMap<usize, i64> = f
+                .seqs
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| (s, i as i64))
+                .collect();
+            let idx: Vec<i64> = rows.iter().map(|s| pos[s]).collect();
+            Some(paged_attn::upload_i64(&idx, self.model.device())?)
+        };
+        let uniforms = self.uniforms_ahead(&rows, 1);
+        verl_nn::profile::lap(&mut timer, "decode/host_batch");
+        let graphs = self.graphs.as_mut().expect("checked above");
+        let Some((tokens, lp)) = graphs.decode(
+            self.model,
+            &self.kv,
+            &batch,
+            &self.job.sampler,
+            uniforms.as_deref(),
+            Some((&f.tokens, src.as_ref())),
+        )?
+        else {
+            return Ok(None);
+        };
+        stats.decode_steps += 1;
+        stats.overlapped_steps += 1;
+        stats.decode_tokens += rows.len();
+        for &s in &rows {
+            self.seqs[s].cached += 1;
+        }
+        let next = self.start_fetch(rows, tokens, lp)?;
+        verl_nn::profile::lap(&mut timer, "decode/graph_forward_sample");
+        Ok(Some(next))
     }
 
     /// Returns a sequence's blocks to the pool.
@@ -594,6 +816,15 @@ impl<'a> Engine<'a> {
     }
 
     fn decode_step(&mut self, out: &mut Outputs, stats: &mut GenerationStats) -> Result<()> {
+        if let Some(f) = self.inflight.take() {
+            let next = self.overlapped_step(&f, stats)?;
+            self.inflight = Some(f);
+            self.flush(out)?;
+            if next.is_some() {
+                self.inflight = next;
+                return Ok(());
+            }
+        }
         let mut timer = verl_nn::profile::start(self.model.device());
         while self.decode_needs() > self.pool.num_free() {
             let victim = self.running.pop().ok_or_else(|| {
@@ -611,25 +842,8 @@ impl<'a> Engine<'a> {
             return Ok(());
         }
         let bs = self.bs;
-        let (mut cow_src, mut cow_dst) = (Vec::new(), Vec::new());
-        for &s in &self.running {
-            let bi = self.seqs[s].cached / bs;
-            match self.seqs[s].table.get(bi).copied() {
-                None => {
-                    let b = self.pool.alloc()?;
-                    self.seqs[s].table.push(b);
-                }
-                Some(b) if self.pool.refcount(b) > 1 => {
-                    let fresh = self.pool.alloc()?;
-                    self.pool.release(b);
-                    self.seqs[s].table[bi] = fresh;
-                    cow_src.push(b);
-                    cow_dst.push(fresh);
-                }
-                Some(_) => {}
-            }
-        }
-        self.kv.copy_blocks(&cow_src, &cow_dst)?;
+        let running = self.running.clone();
+        self.grow_tables(&running)?;
         let nb = self
             .running
             .iter()
@@ -650,7 +864,6 @@ impl<'a> Engine<'a> {
             batch.set_row(r, &[last], seq.cached, &seq.table, bs);
         }
         verl_nn::profile::lap(&mut timer, "decode/host_batch");
-        let running = self.running.clone();
         let uniforms = self.uniforms(&running);
         let graphed = match self.graphs.as_mut() {
             Some(g) => g.decode(
@@ -659,6 +872,7 @@ impl<'a> Engine<'a> {
                 &batch,
                 &self.job.sampler,
                 uniforms.as_deref(),
+                None,
             )?,
             None => None,
         };
@@ -668,6 +882,12 @@ impl<'a> Engine<'a> {
             self.seqs[s].cached += 1;
         }
         match graphed {
+            Some((tokens, lp)) if self.overlap => {
+                // Recorded by the next step, which may be queued before it (async scheduling).
+                self.inflight = Some(self.start_fetch(running, tokens, lp)?);
+                verl_nn::profile::lap(&mut timer, "decode/graph_forward_sample");
+                Ok(())
+            }
             Some((tokens, lp)) => {
                 verl_nn::profile::lap(&mut timer, "decode/graph_forward_sample");
                 self.record(&running, &tokens, lp.as_ref(), out, "decode")

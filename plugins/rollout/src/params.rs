@@ -121,6 +121,9 @@ pub struct GenerationStats {
     pub cuda_graphs: usize,
     pub cuda_graph_capture_secs: f64,
     pub cuda_graph_steps: usize,
+    /// Decode steps queued before the host had recorded the previous step's tokens (async
+    /// scheduling: the device does not wait for the host between them).
+    pub overlapped_steps: usize,
 }
 
 /// How the paged engine lays out its KV cache and schedules sequences. Outputs never depend on

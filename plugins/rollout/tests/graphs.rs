@@ -44,6 +44,15 @@ fn run(
     params: &SamplingParams,
     graphs: bool,
 ) -> (Vec<Vec<i64>>, Tensor, GenerationStats) {
+    run_with(m, params, graphs, None)
+}
+
+fn run_with(
+    m: &Transformer,
+    params: &SamplingParams,
+    graphs: bool,
+    kv_cache_tokens: Option<usize>,
+) -> (Vec<Vec<i64>>, Tensor, GenerationStats) {
     tch::manual_seed(1);
     let ids = Tensor::randint(300, [6, 11], (Kind::Int64, Device::Cpu));
     // Ragged left-padded prompts: 11, 9, 7, 5, 3 and 1 tokens.
@@ -57,6 +66,7 @@ fn run(
     let config = EngineConfig {
         block_size: 4,
         cuda_graphs: graphs,
+        kv_cache_tokens,
         ..EngineConfig::default()
     };
     let (g, s) = generate_with_config(m, &ids, &mask, params, None, &config).unwrap();
@@ -81,8 +91,19 @@ fn check(m: &Transformer, params: &SamplingParams) {
     assert_eq!(es.cuda_graphs, 0);
     assert!(gs.cuda_graphs > 0, "no graph captured: {gs:?}");
     assert!(gs.cuda_graph_steps > gs.decode_steps / 2, "{gs:?}");
+    // Async scheduling: most graphed steps were queued before the previous step's tokens
+    // reached the host (rows ending by EOS decode once more, and that token is dropped).
+    assert!(gs.overlapped_steps > gs.cuda_graph_steps / 2, "{gs:?}");
     assert_eq!(eager, graphed, "graphed decode changed tokens");
     let d = (&eager_lp - &graphed_lp).abs().max().double_value(&[]);
+    assert!(d < 1e-4, "log-probs differ by {d}");
+    // And without it (each step waits for the host), the same.
+    std::env::set_var("VERL_ASYNC_DECODE", "0");
+    let (sync, sync_lp, ss) = run(m, params, true);
+    std::env::remove_var("VERL_ASYNC_DECODE");
+    assert_eq!(ss.overlapped_steps, 0, "{ss:?}");
+    assert_eq!(eager, sync, "synchronous graphed decode changed tokens");
+    let d = (&eager_lp - &sync_lp).abs().max().double_value(&[]);
     assert!(d < 1e-4, "log-probs differ by {d}");
 }
 
@@ -115,6 +136,35 @@ fn graphed_decode_matches_eager() {
     windowed["model_type"] = json!("mistral");
     windowed["sliding_window"] = json!(6);
     check(&model(windowed, Kind::Float), &sampled);
+}
+
+/// A KV pool too small for every sequence at once: preemption, readmission and continuous
+/// batching between graphed steps, which async scheduling queues ahead of the host, give the
+/// tokens of the eager engine.
+#[test]
+fn graphed_async_decode_with_preemption_matches_eager() {
+    let _turn = serial();
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let m = model(qwen2(), Kind::Float);
+    let params = SamplingParams {
+        n: 5,
+        max_new_tokens: 40,
+        do_sample: true,
+        seed: Some(5),
+        eos_token_ids: (0..6).collect(),
+        return_log_probs: true,
+        ..SamplingParams::default()
+    };
+    let (eager, eager_lp, es) = run_with(&m, &params, false, Some(240));
+    let (graphed, graphed_lp, gs) = run_with(&m, &params, true, Some(240));
+    assert!(es.preemptions > 0 && gs.preemptions > 0, "{es:?}\n{gs:?}");
+    assert!(gs.overlapped_steps > 0, "{gs:?}");
+    assert_eq!(eager, graphed, "graphed decode changed tokens");
+    let d = (&eager_lp - &graphed_lp).abs().max().double_value(&[]);
+    assert!(d < 1e-4, "log-probs differ by {d}");
 }
 
 /// Mean and max |rollout log-prob − scoring-forward log-prob| over the generated tokens, with the

@@ -45,6 +45,10 @@ struct CudaApi {
   CUresult_t (*cuModuleGetFunction)(CUfunction_t*, CUmodule_t, const char*);
   CUresult_t (*cuLaunchKernel)(CUfunction_t, unsigned, unsigned, unsigned, unsigned, unsigned,
                                unsigned, unsigned, CUstream_t, void**, void**);
+  CUresult_t (*cuEventCreate)(void**, unsigned);
+  CUresult_t (*cuEventRecord)(void*, CUstream_t);
+  CUresult_t (*cuEventSynchronize)(void*);
+  CUresult_t (*cuEventDestroy)(void*);
   std::string error;  // non-empty: unusable
 };
 
@@ -78,6 +82,10 @@ inline const CudaApi& cuda_api() {
     load_sym(lib, "cuModuleLoadData", a.cuModuleLoadData, err);
     load_sym(lib, "cuModuleGetFunction", a.cuModuleGetFunction, err);
     load_sym(lib, "cuLaunchKernel", a.cuLaunchKernel, err);
+    load_sym(lib, "cuEventCreate", a.cuEventCreate, err);
+    load_sym(lib, "cuEventRecord", a.cuEventRecord, err);
+    load_sym(lib, "cuEventSynchronize", a.cuEventSynchronize, err);
+    load_sym(lib, "cuEventDestroy_v2", a.cuEventDestroy, err);
     if (!err.empty()) {
       a.error = "libcuda.so.1: " + err;
       return a;

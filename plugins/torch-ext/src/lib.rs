@@ -63,6 +63,10 @@ extern "C" {
     fn vt_graph_capture_begin(g: *mut c_void, share: *mut c_void) -> *mut c_char;
     fn vt_graph_capture_end(g: *mut c_void) -> *mut c_char;
     fn vt_graph_replay(g: *mut c_void) -> *mut c_char;
+    fn vt_copy_nonblocking(dst: CTensor, src: CTensor) -> *mut c_char;
+    fn vt_event_record(index: i32, out: *mut *mut c_void) -> *mut c_char;
+    fn vt_event_synchronize(e: *mut c_void) -> *mut c_char;
+    fn vt_event_free(e: *mut c_void);
     fn vt_trace_start(cpu: i32) -> *mut c_char;
     fn vt_trace_stop(path: *const c_char) -> *mut c_char;
 }
@@ -218,6 +222,60 @@ impl Drop for CudaGraph {
     }
 }
 
+/// `dst.copy_(src, non_blocking=true)`: from a CUDA tensor into pinned host memory (or back) the
+/// copy is queued on the current stream and this returns at once; wait on a [`CudaEvent`]
+/// recorded after it before reading `dst`. Elsewhere an ordinary copy.
+pub fn copy_nonblocking(dst: &Tensor, src: &Tensor) -> Result<()> {
+    // SAFETY: live tch tensors borrowed for the call; the shim catches libtorch's errors.
+    check("copy_(non_blocking)", unsafe {
+        vt_copy_nonblocking(dst.as_ptr(), src.as_ptr())
+    })
+}
+
+/// A CUDA event recorded on a device's current stream: [`CudaEvent::synchronize`] waits for the
+/// work queued before it, not for what was queued after (e.g. a device-to-host copy enqueued
+/// before the next step's kernels).
+pub struct CudaEvent {
+    ptr: NonNull<c_void>,
+}
+
+impl std::fmt::Debug for CudaEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaEvent").finish_non_exhaustive()
+    }
+}
+
+impl CudaEvent {
+    /// Records an event after the work queued so far on CUDA device `index`'s current stream.
+    pub fn record(index: usize) -> Result<CudaEvent> {
+        let mut out: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the shim writes an event handle (freed by Drop) or returns an error.
+        check("CUDA event record", unsafe {
+            vt_event_record(index as i32, &mut out)
+        })?;
+        let ptr = NonNull::new(out).ok_or_else(|| TorchExtError::Torch {
+            op: "CUDA event record",
+            message: "no event returned".into(),
+        })?;
+        Ok(CudaEvent { ptr })
+    }
+
+    /// Blocks until the work queued before the event has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: ptr is a live event owned by self.
+        check("CUDA event synchronize", unsafe {
+            vt_event_synchronize(self.ptr.as_ptr())
+        })
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        // SAFETY: ptr came from vt_event_record and is freed exactly once.
+        unsafe { vt_event_free(self.ptr.as_ptr()) }
+    }
+}
+
 /// Captures what `f` launches into a new graph. `f` runs `warmup` times eagerly on a side stream
 /// first (lazy initialisation such as cuBLAS workspaces must not happen inside a capture), then
 /// once under capture; its last result (whose tensors are the graph's outputs) is returned with
@@ -257,6 +315,32 @@ pub fn capture<T, E: From<TorchExtError>>(
 mod tests {
     use super::*;
     use tch::{Device, Kind};
+
+    /// A non-blocking copy is a copy (CPU); on CUDA the device-to-pinned-host copy of a result
+    /// still being computed holds it once an event recorded after the copy has completed, while
+    /// later queued work may still run.
+    #[test]
+    fn nonblocking_copy_and_event() {
+        let src = Tensor::arange(10, (Kind::Int64, Device::Cpu));
+        let dst = Tensor::zeros([10], (Kind::Int64, Device::Cpu));
+        copy_nonblocking(&dst, &src).unwrap();
+        assert!(dst.equal(&src));
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped the CUDA part: no CUDA device");
+            return;
+        }
+        let dev = Device::Cuda(0);
+        let a = Tensor::randn([2048, 2048], (Kind::Float, dev));
+        let sum = a.matmul(&a).sum(Kind::Float).view([1]);
+        let host = Tensor::zeros([1], (Kind::Float, Device::Cpu)).internal_pin_memory(dev);
+        copy_nonblocking(&host, &sum).unwrap();
+        let ev = CudaEvent::record(0).unwrap();
+        // More work after the event: the wait below does not need it.
+        let _later = a.matmul(&a).matmul(&a);
+        ev.synchronize().unwrap();
+        let want = sum.to_device(Device::Cpu).double_value(&[0]);
+        assert_eq!(host.double_value(&[0]), want);
+    }
 
     /// The fused kernel against torch.optim.AdamW's formula written out (decoupled decay, bias
     /// corrections), over three steps.

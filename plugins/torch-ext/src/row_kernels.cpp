@@ -1724,4 +1724,49 @@ char* vt_inject_grads(at::Tensor* value, at::Tensor* a, at::Tensor* b, at::Tenso
   });
 }
 
+// A CUDA event (driver API, no timing) recorded on device `index`'s current stream, in `*out`
+// (freed with vt_event_free): the host can wait for the work queued before it without waiting
+// for what is queued after.
+char* vt_event_record(int index, void** out) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    if (out == nullptr) bad("event_record", "an output slot", "null");
+    c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<int8_t>(index)));
+    make_current(device_info(index));
+    const CudaApi& cu = cuda_checked();
+    void* ev = nullptr;
+    cu_check(cu.cuEventCreate(&ev, 2 /* CU_EVENT_DISABLE_TIMING */), "cuEventCreate");
+    const CUresult_t r = cu.cuEventRecord(ev, current_stream(index));
+    if (r != 0) {
+      cu.cuEventDestroy(ev);
+      cu_check(r, "cuEventRecord");
+    }
+    *out = ev;
+#else
+    (void)index, (void)out;
+    no_cuda();
+#endif
+  });
+}
+
+char* vt_event_synchronize(void* ev) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    cu_check(cuda_checked().cuEventSynchronize(ev), "cuEventSynchronize");
+#else
+    (void)ev;
+    no_cuda();
+#endif
+  });
+}
+
+void vt_event_free(void* ev) {
+#ifdef VERL_WITH_CUDA
+  const CudaApi& cu = cuda_api();
+  if (ev != nullptr && cu.error.empty()) cu.cuEventDestroy(ev);
+#else
+  (void)ev;
+#endif
+}
+
 }  // extern "C"

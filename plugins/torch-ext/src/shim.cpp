@@ -67,6 +67,15 @@ char* vt_cuda_empty_cache() {
   });
 }
 
+// `dst.copy_(src, non_blocking=true)`: between a CUDA tensor and pinned host memory the copy is
+// queued on the current stream and the call returns at once.
+char* vt_copy_nonblocking(at::Tensor* dst, at::Tensor* src) {
+  return vt_util::guarded([&] {
+    if (dst == nullptr || src == nullptr) throw std::invalid_argument("copy: null tensor");
+    dst->copy_(*src, /*non_blocking=*/true);
+  });
+}
+
 int vt_cuda_graphs_compiled() {
 #ifdef VERL_WITH_CUDA
   return 1;

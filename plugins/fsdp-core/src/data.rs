@@ -219,36 +219,46 @@ pub fn micro_batches(
                     budget,
                 ));
             }
-            let total: i64 = rows.iter().map(|&r| lengths[r]).sum();
-            let mut k = ((total + budget - 1) / budget).max(1) as usize;
-            k = k.min(rows.len().max(1));
             let mut order: Vec<usize> = rows.to_vec();
             order.sort_by_key(|&r| std::cmp::Reverse(lengths[r]));
-            loop {
-                let mut bins: Vec<(i64, Vec<usize>)> = vec![(0, Vec::new()); k];
-                for &r in &order {
-                    let b = bins
-                        .iter_mut()
-                        .min_by_key(|(load, _)| *load)
-                        .expect("k >= 1");
-                    b.0 += lengths[r];
-                    b.1.push(r);
-                }
-                if bins.iter().all(|(load, _)| *load <= budget) || k >= rows.len() {
-                    let mut out: Vec<Vec<usize>> = bins
-                        .into_iter()
-                        .filter(|(_, v)| !v.is_empty())
-                        .map(|(_, mut v)| {
-                            v.sort_unstable();
-                            v
-                        })
-                        .collect();
-                    out.sort_by_key(|v| v[0]);
-                    return Ok(out);
-                }
-                k += 1;
-            }
+            let items: Vec<(i64, Vec<usize>)> =
+                order.into_iter().map(|r| (lengths[r], vec![r])).collect();
+            Ok(pack_longest_first(&items, budget))
         }
+    }
+}
+
+/// Longest-processing-time packing of `items` (a cost and its rows, longest first) into the
+/// fewest bins that keep every bin's cost under `budget`: the bin count starts at
+/// `ceil(Σ cost / budget)` and grows until every bin fits (or each item has its own). Each bin
+/// lists its rows in increasing order; bins are ordered by their first row.
+pub(crate) fn pack_longest_first(items: &[(i64, Vec<usize>)], budget: i64) -> Vec<Vec<usize>> {
+    let total: i64 = items.iter().map(|(c, _)| c).sum();
+    let mut k = ((total + budget - 1) / budget).max(1) as usize;
+    k = k.min(items.len().max(1));
+    loop {
+        let mut bins: Vec<(i64, Vec<usize>)> = vec![(0, Vec::new()); k];
+        for (cost, members) in items {
+            let b = bins
+                .iter_mut()
+                .min_by_key(|(load, _)| *load)
+                .expect("k >= 1");
+            b.0 += cost;
+            b.1.extend(members);
+        }
+        if bins.iter().all(|(load, _)| *load <= budget) || k >= items.len() {
+            let mut out: Vec<Vec<usize>> = bins
+                .into_iter()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(_, mut v)| {
+                    v.sort_unstable();
+                    v
+                })
+                .collect();
+            out.sort_by_key(|v| v[0]);
+            return out;
+        }
+        k += 1;
     }
 }
 

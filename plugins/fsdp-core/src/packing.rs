@@ -24,7 +24,7 @@ use tch::{Device, Kind, Tensor};
 use verl_nn::{AttentionRows, Transformer};
 
 use crate::config::MicroBatching;
-use crate::data::{chunks, index_tensor, Sequences};
+use crate::data::{chunks, index_tensor, pack_longest_first, Sequences};
 use crate::error::{FsdpError, Result, TorchContext};
 
 /// Whether a micro-batch keeps its padding (`use_remove_padding: false`) or drops it.
@@ -144,13 +144,7 @@ impl RowLayout {
         let ids = to_host_i64(&pick(&seqs.input_ids)?, "input ids")?;
         let mask = to_host_i64(&pick(&seqs.attention_mask)?, "attention mask")?;
         let pos = to_host_i64(&pick(&seqs.position_ids)?, "position ids")?;
-        let resp = to_host_i64(
-            &response_mask
-                .f_ne(0)
-                .and_then(|m| m.f_to_kind(Kind::Int64))
-                .ctx("response mask")?,
-            "response mask",
-        )?;
+        let resp = host_selection(&response_mask)?;
         let (p, r) = (p as usize, r as usize);
         let mut stream = Stream::default();
         // Prompt key -> (stream offset of its tokens, their count, the row whose attention row
@@ -287,13 +281,7 @@ impl RowLayout {
         let response_mask = pick(&seqs.response_mask)?;
         let rows = mask.size()[0];
         let host_mask = to_host_i64(&mask, "attention mask")?;
-        let host_resp = to_host_i64(
-            &response_mask
-                .f_ne(0)
-                .and_then(|m| m.f_to_kind(Kind::Int64))
-                .ctx("response mask")?,
-            "response mask",
-        )?;
+        let host_resp = host_selection(&response_mask)?;
         // Each row's span [start, end): from its first real token (at most the last prompt column,
         // which predicts the first response token) through its last real token.
         let mut starts = Vec::with_capacity(rows as usize);
@@ -491,33 +479,7 @@ pub fn prompt_group_micro_batches(
         items.push(cur);
     }
     items.sort_by_key(|(cost, v)| (std::cmp::Reverse(*cost), v[0]));
-    let total: i64 = items.iter().map(|(c, _)| c).sum();
-    let mut k = ((total + budget - 1) / budget).max(1) as usize;
-    k = k.min(items.len().max(1));
-    loop {
-        let mut bins: Vec<(i64, Vec<usize>)> = vec![(0, Vec::new()); k];
-        for (cost, members) in &items {
-            let b = bins
-                .iter_mut()
-                .min_by_key(|(load, _)| *load)
-                .expect("k >= 1");
-            b.0 += cost;
-            b.1.extend(members);
-        }
-        if bins.iter().all(|(load, _)| *load <= budget) || k >= items.len() {
-            let mut out: Vec<Vec<usize>> = bins
-                .into_iter()
-                .filter(|(_, v)| !v.is_empty())
-                .map(|(_, mut v)| {
-                    v.sort_unstable();
-                    v
-                })
-                .collect();
-            out.sort_by_key(|v| v[0]);
-            return Ok(out);
-        }
-        k += 1;
-    }
+    Ok(pack_longest_first(&items, budget))
 }
 
 /// The token stream of a [`Padding::SharedPrompt`] layout under construction.
@@ -535,6 +497,15 @@ impl Stream {
         self.pos.extend_from_slice(pos);
         at
     }
+}
+
+/// A response mask on the host: 1 where a token is selected, else 0.
+fn host_selection(response_mask: &Tensor) -> Result<Vec<i64>> {
+    let selected = response_mask
+        .f_ne(0)
+        .and_then(|m| m.f_to_kind(Kind::Int64))
+        .ctx("response mask")?;
+    to_host_i64(&selected, "response mask")
 }
 
 fn to_host_i64(t: &Tensor, what: &str) -> Result<Vec<i64>> {

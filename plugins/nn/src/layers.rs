@@ -409,6 +409,24 @@ impl ConsistentAttention {
         })
     }
 
+    /// The kernel over queries `q` `[queries, H, D]` and the key/value rows `k`, `v`
+    /// `[rows, len, n_kv, D]` (one split, so each query's arithmetic is a decode step's).
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, head_dim: i64) -> Result<Tensor> {
+        Ok(verl_torch_ext::paged_decode_attention_with(
+            q,
+            k,
+            v,
+            &self.table,
+            &self.seq_lens,
+            1.0 / (head_dim as f64).sqrt(),
+            None,
+            verl_torch_ext::PagedAttentionOptions {
+                num_splits: 1,
+                ..Default::default()
+            },
+        )?)
+    }
+
     pub fn new(b: i64, t: i64, device: tch::Device) -> Result<Self> {
         let opts = (Kind::Int64, device);
         Ok(ConsistentAttention {
@@ -614,21 +632,8 @@ impl Attention {
         if let Some(c) = &ctx.consistent {
             if self.window.is_none() && !q.requires_grad() {
                 // One query per stream token (no duplicated prompt queries), over its row.
-                let d = self.head_dim;
                 let q = AttentionRows::stream(q)?.f_contiguous()?;
-                let out = verl_torch_ext::paged_decode_attention_with(
-                    &q,
-                    &k,
-                    &v,
-                    &c.table,
-                    &c.seq_lens,
-                    1.0 / (d as f64).sqrt(),
-                    None,
-                    verl_torch_ext::PagedAttentionOptions {
-                        num_splits: 1,
-                        ..Default::default()
-                    },
-                )?;
+                let out = c.attend(&q, &k, &v, self.head_dim)?;
                 let out = out.f_transpose(0, 1)?.f_unsqueeze(0)?;
                 return self.project_out(&out, 1, n);
             }
@@ -653,19 +658,7 @@ impl Attention {
         let (h, d) = (self.num_heads, self.head_dim);
         let rows = |x: &Tensor| x.f_transpose(1, 2).and_then(|x| x.f_contiguous());
         let q = rows(q)?.f_view([b * t, h, d])?;
-        let out = verl_torch_ext::paged_decode_attention_with(
-            &q,
-            &rows(k)?,
-            &rows(v)?,
-            &c.table,
-            &c.seq_lens,
-            1.0 / (d as f64).sqrt(),
-            None,
-            verl_torch_ext::PagedAttentionOptions {
-                num_splits: 1,
-                ..Default::default()
-            },
-        )?;
+        let out = c.attend(&q, &rows(k)?, &rows(v)?, d)?;
         Ok(out.f_view([b, t, h, d])?.f_transpose(1, 2)?)
     }
 

@@ -210,14 +210,7 @@ pub fn micro_batches(
         MicroBatching::Tokens(budget) => {
             let budget = budget as i64;
             if let Some(&r) = rows.iter().find(|&&r| lengths[r] > budget) {
-                return Err(FsdpError::config(
-                    budget_key,
-                    format!(
-                        "a token budget of at least the longest sequence ({} tokens, row {r})",
-                        lengths[r]
-                    ),
-                    budget,
-                ));
+                return Err(budget_too_small(budget_key, budget, r, lengths[r]));
             }
             let mut order: Vec<usize> = rows.to_vec();
             order.sort_by_key(|&r| std::cmp::Reverse(lengths[r]));
@@ -226,6 +219,15 @@ pub fn micro_batches(
             Ok(pack_longest_first(&items, budget))
         }
     }
+}
+
+/// The error for a token budget below row `row`'s `len` tokens.
+pub(crate) fn budget_too_small(budget_key: &str, budget: i64, row: usize, len: i64) -> FsdpError {
+    FsdpError::config(
+        budget_key,
+        format!("a token budget of at least the longest sequence ({len} tokens, row {row})"),
+        budget,
+    )
 }
 
 /// Longest-processing-time packing of `items` (a cost and its rows, longest first) into the

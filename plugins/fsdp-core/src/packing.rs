@@ -24,7 +24,7 @@ use tch::{Device, Kind, Tensor};
 use verl_nn::{AttentionRows, Transformer};
 
 use crate::config::MicroBatching;
-use crate::data::{chunks, index_tensor, pack_longest_first, Sequences};
+use crate::data::{budget_too_small, chunks, index_tensor, pack_longest_first, Sequences};
 use crate::error::{FsdpError, Result, TorchContext};
 
 /// Whether a micro-batch keeps its padding (`use_remove_padding: false`) or drops it.
@@ -446,14 +446,7 @@ pub fn prompt_group_micro_batches(
         MicroBatching::Tokens(b) => b as i64,
     };
     if let Some(&r) = rows.iter().find(|&&r| lengths[r] > budget) {
-        return Err(FsdpError::config(
-            budget_key,
-            format!(
-                "a token budget of at least the longest sequence ({} tokens, row {r})",
-                lengths[r]
-            ),
-            budget,
-        ));
+        return Err(budget_too_small(budget_key, budget, r, lengths[r]));
     }
     // Items: (stream tokens, rows), a group's rows in batch order.
     let mut by_group: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -538,14 +531,7 @@ pub fn length_sorted_micro_batches(
             let mut load = 0i64;
             for &r in &order {
                 if lengths[r] > budget {
-                    return Err(FsdpError::config(
-                        budget_key,
-                        format!(
-                            "a token budget of at least the longest sequence ({} tokens, row {r})",
-                            lengths[r]
-                        ),
-                        budget,
-                    ));
+                    return Err(budget_too_small(budget_key, budget, r, lengths[r]));
                 }
                 match parts.last_mut() {
                     Some(p) if load + lengths[r] <= budget => {

@@ -43,6 +43,7 @@ extern "C" {
     fn vt_free_error(e: *mut c_char);
     fn vt_cuda_graphs_compiled() -> i32;
     fn vt_cuda_empty_cache() -> *mut c_char;
+    fn vt_prefer_cublaslt() -> *mut c_char;
     fn vt_fused_adamw(
         params: *const CTensor,
         grads: *const CTensor,
@@ -110,6 +111,14 @@ fn check(op: &'static str, err: *mut c_char) -> Result<()> {
 pub fn cuda_empty_cache() -> Result<()> {
     // SAFETY: no arguments; errors come back as a malloc'ed string.
     check("cuda_empty_cache", unsafe { vt_cuda_empty_cache() })
+}
+
+/// `torch.backends.cuda.preferred_blas_library("cublaslt")`: libtorch's GEMMs (forward and
+/// backward) go through cuBLASLt, whose workspace `TORCH_CUBLASLT_WORKSPACE_SIZE` sizes on its own
+/// (read at the first cuBLASLt GEMM). An error without CUDA.
+pub fn prefer_cublaslt() -> Result<()> {
+    // SAFETY: no arguments; errors come back as a malloc'ed string.
+    check("prefer_cublaslt", unsafe { vt_prefer_cublaslt() })
 }
 
 /// Whether this build of the shim has CUDA (graphs can be captured when a GPU is present too).

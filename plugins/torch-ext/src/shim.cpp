@@ -7,6 +7,7 @@
 // Built with VERL_WITH_CUDA when the libtorch install has CUDA (libtorch_cuda + CUDA runtime
 // headers); without it the graph functions report that CUDA graphs are unavailable.
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
@@ -73,6 +74,27 @@ char* vt_copy_nonblocking(at::Tensor* dst, at::Tensor* src) {
   return vt_util::guarded([&] {
     if (dst == nullptr || src == nullptr) throw std::invalid_argument("copy: null tensor");
     dst->copy_(*src, /*non_blocking=*/true);
+  });
+}
+
+// torch.backends.cuda.preferred_blas_library("cublaslt"): every GEMM (mm, addmm, bmm, their
+// backward) goes through cuBLASLt, whose workspace TORCH_CUBLASLT_WORKSPACE_SIZE sizes apart from
+// cuBLAS's. The setter's one-time "experimental feature" warning is swallowed: the caller documents
+// the choice. Errors without CUDA.
+char* vt_prefer_cublaslt() {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    struct Quiet : c10::WarningHandler {
+      void process(const c10::Warning&) override {}
+    } quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    at::globalContext().setBlasPreferredBackend(at::BlasBackend::Cublaslt);
+    if (at::globalContext().blasPreferredBackend() != at::BlasBackend::Cublaslt) {
+      throw std::runtime_error("libtorch kept its BLAS backend: cuBLASLt is not available");
+    }
+#else
+    throw std::runtime_error("cuBLASLt: this build of the torch extension has no CUDA");
+#endif
   });
 }
 

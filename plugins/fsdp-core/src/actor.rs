@@ -612,11 +612,20 @@ impl FsdpActor {
                     None => micro_batches(mini, &lengths, plan.micro, BUDGET_KEY)?,
                 };
                 let parts = same_micro_batch_count(dp, parts)?;
+                let prepare = |part: &[usize]| -> Result<(Tensor, RowLayout)> {
+                    Ok((
+                        index_tensor(part, device)?,
+                        RowLayout::new(&seqs, part, padding)?,
+                    ))
+                };
+                let mut next = parts.first().map(|mb| prepare(&mb.rows)).transpose()?;
                 for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
                     let mut timer = verl_nn::profile::start(device);
                     let dummy = *dummy;
-                    let idx = index_tensor(part, device)?;
-                    let layout = RowLayout::new(&seqs, part, padding)?;
+                    let (idx, layout) = match next.take() {
+                        Some(v) => v,
+                        None => prepare(part)?,
+                    };
                     let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
                     let (old, a) = (pick(&old_lp)?, pick(&adv)?);
                     let r = ref_lp.as_ref().map(pick).transpose()?;
@@ -651,6 +660,9 @@ impl FsdpActor {
                         Ok(v) => v,
                         Err(e) => return Err(fail(train, e)),
                     };
+                    // The next micro-batch is laid out on the host while the device still runs
+                    // this one's backward (the loss value below waits for it).
+                    next = parts.get(ui + 1).map(|mb| prepare(&mb.rows)).transpose()?;
                     let mut timer = verl_nn::profile::start(device);
                     if dummy {
                         continue;

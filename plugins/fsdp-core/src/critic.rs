@@ -200,10 +200,20 @@ impl FsdpCritic {
                     "critic.ppo_max_token_len_per_gpu",
                 )?;
                 let parts = same_micro_batch_count(dp, parts)?;
+                let padding = self.padding;
+                let prepare = |part: &[usize]| -> Result<(Tensor, RowLayout)> {
+                    Ok((
+                        index_tensor(part, device)?,
+                        RowLayout::new(&seqs, part, padding)?,
+                    ))
+                };
+                let mut next = parts.first().map(|mb| prepare(&mb.rows)).transpose()?;
                 for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
                     let dummy = *dummy;
-                    let idx = index_tensor(part, device)?;
-                    let layout = RowLayout::new(&seqs, part, self.padding)?;
+                    let (idx, layout) = match next.take() {
+                        Some(v) => v,
+                        None => prepare(part)?,
+                    };
                     let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
                     let (v_old, ret) = (pick(&old_values)?, pick(&returns)?);
                     let loss_fn = &self.loss;
@@ -238,6 +248,8 @@ impl FsdpCritic {
                         Ok((_, m)) => m,
                         Err(e) => return Err(fail(train, e)),
                     };
+                    // Laid out on the host while the device runs this micro-batch's backward.
+                    next = parts.get(ui + 1).map(|mb| prepare(&mb.rows)).transpose()?;
                     if dummy {
                         continue;
                     }

@@ -33,6 +33,20 @@ pub fn to_f32_vec(t: &Tensor, what: &str) -> Result<Vec<f32>> {
     Vec::<f32>::try_from(&flat).ctx(what)
 }
 
+/// `v` as an int64 tensor on `device`. To a GPU the copy goes from pinned memory without
+/// synchronising the stream (a blocking upload waits for every queued kernel, so the host could
+/// not prepare the next micro-batch while the device runs this one); libtorch's caching host
+/// allocator keeps the pinned block until the copy has run. Pinning failing is not fatal: the copy
+/// is still correct, only possibly synchronising.
+pub fn upload_i64(v: &[i64], device: Device, what: &str) -> Result<Tensor> {
+    let host = Tensor::f_from_slice(v).ctx(what)?;
+    if device == Device::Cpu {
+        return Ok(host);
+    }
+    let src = host.f_internal_pin_memory(device).unwrap_or(host);
+    src.f_to_device_(device, Kind::Int64, true, false).ctx(what)
+}
+
 /// The model's view of a batch: `input_ids = prompts ‖ responses`, the attention mask, verl's
 /// position ids (`cumsum(mask) - 1`, clamped at 0) and the response part on its own.
 pub struct Sequences {
@@ -44,6 +58,32 @@ pub struct Sequences {
     pub response_mask: Tensor,
     pub prompt_len: i64,
     pub response_len: i64,
+    /// Host copies of the index data, downloaded once (see [`Sequences::host`]).
+    host: std::cell::OnceCell<HostRows>,
+}
+
+/// Host copies of a [`Sequences`]' index data, row-major: the micro-batch layouts are built from
+/// these, so laying out a micro-batch reads nothing back from the device (a download waits for
+/// every queued kernel).
+#[derive(Debug)]
+pub struct HostRows {
+    /// `[rows, P + R]` token ids, attention mask (0/1) and position ids.
+    pub ids: Vec<i64>,
+    pub mask: Vec<i64>,
+    pub pos: Vec<i64>,
+    /// `[rows, R]`: 1 where the response mask selects a token.
+    pub selected: Vec<i64>,
+}
+
+impl HostRows {
+    /// Rows `idx` of `data` (`width` values per row), concatenated.
+    pub fn rows(data: &[i64], width: usize, idx: &[usize]) -> Vec<i64> {
+        let mut out = Vec::with_capacity(idx.len() * width);
+        for &i in idx {
+            out.extend_from_slice(&data[i * width..(i + 1) * width]);
+        }
+        out
+    }
 }
 
 impl Sequences {
@@ -113,7 +153,27 @@ impl Sequences {
             response_mask,
             prompt_len,
             response_len,
+            host: Default::default(),
         })
+    }
+
+    /// Host copies of the index data, downloaded at the first call (one download per tensor).
+    pub fn host(&self) -> Result<&HostRows> {
+        if let Some(h) = self.host.get() {
+            return Ok(h);
+        }
+        let selected = self
+            .response_mask
+            .f_ne(0)
+            .and_then(|m| m.f_to_kind(Kind::Int64))
+            .ctx("response mask")?;
+        let h = HostRows {
+            ids: to_host_i64(&self.input_ids, "input ids")?,
+            mask: to_host_i64(&self.attention_mask, "attention mask")?,
+            pos: to_host_i64(&self.position_ids, "position ids")?,
+            selected: to_host_i64(&selected, "response mask")?,
+        };
+        Ok(self.host.get_or_init(|| h))
     }
 
     pub fn rows(&self) -> usize {
@@ -163,6 +223,7 @@ impl Sequences {
             response_mask: pick(&self.response_mask)?,
             prompt_len: self.prompt_len - trim,
             response_len: self.response_len,
+            host: Default::default(),
         })
     }
 
@@ -184,9 +245,18 @@ pub fn position_ids(mask: &Tensor) -> Result<Tensor> {
 /// Row indices on `device`, for `index_select`.
 pub fn index_tensor(rows: &[usize], device: Device) -> Result<Tensor> {
     let v: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-    Tensor::f_from_slice(&v)
-        .and_then(|t| t.f_to_device(device))
-        .ctx("row index")
+    upload_i64(&v, device, "row index")
+}
+
+/// An int64 tensor's values on the host, row-major.
+pub fn to_host_i64(t: &Tensor, what: &str) -> Result<Vec<i64>> {
+    let flat = t
+        .f_to_device(Device::Cpu)
+        .and_then(|x| x.f_to_kind(Kind::Int64))
+        .and_then(|x| x.f_contiguous())
+        .and_then(|x| x.f_view([-1]))
+        .ctx(what)?;
+    Vec::<i64>::try_from(&flat).ctx(what)
 }
 
 /// Consecutive chunks of at most `size` rows (verl's `DataProto.split`).

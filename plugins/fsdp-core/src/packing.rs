@@ -19,12 +19,14 @@
 
 use std::collections::HashMap;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use verl_nn::{AttentionRows, Transformer};
 
 use crate::config::MicroBatching;
-use crate::data::{budget_too_small, chunks, index_tensor, pack_longest_first, Sequences};
+use crate::data::{
+    budget_too_small, chunks, index_tensor, pack_longest_first, upload_i64, HostRows, Sequences,
+};
 use crate::error::{FsdpError, Result, TorchContext};
 
 /// Whether a micro-batch keeps its padding (`use_remove_padding: false`) or drops it.
@@ -115,8 +117,8 @@ impl RowLayout {
         let index = index_tensor(idx, device)?;
         match padding {
             Padding::Keep => Self::keep(seqs, &index),
-            Padding::Remove => Self::remove(seqs, &index),
-            Padding::SharedPrompt => Self::shared(seqs, &index),
+            Padding::Remove => Self::remove(seqs, idx, &index),
+            Padding::SharedPrompt => Self::shared(seqs, idx, &index),
         }
     }
 
@@ -134,17 +136,18 @@ impl RowLayout {
         }
     }
 
-    fn shared(seqs: &Sequences, index: &Tensor) -> Result<RowLayout> {
+    fn shared(seqs: &Sequences, idx: &[usize], index: &Tensor) -> Result<RowLayout> {
         let device = seqs.input_ids.device();
         let pick = |t: &Tensor| t.f_index_select(0, index).ctx("select micro-batch rows");
         let (p, r) = (seqs.prompt_len, seqs.response_len);
         let total = (p + r) as usize;
         let response_mask = pick(&seqs.response_mask)?;
         let rows = response_mask.size()[0];
-        let ids = to_host_i64(&pick(&seqs.input_ids)?, "input ids")?;
-        let mask = to_host_i64(&pick(&seqs.attention_mask)?, "attention mask")?;
-        let pos = to_host_i64(&pick(&seqs.position_ids)?, "position ids")?;
-        let resp = host_selection(&response_mask)?;
+        let host = seqs.host()?;
+        let ids = HostRows::rows(&host.ids, total, idx);
+        let mask = HostRows::rows(&host.mask, total, idx);
+        let pos = HostRows::rows(&host.pos, total, idx);
+        let resp = HostRows::rows(&host.selected, r as usize, idx);
         let (p, r) = (p as usize, r as usize);
         let mut stream = Stream::default();
         // Prompt key -> (stream offset of its tokens, their count, the row whose attention row
@@ -203,11 +206,7 @@ impl RowLayout {
                 }
             }
         }
-        let on_device = |v: &[i64], what: &str| {
-            Tensor::f_from_slice(v)
-                .and_then(|t| t.f_to_device(device))
-                .ctx(what)
-        };
+        let on_device = |v: &[i64], what: &str| upload_i64(v, device, what);
         let stream_row = |v: &[i64], what: &str| on_device(v, what)?.f_view([1, -1]).ctx(what);
         let slots = on_device(&slots, "response slots")?;
         let targets = pick(&seqs.responses)?
@@ -272,16 +271,16 @@ impl RowLayout {
         })
     }
 
-    fn remove(seqs: &Sequences, index: &Tensor) -> Result<RowLayout> {
+    fn remove(seqs: &Sequences, idx: &[usize], index: &Tensor) -> Result<RowLayout> {
         let device = seqs.input_ids.device();
         let pick = |t: &Tensor| t.f_index_select(0, index).ctx("select micro-batch rows");
         let (p, r) = (seqs.prompt_len, seqs.response_len);
         let total = p + r;
-        let mask = pick(&seqs.attention_mask)?;
         let response_mask = pick(&seqs.response_mask)?;
-        let rows = mask.size()[0];
-        let host_mask = to_host_i64(&mask, "attention mask")?;
-        let host_resp = host_selection(&response_mask)?;
+        let rows = response_mask.size()[0];
+        let host = seqs.host()?;
+        let host_mask = HostRows::rows(&host.mask, total as usize, idx);
+        let host_resp = HostRows::rows(&host.selected, r as usize, idx);
         // Each row's span [start, end): from its first real token (at most the last prompt column,
         // which predicts the first response token) through its last real token.
         let mut starts = Vec::with_capacity(rows as usize);
@@ -298,9 +297,8 @@ impl RowLayout {
             len = len.max(last - start);
         }
         let opts = (Kind::Int64, device);
-        let start_t = Tensor::f_from_slice(&starts)
-            .and_then(|t| t.f_to_device(device))
-            .and_then(|t| t.f_view([rows, 1]))
+        let start_t = upload_i64(&starts, device, "row starts")?
+            .f_view([rows, 1])
             .ctx("row starts")?;
         let raw_cols = Tensor::f_arange(len, opts)
             .and_then(|t| t.f_view([1, len]))
@@ -323,11 +321,7 @@ impl RowLayout {
                 }
             }
         }
-        let on_device = |v: &[i64], what: &str| {
-            Tensor::f_from_slice(v)
-                .and_then(|t| t.f_to_device(device))
-                .ctx(what)
-        };
+        let on_device = |v: &[i64], what: &str| upload_i64(v, device, what);
         let slots = on_device(&slots, "response slots")?;
         let targets = pick(&seqs.responses)?
             .f_reshape([-1])
@@ -403,16 +397,14 @@ pub struct PromptGroups {
 
 impl PromptGroups {
     pub fn of(seqs: &Sequences) -> Result<PromptGroups> {
-        let p = seqs.prompt_len;
-        let prompt = |t: &Tensor, what: &str| to_host_i64(&t.f_narrow(1, 0, p).ctx(what)?, what);
-        let ids = prompt(&seqs.input_ids, "prompt ids")?;
-        let mask = prompt(&seqs.attention_mask, "prompt mask")?;
-        let pos = prompt(&seqs.position_ids, "prompt positions")?;
-        let p = p as usize;
+        let p = seqs.prompt_len as usize;
+        let total = p + seqs.response_len as usize;
+        let host = seqs.host()?;
+        let (ids, mask, pos) = (&host.ids, &host.mask, &host.pos);
         let mut keys: HashMap<Vec<i64>, usize> = HashMap::new();
         let (mut group, mut prompt_len) = (Vec::new(), Vec::new());
         for i in 0..seqs.rows() {
-            let span = i * p..(i + 1) * p;
+            let span = i * total..i * total + p;
             let start = mask[span.clone()]
                 .iter()
                 .position(|&m| m != 0)
@@ -492,24 +484,6 @@ impl Stream {
     }
 }
 
-/// A response mask on the host: 1 where a token is selected, else 0.
-fn host_selection(response_mask: &Tensor) -> Result<Vec<i64>> {
-    let selected = response_mask
-        .f_ne(0)
-        .and_then(|m| m.f_to_kind(Kind::Int64))
-        .ctx("response mask")?;
-    to_host_i64(&selected, "response mask")
-}
-
-fn to_host_i64(t: &Tensor, what: &str) -> Result<Vec<i64>> {
-    let flat = t
-        .f_to_device(Device::Cpu)
-        .and_then(|x| x.f_to_kind(Kind::Int64))
-        .and_then(|x| x.f_contiguous())
-        .and_then(|x| x.f_view([-1]))
-        .ctx(what)?;
-    Vec::<i64>::try_from(&flat).ctx(what)
-}
 
 /// Micro-batches of a forward-only pass, whose results are per row so the grouping is free: rows
 /// sorted by length (longest first) and cut in order, so rows of similar length share a

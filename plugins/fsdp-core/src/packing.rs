@@ -484,7 +484,6 @@ impl Stream {
     }
 }
 
-
 /// Micro-batches of a forward-only pass, whose results are per row so the grouping is free: rows
 /// sorted by length (longest first) and cut in order, so rows of similar length share a
 /// micro-batch and an unpadded micro-batch wastes little on its longest row. `Rows(n)`: `n` rows

@@ -14,7 +14,7 @@
 
 use std::path::Path;
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 use verl_nn::{Checkpoint, NnError, SaveOptions, Transformer};
 
 use crate::config::{OptimSection, Precision};
@@ -454,16 +454,21 @@ impl TrainableModel {
         Ok(self.schedule.as_ref().expect("set above").lr(self.updates))
     }
 
+    /// Clears the gradients. `.grad` is dropped (torch's `zero_grad(set_to_none=True)`, as verl's
+    /// optimizer calls it) rather than zero-filled: the next backward's gradient becomes `.grad`
+    /// as it is, and between updates (while the rollout engine sizes its KV cache) the gradient
+    /// buffers hold no device memory.
     pub fn zero_grad(&mut self) -> Result<()> {
         if let Some(s) = &mut self.shard {
             return s.zero_grad();
         }
-        for (_, p) in self.model.named_parameters() {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.f_zero_().ctx("zero gradients")?;
-            }
-        }
+        let params: Vec<Tensor> = self
+            .model
+            .named_parameters()
+            .iter()
+            .map(|(_, p)| p.shallow_clone())
+            .collect();
+        verl_torch_ext::clear_grads(&params)?;
         for a in &mut self.accum {
             let _ = a.f_zero_().ctx("zero gradient accumulators")?;
         }
@@ -475,18 +480,26 @@ impl TrainableModel {
         if self.is_sharded() || !self.mixed() {
             return Ok(());
         }
+        let params: Vec<Tensor> = self
+            .model
+            .named_parameters()
+            .iter()
+            .map(|(_, p)| p.shallow_clone())
+            .collect();
         tch::no_grad(|| -> Result<()> {
-            for ((_, p), a) in self.model.named_parameters().iter().zip(&mut self.accum) {
-                let mut g = p.grad();
+            for (p, a) in params.iter().zip(&mut self.accum) {
+                let g = p.grad();
                 if g.defined() {
-                    let _ = a
-                        .f_add_(&g.f_to_kind(Kind::Float).ctx("grad to fp32")?)
-                        .ctx("accumulate gradient")?;
-                    let _ = g.f_zero_().ctx("zero gradient")?;
+                    // fp32 += bf16 in one kernel: the widening is exact, so this equals adding
+                    // the gradient cast to fp32, without the cast's temporary.
+                    let _ = a.f_add_(&g).ctx("accumulate gradient")?;
                 }
             }
             Ok(())
-        })
+        })?;
+        // `.grad = None` rather than zeroing it: the next backward's gradient becomes `.grad` as
+        // it is instead of being added into a zero-filled buffer.
+        Ok(verl_torch_ext::clear_grads(&params)?)
     }
 
     /// The accumulated fp32 gradients (zeros for parameters that got none).

@@ -768,10 +768,22 @@ fn memory_per_rank_falls_with_the_world_size() {
     for (world, total, stats) in &totals {
         println!("world {world}: {total} bytes per rank ({stats:?})");
     }
-    let one = totals[0].1 as f64;
+    // One rank drops its gradients after the update (`zero_grad` sets `.grad` to None); ranks of a
+    // sharded world keep their gradient shard, a flat buffer the reduce-scatter writes into.
+    assert_eq!(
+        totals[0].2.grads, 0,
+        "world 1 keeps gradients: {:?}",
+        totals[0].2
+    );
+    let one = (totals[0].2.params + totals[0].2.optimizer) as f64;
     let full_params = totals[0].2.peak_gathered as f64;
-    for (world, total, stats) in &totals[1..] {
-        let ratio = *total as f64 / one;
+    for (world, _, stats) in &totals[1..] {
+        assert_eq!(
+            stats.grads, stats.params,
+            "world {world}: a gradient per parameter: {stats:?}"
+        );
+        let total = stats.params + stats.optimizer;
+        let ratio = total as f64 / one;
         let ideal = 1.0 / *world as f64;
         // Padding to a multiple of the world size adds at most a few elements per group.
         assert!(

@@ -44,6 +44,7 @@ extern "C" {
     fn vt_cuda_graphs_compiled() -> i32;
     fn vt_cuda_empty_cache() -> *mut c_char;
     fn vt_prefer_cublaslt() -> *mut c_char;
+    fn vt_clear_grads(ts: *const CTensor, n: i64) -> *mut c_char;
     fn vt_fused_adamw(
         params: *const CTensor,
         grads: *const CTensor,
@@ -119,6 +120,19 @@ pub fn cuda_empty_cache() -> Result<()> {
 pub fn prefer_cublaslt() -> Result<()> {
     // SAFETY: no arguments; errors come back as a malloc'ed string.
     check("prefer_cublaslt", unsafe { vt_prefer_cublaslt() })
+}
+
+/// `p.grad = None` for every tensor of `params`: the next backward's gradient then becomes `.grad`
+/// as it is, where a zeroed `.grad` would cost a zero fill and a copy into it.
+pub fn clear_grads(params: &[Tensor]) -> Result<()> {
+    if params.is_empty() {
+        return Ok(());
+    }
+    let ptrs: Vec<_> = params.iter().map(|t| t.as_ptr()).collect();
+    // SAFETY: every pointer is a live tch tensor borrowed for the call; the list has its length.
+    check("clear_grads", unsafe {
+        vt_clear_grads(ptrs.as_ptr(), ptrs.len() as i64)
+    })
 }
 
 /// Whether this build of the shim has CUDA (graphs can be captured when a GPU is present too).

@@ -98,6 +98,17 @@ char* vt_prefer_cublaslt() {
   });
 }
 
+// `p.grad = None` for each of n tensors: the next backward's gradient then becomes `.grad` as it
+// is (no copy into a zero-filled buffer, no zero fill before it).
+char* vt_clear_grads(at::Tensor** ts, int64_t n) {
+  return vt_util::guarded([&] {
+    for (int64_t i = 0; i < n; ++i) {
+      if (ts[i] == nullptr) throw std::invalid_argument("clear_grads: null tensor");
+      ts[i]->mutable_grad() = at::Tensor();
+    }
+  });
+}
+
 int vt_cuda_graphs_compiled() {
 #ifdef VERL_WITH_CUDA
   return 1;

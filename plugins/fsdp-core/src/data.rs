@@ -24,13 +24,18 @@ pub fn column<T: verl_plugin_api::Element + tch::kind::Element>(
 
 /// `[rows, len]` f32 data of a tensor, row-major, for a batch column.
 pub fn to_f32_vec(t: &Tensor, what: &str) -> Result<Vec<f32>> {
+    to_host(t, Kind::Float, what)
+}
+
+/// A tensor's values on the host as `kind`, row-major (a download waits for the queued kernels).
+fn to_host<T: tch::kind::Element + Copy>(t: &Tensor, kind: Kind, what: &str) -> Result<Vec<T>> {
     let flat = t
-        .f_to_kind(Kind::Float)
-        .and_then(|x| x.f_to_device(Device::Cpu))
+        .f_to_device(Device::Cpu)
+        .and_then(|x| x.f_to_kind(kind))
         .and_then(|x| x.f_contiguous())
         .and_then(|x| x.f_view([-1]))
         .ctx(what)?;
-    Vec::<f32>::try_from(&flat).ctx(what)
+    Vec::<T>::try_from(&flat).ctx(what)
 }
 
 /// `v` as an int64 tensor on `device`. To a GPU the copy goes from pinned memory without
@@ -168,10 +173,10 @@ impl Sequences {
             .and_then(|m| m.f_to_kind(Kind::Int64))
             .ctx("response mask")?;
         let h = HostRows {
-            ids: to_host_i64(&self.input_ids, "input ids")?,
-            mask: to_host_i64(&self.attention_mask, "attention mask")?,
-            pos: to_host_i64(&self.position_ids, "position ids")?,
-            selected: to_host_i64(&selected, "response mask")?,
+            ids: to_host(&self.input_ids, Kind::Int64, "input ids")?,
+            mask: to_host(&self.attention_mask, Kind::Int64, "attention mask")?,
+            pos: to_host(&self.position_ids, Kind::Int64, "position ids")?,
+            selected: to_host(&selected, Kind::Int64, "response mask")?,
         };
         Ok(self.host.get_or_init(|| h))
     }
@@ -246,17 +251,6 @@ pub fn position_ids(mask: &Tensor) -> Result<Tensor> {
 pub fn index_tensor(rows: &[usize], device: Device) -> Result<Tensor> {
     let v: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
     upload_i64(&v, device, "row index")
-}
-
-/// An int64 tensor's values on the host, row-major.
-pub fn to_host_i64(t: &Tensor, what: &str) -> Result<Vec<i64>> {
-    let flat = t
-        .f_to_device(Device::Cpu)
-        .and_then(|x| x.f_to_kind(Kind::Int64))
-        .and_then(|x| x.f_contiguous())
-        .and_then(|x| x.f_view([-1]))
-        .ctx(what)?;
-    Vec::<i64>::try_from(&flat).ctx(what)
 }
 
 /// Consecutive chunks of at most `size` rows (verl's `DataProto.split`).

@@ -462,13 +462,7 @@ impl TrainableModel {
         if let Some(s) = &mut self.shard {
             return s.zero_grad();
         }
-        let params: Vec<Tensor> = self
-            .model
-            .named_parameters()
-            .iter()
-            .map(|(_, p)| p.shallow_clone())
-            .collect();
-        verl_torch_ext::clear_grads(&params)?;
+        verl_torch_ext::clear_grads(self.model.named_parameters().iter().map(|(_, p)| p))?;
         for a in &mut self.accum {
             let _ = a.f_zero_().ctx("zero gradient accumulators")?;
         }
@@ -480,14 +474,9 @@ impl TrainableModel {
         if self.is_sharded() || !self.mixed() {
             return Ok(());
         }
-        let params: Vec<Tensor> = self
-            .model
-            .named_parameters()
-            .iter()
-            .map(|(_, p)| p.shallow_clone())
-            .collect();
+        let params = self.model.named_parameters();
         tch::no_grad(|| -> Result<()> {
-            for (p, a) in params.iter().zip(&mut self.accum) {
+            for ((_, p), a) in params.iter().zip(&mut self.accum) {
                 let g = p.grad();
                 if g.defined() {
                     // fp32 += bf16 in one kernel: the widening is exact, so this equals adding
@@ -499,7 +488,7 @@ impl TrainableModel {
         })?;
         // `.grad = None` rather than zeroing it: the next backward's gradient becomes `.grad` as
         // it is instead of being added into a zero-filled buffer.
-        Ok(verl_torch_ext::clear_grads(&params)?)
+        Ok(verl_torch_ext::clear_grads(params.iter().map(|(_, p)| p))?)
     }
 
     /// The accumulated fp32 gradients (zeros for parameters that got none).

@@ -124,11 +124,11 @@ pub fn prefer_cublaslt() -> Result<()> {
 
 /// `p.grad = None` for every tensor of `params`: the next backward's gradient then becomes `.grad`
 /// as it is, where a zeroed `.grad` would cost a zero fill and a copy into it.
-pub fn clear_grads(params: &[Tensor]) -> Result<()> {
-    if params.is_empty() {
+pub fn clear_grads<'a>(params: impl IntoIterator<Item = &'a Tensor>) -> Result<()> {
+    let ptrs: Vec<_> = params.into_iter().map(|t| t.as_ptr()).collect();
+    if ptrs.is_empty() {
         return Ok(());
     }
-    let ptrs: Vec<_> = params.iter().map(|t| t.as_ptr()).collect();
     // SAFETY: every pointer is a live tch tensor borrowed for the call; the list has its length.
     check("clear_grads", unsafe {
         vt_clear_grads(ptrs.as_ptr(), ptrs.len() as i64)

@@ -185,7 +185,14 @@ fn chunked_log_probs_and_entropy_equal_full_logits_padded_or_not() {
                 mask.sum(Kind::Float).double_value(&[])
             );
             let (lp, ent) = layout_token_stats(&m, &rm, TEMPERATURE, true, chunk).unwrap();
-            assert!(max_diff(&lp, &(&want_lp * &mask)) < 1e-6);
+            // Shorter rows change the GEMMs' shapes, so the CPU kernels may block (and round) the
+            // sums differently: a few ulps at |log p| ≈ 10 (seen above 1e-6 with two test threads
+            // sharing the cores). A misplaced position would be off by O(1).
+            let d = max_diff(&lp, &(&want_lp * &mask));
+            assert!(
+                d < 5e-6,
+                "tied {tied} chunk {chunk}, unpadded: log-probs differ by {d}"
+            );
             let d = max_diff(&ent.unwrap(), &(&want_ent * &mask));
             assert!(
                 d < 5e-6,

@@ -38,18 +38,12 @@ fn to_host<T: tch::kind::Element + Copy>(t: &Tensor, kind: Kind, what: &str) -> 
     Vec::<T>::try_from(&flat).ctx(what)
 }
 
-/// `v` as an int64 tensor on `device`. To a GPU the copy goes from pinned memory without
-/// synchronising the stream (a blocking upload waits for every queued kernel, so the host could
-/// not prepare the next micro-batch while the device runs this one); libtorch's caching host
-/// allocator keeps the pinned block until the copy has run. Pinning failing is not fatal: the copy
-/// is still correct, only possibly synchronising.
+/// `v` as an int64 tensor on `device`, without synchronising a GPU's stream
+/// ([`verl_torch_ext::upload_nonblocking`]): the host can lay out the next micro-batch while the
+/// device runs this one.
 pub fn upload_i64(v: &[i64], device: Device, what: &str) -> Result<Tensor> {
     let host = Tensor::f_from_slice(v).ctx(what)?;
-    if device == Device::Cpu {
-        return Ok(host);
-    }
-    let src = host.f_internal_pin_memory(device).unwrap_or(host);
-    src.f_to_device_(device, Kind::Int64, true, false).ctx(what)
+    verl_torch_ext::upload_nonblocking(host, device, Kind::Int64).ctx(what)
 }
 
 /// The model's view of a batch: `input_ids = prompts ‖ responses`, the attention mask, verl's

@@ -98,10 +98,8 @@ impl KvPool {
     }
 }
 
-/// Host-to-device copy that does not synchronise the stream: a blocking one waits for every
-/// queued kernel, serialising the host's launches with the device's work. The source is pinned
-/// (libtorch's caching host allocator keeps the block until the copy has run), since a copy from
-/// pageable memory may synchronise anyway.
+/// Host-to-device copies that do not synchronise the stream
+/// ([`verl_torch_ext::upload_nonblocking`]).
 pub(crate) fn upload_i64(v: &[i64], device: Device) -> Result<Tensor> {
     upload(Tensor::f_from_slice(v)?, device, Kind::Int64)
 }
@@ -111,14 +109,7 @@ pub(crate) fn upload_f32(v: &[f32], device: Device) -> Result<Tensor> {
 }
 
 fn upload(host: Tensor, device: Device, kind: Kind) -> Result<Tensor> {
-    if device == Device::Cpu {
-        return Ok(host);
-    }
-    // `_pin_memory` rather than `pin_memory`: tch always passes a device, which the public op
-    // deprecates with a warning on every call. Pinning failing (no pinned allocator) is not
-    // fatal: a copy from pageable memory is still correct, only possibly synchronising.
-    let src = host.f_internal_pin_memory(device).unwrap_or(host);
-    Ok(src.f_to_device_(device, kind, true, false)?)
+    Ok(verl_torch_ext::upload_nonblocking(host, device, kind)?)
 }
 
 /// One forward's inputs, built on the host: `S` sequences of up to `T` new tokens each

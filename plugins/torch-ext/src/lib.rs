@@ -135,6 +135,26 @@ pub fn clear_grads<'a>(params: impl IntoIterator<Item = &'a Tensor>) -> Result<(
     })
 }
 
+/// `host` (a CPU tensor) on `device` as `kind`, without synchronising the stream when `device` is a
+/// GPU: the copy goes from pinned memory (a blocking upload waits for every queued kernel, so the
+/// host could not prepare the next step while the device runs this one; a copy from pageable
+/// memory may synchronise too). libtorch's caching host allocator keeps the pinned block until the
+/// copy has run. Pinning failing (no pinned allocator) is not fatal: the copy is still correct,
+/// only possibly synchronising. On the CPU, `host` itself (converted to `kind`).
+pub fn upload_nonblocking(
+    host: Tensor,
+    device: tch::Device,
+    kind: tch::Kind,
+) -> std::result::Result<Tensor, tch::TchError> {
+    if device == tch::Device::Cpu {
+        return host.f_to_kind(kind);
+    }
+    // `_pin_memory` rather than `pin_memory`: tch always passes a device, which the public op
+    // deprecates with a warning on every call.
+    let src = host.f_internal_pin_memory(device).unwrap_or(host);
+    src.f_to_device_(device, kind, true, false)
+}
+
 /// Whether this build of the shim has CUDA (graphs can be captured when a GPU is present too).
 pub fn cuda_graphs_compiled() -> bool {
     // SAFETY: no arguments, no state.

@@ -213,12 +213,7 @@ impl RowLayout {
             .f_reshape([-1])
             .and_then(|t| t.f_index_select(0, &slots))
             .ctx("response targets")?;
-        let attention_rows = AttentionRows::new(
-            on_device(&gather, "attention row columns")?,
-            on_device(&scatter, "stream token outputs")?,
-            rows,
-            len as i64,
-        )?;
+        let attention_rows = AttentionRows::from_host(&gather, &scatter, rows, len as i64, device)?;
         Ok(RowLayout {
             input_ids: stream_row(&stream.ids, "stream ids")?,
             attention_mask: Tensor::f_ones([1, n as i64], (Kind::Int64, device))

@@ -228,6 +228,19 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     )?)
 }
 
+/// Whether a shared-prompt forward's attention can run through flash attention's varlen kernel
+/// ([`VarlenRows`]): `q` `[1, heads, N, D]` half-precision on CUDA, a head size the kernel takes
+/// (a multiple of 8, at most 256), and `VERL_VARLEN_ATTENTION` not `0` (which keeps the padded
+/// rows, for comparisons).
+fn varlen_applies(q: &Tensor, head_dim: i64) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    matches!(q.device(), Device::Cuda(_))
+        && matches!(q.kind(), Kind::BFloat16 | Kind::Half)
+        && head_dim % 8 == 0
+        && head_dim <= 256
+        && *ON.get_or_init(|| std::env::var("VERL_VARLEN_ATTENTION").as_deref() != Ok("0"))
+}
+
 /// Rotary position embedding `x · cos + rotate_half(x) · sin`: `x` `[B, heads, T, D]`,
 /// `cos`/`sin` `[B, 1, T, D]`. On CUDA one kernel (an autograd node with a one-kernel backward
 /// where x needs a gradient), bit-identical to the torch ops; the ops elsewhere.
@@ -307,9 +320,108 @@ pub struct AttentionRows {
     pub scatter: Tensor,
     pub rows: i64,
     pub len: i64,
+    /// The same attention as variable-length sequences, where the stream's order allows it
+    /// ([`AttentionRows::from_host`]); CUDA half-precision training and scoring forwards then run
+    /// it through flash attention's varlen kernel instead of the padded rows.
+    pub varlen: Option<VarlenRows>,
+}
+
+/// [`AttentionRows`] as variable-length sequences: row `a`'s queries are the stream tokens
+/// `cu_q[a]..cu_q[a+1]` (its output columns, the last ones of its real columns, in order), its keys
+/// and values its real columns `kv_gather[cu_k[a]..cu_k[a+1]]`, with a causal mask aligned to the
+/// bottom right. No padded column is computed, no query is repeated (a shared prompt's tokens are
+/// queries of one row only), and the outputs come out in stream order.
+#[derive(Debug)]
+pub struct VarlenRows {
+    /// int64 `[total_k]`: the stream index of every row's real columns, row after row.
+    pub kv_gather: Tensor,
+    /// int32 `[rows + 1]`: cumulative query counts.
+    pub cu_q: Tensor,
+    /// int32 `[rows + 1]`: cumulative key counts.
+    pub cu_k: Tensor,
+    pub max_q: i64,
+    pub max_k: i64,
+}
+
+/// The host side of [`VarlenRows`]: `(kv_gather, cu_q, cu_k)`, or `None` when the stream's
+/// outputs are not row segments in order (see [`AttentionRows::from_host`]).
+pub fn varlen_layout(
+    gather: &[i64],
+    scatter: &[i64],
+    rows: i64,
+    len: i64,
+) -> Option<(Vec<i64>, Vec<i64>, Vec<i64>)> {
+    let (rows, len) = (usize::try_from(rows).ok()?, usize::try_from(len).ok()?);
+    if len == 0 || gather.len() != rows * len {
+        return None;
+    }
+    // Per row: (queries, last output column + 1), filled in stream order.
+    let mut seg: Vec<(usize, usize)> = vec![(0, 0); rows];
+    let mut prev_row = 0usize;
+    for &o in scatter {
+        let o = usize::try_from(o).ok()?;
+        let (a, c) = (o / len, o % len);
+        if a >= rows || a < prev_row {
+            return None;
+        }
+        let (q, end) = &mut seg[a];
+        // Within a row the outputs are consecutive columns; a row's first output may start
+        // anywhere (the columns before it are keys only).
+        if *q > 0 && c != *end {
+            return None;
+        }
+        *q += 1;
+        *end = c + 1;
+        prev_row = a;
+    }
+    let (mut kv, mut cu_q, mut cu_k) = (Vec::new(), vec![0i64], vec![0i64]);
+    for (a, &(q, end)) in seg.iter().enumerate() {
+        kv.extend_from_slice(&gather[a * len..a * len + end]);
+        cu_q.push(cu_q[a] + q as i64);
+        cu_k.push(cu_k[a] + end as i64);
+    }
+    Some((kv, cu_q, cu_k))
 }
 
 impl AttentionRows {
+    /// Uploads a layout built on the host and adds its [`VarlenRows`] form when the stream's
+    /// outputs are row segments in row order: the tokens taking their outputs from row `a` come
+    /// after those of every earlier row, as consecutive columns ending at the row's last real
+    /// column. (A shared-prompt stream is like that: each group's prompt, then each member's
+    /// response, the group's first row giving the prompt's outputs.)
+    pub fn from_host(
+        gather: &[i64],
+        scatter: &[i64],
+        rows: i64,
+        len: i64,
+        device: Device,
+    ) -> Result<AttentionRows> {
+        let up = |v: &[i64], kind: Kind| -> Result<Tensor> {
+            Ok(verl_torch_ext::upload_nonblocking(
+                Tensor::from_slice(v),
+                device,
+                kind,
+            )?)
+        };
+        let mut out = AttentionRows::new(
+            up(gather, Kind::Int64)?,
+            up(scatter, Kind::Int64)?,
+            rows,
+            len,
+        )?;
+        if let Some((kv, cu_q, cu_k)) = varlen_layout(gather, scatter, rows, len) {
+            let longest = |cu: &[i64]| cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+            out.varlen = Some(VarlenRows {
+                max_q: longest(&cu_q),
+                max_k: longest(&cu_k),
+                kv_gather: up(&kv, Kind::Int64)?,
+                cu_q: up(&cu_q, Kind::Int)?,
+                cu_k: up(&cu_k, Kind::Int)?,
+            });
+        }
+        Ok(out)
+    }
+
     /// Checks the shapes and kinds (not the index values: an index out of range fails in the
     /// forward's gather).
     pub fn new(gather: Tensor, scatter: Tensor, rows: i64, len: i64) -> Result<AttentionRows> {
@@ -342,6 +454,7 @@ impl AttentionRows {
             scatter,
             rows,
             len,
+            varlen: None,
         })
     }
 
@@ -356,6 +469,13 @@ impl AttentionRows {
             scatter: self.scatter.shallow_clone(),
             rows: self.rows,
             len: self.len,
+            varlen: self.varlen.as_ref().map(|v| VarlenRows {
+                kv_gather: v.kv_gather.shallow_clone(),
+                cu_q: v.cu_q.shallow_clone(),
+                cu_k: v.cu_k.shallow_clone(),
+                max_q: v.max_q,
+                max_k: v.max_k,
+            }),
         }
     }
 
@@ -627,16 +747,38 @@ impl Attention {
         rows: &AttentionRows,
         n: i64,
     ) -> Result<Tensor> {
-        let k = rows.assemble(&AttentionRows::stream(k)?)?;
-        let v = rows.assemble(&AttentionRows::stream(v)?)?;
-        if let Some(c) = &ctx.consistent {
-            if self.window.is_none() && !q.requires_grad() {
-                // One query per stream token (no duplicated prompt queries), over its row.
-                let q = AttentionRows::stream(q)?.f_contiguous()?;
-                let out = c.attend(&q, &k, &v, self.head_dim)?;
-                let out = out.f_transpose(0, 1)?.f_unsqueeze(0)?;
+        let consistent = ctx
+            .consistent
+            .as_ref()
+            .filter(|_| self.window.is_none() && !q.requires_grad());
+        if let Some(vl) = rows.varlen.as_ref() {
+            if consistent.is_none() && self.window.is_none() && varlen_applies(q, self.head_dim) {
+                let kv = |x: &Tensor| -> Result<Tensor> {
+                    Ok(AttentionRows::stream(x)?.f_index_select(0, &vl.kv_gather)?)
+                };
+                let out = verl_torch_ext::varlen_causal_attention(
+                    &AttentionRows::stream(q)?,
+                    &kv(k)?,
+                    &kv(v)?,
+                    &vl.cu_q,
+                    &vl.cu_k,
+                    vl.max_q,
+                    vl.max_k,
+                )?;
+                let out = out
+                    .f_view([1, n, self.num_heads, self.head_dim])?
+                    .f_transpose(1, 2)?;
                 return self.project_out(&out, 1, n);
             }
+        }
+        let k = rows.assemble(&AttentionRows::stream(k)?)?;
+        let v = rows.assemble(&AttentionRows::stream(v)?)?;
+        if let Some(c) = consistent {
+            // One query per stream token (no duplicated prompt queries), over its row.
+            let q = AttentionRows::stream(q)?.f_contiguous()?;
+            let out = c.attend(&q, &k, &v, self.head_dim)?;
+            let out = out.f_transpose(0, 1)?.f_unsqueeze(0)?;
+            return self.project_out(&out, 1, n);
         }
         let heads = |x: Tensor| x.f_transpose(1, 2);
         let q = heads(rows.assemble(&AttentionRows::stream(q)?)?)?;
@@ -1176,5 +1318,132 @@ impl DecoderLayer {
                 "a sparse MoE block",
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shared-prompt layout as the actor builds it: per group its prompt, then each member's
+    /// response, the group's first row giving the prompt's outputs. Returns (gather, scatter,
+    /// rows, len, stream length).
+    fn shared_layout(groups: &[(usize, Vec<usize>)]) -> (Vec<i64>, Vec<i64>, i64, i64, usize) {
+        let mut parts = Vec::new(); // (prompt at, prompt len, response at, response len, owner)
+        let mut at = 0;
+        for (plen, resps) in groups {
+            let p_at = at;
+            at += plen;
+            for (j, &rl) in resps.iter().enumerate() {
+                parts.push((p_at, *plen, at, rl, j == 0));
+                at += rl;
+            }
+        }
+        let len = parts.iter().map(|p| p.1 + p.3).max().unwrap();
+        let (mut gather, mut scatter) = (Vec::new(), vec![0i64; at]);
+        for (i, &(p_at, plen, r_at, rl, owner)) in parts.iter().enumerate() {
+            gather.extend((p_at..p_at + plen).map(|k| k as i64));
+            gather.extend((r_at..r_at + rl).map(|k| k as i64));
+            gather.extend(std::iter::repeat_n(0, len - plen - rl));
+            if owner {
+                for k in 0..plen {
+                    scatter[p_at + k] = (i * len + k) as i64;
+                }
+            }
+            for j in 0..rl {
+                scatter[r_at + j] = (i * len + plen + j) as i64;
+            }
+        }
+        (gather, scatter, parts.len() as i64, len as i64, at)
+    }
+
+    #[test]
+    fn varlen_layout_of_shared_prompts() {
+        // Group 0: prompt 3, responses 2 and 1; group 1: prompt 2, response 3.
+        let (gather, scatter, rows, len, n) = shared_layout(&[(3, vec![2, 1]), (2, vec![3])]);
+        assert_eq!(n, 11);
+        let (kv, cu_q, cu_k) = varlen_layout(&gather, &scatter, rows, len).unwrap();
+        // Row 0: prompt 0..3 + response 3..5 (queries: all five); row 1: prompt + 5 (query: 5);
+        // row 2: prompt 6..8 + response 8..11 (queries: all five).
+        assert_eq!(kv, [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9, 10]);
+        assert_eq!(cu_q, [0, 5, 6, 11]);
+        assert_eq!(cu_k, [0, 5, 9, 14]);
+    }
+
+    #[test]
+    fn varlen_layout_refuses_streams_out_of_row_order() {
+        let (gather, mut scatter, rows, len, _) = shared_layout(&[(2, vec![1, 1])]);
+        // Stream order: prompt (row 0), row 0's response, row 1's response; swap the last two.
+        scatter.swap(2, 3);
+        assert!(varlen_layout(&gather, &scatter, rows, len).is_none());
+        // Outputs that skip a column of their row.
+        let (gather, mut scatter, rows, len, _) = shared_layout(&[(2, vec![2])]);
+        scatter[3] += 1;
+        assert!(varlen_layout(&gather, &scatter, rows, len).is_none());
+        // An index out of the rows.
+        let (gather, mut scatter, rows, len, _) = shared_layout(&[(2, vec![2])]);
+        scatter[3] = rows * len;
+        assert!(varlen_layout(&gather, &scatter, rows, len).is_none());
+    }
+
+    /// The varlen form's semantics (each row's queries are the last of its keys, causal from the
+    /// bottom right), computed row by row with explicit masks, equal the padded rows' attention:
+    /// the contract the flash kernel is given on CUDA.
+    #[test]
+    fn varlen_form_equals_the_padded_rows() {
+        tch::manual_seed(0);
+        let (h, kvh, d) = (4i64, 2i64, 8i64);
+        let (gather, scatter, rows, len, n) =
+            shared_layout(&[(5, vec![3, 1, 4]), (2, vec![6]), (4, vec![0, 2])]);
+        let ar = AttentionRows::from_host(&gather, &scatter, rows, len, Device::Cpu).unwrap();
+        let vl = ar
+            .varlen
+            .as_ref()
+            .expect("a shared-prompt stream has a varlen form");
+        let n = n as i64;
+        let q = Tensor::randn([n, h, d], (Kind::Double, Device::Cpu));
+        let k = Tensor::randn([n, kvh, d], (Kind::Double, Device::Cpu));
+        let v = Tensor::randn([n, kvh, d], (Kind::Double, Device::Cpu));
+        // Padded rows, as `forward_rows` runs them without the varlen form.
+        let heads = |x: Tensor| x.transpose(1, 2);
+        let padded = causal_attention(
+            &heads(ar.assemble(&q).unwrap()),
+            &heads(ar.assemble(&k).unwrap()),
+            &heads(ar.assemble(&v).unwrap()),
+        )
+        .unwrap();
+        let want = ar.disperse(&padded).unwrap().squeeze_dim(0).transpose(0, 1);
+        // Varlen, row by row.
+        let cu = |t: &Tensor| Vec::<i64>::try_from(t.to_kind(Kind::Int64)).unwrap();
+        let (cu_q, cu_k) = (cu(&vl.cu_q), cu(&vl.cu_k));
+        let kk = k.index_select(0, &vl.kv_gather);
+        let vv = v.index_select(0, &vl.kv_gather);
+        let mut outs = Vec::new();
+        for a in 0..rows as usize {
+            let (q0, nq) = (cu_q[a], cu_q[a + 1] - cu_q[a]);
+            let (k0, nk) = (cu_k[a], cu_k[a + 1] - cu_k[a]);
+            if nq == 0 {
+                continue;
+            }
+            assert!(nk >= nq, "row {a}: {nq} queries over {nk} keys");
+            let qi = Tensor::arange(nq, (Kind::Int64, Device::Cpu)).view([-1, 1]);
+            let ki = Tensor::arange(nk, (Kind::Int64, Device::Cpu)).view([1, -1]);
+            let mask = ki.le_tensor(&(qi + (nk - nq)));
+            let o = Tensor::scaled_dot_product_attention(
+                &q.narrow(0, q0, nq).transpose(0, 1).unsqueeze(0),
+                &kk.narrow(0, k0, nk).transpose(0, 1).unsqueeze(0),
+                &vv.narrow(0, k0, nk).transpose(0, 1).unsqueeze(0),
+                Some(mask),
+                0.0,
+                false,
+                None,
+                true,
+            );
+            outs.push(o.squeeze_dim(0).transpose(0, 1));
+        }
+        let got = Tensor::cat(&outs, 0);
+        assert_eq!(got.size(), [n, h, d]);
+        let diff = (&got - &want).abs().max().double_value(&[]);
+        assert!(diff < 1e-12, "varlen form vs padded rows: {diff:.3e}");
     }
 }

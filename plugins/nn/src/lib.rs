@@ -25,7 +25,9 @@ pub mod tp;
 pub use checkpoint::{Checkpoint, LoadReport, SaveOptions};
 pub use config::{Arch, ModelConfig, MoeConfig, RopeScaling};
 pub use error::{NnError, Result};
-pub use layers::{apply_rope, causal_attention, silu_mul, AttentionRows};
+pub use layers::{
+    apply_rope, causal_attention, silu_mul, varlen_layout, AttentionRows, VarlenRows,
+};
 pub use model::{
     linear_fp32, AttentionBackend, AttentionCall, FusedDecodeWeights, HeadKind, KvCache,
     ModelOptions, ParamGate, Transformer, Unit,

@@ -652,11 +652,17 @@ fn pack(groups: &[(Vec<i64>, Vec<Vec<i64>>)], device: tch::Device) -> Packed {
         .map(|&(a, c)| a as i64 * len + c)
         .collect();
     let t = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+    let rows =
+        verl_nn::AttentionRows::from_host(&gather, &scatter, per_row.len() as i64, len, device)
+            .unwrap();
+    assert!(
+        rows.varlen.is_some(),
+        "a shared-prompt stream has a varlen form"
+    );
     Packed {
         ids: t(&ids).view([1, -1]),
         positions: t(&pos).view([1, -1]),
-        rows: verl_nn::AttentionRows::new(t(&gather), t(&scatter), per_row.len() as i64, len)
-            .unwrap(),
+        rows,
         per_row,
     }
 }
@@ -679,6 +685,102 @@ fn packed_rows_match_unshared_sequences_on_cuda() {
     }
     check_packed(tch::Device::Cuda(0), false, 1e-4);
     check_packed(tch::Device::Cuda(0), true, 1e-4);
+}
+
+/// In bf16 on CUDA a packed forward's attention runs through flash attention's varlen kernel
+/// (the rows' [`verl_nn::VarlenRows`] form); its hidden states and parameter gradients match the
+/// padded rows' (dense SDPA) to bf16 rounding, and a wrong varlen form changes them (so the
+/// kernel really ran).
+#[test]
+fn packed_rows_varlen_matches_padded_rows_on_cuda_bf16() {
+    if !tch::Cuda::is_available() {
+        eprintln!("SKIP: no CUDA device; varlen attention not checked");
+        return;
+    }
+    let dev = tch::Device::Cuda(0);
+    let (dir, _) = saved(json!({"model_type": "qwen2"}));
+    let m = Transformer::from_pretrained(
+        dir.path(),
+        &ModelOptions {
+            device: dev,
+            dtype: Kind::BFloat16,
+            ..ModelOptions::default()
+        },
+    )
+    .unwrap();
+    let groups = vec![
+        (
+            vec![5, 17, 42, 9, 77, 31, 2],
+            vec![vec![3, 4, 5, 6], vec![8], vec![100, 101, 102], vec![]],
+        ),
+        (vec![250, 12], vec![vec![7, 7, 7, 7, 7, 7]]),
+    ];
+    let p = pack(&groups, dev);
+    let r = &p.rows;
+    let padded = verl_nn::AttentionRows::new(
+        r.gather.shallow_clone(),
+        r.scatter.shallow_clone(),
+        r.rows,
+        r.len,
+    )
+    .unwrap();
+    let u = Tensor::randn([p.ids.size()[1], 32], (Kind::Float, dev));
+    let run = |rows: &verl_nn::AttentionRows| -> (Tensor, Vec<(String, Tensor)>) {
+        zero_grads(&m);
+        let mut hidden = None;
+        let _loss = m
+            .forward_backward_hidden_rows(&p.ids, &p.positions, rows, |h| {
+                hidden = Some(h.detach().to_kind(Kind::Float));
+                Ok(h.get(0).to_kind(Kind::Float).f_mul(&u)?.sum(Kind::Float))
+            })
+            .unwrap();
+        let g = m
+            .named_parameters()
+            .iter()
+            .filter(|(_, p)| p.grad().defined())
+            .map(|(n, p)| (n.clone(), p.grad().to_kind(Kind::Float)))
+            .collect();
+        (hidden.unwrap(), g)
+    };
+    let (h_var, g_var) = run(&p.rows);
+    let (h_pad, g_pad) = run(&padded);
+    let scale = h_pad.abs().max().double_value(&[]).max(1.0);
+    let d = max_abs(&h_var, &h_pad);
+    assert!(
+        d <= 2e-2 * scale,
+        "varlen vs padded hidden states: {d:.3e} (scale {scale:.2})"
+    );
+    assert_eq!(g_var.len(), g_pad.len());
+    for ((n, a), (_, b)) in g_pad.iter().zip(&g_var) {
+        let scale = a.abs().max().double_value(&[]).max(1e-3);
+        let d = max_abs(a, b);
+        assert!(
+            d <= 5e-2 * scale,
+            "{n}: varlen vs padded gradient {d:.3e} (scale {scale:.2e})"
+        );
+    }
+    // Every key the stream's first token: a different attention, so different states.
+    let vl = r.varlen.as_ref().unwrap();
+    let mut wrong = verl_nn::AttentionRows::new(
+        r.gather.shallow_clone(),
+        r.scatter.shallow_clone(),
+        r.rows,
+        r.len,
+    )
+    .unwrap();
+    wrong.varlen = Some(verl_nn::VarlenRows {
+        kv_gather: vl.kv_gather.zeros_like(),
+        cu_q: vl.cu_q.shallow_clone(),
+        cu_k: vl.cu_k.shallow_clone(),
+        max_q: vl.max_q,
+        max_k: vl.max_k,
+    });
+    let (h_wrong, _) = run(&wrong);
+    let d = max_abs(&h_wrong, &h_pad);
+    assert!(
+        d > 0.1 * scale,
+        "a wrong varlen form left the states unchanged ({d:.3e})"
+    );
 }
 
 fn check_packed(dev: tch::Device, consistent: bool, tol: f64) {

@@ -4,6 +4,8 @@
 //! * [`CudaGraph`] / [`capture`]: `at::cuda::CUDAGraph` capture on a side stream (capture cannot
 //!   run on the default stream), replay on the current stream, and private memory pools shared
 //!   between graphs. Available when the libtorch build has CUDA ([`cuda_graphs_compiled`]).
+//! * [`varlen_causal_attention`]: libtorch's flash-attention kernel over variable-length
+//!   sequences (CUDA), with autograd.
 //! * [`fused_adamw`]: `torch.optim.AdamW(fused=True)`'s multi-tensor kernel (CPU and CUDA).
 //! * [`paged_decode_attention`]: decode attention over a block-paged KV cache (CUDA, NVRTC).
 //! * [`sample_rows`], [`token_stats`], [`token_stats_grad`]: fused per-row kernels over fp32
@@ -45,6 +47,16 @@ extern "C" {
     fn vt_cuda_empty_cache() -> *mut c_char;
     fn vt_prefer_cublaslt() -> *mut c_char;
     fn vt_clear_grads(ts: *const CTensor, n: i64) -> *mut c_char;
+    fn vt_varlen_attention(
+        q: CTensor,
+        k: CTensor,
+        v: CTensor,
+        cu_q: CTensor,
+        cu_k: CTensor,
+        max_q: i64,
+        max_k: i64,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
     fn vt_fused_adamw(
         params: *const CTensor,
         grads: *const CTensor,
@@ -106,6 +118,23 @@ fn check(op: &'static str, err: *mut c_char) -> Result<()> {
     Err(TorchExtError::Torch { op, message })
 }
 
+/// Takes ownership of the tensor a shim call allocated into `out` (null after a failed call).
+pub(crate) fn adopt(
+    op: &'static str,
+    err: *mut c_char,
+    out: *mut torch_sys::C_tensor,
+) -> Result<Tensor> {
+    check(op, err)?;
+    if out.is_null() {
+        return Err(TorchExtError::Torch {
+            op,
+            message: "no tensor returned".into(),
+        });
+    }
+    // SAFETY: a successful call stored a heap `at::Tensor*` that nothing else owns; tch frees it.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
 /// `torch.cuda.empty_cache()`: hands the CUDA caching allocator's unused blocks back to the driver
 /// (after offloading to the host, so the memory is really free for others). A no-op in a build
 /// without CUDA or before CUDA was used.
@@ -133,6 +162,43 @@ pub fn clear_grads<'a>(params: impl IntoIterator<Item = &'a Tensor>) -> Result<(
     check("clear_grads", unsafe {
         vt_clear_grads(ptrs.as_ptr(), ptrs.len() as i64)
     })
+}
+
+/// Causal attention over variable-length sequences through libtorch's flash-attention kernel
+/// (`at::_flash_attention_forward` with cumulative lengths, FlashAttention-2's varlen forward),
+/// recorded by autograd. `q` `[total_q, heads, D]`, `k`/`v` `[total_k, kv_heads, D]` (bf16 or
+/// fp16, one CUDA device, last dim contiguous; `heads` a multiple of `kv_heads`), `cu_q`/`cu_k`
+/// int32 `[B + 1]` cumulative lengths on that device, `max_q`/`max_k` the longest. Sequence `i`'s
+/// queries `cu_q[i]..cu_q[i+1]` attend to its keys `cu_k[i]..cu_k[i+1]` under a causal mask
+/// aligned to the bottom right: with `m` queries and `n >= m` keys, query `j` sees keys
+/// `0..=n - m + j` (the queries are the last `m` positions). Scale `1/sqrt(D)`. Returns
+/// `[total_q, heads, D]`.
+#[allow(clippy::too_many_arguments)]
+pub fn varlen_causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_q: &Tensor,
+    cu_k: &Tensor,
+    max_q: i64,
+    max_k: i64,
+) -> Result<Tensor> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors borrowed for the call; libtorch validates them and the shim
+    // allocates `out` on success.
+    let err = unsafe {
+        vt_varlen_attention(
+            q.as_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            cu_q.as_ptr(),
+            cu_k.as_ptr(),
+            max_q,
+            max_k,
+            &mut out,
+        )
+    };
+    adopt("varlen_causal_attention", err, out)
 }
 
 /// `host` (a CPU tensor) on `device` as `kind`, without synchronising the stream when `device` is a

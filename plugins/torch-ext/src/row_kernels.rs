@@ -8,7 +8,7 @@ use std::ffi::{c_char, CStr};
 
 use tch::{Device, Kind, Tensor};
 
-use crate::{check, vt_free_error, Result, TorchExtError};
+use crate::{adopt, check, vt_free_error, Result, TorchExtError};
 
 type CTensor = *const torch_sys::C_tensor;
 
@@ -265,19 +265,6 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
     let err = unsafe { vt_swiglu(x2.as_ptr(), out.as_ptr()) };
     check("swiglu", err)?;
     out.f_view(out_size.as_slice()).map_err(torch("view"))
-}
-
-/// Takes ownership of the tensor a shim call allocated into `out` (null after a failed call).
-fn adopt(op: &'static str, err: *mut c_char, out: *mut torch_sys::C_tensor) -> Result<Tensor> {
-    check(op, err)?;
-    if out.is_null() {
-        return Err(TorchExtError::Torch {
-            op,
-            message: "no tensor returned".into(),
-        });
-    }
-    // SAFETY: a successful call stored a heap `at::Tensor*` that nothing else owns; tch frees it.
-    Ok(unsafe { Tensor::from_ptr(out) })
 }
 
 /// [`rope`] for training forwards: recorded by autograd, whose backward is one kernel too,

@@ -9,6 +9,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_flash_attention_forward.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <c10/util/Exception.h>
@@ -106,6 +107,27 @@ char* vt_clear_grads(at::Tensor** ts, int64_t n) {
       if (ts[i] == nullptr) throw std::invalid_argument("clear_grads: null tensor");
       ts[i]->mutable_grad() = at::Tensor();
     }
+  });
+}
+
+// Causal attention of variable-length sequences through libtorch's flash-attention kernel
+// (`at::_flash_attention_forward` with cumulative lengths; autograd records its backward):
+// `q` `[total_q, heads, D]`, `k`/`v` `[total_k, kv_heads, D]` (bf16/fp16, CUDA), `cu_q`/`cu_k`
+// int32 `[B + 1]`. Sequence i's queries cu_q[i]..cu_q[i+1] attend to its keys cu_k[i]..cu_k[i+1]
+// with the causal mask aligned to the bottom right (a sequence with fewer queries than keys holds
+// the last ones). `*out`: a new heap tensor `[total_q, heads, D]`.
+char* vt_varlen_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v,
+                          const at::Tensor* cu_q, const at::Tensor* cu_k, int64_t max_q,
+                          int64_t max_k, at::Tensor** out) {
+  return vt_util::guarded([&] {
+    if (q == nullptr || k == nullptr || v == nullptr || cu_q == nullptr || cu_k == nullptr ||
+        out == nullptr) {
+      throw std::invalid_argument("varlen attention: null argument");
+    }
+    *out = nullptr;
+    auto r = at::_flash_attention_forward(*q, *k, *v, *cu_q, *cu_k, max_q, max_k, 0.0,
+                                          /*is_causal=*/true, /*return_debug_mask=*/false);
+    *out = new at::Tensor(std::get<0>(r));
   });
 }
 

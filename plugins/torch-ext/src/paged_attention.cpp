@@ -361,14 +361,29 @@ VT_DEV void vt_tc_body(const VtPaParams& p) {
   const T* kb = reinterpret_cast<const T*>(p.k) + (long long)b.kvh * D;
   const T* vb = reinterpret_cast<const T*>(p.v) + (long long)b.kvh * D + r * (D / 8);
 
-  for (long long t0 = b.start + 16 * warp; t0 < b.stop; t0 += 64) {
+  // When every 16-key tile lies in one cache block (blocks of a multiple of 16 slots, tiles
+  // starting on a multiple of 16), a tile's rows need one table entry, which is read a tile
+  // ahead: the data loads of a tile then do not wait for its table load.
+  // Positions fit 32 bits (a table row holds at most 2^31 slots): fewer registers.
+  const int stop = (int)b.stop;
+  const bool one_block = p.block_shift >= 4 && (b.start & 15) == 0;
+  int t0 = (int)b.start + 16 * warp;
+  int block_next = one_block && t0 < stop ? (int)tab[t0 >> p.block_shift] : 0;
+  for (; t0 < stop; t0 += 64) {
+    const int block = block_next;
+    if (one_block && t0 + 64 < stop) block_next = (int)tab[(t0 + 64) >> p.block_shift];
+    const auto slot = [&](int pos) -> long long {
+      return one_block ? ((long long)block * p.block_size + (pos & (p.block_size - 1))) *
+                             p.kv_row_stride
+                       : vt_slot(p, tab, pos);
+    };
     // Loads first: K rows of keys t0 + r and t0 + 8 + r, V rows of keys t0 + 2c + {0, 1, 8, 9}.
     uint4 kv[2][NKV];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
-      const long long pos = t0 + 8 * n + r;
-      if (pos < b.stop) {
-        const T* row = kb + vt_slot(p, tab, pos) + c * 8;
+      const int pos = t0 + 8 * n + r;
+      if (pos < stop) {
+        const T* row = kb + slot(pos) + c * 8;
 #pragma unroll
         for (int jj = 0; jj < NKV; ++jj) kv[n][jj] = vt_ld128(row + jj * 32);
       } else {
@@ -379,9 +394,9 @@ VT_DEV void vt_tc_body(const VtPaParams& p) {
     uint4 vv[4][NV];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const long long pos = t0 + 2 * c + (e & 1) + (e >> 1) * 8;
-      if (pos < b.stop) {
-        const T* row = vb + vt_slot(p, tab, pos);
+      const int pos = t0 + 2 * c + (e & 1) + (e >> 1) * 8;
+      if (pos < stop) {
+        const T* row = vb + slot(pos);
 #pragma unroll
         for (int u = 0; u < NV; ++u) vv[e][u] = vt_ld128(row + u * 8);
       } else {
@@ -408,8 +423,8 @@ VT_DEV void vt_tc_body(const VtPaParams& p) {
     for (int n = 0; n < 2; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const long long pos = t0 + 8 * n + 2 * c + e;
-        x[n][e] = pos < b.stop ? sc[n][e] * p.scale_log2e : ninf;
+        const int pos = t0 + 8 * n + 2 * c + e;
+        x[n][e] = pos < stop ? sc[n][e] * p.scale_log2e : ninf;
         mx = fmaxf(mx, x[n][e]);
       }
     }

@@ -229,12 +229,15 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 }
 
 /// Whether a shared-prompt forward's attention can run through flash attention's varlen kernel
-/// ([`VarlenRows`]): `q` `[1, heads, N, D]` half-precision on CUDA, a head size the kernel takes
-/// (a multiple of 8, at most 256), and `VERL_VARLEN_ATTENTION` not `0` (which keeps the padded
-/// rows, for comparisons).
+/// ([`VarlenRows`]): `q` `[1, heads, N, D]` half-precision on a CUDA GPU of compute capability 8.0
+/// or newer (FlashAttention-2's), a head size the kernel takes (a multiple of 8, at most 256), and
+/// `VERL_VARLEN_ATTENTION` not `0` (which keeps the padded rows, for comparisons).
 fn varlen_applies(q: &Tensor, head_dim: i64) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    matches!(q.device(), Device::Cuda(_))
+    let Device::Cuda(index) = q.device() else {
+        return false;
+    };
+    verl_torch_ext::cuda_arch(index).is_some_and(|a| a >= 80)
         && matches!(q.kind(), Kind::BFloat16 | Kind::Half)
         && head_dim % 8 == 0
         && head_dim <= 256

@@ -1591,6 +1591,20 @@ char* vt_row_kernels_compile_check(int arch, char** log) {
   });
 }
 
+// The compute capability of CUDA device `index` as major * 10 + minor (e.g. 90).
+char* vt_cuda_arch(int index, int* arch) {
+  return vt_util::guarded([&] {
+    if (arch == nullptr) throw std::invalid_argument("cuda_arch: null output");
+    *arch = 0;
+#ifdef VERL_WITH_CUDA
+    *arch = device_info(index).arch;
+#else
+    (void)index;
+    no_cuda();
+#endif
+  });
+}
+
 char* vt_sample_rows(at::Tensor* logits, at::Tensor* uniforms, double temperature,
                      at::Tensor* tokens, at::Tensor* log_probs) {
   return vt_util::guarded([&] {

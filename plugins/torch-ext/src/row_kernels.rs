@@ -13,6 +13,7 @@ use crate::{adopt, check, vt_free_error, Result, TorchExtError};
 type CTensor = *const torch_sys::C_tensor;
 
 extern "C" {
+    fn vt_cuda_arch(index: i32, arch: *mut i32) -> *mut c_char;
     fn vt_row_kernels_compile_check(arch: i32, log: *mut *mut c_char) -> *mut c_char;
     fn vt_sample_rows(
         logits: CTensor,
@@ -87,6 +88,27 @@ fn torch(op: &'static str) -> impl Fn(tch::TchError) -> TorchExtError {
 /// compiled with CUDA).
 pub fn row_kernels_available(device: Device) -> bool {
     matches!(device, Device::Cuda(_)) && crate::cuda_graphs_compiled()
+}
+
+/// The compute capability of CUDA device `index` as `major * 10 + minor` (90 for an H100), read
+/// once per device from the driver; `None` without CUDA.
+pub fn cuda_arch(index: usize) -> Option<u32> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const UNKNOWN: u32 = u32::MAX;
+    static CACHE: [AtomicU32; 16] = [const { AtomicU32::new(UNKNOWN) }; 16];
+    if let Some(v) = CACHE.get(index).map(|c| c.load(Ordering::Relaxed)) {
+        if v != UNKNOWN {
+            return (v != 0).then_some(v);
+        }
+    }
+    let mut arch: i32 = 0;
+    // SAFETY: a plain value in, an int out.
+    let err = unsafe { vt_cuda_arch(index as i32, &mut arch) };
+    let arch = check("cuda_arch", err).map_or(0, |()| arch.max(0) as u32);
+    if let Some(c) = CACHE.get(index) {
+        c.store(arch, Ordering::Relaxed);
+    }
+    (arch != 0).then_some(arch)
 }
 
 /// Compiles the row kernels for compute capability `arch` (e.g. 90) with NVRTC, without a GPU;

@@ -27,6 +27,19 @@ fn compiles_for_ampere_and_hopper() {
     }
 }
 
+/// The driver's compute capability where there is a GPU, and none where there is not.
+#[test]
+fn cuda_arch_is_the_devices_or_none() {
+    let arch = verl_torch_ext::cuda_arch(0);
+    if tch::Cuda::is_available() {
+        let a = arch.expect("a GPU has a compute capability");
+        assert!((50..=200).contains(&a), "compute capability {a}");
+        assert_eq!(verl_torch_ext::cuda_arch(0), Some(a), "cached value");
+    } else {
+        assert_eq!(arch, None);
+    }
+}
+
 fn gpu() -> Option<Device> {
     let d = Device::cuda_if_available();
     if row_kernels_available(d) {

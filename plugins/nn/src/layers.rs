@@ -117,7 +117,67 @@ fn fused_rms_norm() -> bool {
     *ON.get_or_init(|| std::env::var("VERL_FUSED_RMSNORM").as_deref() != Ok("0"))
 }
 
+/// Whether forwards without autograd add the residual and apply the decoder layers' RMSNorms in
+/// one kernel ([`verl_torch_ext::add_rms_norm`]) on CUDA in bf16/fp16. Off with
+/// `VERL_FUSED_ADD_NORM=0`.
+fn fused_add_norm() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VERL_FUSED_ADD_NORM").as_deref() != Ok("0"))
+}
+
+/// The residual stream between decoder layers: hidden states, possibly with the last block's
+/// output not yet added, so that the next RMSNorm can add and normalise in one kernel.
+pub(crate) enum Residual {
+    Done(Tensor),
+    Pending(Tensor, Tensor),
+}
+
+impl Residual {
+    /// The hidden states (any pending add done) and their RMSNorm under `norm`; `fuse`: the
+    /// caller runs without autograd, so the add and the norm may be one kernel.
+    pub fn normed(self, norm: &RmsNorm, fuse: bool) -> Result<(Tensor, Tensor)> {
+        let (h, delta) = match self {
+            Residual::Done(h) => (h, None),
+            Residual::Pending(h, d) => (h, Some(d)),
+        };
+        if fuse && norm.fusable(&h, delta.as_ref()) {
+            let (sum, normed) =
+                verl_torch_ext::add_rms_norm(&h, delta.as_ref(), &norm.weight, norm.eps)?;
+            return Ok((sum.unwrap_or(h), normed));
+        }
+        let h = match delta {
+            Some(d) => h.f_add(&d)?,
+            None => h,
+        };
+        let n = norm.forward(&h)?;
+        Ok((h, n))
+    }
+
+    /// The hidden states with any pending add done.
+    pub fn finish(self) -> Result<Tensor> {
+        Ok(match self {
+            Residual::Done(h) => h,
+            Residual::Pending(h, d) => h.f_add(&d)?,
+        })
+    }
+}
+
 impl RmsNorm {
+    /// Whether [`verl_torch_ext::add_rms_norm`] can normalise `x` (+ `delta`): CUDA, bf16/fp16 in
+    /// the weight's dtype, nothing that autograd records.
+    fn fusable(&self, x: &Tensor, delta: Option<&Tensor>) -> bool {
+        let kind = x.kind();
+        matches!(kind, Kind::BFloat16 | Kind::Half)
+            && self.weight.kind() == kind
+            && delta.is_none_or(|d| d.kind() == kind && d.size() == x.size())
+            && verl_torch_ext::row_kernels_available(x.device())
+            && fused_add_norm()
+            && !(verl_torch_ext::grad_enabled()
+                && (x.requires_grad()
+                    || self.weight.requires_grad()
+                    || delta.is_some_and(|d| d.requires_grad())))
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let kind = x.kind();
         if matches!(x.device(), Device::Cuda(_))
@@ -1276,37 +1336,46 @@ impl DecoderLayer {
     }
 
     pub fn forward(&self, h: &Tensor, ctx: &LayerCtx, kv: Option<KvSlot<'_>>) -> Result<Tensor> {
-        let a = self
-            .self_attn
-            .forward(&self.input_layernorm.forward(h)?, ctx, kv)?;
-        self.finish(h, &a)
+        self.forward_res(Residual::Done(h.shallow_clone()), ctx, kv, false)?
+            .finish()
     }
 
-    /// [`DecoderLayer::forward`] with attention delegated to `backend`.
-    pub fn forward_with_backend(
+    /// [`DecoderLayer::forward`] on the residual stream: the MLP's output is left pending for
+    /// the next norm. `fuse`: the caller runs without autograd (see [`Residual::normed`]).
+    pub(crate) fn forward_res(
         &self,
-        h: &Tensor,
+        res: Residual,
+        ctx: &LayerCtx,
+        kv: Option<KvSlot<'_>>,
+        fuse: bool,
+    ) -> Result<Residual> {
+        let (h, x) = res.normed(&self.input_layernorm, fuse)?;
+        let a = self.self_attn.forward(&x, ctx, kv)?;
+        self.finish(h, a, fuse)
+    }
+
+    /// [`DecoderLayer::forward_res`] with attention delegated to `backend`.
+    pub(crate) fn forward_with_backend(
+        &self,
+        res: Residual,
         cos: &Tensor,
         sin: &Tensor,
         layer: usize,
         backend: &mut dyn AttentionBackend,
-    ) -> Result<Tensor> {
-        let a = self.self_attn.forward_with_backend(
-            &self.input_layernorm.forward(h)?,
-            cos,
-            sin,
-            layer,
-            backend,
-        )?;
-        self.finish(h, &a)
+        fuse: bool,
+    ) -> Result<Residual> {
+        let (h, x) = res.normed(&self.input_layernorm, fuse)?;
+        let a = self
+            .self_attn
+            .forward_with_backend(&x, cos, sin, layer, backend)?;
+        self.finish(h, a, fuse)
     }
 
-    /// Residual add, post-attention norm, MLP, residual add.
-    fn finish(&self, h: &Tensor, a: &Tensor) -> Result<Tensor> {
-        let h = h.f_add(a)?;
-        let x = self.post_attention_layernorm.forward(&h)?;
+    /// Residual add and post-attention norm, MLP (its output pending).
+    fn finish(&self, h: Tensor, a: Tensor, fuse: bool) -> Result<Residual> {
+        let (h, x) = Residual::Pending(h, a).normed(&self.post_attention_layernorm, fuse)?;
         let m = self.feed_forward(&x)?;
-        Ok(h.f_add(&m)?)
+        Ok(Residual::Pending(h, m))
     }
 
     /// The feed-forward block alone (dense MLP or sparse MoE) on normed hidden states `x`.

@@ -5,7 +5,8 @@ use tch::{nn, Device, Kind, Tensor};
 use crate::config::ModelConfig;
 use crate::error::{NnError, Result};
 use crate::layers::{
-    AttentionRows, DecoderLayer, InitMode, KvSlot, LayerCtx, Linear, ParamFactory, RmsNorm, Rope,
+    AttentionRows, DecoderLayer, InitMode, KvSlot, LayerCtx, Linear, ParamFactory, Residual,
+    RmsNorm, Rope,
 };
 use crate::tp::{TpComm, TpShard};
 
@@ -586,11 +587,13 @@ impl Transformer {
             cache.as_deref(),
             rows,
         )?;
-        let mut h = self.embed(input_ids)?;
+        // Without autograd, each residual add joins the next RMSNorm in one kernel (CUDA).
+        let fuse = !verl_torch_ext::grad_enabled();
+        let mut h = Residual::Done(self.embed(input_ids)?);
         match cache {
             None => {
                 for layer in &self.layers {
-                    h = layer.forward(&h, &ctx.layer, None)?;
+                    h = layer.forward_res(h, &ctx.layer, None, fuse)?;
                 }
             }
             Some(cache) => {
@@ -619,12 +622,12 @@ impl Transformer {
                         past,
                         capacity,
                     };
-                    h = layer.forward(&h, &ctx.layer, Some(slot))?;
+                    h = layer.forward_res(h, &ctx.layer, Some(slot), fuse)?;
                 }
                 cache.key_mask = Some(ctx.full_mask);
             }
         }
-        self.norm.forward(&h)
+        Ok(h.normed(&self.norm, fuse)?.1)
     }
 
     /// Embedding + decoder layers + final norm with every layer's attention delegated to
@@ -652,11 +655,12 @@ impl Transformer {
             .rope
             .cos_sin(&position_ids.f_to_device(device)?, self.dtype)?;
         let (cos, sin) = (cos.f_unsqueeze(1)?, sin.f_unsqueeze(1)?);
-        let mut h = self.embed(input_ids)?;
+        let fuse = !verl_torch_ext::grad_enabled();
+        let mut h = Residual::Done(self.embed(input_ids)?);
         for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward_with_backend(&h, &cos, &sin, i, backend)?;
+            h = layer.forward_with_backend(h, &cos, &sin, i, backend, fuse)?;
         }
-        self.norm.forward(&h)
+        Ok(h.normed(&self.norm, fuse)?.1)
     }
 
     /// Applies the head to final hidden states `[B, T, H]`:

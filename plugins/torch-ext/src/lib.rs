@@ -47,6 +47,7 @@ extern "C" {
     fn vt_cuda_empty_cache() -> *mut c_char;
     fn vt_prefer_cublaslt() -> *mut c_char;
     fn vt_clear_grads(ts: *const CTensor, n: i64) -> *mut c_char;
+    fn vt_grad_enabled() -> i32;
     fn vt_varlen_attention(
         q: CTensor,
         k: CTensor,
@@ -149,6 +150,12 @@ pub fn cuda_empty_cache() -> Result<()> {
 pub fn prefer_cublaslt() -> Result<()> {
     // SAFETY: no arguments; errors come back as a malloc'ed string.
     check("prefer_cublaslt", unsafe { vt_prefer_cublaslt() })
+}
+
+/// Whether autograd records operations on this thread (false inside `tch::no_grad`).
+pub fn grad_enabled() -> bool {
+    // SAFETY: reads libtorch's thread-local grad mode.
+    unsafe { vt_grad_enabled() != 0 }
 }
 
 /// `p.grad = None` for every tensor of `params`: the next backward's gradient then becomes `.grad`

@@ -114,6 +114,20 @@
     int x2;               /* 1: two pairs per thread, 32-bit accesses (see vt_rope_store) */ \
   };
 
+#define VT_ADD_NORM_PARAMS_DEF                                                            \
+  struct VtAddNormParams {                                                                \
+    const void* x;      /* [R, H] contiguous */                                           \
+    const void* delta;  /* [R, H] contiguous, or null (a plain RMSNorm) */                \
+    const void* weight; /* [H] */                                                         \
+    void* sum;          /* [R, H] x + delta (with delta) */                               \
+    void* out;          /* [R, H] the normalised, scaled rows */                          \
+    long long rows;                                                                       \
+    int hidden;                                                                           \
+    int dtype;          /* 0 fp32, 1 bf16, 2 fp16 */                                      \
+    int vec;            /* 1: 8 elements per 16-byte access (16-bit dtypes) */            \
+    float eps;                                                                            \
+  };
+
 #define VT_ROW_STR_(...) #__VA_ARGS__
 #define VT_ROW_STR(...) VT_ROW_STR_(__VA_ARGS__)
 
@@ -952,6 +966,121 @@ extern "C" __global__ void __launch_bounds__(256) vt_rope_store(const VtRopeStor
     vt_store(out, p.dtype, oo + i + half, o2);
   }
 }
+
+// ---- residual add + RMSNorm for forwards without autograd (decode, prefill, log-prob passes):
+// per row, sum = x + delta rounded to the dtype (what torch's add writes), then
+// out = sum * rsqrt(mean(sum^2) + eps) * w in fp32, rounded once. One block of 256 threads per
+// row and a fixed reduction order, so a row's result does not depend on the other rows (decode
+// steps and log-prob passes over the same row agree bit for bit).
+__device__ __forceinline__ float vt_norm_block_sum(float v) {
+  __shared__ float part[8];
+  __shared__ float total;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.0f;
+    for (int w = 0; w < 8; ++w) t += part[w];
+    total = t;
+  }
+  __syncthreads();
+  return total;
+}
+
+template <int DT>
+__device__ __forceinline__ void vt_add_rms_norm_vec(const VtAddNormParams& p) {
+  const long long base = (long long)blockIdx.x * p.hidden;
+  const int n8 = p.hidden / 8;
+  const unsigned short* x = static_cast<const unsigned short*>(p.x) + base;
+  const unsigned short* d = static_cast<const unsigned short*>(p.delta) + base;
+  unsigned short* sum = static_cast<unsigned short*>(p.sum) + base;
+  const unsigned short* h = p.delta != nullptr ? sum : x;
+  float ss = 0.0f;
+  for (int c = threadIdx.x; c < n8; c += 256) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(x + 8 * c);
+    unsigned int xw[4] = {xv.x, xv.y, xv.z, xv.w};
+    if (p.delta != nullptr) {
+      const uint4 dv = *reinterpret_cast<const uint4*>(d + 8 * c);
+      const unsigned int dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float lo = vt_round(vt_half16(xw[j], 0, DT) + vt_half16(dw[j], 0, DT), DT);
+        const float hi = vt_round(vt_half16(xw[j], 1, DT) + vt_half16(dw[j], 1, DT), DT);
+        xw[j] = vt_pack16(lo, hi, DT);
+      }
+      uint4 o;
+      o.x = xw[0];
+      o.y = xw[1];
+      o.z = xw[2];
+      o.w = xw[3];
+      *reinterpret_cast<uint4*>(sum + 8 * c) = o;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float lo = vt_half16(xw[j], 0, DT), hi = vt_half16(xw[j], 1, DT);
+      ss += lo * lo;
+      ss += hi * hi;
+    }
+  }
+  const float rstd = rsqrtf(vt_norm_block_sum(ss) / (float)p.hidden + p.eps);
+  const unsigned short* w = static_cast<const unsigned short*>(p.weight);
+  unsigned short* out = static_cast<unsigned short*>(p.out) + base;
+  for (int c = threadIdx.x; c < n8; c += 256) {
+    // Each thread reads back the rows' elements it wrote itself.
+    const uint4 hv = *reinterpret_cast<const uint4*>(h + 8 * c);
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + 8 * c);
+    const unsigned int hw[4] = {hv.x, hv.y, hv.z, hv.w}, ww[4] = {wv.x, wv.y, wv.z, wv.w};
+    unsigned int ow[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float lo = vt_round(vt_half16(hw[j], 0, DT) * rstd * vt_half16(ww[j], 0, DT), DT);
+      const float hi = vt_round(vt_half16(hw[j], 1, DT) * rstd * vt_half16(ww[j], 1, DT), DT);
+      ow[j] = vt_pack16(lo, hi, DT);
+    }
+    uint4 o;
+    o.x = ow[0];
+    o.y = ow[1];
+    o.z = ow[2];
+    o.w = ow[3];
+    *reinterpret_cast<uint4*>(out + 8 * c) = o;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) vt_add_rms_norm(const VtAddNormParams p) {
+  if (p.vec) {
+    if (p.dtype == 1) {
+      vt_add_rms_norm_vec<1>(p);
+    } else {
+      vt_add_rms_norm_vec<2>(p);
+    }
+    return;
+  }
+  // The same arithmetic one element at a time (any hidden size, fp32, unaligned rows). The
+  // squares are summed in the vector path's order: per thread, its 8-element chunks in turn.
+  const long long base = (long long)blockIdx.x * p.hidden;
+  const int H = p.hidden;
+  float ss = 0.0f;
+  for (int c = threadIdx.x; 8 * c < H; c += 256) {
+    for (int j = 0; j < 8 && 8 * c + j < H; ++j) {
+      const long long i = base + 8 * c + j;
+      float v = vt_load(p.x, p.dtype, i);
+      if (p.delta != nullptr) {
+        v = vt_round(v + vt_load(p.delta, p.dtype, i), p.dtype);
+        vt_store(p.sum, p.dtype, i, v);
+      }
+      ss += v * v;
+    }
+  }
+  const float rstd = rsqrtf(vt_norm_block_sum(ss) / (float)H + p.eps);
+  const void* h = p.delta != nullptr ? p.sum : p.x;
+  for (int c = threadIdx.x; 8 * c < H; c += 256) {
+    for (int j = 0; j < 8 && 8 * c + j < H; ++j) {
+      const long long i = base + 8 * c + j;
+      vt_store(p.out, p.dtype, i,
+               vt_load(h, p.dtype, i) * rstd * vt_load(p.weight, p.dtype, 8 * c + j));
+    }
+  }
+}
 )VTROW";
 
 const std::string& row_source() {
@@ -960,7 +1089,8 @@ const std::string& row_source() {
                                  VT_ROW_STR(VT_ROPE_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_SWIGLU_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_SWIGLU_BWD_PARAMS_DEF) + "\n" +
-                                 VT_ROW_STR(VT_ROPE_STORE_PARAMS_DEF) + "\n" + kRowSource;
+                                 VT_ROW_STR(VT_ROPE_STORE_PARAMS_DEF) + "\n" +
+                                 VT_ROW_STR(VT_ADD_NORM_PARAMS_DEF) + "\n" + kRowSource;
   return src;
 }
 
@@ -971,6 +1101,7 @@ VT_ROPE_PARAMS_DEF
 VT_SWIGLU_PARAMS_DEF
 VT_SWIGLU_BWD_PARAMS_DEF
 VT_ROPE_STORE_PARAMS_DEF
+VT_ADD_NORM_PARAMS_DEF
 
 using namespace vt_rt;
 
@@ -984,6 +1115,7 @@ struct RowKernels {
   CUfunction_t swiglu = nullptr;
   CUfunction_t rope_store = nullptr;
   CUfunction_t swiglu_bwd = nullptr;
+  CUfunction_t add_norm = nullptr;
 };
 
 std::map<int, RowKernels> g_row_kernels;  // by device
@@ -997,7 +1129,7 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   const Binary bin = compile_source(row_source(), "verl_row_kernels", {}, info.arch, false);
   const auto fns = load_functions(
       bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad", "vt_rope", "vt_swiglu",
-                "vt_rope_store", "vt_swiglu_bwd"});
+                "vt_rope_store", "vt_swiglu_bwd", "vt_add_rms_norm"});
   RowKernels k;
   k.sample = fns[0];
   k.stats = fns[1];
@@ -1006,6 +1138,7 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   k.swiglu = fns[4];
   k.rope_store = fns[5];
   k.swiglu_bwd = fns[6];
+  k.add_norm = fns[7];
   std::lock_guard<std::mutex> lock(rt_mutex());
   return g_row_kernels.emplace(index, k).first->second;
 }
@@ -1303,6 +1436,68 @@ void swiglu_launch(const at::Tensor& gate, const at::Tensor& up, const at::Tenso
   make_current(info);
   const RowKernels k = row_kernels(index, info);
   launch_blocks(k.swiglu, grid_blocks(n, info), index, p, "cuLaunchKernel(vt_swiglu)");
+}
+
+// x (+ delta) [rows, H] (contiguous, one dtype) RMS-normalised with weight [H] into `out`; with
+// delta, the sum into `sum` first (see vt_add_rms_norm).
+void add_rms_norm(const at::Tensor* x, const at::Tensor* delta, const at::Tensor* weight,
+                  double eps, const at::Tensor* sum, const at::Tensor* out) {
+  if (x == nullptr || !x->defined() || !x->is_cuda()) {
+    bad("add_rms_norm x", "a CUDA tensor", x && x->defined() ? x->device().str() : "none");
+  }
+  const at::Device dev = x->device();
+  if (x->dim() != 2) bad("add_rms_norm x", "[rows, hidden]", sizes_str(*x));
+  const int64_t R = x->size(0), H = x->size(1);
+  const auto kind = x->scalar_type();
+  const int dtype = storage_code(kind, "add_rms_norm x dtype");
+  check(x, "add_rms_norm x [rows, hidden]", 2, R, kind, dev);
+  check(out, "add_rms_norm out [rows, hidden]", 2, R, kind, dev);
+  if (out->size(1) != H) bad("add_rms_norm out shape", sizes_str(*x), sizes_str(*out));
+  if (weight == nullptr || !weight->defined() || weight->dim() != 1 || weight->size(0) != H ||
+      weight->scalar_type() != kind || weight->device() != dev || !weight->is_contiguous()) {
+    bad("add_rms_norm weight", "a contiguous [" + std::to_string(H) + "] tensor of x's dtype on " +
+                                   dev.str(),
+        weight && weight->defined() ? sizes_str(*weight) + " " +
+                                          c10::toString(weight->scalar_type()) + " on " +
+                                          weight->device().str()
+                                    : "none");
+  }
+  if (delta != nullptr) {
+    check(delta, "add_rms_norm delta [rows, hidden]", 2, R, kind, dev);
+    check(sum, "add_rms_norm sum [rows, hidden]", 2, R, kind, dev);
+    if (delta->size(1) != H || sum->size(1) != H) {
+      bad("add_rms_norm delta/sum shape", sizes_str(*x), sizes_str(*delta) + " / " +
+                                                              sizes_str(*sum));
+    }
+  }
+  if (!(eps >= 0.0) || !std::isfinite(eps)) bad("add_rms_norm eps", "a finite value >= 0",
+                                                std::to_string(eps));
+  if (H < 1 || H > 0x7fffffff / 8) bad("add_rms_norm hidden", "1..2^28", std::to_string(H));
+  if (R > 0x7fffffff) bad("add_rms_norm rows", "< 2^31", std::to_string(R));
+  if (R == 0) return;
+  c10::DeviceGuard guard(dev);
+  const int index = dev.index();
+  VtAddNormParams p{};
+  p.x = x->data_ptr();
+  p.delta = delta != nullptr ? delta->data_ptr() : nullptr;
+  p.weight = weight->data_ptr();
+  p.sum = delta != nullptr ? sum->data_ptr() : nullptr;
+  p.out = out->data_ptr();
+  p.rows = R;
+  p.hidden = static_cast<int>(H);
+  p.dtype = dtype;
+  p.eps = static_cast<float>(eps);
+  const auto a16 = [](const void* q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  p.vec = dtype != 0 && H % 8 == 0 && a16(p.x) && a16(p.delta) && a16(p.weight) && a16(p.sum) &&
+          a16(p.out);
+  const DeviceInfo& info = device_info(index);
+  make_current(info);
+  const RowKernels k = row_kernels(index, info);
+  const CudaApi& cu = cuda_checked();
+  void* args[] = {&p};
+  cu_check(cu.cuLaunchKernel(k.add_norm, static_cast<unsigned>(R), 1, 1, 256, 1, 1, 0,
+                             current_stream(index), args, nullptr),
+           "cuLaunchKernel(vt_add_rms_norm)");
 }
 
 void swiglu(const at::Tensor* x, const at::Tensor* out) {
@@ -1667,6 +1862,21 @@ char* vt_swiglu(at::Tensor* x, at::Tensor* out) {
     swiglu(x, out);
 #else
     (void)x, (void)out;
+    no_cuda();
+#endif
+  });
+}
+
+// RMSNorm of x [rows, hidden] (or of x + delta, written into `sum`; delta and sum nullable
+// together) with `weight` [hidden] into `out`: one kernel, each row on its own (see
+// vt_add_rms_norm). CUDA, no autograd.
+char* vt_add_rms_norm(at::Tensor* x, at::Tensor* delta, at::Tensor* weight, double eps,
+                      at::Tensor* sum, at::Tensor* out) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    add_rms_norm(x, delta, weight, eps, sum, out);
+#else
+    (void)x, (void)delta, (void)weight, (void)eps, (void)sum, (void)out;
     no_cuda();
 #endif
   });

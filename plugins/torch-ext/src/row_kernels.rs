@@ -33,6 +33,14 @@ extern "C" {
     ) -> *mut c_char;
     fn vt_rope(x: CTensor, cos: CTensor, sin: CTensor, out: CTensor) -> *mut c_char;
     fn vt_swiglu(x: CTensor, out: CTensor) -> *mut c_char;
+    fn vt_add_rms_norm(
+        x: CTensor,
+        delta: CTensor,
+        weight: CTensor,
+        eps: f64,
+        sum: CTensor,
+        out: CTensor,
+    ) -> *mut c_char;
     fn vt_rope_autograd(
         x: CTensor,
         cos: CTensor,
@@ -287,6 +295,62 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
     let err = unsafe { vt_swiglu(x2.as_ptr(), out.as_ptr()) };
     check("swiglu", err)?;
     out.f_view(out_size.as_slice()).map_err(torch("view"))
+}
+
+/// RMSNorm of the last dimension of `x`, or of `x + delta` (CUDA, no autograd): returns
+/// `(x + delta, normed)` with `delta`, `(None, normed)` without. The sum is rounded to the dtype as
+/// torch's add rounds it; the norm is computed in fp32 and rounded once. One kernel, each row on
+/// its own with a fixed reduction order, so a row's result does not depend on how many rows
+/// share the call (a decode step and a log-prob pass over the same tokens agree bit for bit).
+/// `x`, `delta` and `weight` share one dtype; `weight` is `[hidden]`.
+pub fn add_rms_norm(
+    x: &Tensor,
+    delta: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Option<Tensor>, Tensor)> {
+    let size = x.size();
+    let hidden = size.last().copied().unwrap_or(0);
+    let rows: i64 = size[..size.len().saturating_sub(1)].iter().product();
+    if let Some(d) = delta {
+        if d.size() != size {
+            return Err(TorchExtError::Input {
+                what: "add_rms_norm delta",
+                expected: format!("x's shape {size:?}"),
+                found: format!("{:?}", d.size()),
+            });
+        }
+    }
+    let flat = |t: &Tensor| -> Result<Tensor> {
+        t.f_contiguous()
+            .and_then(|t| t.f_reshape([rows, hidden]))
+            .map_err(torch("reshape"))
+    };
+    let x2 = flat(x)?;
+    let d2 = delta.map(flat).transpose()?;
+    let out = Tensor::f_empty([rows, hidden], (x.kind(), x.device())).map_err(torch("empty"))?;
+    let sum = d2
+        .as_ref()
+        .map(|_| Tensor::f_empty([rows, hidden], (x.kind(), x.device())))
+        .transpose()
+        .map_err(torch("empty"))?;
+    let w = weight.f_contiguous().map_err(torch("contiguous"))?;
+    let null = std::ptr::null();
+    // SAFETY: live tch tensors (or null where the shim allows it) borrowed for the call; the shim
+    // validates them.
+    let err = unsafe {
+        vt_add_rms_norm(
+            x2.as_ptr(),
+            d2.as_ref().map_or(null, |t| t.as_ptr()),
+            w.as_ptr(),
+            eps,
+            sum.as_ref().map_or(null, |t| t.as_ptr()),
+            out.as_ptr(),
+        )
+    };
+    check("add_rms_norm", err)?;
+    let shape = |t: Tensor| t.f_view(size.as_slice()).map_err(torch("view"));
+    Ok((sum.map(shape).transpose()?, shape(out)?))
 }
 
 /// [`rope`] for training forwards: recorded by autograd, whose backward is one kernel too,

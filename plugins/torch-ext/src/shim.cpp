@@ -12,6 +12,7 @@
 #include <ATen/ops/_flash_attention_forward.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include "ext_util.h"
@@ -51,6 +52,7 @@ struct Graph {
   c10::optional<c10::cuda::CUDAStream> previous;
 };
 #endif
+
 
 }  // namespace
 
@@ -101,6 +103,9 @@ char* vt_prefer_cublaslt() {
 
 // `p.grad = None` for each of n tensors: the next backward's gradient then becomes `.grad` as it
 // is (no copy into a zero-filled buffer, no zero fill before it).
+// Whether autograd records operations on this thread (c10's thread-local grad mode).
+int vt_grad_enabled() { return c10::GradMode::is_enabled() ? 1 : 0; }
+
 char* vt_clear_grads(at::Tensor** ts, int64_t n) {
   return vt_util::guarded([&] {
     for (int64_t i = 0; i < n; ++i) {

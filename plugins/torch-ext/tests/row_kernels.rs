@@ -4,7 +4,7 @@
 
 use tch::{Device, Kind, Tensor};
 use verl_torch_ext::{
-    cuda_graphs_compiled, rope, rope_autograd, rope_store, row_kernels_available,
+    add_rms_norm, cuda_graphs_compiled, rope, rope_autograd, rope_store, row_kernels_available,
     row_kernels_compile_check, sample_rows, silu_mul, swiglu, token_stats, token_stats_grad,
 };
 
@@ -453,6 +453,91 @@ fn swiglu_is_bit_identical_to_the_torch_ops() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("swiglu x"), "{e}");
+}
+
+/// The residual add + RMSNorm kernel: the sum bit-identical to torch's add; the norm within one
+/// rounding of an f64 reference (and of libtorch's `rms_norm`); every row's result independent
+/// of the other rows of the call (a subset of rows gives the same bits); the element-wise path
+/// (a hidden size that is not a multiple of 8) and the plain norm (no delta) too; bad inputs named.
+#[test]
+fn add_rms_norm_matches_the_sum_and_norm() {
+    let Some(dev) = gpu() else { return };
+    tch::manual_seed(23);
+    for kind in [Kind::BFloat16, Kind::Half, Kind::Float] {
+        for (rows, hidden) in [(512i64, 1536i64), (37, 896), (5, 4096), (9, 100), (3, 8)] {
+            let x = (Tensor::randn([rows, hidden], (Kind::Float, dev)) * 3.0).to_kind(kind);
+            let d = Tensor::randn([rows, hidden], (Kind::Float, dev)).to_kind(kind);
+            let w = (Tensor::rand([hidden], (Kind::Float, dev)) + 0.5).to_kind(kind);
+            let eps = 1e-6;
+            let (sum, out) = add_rms_norm(&x, Some(&d), &w, eps).unwrap();
+            let sum = sum.expect("a sum with a delta");
+            let want_sum = &x + &d;
+            assert!(
+                bits_equal(&sum, &want_sum),
+                "{kind:?} [{rows}, {hidden}] sum"
+            );
+            let h = want_sum.to_kind(Kind::Double);
+            let rstd = (h.square().mean_dim([-1i64].as_slice(), true, Kind::Double) + eps).rsqrt();
+            let want = &h * rstd * w.to_kind(Kind::Double);
+            let tol = match kind {
+                Kind::BFloat16 => 1e-2,
+                Kind::Half => 2e-3,
+                _ => 1e-5,
+            };
+            let err = ((out.to_kind(Kind::Double) - &want).abs() / (want.abs() + 1.0))
+                .max()
+                .double_value(&[]);
+            assert!(
+                err < tol,
+                "{kind:?} [{rows}, {hidden}]: norm differs by {err}"
+            );
+            let torch = want_sum.rms_norm([hidden].as_slice(), Some(&w), eps);
+            let err = ((out.to_kind(Kind::Double) - torch.to_kind(Kind::Double)).abs()
+                / (torch.to_kind(Kind::Double).abs() + 1.0))
+                .max()
+                .double_value(&[]);
+            assert!(err < tol, "{kind:?} [{rows}, {hidden}]: vs rms_norm {err}");
+            // Row consistency: the last rows alone, in a fresh call.
+            let k = (rows / 2).max(1);
+            let (s2, o2) = add_rms_norm(
+                &x.narrow(0, rows - k, k),
+                Some(&d.narrow(0, rows - k, k)),
+                &w,
+                eps,
+            )
+            .unwrap();
+            assert!(bits_equal(&s2.unwrap(), &sum.narrow(0, rows - k, k)));
+            assert!(
+                bits_equal(&o2, &out.narrow(0, rows - k, k)),
+                "{kind:?} [{rows}, {hidden}]: rows depend on the call"
+            );
+            // No delta: the norm of the sum, bit for bit the same as with the delta.
+            let (none, o3) = add_rms_norm(&sum, None, &w, eps).unwrap();
+            assert!(none.is_none());
+            assert!(
+                bits_equal(&o3, &out),
+                "{kind:?} [{rows}, {hidden}]: plain norm"
+            );
+        }
+    }
+    // [B, T, H] keeps its shape.
+    let x = Tensor::randn([2, 3, 64], (Kind::BFloat16, dev));
+    let (s, o) = add_rms_norm(
+        &x,
+        Some(&x),
+        &Tensor::ones([64], (Kind::BFloat16, dev)),
+        1e-5,
+    )
+    .unwrap();
+    assert_eq!(s.unwrap().size(), vec![2, 3, 64]);
+    assert_eq!(o.size(), vec![2, 3, 64]);
+    let w = Tensor::ones([63], (Kind::BFloat16, dev));
+    let e = add_rms_norm(&x, None, &w, 1e-5).unwrap_err().to_string();
+    assert!(e.contains("add_rms_norm weight"), "{e}");
+    let e = add_rms_norm(&x, Some(&x.narrow(-1, 0, 32)), &w, 1e-5)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("add_rms_norm delta"), "{e}");
 }
 
 /// The decode step's fused rotary embedding + KV-cache write against `rope` and `index_copy_`:

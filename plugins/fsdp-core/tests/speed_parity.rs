@@ -295,8 +295,11 @@ fn critic_values_unpadded_equal_padded_at_real_tokens() {
         .unwrap()
     });
     let want = s.response_slice(&out).unwrap();
-    assert!(max_diff(&keep, &want) < 1e-6);
-    assert!(max_diff(&rm, &(&want * &s.response_mask)) < 1e-6);
+    // A few fp32 ulps: the CPU GEMMs of differently shaped batches sum in different orders, and
+    // how they block can change with the threads the BLAS picks under load (2e-6 was seen with
+    // the tests of this binary running in parallel on a many-core box).
+    assert!(max_diff(&keep, &want) < 5e-6);
+    assert!(max_diff(&rm, &(&want * &s.response_mask)) < 5e-6);
 }
 
 fn actor_loss() -> ActorLoss {
@@ -556,7 +559,10 @@ fn remove_padding_trains_like_the_padded_path() {
             }
         }
     };
-    close(&runs[0].0, &runs[1].0, col::LOG_PROBS, 1e-6);
+    // A few fp32 ulps (|log p| ≈ 3 here): the padded and unpadded GEMMs sum in different orders,
+    // which can also change with the threads the CPU BLAS picks under load (1.4e-6 was seen with
+    // this binary's tests running in parallel on a many-core box).
+    close(&runs[0].0, &runs[1].0, col::LOG_PROBS, 5e-6);
     // A few fp32 ulps: the entropy's sums run in a different order per layout (1.3e-6 at 2.01
     // was seen on a 2-core AVX-512 box).
     close(&runs[0].0, &runs[1].0, col::ENTROPY, 5e-6);

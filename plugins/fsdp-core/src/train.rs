@@ -166,6 +166,13 @@ impl TrainableModel {
             Vec::new()
         };
         let optim = AdamW::new(&optim_cfg, optim_key, &masters)?;
+        // Parameters in the master dtype: micro-batch gradients accumulate in `.grad`, so the
+        // weight-gradient GEMMs add into it themselves (`VERL_GRAD_ACCUM_FUSION=0`: autograd's
+        // separate accumulation kernels).
+        let mut model = model;
+        model.set_grad_accumulation_fusion(
+            !mixed && std::env::var("VERL_GRAD_ACCUM_FUSION").as_deref() != Ok("0"),
+        );
         Ok(TrainableModel {
             model,
             precision,

@@ -96,8 +96,42 @@ pub(crate) struct Linear {
     pub bias: Option<Tensor>,
 }
 
+thread_local! {
+    /// Set while [`crate::Transformer`] runs a forward + `backward()` with gradient-accumulation
+    /// fusion on (see [`crate::Transformer::set_grad_accumulation_fusion`]).
+    static ACCUMULATE_INTO_GRAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Turns [`Linear::forward`]'s accumulating backward on for this thread until dropped (restoring
+/// the previous setting).
+pub(crate) struct AccumulateIntoGrad(bool);
+
+impl AccumulateIntoGrad {
+    pub fn set(on: bool) -> Self {
+        AccumulateIntoGrad(ACCUMULATE_INTO_GRAD.with(|c| c.replace(on)))
+    }
+}
+
+impl Drop for AccumulateIntoGrad {
+    fn drop(&mut self) {
+        ACCUMULATE_INTO_GRAD.with(|c| c.set(self.0));
+    }
+}
+
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // Under gradient-accumulation fusion, a trainable weight's gradient is added into its
+        // .grad by the weight-gradient GEMM itself.
+        if self.weight.requires_grad()
+            && ACCUMULATE_INTO_GRAD.with(|c| c.get())
+            && verl_torch_ext::grad_enabled()
+        {
+            return Ok(verl_torch_ext::linear_accumulating(
+                x,
+                &self.weight,
+                self.bias.as_ref(),
+            )?);
+        }
         Ok(x.f_linear(&self.weight, self.bias.as_ref())?)
     }
 }

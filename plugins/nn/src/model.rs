@@ -5,8 +5,8 @@ use tch::{nn, Device, Kind, Tensor};
 use crate::config::ModelConfig;
 use crate::error::{NnError, Result};
 use crate::layers::{
-    AttentionRows, DecoderLayer, InitMode, KvSlot, LayerCtx, Linear, ParamFactory, Residual,
-    RmsNorm, Rope,
+    AccumulateIntoGrad, AttentionRows, DecoderLayer, InitMode, KvSlot, LayerCtx, Linear,
+    ParamFactory, Residual, RmsNorm, Rope,
 };
 use crate::tp::{TpComm, TpShard};
 
@@ -241,6 +241,8 @@ pub struct Transformer {
     head: Head,
     padding_idx: i64,
     checkpointing: bool,
+    /// See [`Transformer::set_grad_accumulation_fusion`].
+    grad_accumulation_fusion: bool,
     /// See [`Transformer::set_consistent_attention`].
     consistent_attention: bool,
     /// Indices into `params` of each decoder layer's parameters.
@@ -343,6 +345,7 @@ impl Transformer {
             head,
             padding_idx,
             checkpointing: false,
+            grad_accumulation_fusion: false,
             consistent_attention: false,
             layer_params,
             head_params,
@@ -507,6 +510,16 @@ impl Transformer {
             let _ = p.f_set_requires_grad(on)?;
         }
         Ok(())
+    }
+
+    /// With `on`, [`Transformer::forward_backward`] and its variants (not the gated, sharded ones)
+    /// add the gradients of the linear projections' weights (and biases) into their `.grad`
+    /// inside the weight-gradient GEMMs (beta = 1) instead of through autograd's separate
+    /// accumulation kernels: for a trainer that accumulates micro-batch gradients in `.grad` and
+    /// reads them from there. The sum is the same up to rounding (one rounding per micro-batch
+    /// instead of two).
+    pub fn set_grad_accumulation_fusion(&mut self, on: bool) {
+        self.grad_accumulation_fusion = on;
     }
 
     /// Turns per-layer activation checkpointing on or off; it affects [`Transformer::forward_backward`].
@@ -859,6 +872,7 @@ impl Transformer {
         F: FnOnce(&Tensor) -> Result<Tensor>,
     {
         self.check_trainable()?;
+        let _accumulate = AccumulateIntoGrad::set(self.grad_accumulation_fusion);
         if !self.checkpointing {
             let mut timer = crate::profile::start(self.device());
             let h = self.forward_hidden_in(input_ids, attention_mask, position_ids, None, rows)?;

@@ -48,6 +48,12 @@ extern "C" {
     fn vt_prefer_cublaslt() -> *mut c_char;
     fn vt_clear_grads(ts: *const CTensor, n: i64) -> *mut c_char;
     fn vt_grad_enabled() -> i32;
+    fn vt_linear_accum(
+        x: CTensor,
+        w: CTensor,
+        b: CTensor,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
     fn vt_varlen_attention(
         q: CTensor,
         k: CTensor,
@@ -150,6 +156,25 @@ pub fn cuda_empty_cache() -> Result<()> {
 pub fn prefer_cublaslt() -> Result<()> {
     // SAFETY: no arguments; errors come back as a malloc'ed string.
     check("prefer_cublaslt", unsafe { vt_prefer_cublaslt() })
+}
+
+/// `x W^T (+ b)` recorded by autograd with a backward that accumulates W's and b's gradients
+/// straight into their `.grad` (the weight-gradient GEMM adds into an existing `.grad`: one GEMM
+/// and one rounding per micro-batch instead of a GEMM, a rounding and a separate add) and hands
+/// autograd no gradient for them. For `backward()` into `.grad` only: `run_backward` with respect
+/// to W or b sees no gradient. Any device.
+pub fn linear_accumulating(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors (b nullable) borrowed for the call; the shim allocates `out`.
+    let err = unsafe {
+        vt_linear_accum(
+            x.as_ptr(),
+            w.as_ptr(),
+            b.map_or(std::ptr::null(), |t| t.as_ptr()),
+            &mut out,
+        )
+    };
+    adopt("linear_accum", err, out)
 }
 
 /// Whether autograd records operations on this thread (false inside `tch::no_grad`).

@@ -11,6 +11,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_flash_attention_forward.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -53,6 +57,59 @@ struct Graph {
 };
 #endif
 
+
+// y = x W^T (+ b) whose backward adds W's (and b's) gradient straight into W.grad (b.grad): where
+// .grad exists, the weight-gradient GEMM accumulates into it (addmm_ with beta = 1: one GEMM and
+// one rounding per micro-batch); where it does not, a plain GEMM becomes it. autograd's
+// AccumulateGrad would add a separately computed gradient with its own kernel (an extra pass
+// over every weight per micro-batch, rounded twice). W and b get no gradient through autograd:
+// this is for backward() into .grad, not for autograd.grad with respect to them.
+struct LinearAccumFn : public torch::autograd::Function<LinearAccumFn> {
+  // `b`: a tensor or None. It is not an autograd input (undefined tensors cannot be); its
+  // gradient goes into its .grad like W's.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const c10::IValue& b) {
+    ctx->save_for_backward({x});
+    // The parameters themselves (not saved-variable copies): backward writes their .grad.
+    ctx->saved_data["w"] = w;
+    ctx->saved_data["b"] = b;
+    return at::linear(x, w, b.isTensor() ? c10::optional<at::Tensor>(b.toTensor()) : c10::nullopt);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& gy = grads[0];
+    const at::Tensor none;
+    if (!gy.defined()) return {none, none, none};
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    at::Tensor w = ctx->saved_data["w"].toTensor();
+    const c10::IValue bv = ctx->saved_data["b"];
+    at::Tensor b = bv.isTensor() ? bv.toTensor() : at::Tensor();
+    const int64_t out = w.size(0), in = w.size(1);
+    const at::Tensor gy2 = gy.reshape({-1, out});
+    at::Tensor gx;
+    if (ctx->needs_input_grad(0)) gx = at::mm(gy2, w).view(x.sizes());
+    if (w.requires_grad()) {
+      const at::Tensor x2 = x.reshape({-1, in});
+      at::Tensor& g = w.mutable_grad();
+      if (g.defined()) {
+        g.addmm_(gy2.t(), x2);
+      } else {
+        g = at::mm(gy2.t(), x2);
+      }
+    }
+    if (b.defined() && b.requires_grad()) {
+      at::Tensor& g = b.mutable_grad();
+      at::Tensor s = gy2.sum(0);
+      if (g.defined()) {
+        g.add_(s);
+      } else {
+        g = s;
+      }
+    }
+    return {gx, none, none};
+  }
+};
 
 }  // namespace
 
@@ -133,6 +190,23 @@ char* vt_varlen_attention(const at::Tensor* q, const at::Tensor* k, const at::Te
     auto r = at::_flash_attention_forward(*q, *k, *v, *cu_q, *cu_k, max_q, max_k, 0.0,
                                           /*is_causal=*/true, /*return_debug_mask=*/false);
     *out = new at::Tensor(std::get<0>(r));
+  });
+}
+
+// See LinearAccumFn: `*out` = x W^T (+ b) (a new heap tensor); `b` nullable.
+char* vt_linear_accum(const at::Tensor* x, const at::Tensor* w, const at::Tensor* b,
+                      at::Tensor** out) {
+  return vt_util::guarded([&] {
+    if (x == nullptr || w == nullptr || out == nullptr) {
+      throw std::invalid_argument("linear_accum: null argument");
+    }
+    *out = nullptr;
+    if (w->dim() != 2 || x->dim() < 1 || x->size(-1) != w->size(1)) {
+      throw std::invalid_argument("linear_accum: expected x [.., in] and weight [out, in], found " +
+                                  c10::str(x->sizes()) + " and " + c10::str(w->sizes()));
+    }
+    const c10::IValue bias = b != nullptr && b->defined() ? c10::IValue(*b) : c10::IValue();
+    *out = new at::Tensor(LinearAccumFn::apply(*x, *w, bias));
   });
 }
 

@@ -777,12 +777,8 @@ __device__ __forceinline__ void vt_swiglu_vec(const VtSwigluParams& p) {
                                     DT);
       ow[j] = vt_pack16(lo, hi, DT);
     }
-    uint4 o;
-    o.x = ow[0];
-    o.y = ow[1];
-    o.z = ow[2];
-    o.w = ow[3];
-    *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.out) + r * p.inter + c) = o;
+    *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.out) + r * p.inter + c) =
+        make_uint4(ow[0], ow[1], ow[2], ow[3]);
   }
 }
 
@@ -1008,12 +1004,8 @@ __device__ __forceinline__ void vt_add_rms_norm_vec(const VtAddNormParams& p) {
         const float hi = vt_round(vt_half16(xw[j], 1, DT) + vt_half16(dw[j], 1, DT), DT);
         xw[j] = vt_pack16(lo, hi, DT);
       }
-      uint4 o;
-      o.x = xw[0];
-      o.y = xw[1];
-      o.z = xw[2];
-      o.w = xw[3];
-      *reinterpret_cast<uint4*>(sum + 8 * c) = o;
+      *reinterpret_cast<uint4*>(sum + 8 * c) =
+          make_uint4(xw[0], xw[1], xw[2], xw[3]);
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -1037,12 +1029,8 @@ __device__ __forceinline__ void vt_add_rms_norm_vec(const VtAddNormParams& p) {
       const float hi = vt_round(vt_half16(hw[j], 1, DT) * rstd * vt_half16(ww[j], 1, DT), DT);
       ow[j] = vt_pack16(lo, hi, DT);
     }
-    uint4 o;
-    o.x = ow[0];
-    o.y = ow[1];
-    o.z = ow[2];
-    o.w = ow[3];
-    *reinterpret_cast<uint4*>(out + 8 * c) = o;
+    *reinterpret_cast<uint4*>(out + 8 * c) =
+        make_uint4(ow[0], ow[1], ow[2], ow[3]);
   }
 }
 

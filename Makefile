@@ -6,6 +6,8 @@ ENV := source scripts/env.sh &&
 # running side by side perturb each other's random inits and reduction orders (parity tests at 1e-6
 # then fail now and then).
 CARGO_TEST ?= cargo test --workspace --no-fail-fast -- --test-threads=1
+# A fresh machine builds everything once: incremental caches would only add gigabytes of disk.
+export CARGO_INCREMENTAL ?= 0
 
 .PHONY: setup build build-debug run test fmt clippy
 

@@ -22,8 +22,11 @@ use verl_fsdp_core::config::{
 use verl_fsdp_core::data::{
     chunks, column, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences,
 };
+use verl_fsdp_core::forward::head_chunk_tokens;
 use verl_fsdp_core::metrics::MetricAcc;
-use verl_losses::{ActorInputs, ActorLoss, ActorLossConfig, LossScale, MaskCounts, Normaliser};
+use verl_losses::{
+    ActorInputs, ActorLoss, ActorLossConfig, ChunkedLmHead, LossScale, MaskCounts, Normaliser,
+};
 use verl_nn::{HeadKind, ModelConfig, SaveOptions, Transformer};
 use verl_plugin_api::{
     col, Actor, Batch, DataParallel, Error as ApiError, GenerateOptions, InitArgs, LogProbOptions,
@@ -456,8 +459,28 @@ impl MegatronActor {
             outputs,
             |sub, hidden| {
                 let hidden = sub.response_slice(hidden)?;
-                let (lp, ent) =
-                    model.token_stats(&hidden, &sub.responses, o.temperature, o.with_entropy)?;
+                let (lp, ent) = match model.whole_lm_head() {
+                    Some(weight) => {
+                        let (h, t) = flat_head_inputs(&hidden, &sub.responses)?;
+                        let head = ChunkedLmHead::new(
+                            head_chunk_tokens(weight.size()[0]),
+                            o.temperature,
+                            o.with_entropy,
+                        );
+                        let stats = head.forward(&h, weight, &t)?;
+                        let shape = sub.responses.size();
+                        (
+                            stats.log_probs.f_view(shape.as_slice()).ctx("log-probs")?,
+                            match stats.entropy {
+                                Some(e) => Some(e.f_view(shape.as_slice()).ctx("entropy")?),
+                                None => None,
+                            },
+                        )
+                    }
+                    None => {
+                        model.token_stats(&hidden, &sub.responses, o.temperature, o.with_entropy)?
+                    }
+                };
                 Ok(std::iter::once(lp).chain(ent).collect())
             },
         )?;
@@ -610,31 +633,76 @@ impl MegatronActor {
                         dummy,
                     } = &micros[ui];
                     let h = sub.response_slice(hidden)?;
-                    let (lp, ent) =
-                        model.token_stats(&h, &sub.responses, temperature, need_entropy)?;
-                    let old_used = if on_policy {
-                        lp.f_detach().ctx("detach")?
-                    } else {
-                        old.shallow_clone()
+                    let loss_of = |lp: &Tensor, ent: Option<&Tensor>| {
+                        let old_used = if on_policy {
+                            lp.f_detach()
+                                .map_err(|source| verl_losses::LossError::Torch {
+                                    op: "detach",
+                                    source,
+                                })?
+                        } else {
+                            old.shallow_clone()
+                        };
+                        plan.loss.compute(
+                            &ActorInputs {
+                                old_log_prob: &old_used,
+                                log_prob: lp,
+                                advantages: a,
+                                response_mask: &sub.response_mask,
+                                entropy: ent,
+                                ref_log_prob: r.as_ref(),
+                                rollout_is_weights: w.as_ref(),
+                            },
+                            &norm,
+                        )
                     };
-                    let out = plan.loss.compute(
-                        &ActorInputs {
-                            old_log_prob: &old_used,
-                            log_prob: &lp,
-                            advantages: a,
-                            response_mask: &sub.response_mask,
-                            entropy: ent.as_ref(),
-                            ref_log_prob: r.as_ref(),
-                            rollout_is_weights: w.as_ref(),
-                        },
-                        &norm,
-                    )?;
+                    let (loss, metrics) = match model.whole_lm_head() {
+                        // The loss through the chunked head: a surrogate whose gradient with
+                        // respect to the hidden states and the head is the loss's.
+                        Some(weight) => {
+                            let (hf, t) = flat_head_inputs(&h, &sub.responses)?;
+                            let shape = sub.responses.size();
+                            let head = ChunkedLmHead::new(
+                                head_chunk_tokens(weight.size()[0]),
+                                temperature,
+                                need_entropy,
+                            );
+                            let mut metrics = None;
+                            let (surrogate, _) =
+                                head.loss_and_surrogate(&hf, weight, &t, |lp, ent| {
+                                    let torch = |source| verl_losses::LossError::Torch {
+                                        op: "actor loss inputs",
+                                        source,
+                                    };
+                                    let lp = lp.f_view(shape.as_slice()).map_err(torch)?;
+                                    let ent = match ent {
+                                        Some(e) => Some(e.f_view(shape.as_slice()).map_err(torch)?),
+                                        None => None,
+                                    };
+                                    let out = loss_of(&lp, ent.as_ref())?;
+                                    metrics = Some(out.metrics);
+                                    Ok(out.loss)
+                                })?;
+                            let metrics = metrics.ok_or_else(|| {
+                                MegatronError::Api(verl_plugin_api::Error::failed(
+                                    "the actor loss was not computed",
+                                ))
+                            })?;
+                            (surrogate, metrics)
+                        }
+                        None => {
+                            let (lp, ent) =
+                                model.token_stats(&h, &sub.responses, temperature, need_entropy)?;
+                            let out = loss_of(&lp, ent.as_ref())?;
+                            (out.loss, out.metrics)
+                        }
+                    };
                     let loss = if *dummy {
-                        out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
+                        loss.f_mul_scalar(0.0).ctx("zero padding loss")?
                     } else {
-                        out.loss
+                        loss
                     };
-                    Ok((loss, out.metrics))
+                    Ok((loss, metrics))
                 });
                 let results = match res {
                     Ok(v) => v,
@@ -765,16 +833,33 @@ fn derive_seed(base: u64, call: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Response hidden states `[rows, R, H]` and targets `[rows, R]` as `[rows * R, H]` and
+/// `[rows * R]`, for [`ChunkedLmHead`].
+fn flat_head_inputs(hidden: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let h = hidden.size();
+    let hidden = hidden
+        .f_reshape([-1, h[h.len() - 1]])
+        .ctx("flatten response hidden states")?;
+    let targets = targets
+        .f_reshape([-1])
+        .and_then(|t| t.f_contiguous())
+        .ctx("flatten response tokens")?;
+    Ok((hidden, targets))
+}
+
 impl Actor for MegatronActor {
     fn generate(&mut self, prompts: &Batch, options: &GenerateOptions) -> ApiResult<Batch> {
+        let _trace = verl_nn::profile::trace("generate", self.device);
         let r = self.offloaded(Need::Params, |s| s.do_generate(prompts, options));
         Ok(self.spmd(r)?)
     }
     fn compute_log_prob(&mut self, batch: &Batch, options: &LogProbOptions) -> ApiResult<Batch> {
+        let _trace = verl_nn::profile::trace("log_prob", self.device);
         let r = self.offloaded(Need::Params, |s| s.do_log_prob(batch, options));
         Ok(self.spmd(r)?)
     }
     fn update(&mut self, batch: &Batch, options: &UpdateOptions) -> ApiResult<Metrics> {
+        let _trace = verl_nn::profile::trace("update", self.device);
         let r = self.offloaded(Need::Train, |s| s.do_update(batch, options));
         Ok(self.spmd(r)?)
     }

@@ -1507,6 +1507,16 @@ impl TpModel {
         Ok(&self.layers[chunk * per..(chunk + 1) * per])
     }
 
+    /// The LM head matrix `[V, H]` when this rank holds all of it (tensor-parallel size 1, last
+    /// stage): log-probs then go through [`verl_losses::ChunkedLmHead`], as in the FSDP backend (on
+    /// CUDA fused kernels over fp32 logit chunks; no `[tokens, V]` logits kept for the backward).
+    pub fn whole_lm_head(&self) -> Option<&Tensor> {
+        match (self.tp.size, self.head) {
+            (1, Some(Head::Lm(w))) => Some(self.p(w)),
+            _ => None,
+        }
+    }
+
     /// Log-probabilities of `targets` (`[..]`) and optionally the entropy, from hidden states
     /// `[.., H]`: vocab-parallel, fp32, logits divided by `temperature`. Differentiable.
     pub fn token_stats(

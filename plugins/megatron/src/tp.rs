@@ -1026,20 +1026,10 @@ impl TpModel {
         Ok(g)
     }
 
+    /// The decoder's RMSNorm, as the FSDP backend's model computes it (libtorch's fused kernel on
+    /// CUDA).
     fn rms(&self, x: &Tensor, w: usize) -> Result<Tensor> {
-        let kind = x.kind();
-        let xf = x.f_to_kind(Kind::Float).ctx("rms norm")?;
-        let var = xf
-            .f_pow_tensor_scalar(2)
-            .and_then(|v| v.f_mean_dim([-1i64].as_slice(), true, None::<Kind>))
-            .ctx("rms norm")?;
-        let normed = var
-            .f_add_scalar(self.cfg.rms_norm_eps)
-            .and_then(|v| v.f_rsqrt())
-            .and_then(|r| xf.f_mul(&r))
-            .and_then(|n| n.f_to_kind(kind))
-            .ctx("rms norm")?;
-        self.p(w).f_mul(&normed).ctx("rms norm")
+        Ok(verl_nn::rms_norm(x, self.p(w), self.cfg.rms_norm_eps)?)
     }
 
     fn linear(&self, x: &Tensor, l: Lin, with_bias: bool) -> Result<Tensor> {

@@ -243,10 +243,8 @@ impl TpTrainer {
         g: &Tensor,
     ) -> Result<()> {
         let (f, off, n) = slot[i];
-        let g = g
-            .f_to_kind(Kind::Float)
-            .and_then(|g| g.f_reshape([-1]))
-            .ctx("gradient to fp32")?;
+        // One kernel: the in-place add reads the gradient in its dtype and sums in fp32.
+        let g = g.f_reshape([-1]).ctx("flatten gradient")?;
         let _ = grads[f]
             .f_narrow(0, off as i64, n as i64)
             .and_then(|mut dst| dst.f_add_(&g))

@@ -213,24 +213,31 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let kind = x.kind();
-        if matches!(x.device(), Device::Cuda(_))
-            && kind == self.weight.kind()
-            && kind != Kind::Double
-            && fused_rms_norm()
-        {
-            let dim = self.weight.size();
-            return Ok(x.f_rms_norm(dim.as_slice(), Some(&self.weight), self.eps)?);
-        }
-        let xf = x.f_to_kind(Kind::Float)?;
-        let var = xf
-            .f_pow_tensor_scalar(2)?
-            .f_mean_dim([-1i64].as_slice(), true, None::<Kind>)?;
-        let normed = xf
-            .f_mul(&var.f_add_scalar(self.eps)?.f_rsqrt()?)?
-            .f_to_kind(kind)?;
-        Ok(self.weight.f_mul(&normed)?)
+        rms_norm(x, &self.weight, self.eps)
     }
+}
+
+/// RMSNorm of `x` over its last dimension, scaled by `weight` (differentiable): libtorch's fused
+/// `rms_norm` on CUDA when `x` is in the weight's dtype (off with `VERL_FUSED_RMSNORM=0`), else
+/// HF's formulation (the mean square in fp32, the normalised value cast back, then the weight).
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let kind = x.kind();
+    if matches!(x.device(), Device::Cuda(_))
+        && kind == weight.kind()
+        && kind != Kind::Double
+        && fused_rms_norm()
+    {
+        let dim = weight.size();
+        return Ok(x.f_rms_norm(dim.as_slice(), Some(weight), eps)?);
+    }
+    let xf = x.f_to_kind(Kind::Float)?;
+    let var = xf
+        .f_pow_tensor_scalar(2)?
+        .f_mean_dim([-1i64].as_slice(), true, None::<Kind>)?;
+    let normed = xf
+        .f_mul(&var.f_add_scalar(eps)?.f_rsqrt()?)?
+        .f_to_kind(kind)?;
+    Ok(weight.f_mul(&normed)?)
 }
 
 /// Rotary position embedding: inverse frequencies (fp32) computed once from the config.

@@ -110,6 +110,10 @@ impl MegatronActor {
                 megatron_section(cfg, p, Some("actor_rollout_ref.actor.megatron"))?,
             )
         } else {
+            common::warn_if_checkpointing_off(
+                "actor_rollout_ref.model.enable_gradient_checkpointing",
+                model_sec.enable_gradient_checkpointing,
+            );
             let p = "actor_rollout_ref.actor.megatron";
             (p, megatron_section(cfg, p, None)?)
         };

@@ -447,3 +447,16 @@ pub fn metrics_from_last_stage(
     }
     Ok(out)
 }
+
+/// The Megatron backend recomputes every decoder layer in the backward whatever
+/// `enable_gradient_checkpointing` says (the graph is cut at each tensor-parallel block and the
+/// backward chained by hand from the saved layer inputs): say so when the job turns it off.
+pub fn warn_if_checkpointing_off(key: &str, enabled: bool) {
+    if !enabled {
+        tracing::warn!(
+            "{key}=false has no effect with the megatron backend: it recomputes every decoder \
+             layer in the backward (activation checkpointing), which costs about one more forward \
+             per update than keeping activations"
+        );
+    }
+}

@@ -60,6 +60,10 @@ impl MegatronCritic {
         };
         let dir = config::model_dir(key, path)?;
         let model_cfg = ModelConfig::from_dir(&dir)?;
+        common::warn_if_checkpointing_off(
+            "critic.model.enable_gradient_checkpointing",
+            critic.model.enable_gradient_checkpointing,
+        );
         let prefix = "critic.megatron";
         let mg = megatron_section(cfg, prefix, None)?;
         let layout = common::role_layout(&mg, prefix, init, &model_cfg)?;

@@ -632,11 +632,19 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             update: t_upd,
             step: t_step.elapsed().as_secs_f64(),
         };
-        let loss: Vec<String> = metrics
+        let mut loss: Vec<String> = metrics
             .iter()
             .filter(|(k, _)| k == "actor/pg_loss" || k == "actor/kl_loss")
             .map(|(k, v)| format!("{k}={v:.4}"))
             .collect();
+        // What the generation spent outside its decode steps' replays (CUDA only).
+        if let Some(n) = meta_f64(&gen, "rollout/cuda_graphs").filter(|&n| n > 0.0) {
+            loss.push(format!(
+                "graphs={n} captured in {:.3}s, {} graphed steps",
+                meta_f64(&gen, "rollout/cuda_graph_capture_s").unwrap_or(0.0),
+                meta_f64(&gen, "rollout/cuda_graph_steps").unwrap_or(0.0)
+            ));
+        }
         eprintln!(
             "[bench] step {}/{}: gen {:.3}s old {:.3}s ref {:.3}s update {:.3}s step {:.3}s {}",
             step + 1,

@@ -54,6 +54,13 @@ extern "C" {
         b: CTensor,
         out: *mut *mut torch_sys::C_tensor,
     ) -> *mut c_char;
+    fn vt_linear_into(
+        x: CTensor,
+        w: CTensor,
+        accs: *const CTensor,
+        n: i64,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
     fn vt_varlen_attention(
         q: CTensor,
         k: CTensor,
@@ -175,6 +182,30 @@ pub fn linear_accumulating(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result
         )
     };
     adopt("linear_accum", err, out)
+}
+
+/// `x W^T` recorded by autograd with a backward that adds W's gradient into `accs` instead of
+/// handing it to autograd: `accs` are W's row blocks in order (one, or several when W is a
+/// concatenation such as q/k/v), contiguous, each `[rows, in]` in any floating dtype. Each block's
+/// weight-gradient GEMM accumulates into its accumulator (beta = 1); from bf16 activations into
+/// fp32 accumulators on CUDA the GEMM itself sums in fp32 (Megatron's gradient-accumulation
+/// fusion into its fp32 main gradients). `run_backward` with respect to W sees no gradient. Any
+/// device.
+pub fn linear_into(x: &Tensor, w: &Tensor, accs: &[&Tensor]) -> Result<Tensor> {
+    let ptrs: Vec<CTensor> = accs.iter().map(|t| t.as_ptr()).collect();
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors borrowed for the call; the shim copies the handles it keeps and
+    // allocates `out`.
+    let err = unsafe {
+        vt_linear_into(
+            x.as_ptr(),
+            w.as_ptr(),
+            ptrs.as_ptr(),
+            ptrs.len() as i64,
+            &mut out,
+        )
+    };
+    adopt("linear_into", err, out)
 }
 
 /// Whether autograd records operations on this thread (false inside `tch::no_grad`).

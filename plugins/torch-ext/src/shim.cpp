@@ -111,6 +111,52 @@ struct LinearAccumFn : public torch::autograd::Function<LinearAccumFn> {
   }
 };
 
+// y = x W^T whose backward adds W's gradient into caller-owned accumulators instead of handing
+// it to autograd: `accs` are W's row blocks in order (several when W is a concatenation, such as
+// q/k/v), each a contiguous tensor of its block's shape in any floating dtype. Each block's
+// weight-gradient GEMM accumulates into its accumulator (beta = 1); from bf16/fp16 activations
+// into an fp32 accumulator on CUDA the GEMM itself sums in fp32 (no rounding of the product to the
+// activations' dtype, no separate conversion and add pass). W gets no gradient through autograd.
+struct LinearIntoFn : public torch::autograd::Function<LinearIntoFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const std::vector<at::Tensor>& accs) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["w"] = w;
+    ctx->saved_data["accs"] = c10::List<at::Tensor>(accs);
+    return at::linear(x, w);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& gy = grads[0];
+    const at::Tensor none;
+    if (!gy.defined()) return {none, none, none};
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    const at::Tensor w = ctx->saved_data["w"].toTensor();
+    const auto accs = ctx->saved_data["accs"].toTensorList();
+    const int64_t out = w.size(0), in = w.size(1);
+    const at::Tensor gy2 = gy.reshape({-1, out});
+    at::Tensor gx;
+    if (ctx->needs_input_grad(0)) gx = at::mm(gy2, w).view(x.sizes());
+    const at::Tensor x2 = x.reshape({-1, in});
+    int64_t row = 0;
+    for (size_t i = 0; i < accs.size(); ++i) {
+      at::Tensor acc = accs.get(i);
+      const int64_t n = acc.size(0);
+      const at::Tensor gt = gy2.narrow(1, row, n).t();
+      row += n;
+      if (acc.scalar_type() == gy2.scalar_type()) {
+        acc.addmm_(gt, x2);
+      } else if (acc.scalar_type() == at::kFloat && acc.is_cuda()) {
+        at::addmm_out(acc, acc, gt, x2, at::kFloat);
+      } else {
+        acc.add_(at::mm(gt, x2));
+      }
+    }
+    return {gx, none, none};
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -207,6 +253,38 @@ char* vt_linear_accum(const at::Tensor* x, const at::Tensor* w, const at::Tensor
     }
     const c10::IValue bias = b != nullptr && b->defined() ? c10::IValue(*b) : c10::IValue();
     *out = new at::Tensor(LinearAccumFn::apply(*x, *w, bias));
+  });
+}
+
+// LinearIntoFn: `accs` (n of them) are W's row blocks' gradient accumulators.
+char* vt_linear_into(const at::Tensor* x, const at::Tensor* w, at::Tensor** accs, int64_t n,
+                     at::Tensor** out) {
+  return vt_util::guarded([&] {
+    if (x == nullptr || w == nullptr || out == nullptr || (n > 0 && accs == nullptr)) {
+      throw std::invalid_argument("linear_into: null argument");
+    }
+    *out = nullptr;
+    if (w->dim() != 2 || x->dim() < 1 || x->size(-1) != w->size(1)) {
+      throw std::invalid_argument("linear_into: expected x [.., in] and weight [out, in], found " +
+                                  c10::str(x->sizes()) + " and " + c10::str(w->sizes()));
+    }
+    std::vector<at::Tensor> list = tensor_list(accs, n);
+    int64_t rows = 0;
+    for (const at::Tensor& a : list) {
+      if (a.dim() != 2 || a.size(1) != w->size(1) || !a.is_contiguous() ||
+          a.device() != w->device() || !at::isFloatingType(a.scalar_type())) {
+        throw std::invalid_argument(
+            "linear_into: expected contiguous floating accumulators [rows, " +
+            std::to_string(w->size(1)) + "] on the weight's device, found " +
+            c10::str(a.sizes()) + " " + c10::str(a.scalar_type()));
+      }
+      rows += a.size(0);
+    }
+    if (rows != w->size(0)) {
+      throw std::invalid_argument("linear_into: accumulators hold " + std::to_string(rows) +
+                                  " rows, the weight " + std::to_string(w->size(0)));
+    }
+    *out = new at::Tensor(LinearIntoFn::apply(*x, *w, list));
   });
 }
 

@@ -65,3 +65,44 @@ fn gradients_accumulate_into_grad_like_autograd() {
         .to_string();
     assert!(e.contains("linear_accum"), "{e}");
 }
+
+/// `linear_into`: the forward is `x W^T`; the backward hands x its gradient and adds each row
+/// block's weight gradient into its accumulator (two blocks of a concatenated weight, over three
+/// micro-batches, into f64 and f32 accumulators), and W gets none through autograd.
+#[test]
+fn linear_into_adds_each_row_blocks_gradient_into_its_accumulator() {
+    use verl_torch_ext::linear_into;
+    tch::manual_seed(6);
+    let opts = (Kind::Double, Device::Cpu);
+    let w = Tensor::randn([7, 4], opts).set_requires_grad(true);
+    let w_ref = w.detach().copy().set_requires_grad(true);
+    let acc_a = Tensor::zeros([3, 4], opts);
+    let acc_b = Tensor::zeros([4, 4], (Kind::Float, Device::Cpu));
+    for mb in 0..3 {
+        let x = Tensor::randn([2, 5, 4], opts).set_requires_grad(true);
+        let x_ref = x.detach().copy().set_requires_grad(true);
+        let g = Tensor::randn([2, 5, 7], opts);
+        let y = linear_into(&x, &w, &[&acc_a, &acc_b]).unwrap();
+        let y_ref = x_ref.linear(&w_ref, None::<&Tensor>);
+        assert!(max_abs(&y, &y_ref) < 1e-12, "forward, micro-batch {mb}");
+        let got = Tensor::run_backward(&[(&y * &g).sum(Kind::Double)], &[&x, &w], false, false);
+        (&y_ref * &g).sum(Kind::Double).backward();
+        assert!(max_abs(&got[0], &x_ref.grad()) < 1e-12, "x grad {mb}");
+        assert!(!got[1].defined(), "W got a gradient through autograd");
+        let want = w_ref.grad();
+        assert!(
+            max_abs(&acc_a, &want.narrow(0, 0, 3)) < 1e-12,
+            "block a after {mb}"
+        );
+        let b = acc_b.to_kind(Kind::Double);
+        assert!(
+            max_abs(&b, &want.narrow(0, 3, 4)) < 1e-4,
+            "block b after {mb}"
+        );
+    }
+    assert!(acc_a.abs().sum(Kind::Double).double_value(&[]) > 0.0);
+    // Accumulators that do not tile the weight's rows are refused by name.
+    let x = Tensor::randn([2, 4], opts);
+    let e = linear_into(&x, &w, &[&acc_a]).unwrap_err().to_string();
+    assert!(e.contains("linear_into") && e.contains("3 rows"), "{e}");
+}

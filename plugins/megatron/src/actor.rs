@@ -110,10 +110,6 @@ impl MegatronActor {
                 megatron_section(cfg, p, Some("actor_rollout_ref.actor.megatron"))?,
             )
         } else {
-            common::warn_if_checkpointing_off(
-                "actor_rollout_ref.model.enable_gradient_checkpointing",
-                model_sec.enable_gradient_checkpointing,
-            );
             let p = "actor_rollout_ref.actor.megatron";
             (p, megatron_section(cfg, p, None)?)
         };
@@ -135,6 +131,9 @@ impl MegatronActor {
             random_init,
             aux_loss_coeff,
         )?;
+        if !reference {
+            common::apply_recompute(&mut model, &mg, prefix)?;
+        }
         let default_temperature = rollout.temperature.unwrap_or(1.0);
         if reference {
             let r: LogProbSection = section(cfg, "actor_rollout_ref.ref")?;
@@ -524,6 +523,9 @@ impl MegatronActor {
         };
         let temperature = o.temperature.unwrap_or(self.default_temperature);
         check_temperature(temperature)?;
+        // fp32 LM-head logits kept from each micro-batch's forward for its backward (TP = 1), as
+        // the FSDP backend's update keeps them: one head GEMM per chunk less.
+        let kept_logits_bytes = verl_fsdp_core::actor::kept_logits_budget(device);
         let total = o
             .extra
             .get("total_training_steps")
@@ -670,7 +672,8 @@ impl MegatronActor {
                                 head_chunk_tokens(weight.size()[0]),
                                 temperature,
                                 need_entropy,
-                            );
+                            )
+                            .with_kept_logits(kept_logits_bytes);
                             let mut metrics = None;
                             let (surrogate, _) =
                                 head.loss_and_surrogate(&hf, weight, &t, |lp, ent| {

@@ -16,7 +16,7 @@ use crate::error::{MegatronError, Result, TorchContext};
 use crate::layout::{Layout, MegatronSection};
 use crate::parallel::Parallel;
 use crate::pipeline::{broadcast_from_last, forward_only, gather_stages, MicroInput};
-use crate::tp::{ExpertSetup, MoeMicro, TpModel};
+use crate::tp::{ExpertSetup, MoeMicro, Recompute, TpModel};
 
 /// Reads `<prefix>` as a [`MegatronSection`]; `fallback` (another role's section) when absent.
 pub fn megatron_section(
@@ -448,15 +448,79 @@ pub fn metrics_from_last_stage(
     Ok(out)
 }
 
-/// The Megatron backend recomputes every decoder layer in the backward whatever
-/// `enable_gradient_checkpointing` says (the graph is cut at each tensor-parallel block and the
-/// backward chained by hand from the saved layer inputs): say so when the job turns it off.
-pub fn warn_if_checkpointing_off(key: &str, enabled: bool) {
-    if !enabled {
-        tracing::warn!(
-            "{key}=false has no effect with the megatron backend: it recomputes every decoder \
-             layer in the backward (activation checkpointing), which costs about one more forward \
-             per update than keeping activations"
+/// Which layers the training backward recomputes, from verl's
+/// `<prefix>.override_transformer_config`, as Megatron-core reads it: `recompute_granularity`
+/// `null` (verl's default) keeps every layer's activations; `full` recomputes every layer
+/// (`recompute_method` `uniform`, or unset) or the first `recompute_num_layers` of each model
+/// chunk (`block`); `selective` (Megatron-core's recomputation of parts of a layer, by default the
+/// attention scores, which flash attention never stores) keeps every layer here.
+/// `*.model.enable_gradient_checkpointing` is the FSDP backend's key and, as in verl, is not read.
+pub fn recompute(sec: &MegatronSection, prefix: &str) -> Result<Recompute> {
+    let otc = &sec.override_transformer_config;
+    let key = |k: &str| format!("{prefix}.override_transformer_config.{k}");
+    let granularity = match otc.get("recompute_granularity") {
+        None | Some(serde_json::Value::Null) => return Ok(Recompute::None),
+        Some(v) => v,
+    };
+    match granularity.as_str() {
+        Some("selective") => {
+            tracing::info!(
+                "{}=selective: this backend keeps whole layers or recomputes whole layers; \
+                 selective recomputation (of attention scores, which flash attention never \
+                 stores) keeps every layer's activations",
+                key("recompute_granularity")
+            );
+            return Ok(Recompute::None);
+        }
+        Some("full") => {}
+        _ => {
+            return Err(MegatronError::config(
+                key("recompute_granularity"),
+                "null, \"full\" or \"selective\"",
+                granularity,
+            ))
+        }
+    }
+    let method = otc.get("recompute_method").filter(|v| !v.is_null());
+    match method.map(|v| v.as_str()) {
+        None | Some(Some("uniform")) => Ok(Recompute::All),
+        Some(Some("block")) => {
+            let n = otc.get("recompute_num_layers").cloned().unwrap_or_default();
+            match n.as_u64() {
+                Some(n) => Ok(Recompute::FirstOf(n as usize)),
+                None => Err(MegatronError::config(
+                    key("recompute_num_layers"),
+                    "a non-negative integer (layers of each model chunk to recompute, with \
+                     recompute_method=block)",
+                    n,
+                )),
+            }
+        }
+        _ => Err(MegatronError::config(
+            key("recompute_method"),
+            "null, \"uniform\" or \"block\"",
+            method.cloned().unwrap_or_default(),
+        )),
+    }
+}
+
+/// Sets `model`'s recomputation from `<prefix>.override_transformer_config` ([`recompute`]) and
+/// says when layers will be recomputed anyway (sequence parallelism, MoE blocks).
+pub fn apply_recompute(model: &mut TpModel, sec: &MegatronSection, prefix: &str) -> Result<()> {
+    let r = recompute(sec, prefix)?;
+    model.set_recompute(r);
+    if r == Recompute::All {
+        return Ok(());
+    }
+    if model.sequence_parallel() {
+        tracing::info!(
+            "{prefix}: with sequence parallelism every decoder layer is recomputed in the \
+             backward (only its input is kept)"
+        );
+    } else if !model.sparse_layers().is_empty() {
+        tracing::info!(
+            "{prefix}: MoE layers are recomputed in the backward (only their input is kept)"
         );
     }
+    Ok(())
 }

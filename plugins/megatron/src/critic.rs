@@ -60,10 +60,6 @@ impl MegatronCritic {
         };
         let dir = config::model_dir(key, path)?;
         let model_cfg = ModelConfig::from_dir(&dir)?;
-        common::warn_if_checkpointing_off(
-            "critic.model.enable_gradient_checkpointing",
-            critic.model.enable_gradient_checkpointing,
-        );
         let prefix = "critic.megatron";
         let mg = megatron_section(cfg, prefix, None)?;
         let layout = common::role_layout(&mg, prefix, init, &model_cfg)?;
@@ -71,7 +67,7 @@ impl MegatronCritic {
         let dtype = compute_dtype(&mg, prefix)?;
         let par = common::join(init, "critic", layout, device)?;
         let dp_size = par.dp.size;
-        let model = common::build_model(
+        let mut model = common::build_model(
             &dir,
             model_cfg,
             HeadKind::Value,
@@ -81,6 +77,7 @@ impl MegatronCritic {
             common::random_init_seed(init)?,
             aux_loss_coeff,
         )?;
+        common::apply_recompute(&mut model, &mg, prefix)?;
         let n = critic.rollout_n.or(rollout.n).unwrap_or(1).max(1);
         let mini = (critic.ppo_mini_batch_size * n) as usize / dp_size;
         if mini == 0 {

@@ -38,7 +38,8 @@ pub struct MegatronSection {
     /// Compute dtype of forward/backward (the optimizer always keeps fp32 master weights, as
     /// Megatron's mixed-precision optimizer does).
     pub dtype: String,
-    /// verl's `override_transformer_config` (this backend reads `moe_aux_loss_coeff`).
+    /// verl's `override_transformer_config` (this backend reads `moe_aux_loss_coeff` and the
+    /// `recompute_*` keys).
     pub override_transformer_config: serde_json::Map<String, serde_json::Value>,
 }
 

@@ -10,7 +10,8 @@
 //! Training follows Megatron's non-interleaved 1F1B schedule: stage `s` of `p` runs
 //! `min(p - s - 1, m)` warm-up forwards, then alternates one forward and one backward, then drains
 //! the remaining backwards. At most `p - s` micro-batches are in flight on stage `s` (their layer
-//! inputs are what a stage keeps: the layers are recomputed in the backward). Where a stage sends
+//! inputs are what a stage keeps when the layers are recomputed in the backward; their dense
+//! layers' graphs too without activation checkpointing). Where a stage sends
 //! to a neighbour and then waits for that neighbour, the two transfers are one exchange
 //! ([`Op::SendForwardRecvBackward`], [`Op::SendBackwardRecvForward`]), which is what keeps a
 //! blocking send (NCCL's) from deadlocking. With one stage the schedule is F0 B0 F1 B1 …: the
@@ -444,7 +445,7 @@ pub fn train_1f1b<T>(
             Op::Forward(i) => {
                 let m = &micro[i];
                 let input = slots[i].input.take();
-                let acts = model.stage_forward(m.ids, m.mask, m.positions, input.as_ref())?;
+                let acts = model.stage_forward_train(m.ids, m.mask, m.positions, input.as_ref())?;
                 slots[i].acts = Some(acts);
             }
             Op::SendForward(i) => {
@@ -588,8 +589,13 @@ fn train_interleaved<T>(
             Step::Forward(u) => {
                 let mi = &micro[u.micro];
                 let input = slots[at(u)].input.take();
-                let acts =
-                    model.chunk_forward(u.chunk, mi.ids, mi.mask, mi.positions, input.as_ref())?;
+                let acts = model.chunk_forward_train(
+                    u.chunk,
+                    mi.ids,
+                    mi.mask,
+                    mi.positions,
+                    input.as_ref(),
+                )?;
                 slots[at(u)].acts = Some(acts);
             }
             Step::Backward(u) => {

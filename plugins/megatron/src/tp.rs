@@ -41,8 +41,9 @@
 //! reduced value. Megatron's `f` (identity forward, all-reduce backward) is where the graph is cut:
 //! the input of every column-parallel block is a fresh leaf, the backward is chained by hand one
 //! segment at a time (like `verl_nn::Transformer::forward_backward_gated`) and the leaf's gradient
-//! is all-reduced before it flows on. Each layer is recomputed in the backward (activation
-//! checkpointing), so only the layer inputs are kept between forward and backward.
+//! is all-reduced before it flows on. A layer recomputed in the backward (activation
+//! checkpointing, Megatron-core's `recompute_granularity: full`) keeps only its input between
+//! forward and backward; the others keep their cut graphs ([`TpModel::set_recompute`]).
 //!
 //! A model may be one pipeline stage ([`Stage`]): it then holds only its decoder layers (and the
 //! embedding on the first stage, the final norm and head on the last), and its forward and backward
@@ -276,14 +277,39 @@ impl Ctx {
 }
 
 /// What a pipeline stage keeps of one micro-batch between its forward and its backward: the masks
-/// and RoPE tables, each layer's input (the layers are recomputed in the backward) and the stage's
-/// output.
+/// and RoPE tables, each layer's input (the layers are recomputed in the backward, unless their
+/// graphs were kept) and the stage's output.
 pub struct StageActs {
     /// The model chunk that ran (0 without a virtual pipeline).
     chunk: usize,
     ctx: Ctx,
     inputs: Vec<Tensor>,
+    /// Per layer, its autograd graph when the forward kept it ([`TpModel::set_recompute`]):
+    /// the backward then chains it without recomputing the layer. Empty otherwise.
+    kept: Vec<Option<Kept>>,
     pub out: Tensor,
+}
+
+/// A dense layer's forward with autograd, kept for the backward: its input as a leaf and the
+/// graph's cut points.
+struct Kept {
+    h: Tensor,
+    tr: Trace,
+}
+
+/// Which decoder layers a training backward recomputes from their saved inputs instead of keeping
+/// their activations from the forward: Megatron-core's `recompute_granularity` /
+/// `recompute_method` / `recompute_num_layers` (see `common::recompute`). Layers with sequence
+/// parallelism or a MoE block are recomputed whatever this says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recompute {
+    /// Keep every dense layer's activations (verl's default, `recompute_granularity: null`).
+    None,
+    /// Recompute every layer (`full` with the `uniform` method).
+    All,
+    /// Recompute the first `n` layers of each model chunk and keep the rest (`full` with the
+    /// `block` method and `recompute_num_layers: n`).
+    FirstOf(usize),
 }
 
 /// What one layer's recomputation keeps for the hand-chained backward.
@@ -361,6 +387,11 @@ pub struct TpModel {
     /// The replicated parameters applied to sequence-sharded activations (the layer norms, the
     /// final norm, the row-parallel biases): with SP their gradients are all-reduced over TP.
     seq_sharded: Vec<bool>,
+    /// Which layers training backwards recompute ([`TpModel::set_recompute`]).
+    recompute: Recompute,
+    /// Per parameter, where a training backward adds its gradient itself instead of handing it
+    /// to the sink ([`TpModel::set_grad_targets`]); empty when none.
+    grad_into: Vec<Option<Tensor>>,
 }
 
 impl std::fmt::Debug for TpModel {
@@ -855,6 +886,8 @@ impl TpModel {
         }
         Ok(TpModel {
             sp: false,
+            recompute: Recompute::All,
+            grad_into: Vec::new(),
             seq_sharded,
             experts,
             moe_load,
@@ -919,6 +952,44 @@ impl TpModel {
     pub fn sequence_parallel(&self) -> bool {
         self.sp
     }
+
+    /// Which layers training backwards recompute (a new model: [`Recompute::All`]). The training
+    /// forwards ([`TpModel::stage_forward_train`], [`TpModel::chunk_forward_train`]) keep every
+    /// other dense layer's activations (its autograd graph, cut where the tensor-parallel backward
+    /// all-reduces) and the backward chains them: one forward less per kept layer and
+    /// micro-batch, for their activation memory while the micro-batch is in flight. Layers with
+    /// sequence parallelism or a MoE block are recomputed whatever this says. Gradients are the
+    /// same either way (the same forward, run once instead of twice).
+    pub fn set_recompute(&mut self, r: Recompute) {
+        self.recompute = r;
+    }
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
+    }
+    /// Gradient-accumulation fusion (Megatron-core's `gradient_accumulation_fusion`): per
+    /// parameter, a contiguous tensor of its local shape (the trainer's fp32 accumulator slice)
+    /// into which the backward adds the gradient of each decoder-layer projection weight
+    /// directly, with the weight-gradient GEMM itself ([`verl_torch_ext::linear_into`]); those
+    /// weights then reach the sink with no gradient. `None` (or an empty list) turns it off.
+    pub fn set_grad_targets(&mut self, targets: Option<Vec<Option<Tensor>>>) {
+        self.grad_into = targets.unwrap_or_default();
+    }
+
+    /// Parameter `i`'s gradient target, while autograd records.
+    fn grad_target(&self, i: usize) -> Option<&Tensor> {
+        let t = self.grad_into.get(i)?.as_ref()?;
+        verl_torch_ext::grad_enabled().then_some(t)
+    }
+
+    /// Whether a training forward keeps dense layer `i` (of its model chunk).
+    fn keeps_layer(&self, i: usize) -> bool {
+        match self.recompute {
+            Recompute::None => true,
+            Recompute::All => false,
+            Recompute::FirstOf(n) => i >= n,
+        }
+    }
+
     /// The sequence length a micro-batch of `t` positions runs at: with SP, `t` padded up to a
     /// multiple of the tensor-parallel size (the padding is masked).
     pub fn padded_len(&self, t: i64) -> i64 {
@@ -1038,6 +1109,13 @@ impl TpModel {
         } else {
             None
         };
+        if let Some(acc) = self.grad_target(l.w) {
+            let y = verl_torch_ext::linear_into(x, self.p(l.w), &[acc])?;
+            return match b {
+                Some(b) => y.f_add(b).ctx("bias"),
+                None => Ok(y),
+            };
+        }
         x.f_linear(self.p(l.w), b).ctx("linear")
     }
 
@@ -1089,9 +1167,41 @@ impl TpModel {
             };
             y.f_transpose(1, 2).ctx("heads first")
         };
-        let q = rope(&heads(l.q, self.heads_local, l.q_norm)?, &ctx.cos, &ctx.sin)?;
-        let k = rope(&heads(l.k, self.kv_local, l.k_norm)?, &ctx.cos, &ctx.sin)?;
-        let v = heads(l.v, self.kv_local, None)?;
+        let (q, k, v) = match self.qkv_concatenated(l, x)? {
+            Some(y) => {
+                let split = |y: Tensor, n: i64, norm: Option<usize>| -> Result<Tensor> {
+                    let y = y.f_view([b, t, n, hd]).ctx("split heads")?;
+                    let y = match norm {
+                        Some(w) => self.rms(&y, w)?,
+                        None => y,
+                    };
+                    y.f_transpose(1, 2).ctx("heads first")
+                };
+                let (nq, nkv) = (self.heads_local * hd, self.kv_local * hd);
+                let mut parts = y
+                    .f_split_with_sizes([nq, nkv, nkv], -1)
+                    .ctx("split q/k/v")?
+                    .into_iter();
+                let (Some(qy), Some(ky), Some(vy)) = (parts.next(), parts.next(), parts.next())
+                else {
+                    return Err(MegatronError::Api(verl_plugin_api::Error::failed(
+                        "internal: q/k/v split into fewer than three parts",
+                    )));
+                };
+                (
+                    split(qy, self.heads_local, l.q_norm)?,
+                    split(ky, self.kv_local, l.k_norm)?,
+                    split(vy, self.kv_local, None)?,
+                )
+            }
+            None => (
+                heads(l.q, self.heads_local, l.q_norm)?,
+                heads(l.k, self.kv_local, l.k_norm)?,
+                heads(l.v, self.kv_local, None)?,
+            ),
+        };
+        let q = rope(&q, &ctx.cos, &ctx.sin)?;
+        let k = rope(&k, &ctx.cos, &ctx.sin)?;
         let groups = self.heads_local / self.kv_local;
         let out = if ctx.causal {
             verl_nn::causal_attention(&q, &k, &v)?
@@ -1115,6 +1225,40 @@ impl TpModel {
             .and_then(|o| o.f_view([b, t, self.heads_local * hd]))
             .ctx("attention")?;
         self.linear(&out, l.o, false)
+    }
+
+    /// On CUDA, this rank's q/k/v heads as one GEMM over the concatenated weight shards (and
+    /// biases), recorded by autograd: one launch instead of three forward, one input-gradient GEMM
+    /// instead of three and their sum backward, as the FSDP model does. `None` off CUDA, with mixed
+    /// biases, or with `VERL_FUSED_QKV=0`.
+    fn qkv_concatenated(&self, l: &Layer, x: &Tensor) -> Result<Option<Tensor>> {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if !matches!(x.device(), Device::Cuda(_))
+            || !*ON.get_or_init(|| std::env::var("VERL_FUSED_QKV").as_deref() != Ok("0"))
+        {
+            return Ok(None);
+        }
+        let bias = match (l.q.b, l.k.b, l.v.b) {
+            (Some(a), Some(b), Some(c)) => {
+                Some(Tensor::f_cat(&[self.p(a), self.p(b), self.p(c)], 0).ctx("q/k/v bias")?)
+            }
+            (None, None, None) => None,
+            _ => return Ok(None),
+        };
+        let w =
+            Tensor::f_cat(&[self.p(l.q.w), self.p(l.k.w), self.p(l.v.w)], 0).ctx("q/k/v weight")?;
+        if let (Some(aq), Some(ak), Some(av)) = (
+            self.grad_target(l.q.w),
+            self.grad_target(l.k.w),
+            self.grad_target(l.v.w),
+        ) {
+            let y = verl_torch_ext::linear_into(x, &w, &[aq, ak, av])?;
+            return Ok(Some(match bias {
+                Some(b) => y.f_add(&b).ctx("q/k/v bias")?,
+                None => y,
+            }));
+        }
+        Ok(Some(x.f_linear(&w, bias.as_ref()).ctx("q/k/v")?))
     }
 
     fn mlp(&self, gate: Lin, up: Lin, down: Lin, x: &Tensor) -> Result<Tensor> {
@@ -1435,7 +1579,33 @@ impl TpModel {
         positions: &Tensor,
         input: Option<&Tensor>,
     ) -> Result<StageActs> {
-        self.chunk_forward(0, ids, mask, positions, input)
+        self.chunk_forward_impl(0, ids, mask, positions, input, false)
+    }
+
+    /// [`TpModel::stage_forward`] of a micro-batch whose backward follows
+    /// ([`TpModel::stage_backward`]): it keeps the activations of the dense layers the backward
+    /// does not recompute ([`TpModel::set_recompute`]).
+    pub fn stage_forward_train(
+        &self,
+        ids: &Tensor,
+        mask: &Tensor,
+        positions: &Tensor,
+        input: Option<&Tensor>,
+    ) -> Result<StageActs> {
+        self.chunk_forward_impl(0, ids, mask, positions, input, true)
+    }
+
+    /// [`TpModel::chunk_forward`] of a micro-batch whose backward follows (see
+    /// [`TpModel::stage_forward_train`]).
+    pub fn chunk_forward_train(
+        &self,
+        chunk: usize,
+        ids: &Tensor,
+        mask: &Tensor,
+        positions: &Tensor,
+        input: Option<&Tensor>,
+    ) -> Result<StageActs> {
+        self.chunk_forward_impl(chunk, ids, mask, positions, input, true)
     }
 
     /// The forward of this stage's model chunk `chunk` (virtual pipeline stage
@@ -1448,6 +1618,20 @@ impl TpModel {
         mask: &Tensor,
         positions: &Tensor,
         input: Option<&Tensor>,
+    ) -> Result<StageActs> {
+        self.chunk_forward_impl(chunk, ids, mask, positions, input, false)
+    }
+
+    /// The forwards above; `train`: keep the autograd graphs of the dense layers the backward does
+    /// not recompute (none with SP).
+    fn chunk_forward_impl(
+        &self,
+        chunk: usize,
+        ids: &Tensor,
+        mask: &Tensor,
+        positions: &Tensor,
+        input: Option<&Tensor>,
+        train: bool,
     ) -> Result<StageActs> {
         let _guard = tch::no_grad_guard();
         let layers = self.chunk_layer_slice(chunk)?;
@@ -1473,14 +1657,29 @@ impl TpModel {
         }
         LAST_RESIDUAL.with(|c| c.set(Some((want, ctx.t))));
         let mut inputs = Vec::with_capacity(layers.len());
-        for l in layers {
+        let keep = |i: usize| train && self.keeps_layer(i);
+        let any_kept = (0..layers.len()).any(keep);
+        let mut kept = Vec::new();
+        for (i, l) in layers.iter().enumerate() {
+            if keep(i) && !self.sp && matches!(l.ffn, Ffn::Dense { .. }) {
+                let hl = leaf_if(&h, true)?;
+                let tr = tch::with_grad(|| self.layer(l, &hl, &ctx, true))?;
+                let next = tr.out.f_detach().ctx("layer output")?;
+                inputs.push(std::mem::replace(&mut h, next));
+                kept.push(Some(Kept { h: hl, tr }));
+                continue;
+            }
             let next = self.layer_out(l, &h, &ctx)?;
             inputs.push(std::mem::replace(&mut h, next));
+            if any_kept {
+                kept.push(None);
+            }
         }
         Ok(StageActs {
             chunk,
             ctx,
             inputs,
+            kept,
             out: h,
         })
     }
@@ -1663,7 +1862,7 @@ impl TpModel {
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(Tensor, T)> {
-        let acts = self.stage_forward(ids, mask, positions, None)?;
+        let acts = self.stage_forward_train(ids, mask, positions, None)?;
         let (grad, loss, side) = self.head_backward(&acts, sink, loss_fn)?;
         self.stage_backward(ids, acts, &grad, moe, sink)?;
         Ok((loss, side))
@@ -1748,12 +1947,19 @@ impl TpModel {
             chunk,
             ctx,
             inputs,
+            mut kept,
             out,
         } = acts;
         drop(out);
+        let layers = self.chunk_layer_slice(chunk)?;
+        kept.resize_with(layers.len(), || None);
         let mut grad = grad_out.shallow_clone();
-        for (l, saved) in self.chunk_layer_slice(chunk)?.iter().zip(inputs).rev() {
+        for ((l, saved), kept) in layers.iter().zip(inputs).zip(kept).rev() {
             grad = match &l.ffn {
+                Ffn::Dense { .. } if kept.is_some() => {
+                    let k = kept.expect("checked");
+                    self.layer_chain(l, &k.h, &k.tr, &grad, sink)?
+                }
                 Ffn::Dense { .. } if self.sp => {
                     self.sp_layer_backward(l, &saved, &grad, &ctx, sink)?
                 }
@@ -1794,6 +2000,19 @@ impl TpModel {
             .and_then(|d| d.f_set_requires_grad(true))
             .ctx("layer input")?;
         let tr = self.layer(l, &h, ctx, true)?;
+        self.layer_chain(l, &h, &tr, grad_out, sink)
+    }
+
+    /// The backward of dense layer `l` from its traced forward (`h`: its input leaf), in the three
+    /// segments of [`TpModel::layer_backward`]. Returns the gradient of the layer input.
+    fn layer_chain(
+        &self,
+        l: &Layer,
+        h: &Tensor,
+        tr: &Trace,
+        grad_out: &Tensor,
+        sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
         let root = surrogate(&tr.out, grad_out)?;
         let g = self.backward(&root, &[&tr.x2c], &l.mlp_params(), true, sink)?;
         let gx2 = self.reduce_grad(g[0].shallow_clone())?;
@@ -1802,11 +2021,11 @@ impl TpModel {
             .ctx("surrogate")?;
         let mut params = vec![l.post_norm];
         params.extend(l.attention_params());
-        let g = self.backward(&root, &[&tr.x1c, &h], &params, true, sink)?;
+        let g = self.backward(&root, &[&tr.x1c, h], &params, true, sink)?;
         let gx1 = self.reduce_grad(g[0].shallow_clone())?;
         let through_residual = g[1].shallow_clone();
         let root = surrogate(&tr.x1, &gx1)?;
-        let g = self.backward(&root, &[&h], &[l.in_norm], false, sink)?;
+        let g = self.backward(&root, &[h], &[l.in_norm], false, sink)?;
         through_residual.f_add(&g[0]).ctx("input gradient")
     }
 
@@ -2147,5 +2366,122 @@ mod tests {
         assert!(!real_tokens_first(&rows(&[&[1, 1, 1, 1], &[0, 1, 1, 1]])).unwrap());
         assert!(!real_tokens_first(&rows(&[&[1, 0, 1, 0]])).unwrap());
         assert!(real_tokens_first(&rows(&[&[1], &[0]])).unwrap());
+    }
+}
+
+#[cfg(test)]
+mod keep_tests {
+    use super::*;
+    use verl_nn::{ModelOptions, Transformer};
+
+    /// `set_recompute`: a training forward keeps the graphs of the dense layers not recomputed (an
+    /// inference forward keeps none), and the backward that chains them gives the recomputing
+    /// backward's parameter gradients and loss bit for bit.
+    #[test]
+    fn kept_activations_give_the_recomputed_gradients() {
+        let cfg = ModelConfig::from_value(
+            serde_json::json!({
+                "model_type": "qwen2", "vocab_size": 61, "hidden_size": 32,
+                "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
+            }),
+            "inline/config.json",
+        )
+        .unwrap();
+        tch::manual_seed(3);
+        let full = Transformer::new(
+            cfg.clone(),
+            &ModelOptions {
+                device: Device::Cpu,
+                dtype: Kind::Float,
+                head: HeadKind::CausalLm,
+            },
+        )
+        .unwrap();
+        let mut named: std::collections::HashMap<String, Tensor> = full
+            .named_parameters()
+            .iter()
+            .map(|(n, t)| (n.clone(), t.detach().copy()))
+            .collect();
+        let mut model = TpModel::new(
+            cfg,
+            HeadKind::CausalLm,
+            Kind::Float,
+            Device::Cpu,
+            Arc::new(Group::single("tensor-parallel")),
+            &mut named,
+        )
+        .unwrap();
+        model.set_requires_grad(true).unwrap();
+        let ids = Tensor::randint(61, [2, 7], (Kind::Int64, Device::Cpu));
+        let mask = Tensor::ones([2, 7], (Kind::Int64, Device::Cpu));
+        let positions = Tensor::arange(7, (Kind::Int64, Device::Cpu))
+            .unsqueeze(0)
+            .repeat([2, 1]);
+        let run = |model: &TpModel| {
+            let mut grads: Vec<Option<Tensor>> = (0..model.params.len()).map(|_| None).collect();
+            let (loss, ()) = model
+                .forward_backward(
+                    &ids,
+                    &mask,
+                    &positions,
+                    MoeMicro::NONE,
+                    &mut |i, g| {
+                        grads[i] = Some(g.detach().copy());
+                        Ok(())
+                    },
+                    |h| {
+                        let w = model.whole_lm_head().expect("TP 1 holds the LM head");
+                        let logits = h.matmul(&w.tr());
+                        Ok((logits.log_softmax(-1, Kind::Float).mean(Kind::Float), ()))
+                    },
+                )
+                .unwrap();
+            (loss, grads)
+        };
+        let (loss_re, grads_re) = run(&model);
+        assert!(model
+            .stage_forward_train(&ids, &mask, &positions, None)
+            .unwrap()
+            .kept
+            .is_empty());
+        model.set_recompute(Recompute::FirstOf(1));
+        let acts = model
+            .stage_forward_train(&ids, &mask, &positions, None)
+            .unwrap();
+        let kept: Vec<bool> = acts.kept.iter().map(Option::is_some).collect();
+        assert_eq!(kept, [false, true, true]);
+        let (loss_block, grads_block) = run(&model);
+        model.set_recompute(Recompute::None);
+        let acts = model
+            .stage_forward_train(&ids, &mask, &positions, None)
+            .unwrap();
+        assert_eq!(acts.kept.len(), 3);
+        assert!(acts.kept.iter().all(Option::is_some));
+        assert!(model
+            .stage_forward(&ids, &mask, &positions, None)
+            .unwrap()
+            .kept
+            .is_empty());
+        let (loss_kept, grads_kept) = run(&model);
+        for (what, loss, grads) in [
+            ("kept", &loss_kept, &grads_kept),
+            ("first layer recomputed", &loss_block, &grads_block),
+        ] {
+            assert!(loss_re.equal(loss), "{what}: loss differs");
+            let mut compared = 0;
+            for (i, (a, b)) in grads_re.iter().zip(grads).enumerate() {
+                let name = &model.params[i].name;
+                match (a, b) {
+                    (Some(a), Some(b)) => {
+                        assert!(a.equal(b), "{what}: {name}: gradients differ");
+                        compared += 1;
+                    }
+                    (None, None) => {}
+                    _ => panic!("{what}: {name}: a gradient on one path only"),
+                }
+            }
+            assert_eq!(compared, model.params.len(), "{what}");
+        }
     }
 }

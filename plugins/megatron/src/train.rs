@@ -262,11 +262,41 @@ impl TpTrainer {
         micro: &[MicroInput],
         mut loss_fn: impl FnMut(usize, &TpModel, &Tensor) -> Result<(Tensor, T)>,
     ) -> Result<Vec<Option<(Tensor, T)>>> {
+        // The projection weights' gradients go straight into their accumulator slices.
+        let targets = self.grad_targets()?;
+        self.model.set_grad_targets(targets);
         let (grads, slot) = (&self.grads, &self.slot);
         let mut sink = |i: usize, g: &Tensor| Self::accumulate(grads, slot, i, g);
         let model = &self.model;
         let mut loss = |i: usize, h: &Tensor| loss_fn(i, model, h);
-        train_1f1b(model, &par.pp, micro, &mut sink, &mut loss)
+        let out = train_1f1b(model, &par.pp, micro, &mut sink, &mut loss);
+        self.model.set_grad_targets(None);
+        out
+    }
+
+    /// Per parameter, its fp32 accumulator slice in the parameter's local shape, for the matrices
+    /// (the decoder layers' projection weights take it; see [`TpModel::set_grad_targets`]), or
+    /// `None` with `VERL_GRAD_ACCUM_FUSION=0`.
+    fn grad_targets(&self) -> Result<Option<Vec<Option<Tensor>>>> {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if !*ON.get_or_init(|| std::env::var("VERL_GRAD_ACCUM_FUSION").as_deref() != Ok("0")) {
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(self.slot.len());
+        for (i, &(f, off, n)) in self.slot.iter().enumerate() {
+            let shape = self.model.params[i].local.size();
+            if shape.len() != 2 || self.grads[f].device() != self.model.device() {
+                out.push(None);
+                continue;
+            }
+            out.push(Some(
+                self.grads[f]
+                    .f_narrow(0, off as i64, n as i64)
+                    .and_then(|t| t.f_view(shape.as_slice()))
+                    .ctx("gradient accumulator slice")?,
+            ));
+        }
+        Ok(Some(out))
     }
 
     /// The end of a mini-batch: gradients summed over the data-parallel ranks, the global norm

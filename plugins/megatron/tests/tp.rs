@@ -32,10 +32,21 @@ fn actor_steps(
     distributed: bool,
     steps: u64,
 ) -> Vec<ActorRun> {
+    actor_steps_with(megatron, model, distributed, steps, json!({}))
+}
+
+/// [`actor_steps`] with `patch` merged into the job's config.
+fn actor_steps_with(
+    megatron: Option<(u64, usize)>,
+    model: &Path,
+    distributed: bool,
+    steps: u64,
+    patch: Value,
+) -> Vec<ActorRun> {
     let (tp, world) = megatron.unwrap_or((1, 1));
     let dp = world / tp as usize;
     let job = std::sync::Arc::new(Job::new(world));
-    let cfg = config(model, tp, distributed, json!({}));
+    let cfg = config(model, tp, distributed, patch);
     let j = job.clone();
     job.run(move |rank| {
         let init = j.init(Role::Actor, rank, &cfg);
@@ -117,6 +128,63 @@ fn tp1_tp2_and_their_data_parallel_actor_updates_equal_one_fsdp_rank() {
 #[test]
 fn tied_embeddings_without_distributed_optimizer_equal_one_rank() {
     check_actor_parity(true, false);
+}
+
+/// Megatron-core's recomputation keys (`override_transformer_config`): recomputing every layer
+/// (`full`), the first of each chunk (`full` + `block`), or none (verl's default, `null`) updates the
+/// actor bit for bit alike, at TP 1 and TP 2 × DP 2; unknown values are refused by key.
+#[test]
+fn recomputed_and_kept_layers_update_alike() {
+    let dir = tiny_model(false, HeadKind::CausalLm);
+    let otc = |v: Value| json!({"actor_rollout_ref": {"actor": {"megatron": {"override_transformer_config": v}}}});
+    for (tp, world) in [(1, 1), (2, 4)] {
+        let run = |v: Value| actor_steps_with(Some((tp, world)), dir.path(), true, 2, otc(v));
+        let kept = run(json!({}));
+        for v in [
+            json!({"recompute_granularity": "full", "recompute_method": "uniform",
+                   "recompute_num_layers": 1}),
+            json!({"recompute_granularity": "full", "recompute_method": "block",
+                   "recompute_num_layers": 1}),
+            json!({"recompute_granularity": "selective"}),
+        ] {
+            let other = run(v.clone());
+            for (rank, (a, b)) in kept.iter().zip(&other).enumerate() {
+                let what = format!("tp {tp} world {world} rank {rank} {v}");
+                assert_eq!(a.0, b.0, "{what}: metrics");
+                assert_eq!(a.2, b.2, "{what}: log-probs before");
+                assert_eq!(a.3, b.3, "{what}: log-probs after");
+                if let (Some(wa), Some(wb)) = (&a.1, &b.1) {
+                    assert_eq!(max_weight_diff(wa, wb), 0.0, "{what}: weights");
+                }
+            }
+        }
+    }
+    for (v, key) in [
+        (
+            json!({"recompute_granularity": "layer"}),
+            "recompute_granularity",
+        ),
+        (
+            json!({"recompute_granularity": "full", "recompute_method": "every"}),
+            "recompute_method",
+        ),
+        (
+            json!({"recompute_granularity": "full", "recompute_method": "block"}),
+            "recompute_num_layers",
+        ),
+    ] {
+        let init = InitArgs::new(Role::Actor, config(dir.path(), 1, true, otc(v)));
+        let e = testing::actor::<MegatronPlugin>(&init)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains(&format!(
+                "actor_rollout_ref.actor.megatron.override_transformer_config.{key}"
+            )),
+            "{e}"
+        );
+    }
 }
 
 type CriticRun = (Vec<Metrics>, Vec<f32>);

@@ -5,7 +5,9 @@
 
 Prints the GPU time per kernel name (total, share, count, mean), the span from the first kernel to the
 end of the last, and the time the GPU sat idle between kernels (gaps over 10 us, by size): a phase whose
-idle time is a large share of its span is waiting for the host to issue work. Standard library only.
+idle time is a large share of its span is waiting for the host to issue work. With `--by-op N` (a trace
+recorded with VERL_TRACE_CPU=1) also the N largest (kernel, aten op that launched it, autograd node around
+it) groups. Standard library only.
 """
 import argparse
 import collections
@@ -13,13 +15,44 @@ import json
 import re
 
 
-def kernels(path):
+def load(path):
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
     cats = ("kernel", "gpu_memcpy", "gpu_memset")
     out = [e for e in events if e.get("ph") == "X" and e.get("cat") in cats]
     out.sort(key=lambda e: e["ts"])
-    return out
+    return events, out
+
+
+def launchers(events):
+    """correlation id -> (innermost aten op, enclosing autograd node) of each CUDA runtime call: one
+    sweep per host thread over its (properly nested) cpu_op intervals."""
+    ops = collections.defaultdict(list)
+    calls = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "cpu_op":
+            ops[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            calls[e["tid"]].append((e["ts"], e["args"]["correlation"]))
+    owner = {}
+    for tid, cl in calls.items():
+        ol = sorted(ops.get(tid, []))
+        stack, i = [], 0
+        for t, corr in sorted(cl):
+            while i < len(ol) and ol[i][0] <= t:
+                while stack and stack[-1][1] < ol[i][0]:
+                    stack.pop()
+                stack.append(ol[i])
+                i += 1
+            while stack and stack[-1][1] < t:
+                stack.pop()
+            inner = stack[-1][2] if stack else "?"
+            node = next((o[2].split(": ", 1)[-1] for o in reversed(stack)
+                         if o[2].startswith("autograd::engine::evaluate_function")), "")
+            owner[corr] = (inner, node)
+    return owner
 
 
 def short(name):
@@ -31,10 +64,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--by-op", type=int, default=0,
+                    help="also list the N largest (kernel, launching aten op, autograd node) groups "
+                         "(needs a trace recorded with VERL_TRACE_CPU=1)")
     ap.add_argument("--gaps", type=int, default=0,
                     help="also list the N kernel pairs (before -> after) with the most idle time between them")
     a = ap.parse_args()
-    ks = kernels(a.trace)
+    events, ks = load(a.trace)
     if not ks:
         raise SystemExit(f"{a.trace}: no GPU kernels in the trace")
     per = collections.defaultdict(lambda: [0, 0.0])
@@ -66,6 +102,17 @@ def main():
     print(f"{'ms':>10} {'share':>6} {'count':>7} {'mean us':>9}  kernel")
     for name, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[: a.top]:
         print(f"{t / 1e3:10.2f} {100 * t / total:5.1f}% {n:7d} {t / n:9.1f}  {name}")
+    if a.by_op:
+        owner = launchers(events)
+        groups = collections.defaultdict(lambda: [0, 0.0])
+        for e in ks:
+            op, node = owner.get(e.get("args", {}).get("correlation"), ("?", ""))
+            g = groups[(short(e["name"])[:45], op[:40], node[:40])]
+            g[0] += 1
+            g[1] += e["dur"]
+        print(f"{'ms':>10} {'count':>7}  kernel | aten op | autograd node")
+        for (k, op, node), (n, t) in sorted(groups.items(), key=lambda kv: -kv[1][1])[: a.by_op]:
+            print(f"{t / 1e3:10.2f} {n:7d}  {k} | {op} | {node}")
     if a.gaps:
         print(f"idle between kernels (gaps over 10 us): {'ms':>8} {'count':>6}  before -> after")
         for (b, f), (n, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[: a.gaps]:

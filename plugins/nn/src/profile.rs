@@ -95,14 +95,28 @@ pub struct Trace {
     path: std::path::PathBuf,
 }
 
-/// With `VERL_TRACE_DIR` set, traces the CUDA kernels (and with `VERL_TRACE_CPU=1` the aten ops)
+/// Whether `VERL_TRACE_PHASES` (comma-separated phase names, e.g. `update,log_prob`) lets phase
+/// `name` be traced; unset or empty: every phase.
+fn phase_traced(name: &str) -> bool {
+    phase_listed(std::env::var("VERL_TRACE_PHASES").ok().as_deref(), name)
+}
+
+fn phase_listed(list: Option<&str>, name: &str) -> bool {
+    match list.map(str::trim).filter(|l| !l.is_empty()) {
+        None => true,
+        Some(l) => l.split(',').any(|p| p.trim() == name),
+    }
+}
+
+/// With `VERL_TRACE_DIR` set (and the phase in `VERL_TRACE_PHASES`, when that is set), traces the
+/// CUDA kernels (and with `VERL_TRACE_CPU=1` the aten ops)
 /// from now until the returned guard drops, into `$VERL_TRACE_DIR/{name}-{n}.json` (a Chrome
 /// trace; `n` counts this name's calls from 0). `None` when unset or on a CPU device. A trace
 /// that cannot start or be written is logged and skipped: it never fails the phase.
 pub fn trace(name: &str, device: Device) -> Option<Trace> {
     static COUNTS: Mutex<BTreeMap<String, usize>> = Mutex::new(BTreeMap::new());
     let dir = std::env::var_os("VERL_TRACE_DIR").filter(|d| !d.is_empty())?;
-    if !matches!(device, Device::Cuda(_)) {
+    if !matches!(device, Device::Cuda(_)) || !phase_traced(name) {
         return None;
     }
     let n = {
@@ -161,5 +175,15 @@ mod tests {
         let mut none: Option<Timer> = None;
         lap(&mut none, "c");
         assert!(take_report().is_none());
+    }
+
+    #[test]
+    fn trace_phases_filter_by_name() {
+        assert!(phase_listed(None, "update"));
+        assert!(phase_listed(Some(" "), "update"));
+        assert!(phase_listed(Some("update, log_prob"), "log_prob"));
+        assert!(phase_listed(Some("update"), "update"));
+        assert!(!phase_listed(Some("update,log_prob"), "generate"));
+        assert!(!phase_listed(Some("updates"), "update"));
     }
 }

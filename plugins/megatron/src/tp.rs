@@ -1398,19 +1398,17 @@ impl TpModel {
         grad_res: &Tensor,
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
     ) -> Result<Tensor> {
-        let root = surrogate(&a.x2, g_x2)?
-            .f_add(&surrogate(&a.h2, grad_res)?)
-            .ctx("surrogate")?;
+        let roots = [(&a.x2, g_x2), (&a.h2, grad_res)];
         let mut params = vec![l.post_norm];
         params.extend(l.o.b);
-        let g = self.backward(&root, &[&a.a_c, h], &params, true, sink)?;
+        let g = self.backward(&roots, &[&a.a_c, h], &params, true, sink)?;
         let g_a = self.gather_seq(&g[0])?;
         let through_residual = g[1].shallow_clone();
-        let root = surrogate(&a.a_part, &g_a)?;
-        let g = self.backward(&root, &[&a.x1c], &l.attention_inner_params(), false, sink)?;
+        let roots = [(&a.a_part, &g_a)];
+        let g = self.backward(&roots, &[&a.x1c], &l.attention_inner_params(), false, sink)?;
         let g_x1 = self.scatter_seq(&g[0])?;
-        let root = surrogate(&a.x1, &g_x1)?;
-        let g = self.backward(&root, &[h], &[l.in_norm], false, sink)?;
+        let roots = [(&a.x1, &g_x1)];
+        let g = self.backward(&roots, &[h], &[l.in_norm], false, sink)?;
         through_residual.f_add(&g[0]).ctx("input gradient")
     }
 
@@ -1431,9 +1429,9 @@ impl TpModel {
         let h = leaf_if(saved, true)?;
         let tr = self.sp_layer(l, &h, ctx, true)?;
         // Residual add: the reduce-scattered MLP output and down's bias get `grad_out`.
-        let root = surrogate(&tr.out, grad_out)?;
+        let roots = [(&tr.out, grad_out)];
         let bias: Vec<usize> = down.b.into_iter().collect();
-        let g = self.backward(&root, &[&tr.m_c], &bias, true, sink)?;
+        let g = self.backward(&roots, &[&tr.m_c], &bias, true, sink)?;
         let g_m = self.gather_seq(&g[0])?;
         let mut params = vec![];
         for lin in [gate, up] {
@@ -1441,8 +1439,8 @@ impl TpModel {
             params.extend(lin.b);
         }
         params.push(down.w);
-        let root = surrogate(&tr.m_part, &g_m)?;
-        let g = self.backward(&root, &[&tr.x2c], &params, false, sink)?;
+        let roots = [(&tr.m_part, &g_m)];
+        let g = self.backward(&roots, &[&tr.x2c], &params, false, sink)?;
         let g_x2 = self.scatter_seq(&g[0])?;
         self.sp_attention_backward(l, &h, &tr.attn, &g_x2, grad_out, sink)
     }
@@ -1803,12 +1801,13 @@ impl TpModel {
         }
     }
 
-    /// Differentiates `root` w.r.t. `inputs` (leaves or graph tensors) and the parameters `params`;
-    /// hands each parameter gradient to `sink` and returns the inputs' gradients (zeros when
-    /// unreachable).
+    /// Differentiates the outputs `roots` (each with its gradient, `(y, dL/dy)`) w.r.t. `inputs`
+    /// (leaves or graph tensors) and the parameters `params`, through `autograd::grad` (no
+    /// surrogate `(y · g).sum()` to run and differentiate); hands each parameter gradient to
+    /// `sink` and returns the inputs' gradients (zeros when unreachable).
     fn backward(
         &self,
-        root: &Tensor,
+        roots: &[(&Tensor, &Tensor)],
         inputs: &[&Tensor],
         params: &[usize],
         keep_graph: bool,
@@ -1816,16 +1815,40 @@ impl TpModel {
     ) -> Result<Vec<Tensor>> {
         let mut wrt: Vec<&Tensor> = inputs.to_vec();
         wrt.extend(params.iter().map(|&i| self.p(i)));
-        let grads = Tensor::f_run_backward(&[root], &wrt, keep_graph, false).ctx("backward")?;
+        // Each gradient in its output's dtype and shape (what autograd hands a surrogate's `y`).
+        let gs = roots
+            .iter()
+            .map(|(y, g)| {
+                let g = match g.kind() == y.kind() {
+                    true => g.shallow_clone(),
+                    false => g.f_to_kind(y.kind())?,
+                };
+                match g.size() == y.size() {
+                    true => Ok(g),
+                    false => g.f_expand_as(y),
+                }
+            })
+            .collect::<std::result::Result<Vec<Tensor>, _>>()
+            .ctx("output gradient")?;
+        // An output outside the graph (nothing it depends on needs a gradient) contributes none.
+        let pairs: Vec<(&Tensor, &Tensor)> = roots
+            .iter()
+            .zip(&gs)
+            .filter(|((y, _), _)| y.requires_grad())
+            .map(|((y, _), g)| (*y, g))
+            .collect();
+        let grads = match pairs.is_empty() {
+            true => (0..wrt.len()).map(|_| None).collect(),
+            false => verl_torch_ext::grad(&pairs, &wrt, keep_graph)?,
+        };
         let mut out = Vec::with_capacity(inputs.len());
         for (k, g) in grads.iter().enumerate() {
             if k < inputs.len() {
-                out.push(if g.defined() {
-                    g.shallow_clone()
-                } else {
-                    inputs[k].f_zeros_like().ctx("zero gradient")?
+                out.push(match g {
+                    Some(g) => g.shallow_clone(),
+                    None => inputs[k].f_zeros_like().ctx("zero gradient")?,
                 });
-            } else if g.defined() {
+            } else if let Some(g) = g {
                 let i = params[k - inputs.len()];
                 if self.sp && self.seq_sharded[i] {
                     // A replicated parameter applied to this rank's sequence shard: its gradient
@@ -1908,7 +1931,8 @@ impl TpModel {
                 format!("shape {:?}", loss.size()),
             ));
         }
-        let g = self.backward(&loss, &[&hc], &self.head_params(), false, sink)?;
+        let one = loss.f_ones_like().ctx("loss gradient")?;
+        let g = self.backward(&[(&loss, &one)], &[&hc], &self.head_params(), false, sink)?;
         let ghc = match (head, self.sp) {
             (Head::Lm(_), false) => self.reduce_grad(g[0].shallow_clone())?,
             (Head::Value { .. }, false) => g[0].shallow_clone(),
@@ -1925,8 +1949,8 @@ impl TpModel {
                 }
             }
         };
-        let root = surrogate(&hf, &ghc)?;
-        let grad = self.backward(&root, &[&hl], &[norm], false, sink)?[0].shallow_clone();
+        let roots = [(&hf, &ghc)];
+        let grad = self.backward(&roots, &[&hl], &[norm], false, sink)?[0].shallow_clone();
         Ok((grad, loss.f_detach().ctx("loss")?, side))
     }
 
@@ -1978,8 +2002,8 @@ impl TpModel {
             false => (self.embed(&ctx.ids)?, grad),
         };
         if e.requires_grad() {
-            let root = surrogate(&e, &grad)?;
-            self.backward(&root, &[], &[self.need_embed()?], false, sink)?;
+            let roots = [(&e, &grad)];
+            self.backward(&roots, &[], &[self.need_embed()?], false, sink)?;
         }
         Ok(None)
     }
@@ -2013,19 +2037,17 @@ impl TpModel {
         grad_out: &Tensor,
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
     ) -> Result<Tensor> {
-        let root = surrogate(&tr.out, grad_out)?;
-        let g = self.backward(&root, &[&tr.x2c], &l.mlp_params(), true, sink)?;
+        let roots = [(&tr.out, grad_out)];
+        let g = self.backward(&roots, &[&tr.x2c], &l.mlp_params(), true, sink)?;
         let gx2 = self.reduce_grad(g[0].shallow_clone())?;
-        let root = surrogate(&tr.x2, &gx2)?
-            .f_add(&surrogate(&tr.h2, grad_out)?)
-            .ctx("surrogate")?;
+        let roots = [(&tr.x2, &gx2), (&tr.h2, grad_out)];
         let mut params = vec![l.post_norm];
         params.extend(l.attention_params());
-        let g = self.backward(&root, &[&tr.x1c, h], &params, true, sink)?;
+        let g = self.backward(&roots, &[&tr.x1c, h], &params, true, sink)?;
         let gx1 = self.reduce_grad(g[0].shallow_clone())?;
         let through_residual = g[1].shallow_clone();
-        let root = surrogate(&tr.x1, &gx1)?;
-        let g = self.backward(&root, &[h], &[l.in_norm], false, sink)?;
+        let roots = [(&tr.x1, &gx1)];
+        let g = self.backward(&roots, &[h], &[l.in_norm], false, sink)?;
         through_residual.f_add(&g[0]).ctx("input gradient")
     }
 
@@ -2102,16 +2124,14 @@ impl TpModel {
                 return self.sp_attention_backward(l, &h, &a, &r.grad_x, grad_out, sink);
             }
         };
-        let root = surrogate(&x2, &r.grad_x)?
-            .f_add(&surrogate(&h2, grad_out)?)
-            .ctx("surrogate")?;
+        let roots = [(&x2, &r.grad_x), (&h2, grad_out)];
         let mut params = vec![l.post_norm];
         params.extend(l.attention_params());
-        let g = self.backward(&root, &[&x1c, &h], &params, true, sink)?;
+        let g = self.backward(&roots, &[&x1c, &h], &params, true, sink)?;
         let gx1 = self.reduce_grad(g[0].shallow_clone())?;
         let through_residual = g[1].shallow_clone();
-        let root = surrogate(&x1, &gx1)?;
-        let g = self.backward(&root, &[&h], &[l.in_norm], false, sink)?;
+        let roots = [(&x1, &gx1)];
+        let g = self.backward(&roots, &[&h], &[l.in_norm], false, sink)?;
         through_residual.f_add(&g[0]).ctx("input gradient")
     }
 
@@ -2243,15 +2263,6 @@ fn leaf_if(x: &Tensor, cut: bool) -> Result<Tensor> {
     }
 }
 
-/// `(y · g).sum()`: its gradient w.r.t. `y` is exactly `g`.
-fn surrogate(y: &Tensor, g: &Tensor) -> Result<Tensor> {
-    y.f_mul(g)
-        .and_then(|x| x.f_sum(Kind::Float))
-        .ctx("surrogate loss")
-}
-
-/// `x · cos + rotate_half(x) · sin`, through the model crate's rotary embedding (one CUDA kernel
-/// forward and backward where it applies, the torch ops elsewhere).
 /// Whether every row of the boolean mask `[B, T]` (true = real token) has its real tokens first:
 /// no real token after a padding one. One host synchronisation.
 fn real_tokens_first(mask: &Tensor) -> std::result::Result<bool, tch::TchError> {
@@ -2266,6 +2277,8 @@ fn real_tokens_first(mask: &Tensor) -> std::result::Result<bool, tch::TchError> 
     )?)
 }
 
+/// `x · cos + rotate_half(x) · sin`, through the model crate's rotary embedding (one CUDA kernel
+/// forward and backward where it applies, the torch ops elsewhere).
 fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(verl_nn::apply_rope(x, cos, sin)?)
 }

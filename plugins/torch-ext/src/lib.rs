@@ -61,6 +61,15 @@ extern "C" {
         n: i64,
         out: *mut *mut torch_sys::C_tensor,
     ) -> *mut c_char;
+    fn vt_grad(
+        outputs: *const CTensor,
+        grad_outputs: *const CTensor,
+        n_out: i64,
+        inputs: *const CTensor,
+        n_in: i64,
+        keep_graph: i32,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
     fn vt_varlen_attention(
         q: CTensor,
         k: CTensor,
@@ -206,6 +215,43 @@ pub fn linear_into(x: &Tensor, w: &Tensor, accs: &[&Tensor]) -> Result<Tensor> {
         )
     };
     adopt("linear_into", err, out)
+}
+
+/// `torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=keep_graph,
+/// allow_unused=True)`: the gradients of `inputs` given `grad_outputs` for `outputs` (each the
+/// shape of its output), `None` where an input is unreachable or needs no gradient. Unlike a
+/// backward from the surrogate `Σ (y · g).sum()`, it runs no product, sum or their backward over
+/// the outputs.
+pub fn grad(
+    outputs: &[(&Tensor, &Tensor)],
+    inputs: &[&Tensor],
+    keep_graph: bool,
+) -> Result<Vec<Option<Tensor>>> {
+    let ys: Vec<CTensor> = outputs.iter().map(|(y, _)| y.as_ptr()).collect();
+    let gs: Vec<CTensor> = outputs.iter().map(|(_, g)| g.as_ptr()).collect();
+    let xs: Vec<CTensor> = inputs.iter().map(|t| t.as_ptr()).collect();
+    let mut out: Vec<*mut torch_sys::C_tensor> = vec![std::ptr::null_mut(); inputs.len()];
+    // SAFETY: live tch tensors borrowed for the call; the shim fills `out` (one slot per input)
+    // with tensors it allocates, or leaves null.
+    let err = unsafe {
+        vt_grad(
+            ys.as_ptr(),
+            gs.as_ptr(),
+            ys.len() as i64,
+            xs.as_ptr(),
+            xs.len() as i64,
+            i32::from(keep_graph),
+            out.as_mut_ptr(),
+        )
+    };
+    // Adopt every tensor the shim allocated before reporting its error.
+    let grads: Vec<Option<Tensor>> = out
+        .into_iter()
+        // SAFETY: each non-null pointer is a fresh at::Tensor the shim handed over.
+        .map(|p| (!p.is_null()).then(|| unsafe { Tensor::from_ptr(p) }))
+        .collect();
+    check("autograd::grad", err)?;
+    Ok(grads)
 }
 
 /// Whether autograd records operations on this thread (false inside `tch::no_grad`).

@@ -14,6 +14,7 @@
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <c10/core/GradMode.h>
@@ -285,6 +286,36 @@ char* vt_linear_into(const at::Tensor* x, const at::Tensor* w, at::Tensor** accs
                                   " rows, the weight " + std::to_string(w->size(0)));
     }
     *out = new at::Tensor(LinearIntoFn::apply(*x, *w, list));
+  });
+}
+
+// torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=keep_graph, allow_unused=True):
+// the gradients of `inputs` (n_in slots of `out`; null where unreachable or not requiring grad)
+// given those of `outputs`, without building a surrogate loss.
+char* vt_grad(at::Tensor** outputs, at::Tensor** grad_outputs, int64_t n_out, at::Tensor** inputs,
+              int64_t n_in, int keep_graph, at::Tensor** out) {
+  return vt_util::guarded([&] {
+    if ((n_out > 0 && (outputs == nullptr || grad_outputs == nullptr)) ||
+        (n_in > 0 && (inputs == nullptr || out == nullptr))) {
+      throw std::invalid_argument("grad: null argument");
+    }
+    for (int64_t i = 0; i < n_in; ++i) out[i] = nullptr;
+    std::vector<at::Tensor> outs = tensor_list(outputs, n_out);
+    std::vector<at::Tensor> gos = tensor_list(grad_outputs, n_out);
+    std::vector<at::Tensor> ins;
+    std::vector<int64_t> where;
+    for (int64_t i = 0; i < n_in; ++i) {
+      if (inputs[i] != nullptr && inputs[i]->defined() && inputs[i]->requires_grad()) {
+        ins.push_back(*inputs[i]);
+        where.push_back(i);
+      }
+    }
+    if (ins.empty()) return;
+    const auto res = torch::autograd::grad(outs, ins, gos, keep_graph != 0,
+                                           /*create_graph=*/false, /*allow_unused=*/true);
+    for (size_t k = 0; k < res.size(); ++k) {
+      if (res[k].defined()) out[where[k]] = new at::Tensor(res[k]);
+    }
   });
 }
 

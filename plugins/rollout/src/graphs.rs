@@ -4,8 +4,9 @@
 //! host more time to enqueue than the device to run. A captured graph replays all of them with one
 //! launch. Graphs need fixed shapes and addresses, so a step is padded to a *bucket*: the batch
 //! rounded up to a capture size (`1, 2, 4, 8, 16, 24, ...`, or `cudagraph_capture_sizes`) and the
-//! block-table width rounded up (to a power of two with the paged-attention kernel, which reads
-//! only real positions; else to a grid of at most ~25% more key positions, masked). The
+//! block-table width rounded up (with the paged-attention kernel, which reads only real
+//! positions, to the call's longest sequence, so one graph per batch size serves the whole call;
+//! else to a grid of at most ~25% more key positions, masked). The
 //! padding rows read and write only the trash block; the outputs of the real rows are exactly
 //! what the eager step computes (same kernels, same shapes up to masked padding).
 //!
@@ -49,6 +50,8 @@ pub(crate) struct DecodeGraphs {
     /// The bucket whose graph owns the shared memory pool.
     pool_owner: Option<(usize, usize)>,
     uses: HashMap<(usize, usize), usize>,
+    /// Block-table width of every paged-kernel bucket: the call's longest sequence in blocks.
+    table_width: usize,
     disabled: bool,
     pub captured: usize,
     pub capture_secs: f64,
@@ -75,8 +78,14 @@ pub(crate) fn blocks_bucket(nb: usize) -> usize {
 impl DecodeGraphs {
     /// Graphs for one generate call, or `None` where they do not apply: not CUDA, graphs turned
     /// off (`EngineConfig::cuda_graphs`), a MoE model (its routing synchronises with the host),
-    /// or a torch-ext build without CUDA (logged).
-    pub fn new(model: &Transformer, config: &EngineConfig, max_seqs: usize) -> Option<Self> {
+    /// or a torch-ext build without CUDA (logged). `max_blocks`: table blocks of the call's
+    /// longest possible sequence (longest prompt + `max_new_tokens`).
+    pub fn new(
+        model: &Transformer,
+        config: &EngineConfig,
+        max_seqs: usize,
+        max_blocks: usize,
+    ) -> Option<Self> {
         if !config.cuda_graphs || !matches!(model.device(), Device::Cuda(_)) {
             return None;
         }
@@ -103,6 +112,7 @@ impl DecodeGraphs {
             graphs: HashMap::new(),
             pool_owner: None,
             uses: HashMap::new(),
+            table_width: max_blocks.max(1),
             disabled: false,
             captured: 0,
             capture_secs: 0.0,
@@ -113,10 +123,11 @@ impl DecodeGraphs {
     fn bucket(&self, s: usize, nb: usize, kernel: bool) -> Option<(usize, usize)> {
         let sb = *self.sizes.iter().find(|&&b| b >= s)?;
         // The paged-attention kernel reads only each sequence's own positions, so a wide table
-        // costs nothing and powers of two keep the graph count down; the gather path reads the
-        // whole table, so it gets the finer grid.
+        // costs only its upload, and the call's widest table makes one graph per batch size
+        // (each capture costs ~10 ms, and its bucket's first use runs eagerly); the gather path
+        // reads the whole table, so it gets the finer grid.
         let nbb = if kernel {
-            nb.max(1).next_power_of_two()
+            nb.max(self.table_width)
         } else {
             blocks_bucket(nb)
         };
@@ -179,21 +190,22 @@ impl DecodeGraphs {
             }
         }
         let c = &self.graphs[&key];
-        let src = paged_attn::upload_i64(&flat, model.device())?;
-        let mut input = c.input.shallow_clone();
-        input.f_copy_(&src)?;
+        // Host data goes straight into the graph's static buffers (one pinned host-to-device
+        // copy each, queued on the stream: no device staging tensor, no device-to-device copy).
+        let dev = model.device();
+        verl_torch_ext::copy_nonblocking(&c.input, &paged_attn::pinned(&flat, dev)?)?;
         if let Some((tokens, rows)) = prev {
             // Token ids lead the flat layout (one per row in a decode step).
             let mut ids = c.input.f_narrow(0, 0, batch.s as i64)?;
             match rows {
-                Some(rows) => ids.f_copy_(&tokens.f_index_select(0, rows)?)?,
+                Some(rows) => {
+                    let _ = tokens.f_index_select_out(&ids, 0, rows)?;
+                }
                 None => ids.f_copy_(&tokens.f_narrow(0, 0, batch.s as i64)?)?,
             }
         }
         if let (Some(dst), Some(u)) = (&c.uniforms, &padded_u) {
-            let src = paged_attn::upload_f32(u, model.device())?;
-            let mut dst = dst.shallow_clone();
-            dst.f_copy_(&src)?;
+            verl_torch_ext::copy_nonblocking(dst, &paged_attn::pinned(u, dev)?)?;
         }
         c.graph.replay()?;
         self.replays += 1;
@@ -262,6 +274,25 @@ mod tests {
         assert_eq!(default_sizes(4), vec![1, 2, 4]);
         assert_eq!(default_sizes(20), vec![1, 2, 4, 8, 16, 20]);
         assert_eq!(default_sizes(512).len(), 3 + 64);
+        // With the paged-attention kernel every table is as wide as the call's longest sequence
+        // (one graph per batch size); the gather path keeps its finer grid.
+        let g = DecodeGraphs {
+            sizes: default_sizes(512),
+            graphs: HashMap::new(),
+            pool_owner: None,
+            uses: HashMap::new(),
+            table_width: 48,
+            disabled: false,
+            captured: 0,
+            capture_secs: 0.0,
+            replays: 0,
+        };
+        assert_eq!(g.bucket(512, 17, true), Some((512, 48)));
+        assert_eq!(g.bucket(300, 48, true), Some((304, 48)));
+        assert_eq!(g.bucket(3, 1, true), Some((4, 48)));
+        assert_eq!(g.bucket(8, 60, true), Some((8, 60)));
+        assert_eq!(g.bucket(512, 17, false), Some((512, 20)));
+        assert_eq!(g.bucket(513, 17, true), None);
         let nb: Vec<usize> = [0, 1, 2, 3, 5, 16, 17, 24, 33, 48, 49, 100]
             .iter()
             .map(|&n| blocks_bucket(n))

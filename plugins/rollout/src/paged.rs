@@ -266,6 +266,7 @@ impl<'a> Engine<'a> {
                     model,
                     config,
                     config.max_num_seqs.unwrap_or(job.rows()).min(job.rows()),
+                    one_seq,
                 )
             },
         })

@@ -108,6 +108,16 @@ pub(crate) fn upload_f32(v: &[f32], device: Device) -> Result<Tensor> {
     upload(Tensor::f_from_slice(v)?, device, Kind::Float)
 }
 
+/// `v` in page-locked host memory for `device` (where it is CUDA) — the source of a
+/// [`verl_torch_ext::copy_nonblocking`] into a device buffer.
+pub(crate) fn pinned<T: tch::kind::Element>(v: &[T], device: Device) -> Result<Tensor> {
+    let host = Tensor::f_from_slice(v)?;
+    Ok(match device {
+        Device::Cuda(_) => host.f_internal_pin_memory(device)?,
+        _ => host,
+    })
+}
+
 fn upload(host: Tensor, device: Device, kind: Kind) -> Result<Tensor> {
     Ok(verl_torch_ext::upload_nonblocking(host, device, kind)?)
 }

@@ -448,13 +448,6 @@ fn cut(x: &Tensor, what: &str) -> Result<Tensor> {
         .ctx(what)
 }
 
-/// `(y · g).sum()`: its gradient w.r.t. `y` is exactly `g`.
-fn surrogate(y: &Tensor, g: &Tensor) -> Result<Tensor> {
-    y.f_mul(g)
-        .and_then(|x| x.f_sum(Kind::Float))
-        .ctx("surrogate loss")
-}
-
 fn index(v: &[i64], device: Device, what: &str) -> Result<Tensor> {
     Tensor::f_from_slice(v)
         .and_then(|t| t.f_to_device(device))
@@ -1236,11 +1229,16 @@ impl EpMoe {
             false => gy,
         };
         // Segment 1: combine, router, shared expert and aux loss, up to the combine cut.
-        let mut root = surrogate(&f.y, &gy)?;
-        if let Some(a) = &f.aux {
-            root = root
-                .f_add(&a.f_mul_scalar(aux_scale).ctx("aux loss")?)
-                .ctx("aux loss")?;
+        let aux_grad = match &f.aux {
+            Some(a) => Some(
+                Tensor::f_full(a.size(), aux_scale, (a.kind(), a.device()))
+                    .ctx("aux loss gradient")?,
+            ),
+            None => None,
+        };
+        let mut roots: Vec<(&Tensor, &Tensor)> = vec![(&f.y, &gy)];
+        if let (Some(a), Some(g)) = (&f.aux, &aux_grad) {
+            roots.push((a, g));
         }
         let mut replicated = vec![self.router];
         if let Some((mlp, gate)) = self.shared {
@@ -1257,7 +1255,7 @@ impl EpMoe {
                 }
                 Ok(())
             };
-            let g = self.backward(&root, &[&f.xl, &f.ybl], &replicated, &mut keep)?;
+            let g = self.backward(&roots, &[&f.xl, &f.ybl], &replicated, &mut keep)?;
             for (k, &i) in replicated.iter().enumerate() {
                 if !self.p(i).requires_grad() {
                     continue;
@@ -1275,10 +1273,10 @@ impl EpMoe {
             }
             g
         } else {
-            self.backward(&root, &[&f.xl, &f.ybl], &replicated, sink)?
+            self.backward(&roots, &[&f.xl, &f.ybl], &replicated, sink)?
         };
         let (gx_direct, g_back) = (g[0].shallow_clone(), g[1].shallow_clone());
-        drop(root);
+        drop(roots);
         // Reverse of the combine all-to-all: output gradients to the expert owners.
         let g_recv = self.ep.all_to_all_v(
             &g_back,
@@ -1302,9 +1300,8 @@ impl EpMoe {
         // Segment 2: the local experts.
         let mut g_xs = match &f.ys {
             Some(ys) => {
-                let root = surrogate(ys, &g_sorted)?;
                 let params: Vec<usize> = self.experts.iter().flatten().copied().collect();
-                self.backward(&root, &[&f.xsl], &params, sink)?[0].shallow_clone()
+                self.backward(&[(ys, &g_sorted)], &[&f.xsl], &params, sink)?[0].shallow_clone()
             }
             None => f.xsl.f_zeros_like().ctx("expert input gradient")?,
         };
@@ -1349,11 +1346,12 @@ impl EpMoe {
         })
     }
 
-    /// Differentiates `root` w.r.t. `inputs` and the parameters `params`; hands each defined
-    /// parameter gradient to `sink`, returns the inputs' gradients (zeros when unreachable).
+    /// Differentiates the outputs `roots` (each `(y, dL/dy)`, see [`crate::tp::output_grads`])
+    /// w.r.t. `inputs` and the parameters `params`; hands each parameter gradient to `sink`,
+    /// returns the inputs' gradients (zeros when unreachable).
     fn backward(
         &self,
-        root: &Tensor,
+        roots: &[(&Tensor, &Tensor)],
         inputs: &[&Tensor],
         params: &[usize],
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
@@ -1365,20 +1363,15 @@ impl EpMoe {
             .filter(|&i| self.p(i).requires_grad())
             .collect();
         wrt.extend(params.iter().map(|&i| self.p(i)));
-        let grads = if root.requires_grad() {
-            Tensor::f_run_backward(&[root], &wrt, false, false).ctx("moe backward")?
-        } else {
-            (0..wrt.len()).map(|_| Tensor::new()).collect()
-        };
+        let grads = crate::tp::output_grads(roots, &wrt, false)?;
         let mut out = Vec::with_capacity(inputs.len());
         for (k, g) in grads.iter().enumerate() {
             if k < inputs.len() {
-                out.push(if g.defined() {
-                    g.shallow_clone()
-                } else {
-                    inputs[k].f_zeros_like().ctx("zero gradient")?
+                out.push(match g {
+                    Some(g) => g.shallow_clone(),
+                    None => inputs[k].f_zeros_like().ctx("zero gradient")?,
                 });
-            } else if g.defined() {
+            } else if let Some(g) = g {
                 sink(params[k - inputs.len()], g)?;
             }
         }

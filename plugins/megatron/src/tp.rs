@@ -1815,32 +1815,7 @@ impl TpModel {
     ) -> Result<Vec<Tensor>> {
         let mut wrt: Vec<&Tensor> = inputs.to_vec();
         wrt.extend(params.iter().map(|&i| self.p(i)));
-        // Each gradient in its output's dtype and shape (what autograd hands a surrogate's `y`).
-        let gs = roots
-            .iter()
-            .map(|(y, g)| {
-                let g = match g.kind() == y.kind() {
-                    true => g.shallow_clone(),
-                    false => g.f_to_kind(y.kind())?,
-                };
-                match g.size() == y.size() {
-                    true => Ok(g),
-                    false => g.f_expand_as(y),
-                }
-            })
-            .collect::<std::result::Result<Vec<Tensor>, _>>()
-            .ctx("output gradient")?;
-        // An output outside the graph (nothing it depends on needs a gradient) contributes none.
-        let pairs: Vec<(&Tensor, &Tensor)> = roots
-            .iter()
-            .zip(&gs)
-            .filter(|((y, _), _)| y.requires_grad())
-            .map(|((y, _), g)| (*y, g))
-            .collect();
-        let grads = match pairs.is_empty() {
-            true => (0..wrt.len()).map(|_| None).collect(),
-            false => verl_torch_ext::grad(&pairs, &wrt, keep_graph)?,
-        };
+        let grads = output_grads(roots, &wrt, keep_graph)?;
         let mut out = Vec::with_capacity(inputs.len());
         for (k, g) in grads.iter().enumerate() {
             if k < inputs.len() {
@@ -2358,6 +2333,42 @@ fn cos_sin(inv: &Tensor, positions: &Tensor, kind: Kind) -> Result<(Tensor, Tens
         Ok((emb.f_cos()?.f_to_kind(kind)?, emb.f_sin()?.f_to_kind(kind)?))
     };
     f().ctx("rope tables")
+}
+
+/// `autograd::grad` of the outputs `roots` (each `(y, dL/dy)`) w.r.t. `wrt`: `dL/dy` is handed
+/// over in `y`'s dtype and shape (what autograd hands the `y` of a surrogate `(y · dL/dy).sum()`,
+/// without running that product and sum and their backward); an output outside the graph
+/// (nothing it depends on needs a gradient) contributes nothing, and `None` marks an unreachable
+/// or frozen tensor of `wrt`.
+pub(crate) fn output_grads(
+    roots: &[(&Tensor, &Tensor)],
+    wrt: &[&Tensor],
+    keep_graph: bool,
+) -> Result<Vec<Option<Tensor>>> {
+    let gs = roots
+        .iter()
+        .map(|(y, g)| {
+            let g = match g.kind() == y.kind() {
+                true => g.shallow_clone(),
+                false => g.f_to_kind(y.kind())?,
+            };
+            match g.size() == y.size() {
+                true => Ok(g),
+                false => g.f_expand_as(y),
+            }
+        })
+        .collect::<std::result::Result<Vec<Tensor>, _>>()
+        .ctx("output gradient")?;
+    let pairs: Vec<(&Tensor, &Tensor)> = roots
+        .iter()
+        .zip(&gs)
+        .filter(|((y, _), _)| y.requires_grad())
+        .map(|((y, _), g)| (*y, g))
+        .collect();
+    Ok(match pairs.is_empty() {
+        true => wrt.iter().map(|_| None).collect(),
+        false => verl_torch_ext::grad(&pairs, wrt, keep_graph)?,
+    })
 }
 
 #[cfg(test)]

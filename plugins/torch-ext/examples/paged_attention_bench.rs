@@ -1,8 +1,8 @@
 //! Times the paged decode-attention kernel against the torch formulations on a GPU.
 //!
 //! `cargo run --release -p verl-torch-ext --example paged_attention_bench [-- S CONTEXT HEADS
-//! KV_HEADS HEAD_DIM SHARED N]` (defaults: S = 512 sequences, context 768; heads 14 / kv 2,
-//! head_dim 64, bf16, blocks of 16, block ids shuffled; SHARED > 0: groups of N sequences share
+//! KV_HEADS HEAD_DIM SHARED N BLOCK_SIZE]` (defaults: S = 512 sequences, context 768; heads 14 /
+//! kv 2, head_dim 64, bf16, blocks of 16, block ids shuffled; SHARED > 0: groups of N sequences share
 //! their first SHARED positions' blocks, as the n samples of a prompt do in the engine). Prints µs per call and the achieved GB/s of K/V read (every sequence's
 //! keys and values read once: S * context * kv_heads * head_dim * 2 bytes * 2).
 
@@ -43,7 +43,7 @@ fn main() {
     let d = args.get(4).copied().unwrap_or(64);
     let shared = args.get(5).copied().unwrap_or(0);
     let group = args.get(6).copied().unwrap_or(8).max(1);
-    let bs = 16i64;
+    let bs = args.get(7).copied().unwrap_or(16).max(1);
     let dev = Device::Cuda(0);
     let kind = Kind::BFloat16;
     tch::manual_seed(0);

@@ -7,7 +7,8 @@ Prints the GPU time per kernel name (total, share, count, mean), the span from t
 end of the last, and the time the GPU sat idle between kernels (gaps over 10 us, by size): a phase whose
 idle time is a large share of its span is waiting for the host to issue work. With `--by-op N` (a trace
 recorded with VERL_TRACE_CPU=1) also the N largest (kernel, aten op that launched it, autograd node around
-it) groups. Standard library only.
+it) groups. With `--gap-ops N` the N longest idle gaps and the host events overlapping each. Standard library
+only.
 """
 import argparse
 import collections
@@ -69,6 +70,9 @@ def main():
                          "(needs a trace recorded with VERL_TRACE_CPU=1)")
     ap.add_argument("--gaps", type=int, default=0,
                     help="also list the N kernel pairs (before -> after) with the most idle time between them")
+    ap.add_argument("--gap-ops", type=int, default=0,
+                    help="also list the N longest single idle gaps with the host events (CUDA runtime calls; "
+                         "aten ops with VERL_TRACE_CPU=1) that overlap each, longest overlap first")
     a = ap.parse_args()
     events, ks = load(a.trace)
     if not ks:
@@ -83,8 +87,11 @@ def main():
     gaps = collections.Counter()
     pairs = collections.defaultdict(lambda: [0, 0.0])
     prev = ks[0]
+    singles = []
     for e in ks[1:]:
         g = e["ts"] - end
+        if g > 200:
+            singles.append((g, end, short(prev["name"])[:40], short(e["name"])[:40]))
         if g > 10:
             pair = pairs[(short(prev["name"])[:50], short(e["name"])[:50])]
             pair[0] += 1
@@ -117,6 +124,21 @@ def main():
         print(f"idle between kernels (gaps over 10 us): {'ms':>8} {'count':>6}  before -> after")
         for (b, f), (n, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[: a.gaps]:
             print(f"{t / 1e3:48.2f} {n:6d}  {b} -> {f}")
+    if a.gap_ops:
+        host_cats = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
+        host = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                if e.get("ph") == "X" and e.get("cat") in host_cats and e.get("dur", 0) >= 20]
+        print("longest idle gaps (ms from the first kernel): host events overlapping each (overlap ms)")
+        for g, g0, b, f in sorted(singles, reverse=True)[: a.gap_ops]:
+            g1 = g0 + g
+            over = collections.Counter()
+            for t0, t1, name in host:
+                o = min(t1, g1) - max(t0, g0)
+                if o > 0:
+                    over[short(name)[:60]] += o
+            print(f"  {g / 1e3:8.2f} ms at {(g0 - start) / 1e3:9.2f}: {b} -> {f}")
+            for name, o in over.most_common(6):
+                print(f"  {'':>8}    {o / 1e3:8.2f}  {name}")
 
 
 if __name__ == "__main__":

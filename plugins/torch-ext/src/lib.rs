@@ -45,6 +45,7 @@ extern "C" {
     fn vt_free_error(e: *mut c_char);
     fn vt_cuda_graphs_compiled() -> i32;
     fn vt_cuda_empty_cache() -> *mut c_char;
+    fn vt_cuda_releasable_bytes(device: i64, out: *mut i64) -> *mut c_char;
     fn vt_prefer_cublaslt() -> *mut c_char;
     fn vt_clear_grads(ts: *const CTensor, n: i64) -> *mut c_char;
     fn vt_grad_enabled() -> i32;
@@ -164,6 +165,20 @@ pub(crate) fn adopt(
 pub fn cuda_empty_cache() -> Result<()> {
     // SAFETY: no arguments; errors come back as a malloc'ed string.
     check("cuda_empty_cache", unsafe { vt_cuda_empty_cache() })
+}
+
+/// Bytes [`cuda_empty_cache`] would hand back to the driver on CUDA device `device`: the caching
+/// allocator's segments with no block in use. Device memory in use *by tensors* is then
+/// `total − free − cuda_releasable_bytes`, without paying for the release (tens of ms of
+/// `cudaFree` after a training pass). 0 in a build without CUDA; an error where the allocator keeps
+/// no such statistics (e.g. `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`).
+pub fn cuda_releasable_bytes(device: usize) -> Result<u64> {
+    let mut out = 0i64;
+    // SAFETY: `out` outlives the call; errors come back as a malloc'ed string.
+    check("cuda_releasable_bytes", unsafe {
+        vt_cuda_releasable_bytes(device as i64, &mut out)
+    })?;
+    Ok(out.max(0) as u64)
 }
 
 /// `torch.backends.cuda.preferred_blas_library("cublaslt")`: libtorch's GEMMs (forward and

@@ -175,6 +175,25 @@ char* vt_cuda_empty_cache() {
   });
 }
 
+// Bytes `torch.cuda.empty_cache()` would hand back to the driver on `device`: the caching allocator's
+// segments with no block in use (reserved - active - inactive split), into `*out`; 0 without CUDA.
+char* vt_cuda_releasable_bytes(int64_t device, int64_t* out) {
+  return vt_util::guarded([&] {
+    if (out == nullptr) throw std::invalid_argument("cuda_releasable_bytes: null output");
+    *out = 0;
+#ifdef VERL_WITH_CUDA
+    const auto s =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    const int64_t r = s.reserved_bytes[all].current - s.active_bytes[all].current -
+                      s.inactive_split_bytes[all].current;
+    *out = r > 0 ? r : 0;
+#else
+    (void)device;
+#endif
+  });
+}
+
 // `dst.copy_(src, non_blocking=true)`: between a CUDA tensor and pinned host memory the copy is
 // queued on the current stream and the call returns at once.
 char* vt_copy_nonblocking(at::Tensor* dst, at::Tensor* src) {

@@ -795,14 +795,14 @@ pub struct MicroBatchLoss<'a> {
 /// Bytes of fp32 LM-head logits an update may keep from a micro-batch's forward for its backward
 /// (saving one head GEMM per chunk): a quarter of the device memory no tensor holds now
 /// (`cuMemGetInfo`'s free bytes plus the caching allocator's releasable segments, see
-/// [`verl_torch_ext::cuda_releasable_bytes`]), so keeping them cannot take the last of it; 0 off
+/// [`verl_torch_ext::CudaMemoryStats::releasable`]), so keeping them cannot take the last of it; 0 off
 /// CUDA, when the query fails, or with `VERL_KEEP_HEAD_LOGITS=0`.
 pub fn kept_logits_budget(device: Device) -> u64 {
     let Device::Cuda(gpu) = device else { return 0 };
     if std::env::var("VERL_KEEP_HEAD_LOGITS").as_deref() == Ok("0") {
         return 0;
     }
-    let releasable = verl_torch_ext::cuda_releasable_bytes(gpu).unwrap_or(0);
+    let releasable = verl_torch_ext::cuda_memory_stats(gpu).map_or(0, |s| s.releasable);
     verl_comm::nccl::cuda_context(gpu)
         .ok()
         .and_then(|ctx| ctx.mem_get_info().ok())
@@ -1092,8 +1092,8 @@ pub fn kv_budget(
         // the pool comes from the same allocator, so the segments stay cached and are only
         // counted (emptying cost ~60 ms of cudaFree per call after a 0.5B update, H100). Where
         // the allocator keeps no statistics, the cache is emptied as before.
-        let releasable = match verl_torch_ext::cuda_releasable_bytes(gpu) {
-            Ok(b) => b,
+        let releasable = match verl_torch_ext::cuda_memory_stats(gpu) {
+            Ok(s) => s.releasable,
             Err(e) => {
                 tracing::debug!("allocator statistics unavailable ({e}); emptying the cache");
                 verl_torch_ext::cuda_empty_cache()?;

@@ -15,26 +15,79 @@ use tch::Device;
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result};
 
-/// `perf/gpu_memory_used_gb`: device-level used memory (`cuMemGetInfo`: total − free, GiB) at the
-/// end of an update, the maximum over the ranks. It counts everything on the GPU: the CUDA
-/// context, the caching allocator's reserve, other processes. verl's
-/// `perf/max_memory_allocated_gb` / `perf/max_memory_reserved_gb` need the caching allocator's
-/// statistics, which tch does not bind. Nothing is added on the CPU.
+/// The memory metrics of an update, the maximum over the ranks:
+/// - `perf/gpu_memory_used_gb`: device-level used memory (`cuMemGetInfo`: total − free, GiB) at
+///   the end of the update. It counts everything on the GPU: the CUDA context, the caching
+///   allocator's reserve, other processes.
+/// - verl's `perf/max_memory_allocated_gb` / `perf/max_memory_reserved_gb`: the caching
+///   allocator's peaks since the process started (`torch.cuda.max_memory_allocated()` /
+///   `max_memory_reserved()`, GiB; verl reports the first rank's, this the largest).
+/// - verl's `perf/cpu_memory_used_gb`: the host's used memory as psutil's `virtual_memory().used`
+///   computes it from `/proc/meminfo` (GiB), on every device.
 pub fn push_gpu_memory(acc: &mut MetricAcc, dp: &Dp, device: Device) -> Result<()> {
-    let Device::Cuda(gpu) = device else {
-        return Ok(());
-    };
-    let used = verl_comm::nccl::cuda_context(gpu)
-        .ok()
-        .and_then(|ctx| ctx.mem_get_info().ok())
-        .map(|(free, total)| total.saturating_sub(free) as f64 / (1u64 << 30) as f64);
+    const GIB: f64 = (1u64 << 30) as f64;
     // Every rank takes part in the reduction, even one whose query failed (-1).
-    let mut v = [used.unwrap_or(-1.0)];
+    let mut v = [-1.0f64; 4];
+    if let Some(used) = host_memory_used() {
+        v[3] = used as f64 / GIB;
+    }
+    if let Device::Cuda(gpu) = device {
+        if let Some((free, total)) = verl_comm::nccl::cuda_context(gpu)
+            .ok()
+            .and_then(|ctx| ctx.mem_get_info().ok())
+        {
+            v[0] = total.saturating_sub(free) as f64 / GIB;
+        }
+        if let Ok(s) = verl_torch_ext::cuda_memory_stats(gpu) {
+            v[1] = s.max_allocated as f64 / GIB;
+            v[2] = s.max_reserved as f64 / GIB;
+        }
+    }
     dp.all_reduce_max(&mut v)?;
-    if v[0] >= 0.0 {
-        acc.push_global("perf/gpu_memory_used_gb", v[0]);
+    let names = [
+        "perf/gpu_memory_used_gb",
+        "perf/max_memory_allocated_gb",
+        "perf/max_memory_reserved_gb",
+        "perf/cpu_memory_used_gb",
+    ];
+    for (name, x) in names.into_iter().zip(v) {
+        if x >= 0.0 {
+            acc.push_global(name, x);
+        }
     }
     Ok(())
+}
+
+/// The update metrics that are a maximum over ranks (see [`push_gpu_memory`]).
+pub const MEMORY_METRICS: [&str; 4] = [
+    "perf/gpu_memory_used_gb",
+    "perf/max_memory_allocated_gb",
+    "perf/max_memory_reserved_gb",
+    "perf/cpu_memory_used_gb",
+];
+
+/// The host's used memory in bytes as psutil's `virtual_memory().used` computes it on Linux, or
+/// `None` where `/proc/meminfo` cannot be read.
+fn host_memory_used() -> Option<u64> {
+    meminfo_used(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+/// psutil's Linux formula over a `/proc/meminfo` text: `total − free − cached − buffers`, with
+/// `cached = Cached + SReclaimable` (`total − free` where that comes out negative, as in some
+/// containers); bytes.
+fn meminfo_used(text: &str) -> Option<u64> {
+    let field = |key: &str| -> Option<i64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|v| v.parse::<i64>().ok())
+            .map(|kib| kib * 1024)
+    };
+    let (total, free) = (field("MemTotal")?, field("MemFree")?);
+    let buffers = field("Buffers").unwrap_or(0);
+    let cached = field("Cached").unwrap_or(0) + field("SReclaimable").unwrap_or(0);
+    let used = total - free - cached - buffers;
+    Some(if used < 0 { total - free } else { used }.max(0) as u64)
 }
 
 #[derive(Debug, Default)]
@@ -107,5 +160,26 @@ impl MetricAcc {
             }
         }
         out.into_iter().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn host_memory_used_is_psutils_formula() {
+        let text = "MemTotal:       1000 kB\nMemFree:         100 kB\nMemAvailable:    700 kB\n\
+                    Buffers:          50 kB\nCached:          300 kB\nSwapCached:        7 kB\n\
+                    SReclaimable:     40 kB\n";
+        assert_eq!(
+            super::meminfo_used(text),
+            Some((1000 - 100 - 340 - 50) * 1024)
+        );
+        // A container where the page cache exceeds what it sees as total: total - free.
+        let text = "MemTotal: 100 kB\nMemFree: 20 kB\nBuffers: 10 kB\nCached: 90 kB\n";
+        assert_eq!(super::meminfo_used(text), Some(80 * 1024));
+        assert_eq!(super::meminfo_used("MemFree: 1 kB\n"), None);
+        // The host this runs on: something is used.
+        let used = super::host_memory_used().unwrap();
+        assert!(used > 0, "{used}");
     }
 }

@@ -412,8 +412,8 @@ fn internal_json(what: &str, e: serde_json::Error) -> MegatronError {
 }
 
 /// The metrics of an update on every pipeline stage: the losses and everything derived from them
-/// exist on the last stage only, so its metrics are what every rank reports; the device memory is
-/// the maximum over the stages.
+/// exist on the last stage only, so its metrics are what every rank reports; the memory metrics
+/// ([`verl_fsdp_core::metrics::MEMORY_METRICS`]) are the maximum over the stages.
 pub fn metrics_from_last_stage(
     par: &Parallel,
     mine: Vec<(String, f64)>,
@@ -421,14 +421,15 @@ pub fn metrics_from_last_stage(
     if par.pp.size == 1 {
         return Ok(mine);
     }
-    const MEMORY: &str = "perf/gpu_memory_used_gb";
-    let mut memory = [mine
-        .iter()
-        .find(|(k, _)| k == MEMORY)
-        .map(|(_, v)| *v)
-        .unwrap_or(-1.0)];
+    let keys = verl_fsdp_core::metrics::MEMORY_METRICS;
+    let mut memory = keys.map(|key| {
+        mine.iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| *v)
+            .unwrap_or(-1.0)
+    });
     par.pp
-        .all_reduce_f64(&mut memory, ReduceOp::Max, "all_reduce (device memory)")?;
+        .all_reduce_f64(&mut memory, ReduceOp::Max, "all_reduce (memory metrics)")?;
     // JSON has no NaN: values travel as optional numbers.
     let encoded: Vec<(String, Option<f64>)> = mine
         .into_iter()
@@ -439,10 +440,13 @@ pub fn metrics_from_last_stage(
         .into_iter()
         .map(|(k, v)| (k, v.unwrap_or(f64::NAN)))
         .collect();
-    if memory[0] >= 0.0 {
-        match out.iter_mut().find(|(k, _)| k == MEMORY) {
-            Some(slot) => slot.1 = memory[0],
-            None => out.push((MEMORY.to_string(), memory[0])),
+    for (key, value) in keys.into_iter().zip(memory) {
+        if value < 0.0 {
+            continue;
+        }
+        match out.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1 = value,
+            None => out.push((key.to_string(), value)),
         }
     }
     Ok(out)

@@ -45,7 +45,7 @@ extern "C" {
     fn vt_free_error(e: *mut c_char);
     fn vt_cuda_graphs_compiled() -> i32;
     fn vt_cuda_empty_cache() -> *mut c_char;
-    fn vt_cuda_releasable_bytes(device: i64, out: *mut i64) -> *mut c_char;
+    fn vt_cuda_memory_stats(device: i64, out: *mut i64) -> *mut c_char;
     fn vt_prefer_cublaslt() -> *mut c_char;
     fn vt_clear_grads(ts: *const CTensor, n: i64) -> *mut c_char;
     fn vt_grad_enabled() -> i32;
@@ -167,18 +167,40 @@ pub fn cuda_empty_cache() -> Result<()> {
     check("cuda_empty_cache", unsafe { vt_cuda_empty_cache() })
 }
 
-/// Bytes [`cuda_empty_cache`] would hand back to the driver on CUDA device `device`: the caching
-/// allocator's segments with no block in use. Device memory in use *by tensors* is then
-/// `total − free − cuda_releasable_bytes`, without paying for the release (tens of ms of
-/// `cudaFree` after a training pass). 0 in a build without CUDA; an error where the allocator keeps
-/// no such statistics (e.g. `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`).
-pub fn cuda_releasable_bytes(device: usize) -> Result<u64> {
-    let mut out = 0i64;
-    // SAFETY: `out` outlives the call; errors come back as a malloc'ed string.
-    check("cuda_releasable_bytes", unsafe {
-        vt_cuda_releasable_bytes(device as i64, &mut out)
+/// The CUDA caching allocator's statistics for one device (bytes), as `torch.cuda` reports them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaMemoryStats {
+    /// `memory_allocated()`: held by tensors now.
+    pub allocated: u64,
+    /// `max_memory_allocated()`: the peak of `allocated` since the process started.
+    pub max_allocated: u64,
+    /// `memory_reserved()`: segments the allocator holds from the driver now.
+    pub reserved: u64,
+    /// `max_memory_reserved()`: the peak of `reserved`.
+    pub max_reserved: u64,
+    /// What [`cuda_empty_cache`] would hand back to the driver: the segments with no block in
+    /// use. Device memory in use *by tensors* is `total − free − releasable`, known without paying
+    /// for the release (tens of ms of `cudaFree` after a training pass).
+    pub releasable: u64,
+}
+
+/// [`CudaMemoryStats`] of CUDA device `device`: all zero in a build without CUDA; an error where
+/// the allocator keeps no such statistics (e.g. `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`).
+pub fn cuda_memory_stats(device: usize) -> Result<CudaMemoryStats> {
+    let mut out = [0i64; 5];
+    // SAFETY: `out` holds the 5 values the shim writes and outlives the call; errors come back as
+    // a malloc'ed string.
+    check("cuda_memory_stats", unsafe {
+        vt_cuda_memory_stats(device as i64, out.as_mut_ptr())
     })?;
-    Ok(out.max(0) as u64)
+    let b = |i: usize| out[i].max(0) as u64;
+    Ok(CudaMemoryStats {
+        allocated: b(0),
+        max_allocated: b(1),
+        reserved: b(2),
+        max_reserved: b(3),
+        releasable: b(4),
+    })
 }
 
 /// `torch.backends.cuda.preferred_blas_library("cublaslt")`: libtorch's GEMMs (forward and

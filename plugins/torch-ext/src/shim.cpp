@@ -175,19 +175,26 @@ char* vt_cuda_empty_cache() {
   });
 }
 
-// Bytes `torch.cuda.empty_cache()` would hand back to the driver on `device`: the caching allocator's
-// segments with no block in use (reserved - active - inactive split), into `*out`; 0 without CUDA.
-char* vt_cuda_releasable_bytes(int64_t device, int64_t* out) {
+// The CUDA caching allocator's statistics for `device` into `out[0..5]`: bytes allocated now and at
+// their peak (`torch.cuda.memory_allocated` / `max_memory_allocated`), reserved now and at their
+// peak (`memory_reserved` / `max_memory_reserved`), and the bytes `torch.cuda.empty_cache()` would
+// hand back to the driver (segments with no block in use: reserved - active - inactive split).
+// All 0 without CUDA.
+char* vt_cuda_memory_stats(int64_t device, int64_t* out) {
   return vt_util::guarded([&] {
-    if (out == nullptr) throw std::invalid_argument("cuda_releasable_bytes: null output");
-    *out = 0;
+    if (out == nullptr) throw std::invalid_argument("cuda_memory_stats: null output");
+    for (int i = 0; i < 5; ++i) out[i] = 0;
 #ifdef VERL_WITH_CUDA
     const auto s =
         c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
     const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out[0] = s.allocated_bytes[all].current;
+    out[1] = s.allocated_bytes[all].peak;
+    out[2] = s.reserved_bytes[all].current;
+    out[3] = s.reserved_bytes[all].peak;
     const int64_t r = s.reserved_bytes[all].current - s.active_bytes[all].current -
                       s.inactive_split_bytes[all].current;
-    *out = r > 0 ? r : 0;
+    out[4] = r > 0 ? r : 0;
 #else
     (void)device;
 #endif

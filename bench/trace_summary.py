@@ -11,6 +11,7 @@ it) groups. With `--gap-ops N` the N longest idle gaps and the host events overl
 only.
 """
 import argparse
+import bisect
 import collections
 import json
 import re
@@ -87,9 +88,11 @@ def main():
     gaps = collections.Counter()
     pairs = collections.defaultdict(lambda: [0, 0.0])
     prev = ks[0]
-    singles = []
+    singles, idle_spans = [], []
     for e in ks[1:]:
         g = e["ts"] - end
+        if g > 50:
+            idle_spans.append((end, end + g))
         if g > 200:
             singles.append((g, end, short(prev["name"])[:40], short(e["name"])[:40]))
         if g > 10:
@@ -128,6 +131,20 @@ def main():
         host_cats = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
         host = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                 if e.get("ph") == "X" and e.get("cat") in host_cats and e.get("dur", 0) >= 20]
+        # Over every gap above 50 us: which host events the GPU sat waiting through (innermost
+        # names repeat their parents' time; read it as "inside which calls").
+        total = collections.Counter()
+        ends = [g1 for _, g1 in idle_spans]  # the gaps are disjoint and in order
+        for t0, t1, name in host:
+            k = bisect.bisect_right(ends, t0)
+            while k < len(idle_spans) and idle_spans[k][0] < t1:
+                g0, g1 = idle_spans[k]
+                total[short(name)[:60]] += min(t1, g1) - max(t0, g0)
+                k += 1
+        print(f"host events inside the {len(idle_spans)} idle gaps over 50 us "
+              f"({sum(b - a for a, b in idle_spans) / 1e3:.1f} ms), overlap ms:")
+        for name, o in total.most_common(2 * a.gap_ops):
+            print(f"  {o / 1e3:10.2f}  {name}")
         print("longest idle gaps (ms from the first kernel): host events overlapping each (overlap ms)")
         for g, g0, b, f in sorted(singles, reverse=True)[: a.gap_ops]:
             g1 = g0 + g

@@ -5,8 +5,9 @@
 //! launch. Graphs need fixed shapes and addresses, so a step is padded to a *bucket*: the batch
 //! rounded up to a capture size (`1, 2, 4, 8, 16, 24, ...`, or `cudagraph_capture_sizes`) and the
 //! block-table width rounded up (with the paged-attention kernel, which reads only real
-//! positions, to the call's longest sequence, so one graph per batch size serves the whole call;
-//! else to a grid of at most ~25% more key positions, masked). The
+//! positions, to the call's longest sequence where that table is small, so one graph per batch
+//! size serves the whole call, else to a power of two; without the kernel to a grid of at most
+//! ~25% more key positions, masked). The
 //! padding rows read and write only the trash block; the outputs of the real rows are exactly
 //! what the eager step computes (same kernels, same shapes up to masked padding).
 //!
@@ -32,6 +33,13 @@ use crate::sampler::Sampler;
 /// Uses of a bucket before it is captured.
 const CAPTURE_AFTER_USES: usize = 2;
 
+/// Largest block table (bytes of int64 entries, all rows of the largest batch) whose full width
+/// every paged-kernel graph of a call takes. The whole table is uploaded before each replay, so a
+/// wider table costs every step; a capture (~10–15 ms, and its bucket's first use eagerly) is
+/// paid once per bucket. Past this size (e.g. 512 rows × 128 blocks of 16 = 2,048 tokens) widths
+/// go up in powers of two instead.
+const FULL_WIDTH_TABLE_BYTES: usize = 512 << 10;
+
 struct Captured {
     graph: CudaGraph,
     /// The static index buffer the graph reads (`HostBatch::flat` layout).
@@ -50,7 +58,8 @@ pub(crate) struct DecodeGraphs {
     /// The bucket whose graph owns the shared memory pool.
     pool_owner: Option<(usize, usize)>,
     uses: HashMap<(usize, usize), usize>,
-    /// Block-table width of every paged-kernel bucket: the call's longest sequence in blocks.
+    /// Block-table width of every paged-kernel bucket: the call's longest sequence in blocks, or
+    /// 0 (powers of two) where that table is larger than [`FULL_WIDTH_TABLE_BYTES`].
     table_width: usize,
     disabled: bool,
     pub captured: usize,
@@ -112,7 +121,10 @@ impl DecodeGraphs {
             graphs: HashMap::new(),
             pool_owner: None,
             uses: HashMap::new(),
-            table_width: max_blocks.max(1),
+            table_width: match max_seqs.max(1) * max_blocks.max(1) * 8 {
+                b if b <= FULL_WIDTH_TABLE_BYTES => max_blocks.max(1),
+                _ => 0,
+            },
             disabled: false,
             captured: 0,
             capture_secs: 0.0,
@@ -123,13 +135,15 @@ impl DecodeGraphs {
     fn bucket(&self, s: usize, nb: usize, kernel: bool) -> Option<(usize, usize)> {
         let sb = *self.sizes.iter().find(|&&b| b >= s)?;
         // The paged-attention kernel reads only each sequence's own positions, so a wide table
-        // costs only its upload, and the call's widest table makes one graph per batch size
-        // (each capture costs ~10 ms, and its bucket's first use runs eagerly); the gather path
+        // costs only its upload: the call's widest table (one graph per batch size) where it is
+        // small, else powers of two (few graphs, at most twice the upload); the gather path
         // reads the whole table, so it gets the finer grid.
-        let nbb = if kernel {
+        let nbb = if !kernel {
+            blocks_bucket(nb)
+        } else if self.table_width > 0 {
             nb.max(self.table_width)
         } else {
-            blocks_bucket(nb)
+            nb.max(1).next_power_of_two()
         };
         Some((sb, nbb))
     }
@@ -293,6 +307,16 @@ mod tests {
         assert_eq!(g.bucket(8, 60, true), Some((8, 60)));
         assert_eq!(g.bucket(512, 17, false), Some((512, 20)));
         assert_eq!(g.bucket(513, 17, true), None);
+        // A table past FULL_WIDTH_TABLE_BYTES (here 512 rows x 1,152 blocks: a 2K prompt and 16K
+        // new tokens) grows in powers of two instead of costing every step its full width.
+        assert_eq!(FULL_WIDTH_TABLE_BYTES / (512 * 8), 128);
+        let long = DecodeGraphs {
+            table_width: 0,
+            ..g
+        };
+        assert_eq!(long.bucket(512, 129, true), Some((512, 256)));
+        assert_eq!(long.bucket(512, 700, true), Some((512, 1024)));
+        assert_eq!(long.bucket(512, 129, false), Some((512, 160)));
         let nb: Vec<usize> = [0, 1, 2, 3, 5, 16, 17, 24, 33, 48, 49, 100]
             .iter()
             .map(|&n| blocks_bucket(n))

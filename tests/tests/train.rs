@@ -315,7 +315,6 @@ fn grpo_trains_checkpoints_and_resumes_identically_through_the_fsdp_plugin() {
             "timing_s/gen",
             "timing_s/update_actor",
             "perf/throughput",
-            "perf/cpu_memory_used_gb",
         ] {
             assert!(
                 m.contains_key(key),

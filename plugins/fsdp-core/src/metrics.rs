@@ -23,25 +23,29 @@ use crate::error::{FsdpError, Result};
 ///   allocator's peaks since the process started (`torch.cuda.max_memory_allocated()` /
 ///   `max_memory_reserved()`, GiB; verl reports the first rank's, this the largest).
 /// - verl's `perf/cpu_memory_used_gb`: the host's used memory as psutil's `virtual_memory().used`
-///   computes it from `/proc/meminfo` (GiB), on every device.
+///   computes it from `/proc/meminfo` (GiB).
+///
+/// Nothing is added on the CPU (verl's workers always run on GPUs, and runs that must match
+/// metric for metric would differ in these).
 pub fn push_gpu_memory(acc: &mut MetricAcc, dp: &Dp, device: Device) -> Result<()> {
     const GIB: f64 = (1u64 << 30) as f64;
+    let Device::Cuda(gpu) = device else {
+        return Ok(());
+    };
     // Every rank takes part in the reduction, even one whose query failed (-1).
     let mut v = [-1.0f64; 4];
+    if let Some((free, total)) = verl_comm::nccl::cuda_context(gpu)
+        .ok()
+        .and_then(|ctx| ctx.mem_get_info().ok())
+    {
+        v[0] = total.saturating_sub(free) as f64 / GIB;
+    }
+    if let Ok(s) = verl_torch_ext::cuda_memory_stats(gpu) {
+        v[1] = s.max_allocated as f64 / GIB;
+        v[2] = s.max_reserved as f64 / GIB;
+    }
     if let Some(used) = host_memory_used() {
         v[3] = used as f64 / GIB;
-    }
-    if let Device::Cuda(gpu) = device {
-        if let Some((free, total)) = verl_comm::nccl::cuda_context(gpu)
-            .ok()
-            .and_then(|ctx| ctx.mem_get_info().ok())
-        {
-            v[0] = total.saturating_sub(free) as f64 / GIB;
-        }
-        if let Ok(s) = verl_torch_ext::cuda_memory_stats(gpu) {
-            v[1] = s.max_allocated as f64 / GIB;
-            v[2] = s.max_reserved as f64 / GIB;
-        }
     }
     dp.all_reduce_max(&mut v)?;
     let names = [

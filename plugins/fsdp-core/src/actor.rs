@@ -794,19 +794,35 @@ pub struct MicroBatchLoss<'a> {
 
 /// Bytes of fp32 LM-head logits an update may keep from a micro-batch's forward for its backward
 /// (saving one head GEMM per chunk): a quarter of the device memory no tensor holds now
-/// (`cuMemGetInfo`'s free bytes plus the caching allocator's releasable segments, see
-/// [`verl_torch_ext::CudaMemoryStats::releasable`]), so keeping them cannot take the last of it; 0 off
-/// CUDA, when the query fails, or with `VERL_KEEP_HEAD_LOGITS=0`.
+/// ([`unheld_device_memory`]), so keeping them cannot take the last of it; 0 off CUDA, when the
+/// query fails, or with `VERL_KEEP_HEAD_LOGITS=0`.
 pub fn kept_logits_budget(device: Device) -> u64 {
     let Device::Cuda(gpu) = device else { return 0 };
     if std::env::var("VERL_KEEP_HEAD_LOGITS").as_deref() == Ok("0") {
         return 0;
     }
-    let releasable = verl_torch_ext::cuda_memory_stats(gpu).map_or(0, |s| s.releasable);
+    unheld_device_memory(gpu, false).map_or(0, |(free, _)| free as u64 / 4)
+}
+
+/// `(bytes no tensor holds, total bytes)` of CUDA device `gpu`: `cuMemGetInfo`'s free bytes plus
+/// the caching allocator's releasable segments ([`verl_torch_ext::CudaMemoryStats::releasable`],
+/// what `empty_cache` would hand back, counted without paying for the release). Where the
+/// allocator keeps no statistics, the cache is emptied first with `empty_otherwise` (else its
+/// segments count as held). `None` when the query fails.
+fn unheld_device_memory(gpu: usize, empty_otherwise: bool) -> Option<(usize, usize)> {
+    let releasable = match verl_torch_ext::cuda_memory_stats(gpu) {
+        Ok(s) => s.releasable,
+        Err(_) if !empty_otherwise => 0,
+        Err(e) => {
+            tracing::debug!("allocator statistics unavailable ({e}); emptying the cache");
+            verl_torch_ext::cuda_empty_cache().ok()?;
+            0
+        }
+    };
     verl_comm::nccl::cuda_context(gpu)
         .ok()
         .and_then(|ctx| ctx.mem_get_info().ok())
-        .map_or(0, |(free, _)| (free as u64 + releasable) / 4)
+        .map(|(free, total)| (free.saturating_add(releasable as usize), total))
 }
 
 /// The actor loss of one micro-batch from the final hidden states `[rows, L, H]`, as a surrogate
@@ -1090,21 +1106,8 @@ pub fn kv_budget(
         // touched: the caching allocator's unused segments (the last update's activations) count
         // as free. verl's hybrid engine empties the cache before rollout to the same end; here
         // the pool comes from the same allocator, so the segments stay cached and are only
-        // counted (emptying cost ~60 ms of cudaFree per call after a 0.5B update, H100). Where
-        // the allocator keeps no statistics, the cache is emptied as before.
-        let releasable = match verl_torch_ext::cuda_memory_stats(gpu) {
-            Ok(s) => s.releasable,
-            Err(e) => {
-                tracing::debug!("allocator statistics unavailable ({e}); emptying the cache");
-                verl_torch_ext::cuda_empty_cache()?;
-                0
-            }
-        };
-        let info = verl_comm::nccl::cuda_context(gpu)
-            .ok()
-            .and_then(|ctx| ctx.mem_get_info().ok())
-            .map(|(free, total)| (free.saturating_add(releasable as usize), total));
-        match info {
+        // counted (emptying took 61 ms of cudaFree in a traced 0.5B call on an H100).
+        match unheld_device_memory(gpu, true) {
             None => tracing::warn!(
                 gpu,
                 "device memory query failed; the KV cache holds every sequence at once"

@@ -25,6 +25,7 @@ use tch::{Device, Kind, Tensor};
 use verl_nn::Transformer;
 use verl_torch_ext::CudaGraph;
 
+use crate::block_pool::TRASH_BLOCK;
 use crate::error::Result;
 use crate::paged_attn::{self, DeviceBatch, HostBatch, KvPool};
 use crate::params::EngineConfig;
@@ -44,6 +45,9 @@ struct Captured {
     graph: CudaGraph,
     /// The static index buffer the graph reads (`HostBatch::flat` layout).
     input: Tensor,
+    /// The block tables last copied into `input` (a step whose tables are the same uploads only
+    /// the per-row entries before them).
+    table: Vec<i64>,
     /// The static uniforms `[batch bucket]` the sampler reads (`None` when greedy).
     uniforms: Option<Tensor>,
     /// The static sampled tokens `[batch bucket]` the graph writes.
@@ -191,7 +195,7 @@ impl DecodeGraphs {
             if *uses < CAPTURE_AFTER_USES {
                 return Ok(None);
             }
-            match self.capture(model, pool, &padded, &flat, sampler, padded_u.as_deref()) {
+            match self.capture(model, pool, &padded, &flat, sampler, padded_u.as_deref(), 1) {
                 Ok(c) => {
                     self.graphs.insert(key, c);
                     self.pool_owner.get_or_insert(key);
@@ -203,11 +207,22 @@ impl DecodeGraphs {
                 }
             }
         }
-        let c = &self.graphs[&key];
+        let c = self.graphs.get_mut(&key).expect("inserted above");
         // Host data goes straight into the graph's static buffers (one pinned host-to-device
         // copy each, queued on the stream: no device staging tensor, no device-to-device copy).
+        // The block tables change only when a sequence takes a new block (or the batch
+        // changes); otherwise only the per-row entries before them go.
         let dev = model.device();
-        verl_torch_ext::copy_nonblocking(&c.input, &paged_attn::pinned(&flat, dev)?)?;
+        if c.table == padded.table {
+            let head = padded.head_len();
+            verl_torch_ext::copy_nonblocking(
+                &c.input.f_narrow(0, 0, head as i64)?,
+                &paged_attn::pinned(&flat[..head], dev)?,
+            )?;
+        } else {
+            verl_torch_ext::copy_nonblocking(&c.input, &paged_attn::pinned(&flat, dev)?)?;
+            c.table.clone_from(&padded.table);
+        }
         if let Some((tokens, rows)) = prev {
             // Token ids lead the flat layout (one per row in a decode step).
             let mut ids = c.input.f_narrow(0, 0, batch.s as i64)?;
@@ -231,6 +246,52 @@ impl DecodeGraphs {
         Ok(Some((c.tokens.f_narrow(0, 0, s)?, lp)))
     }
 
+    /// Captures the decode step of the call's first full batch (`s` rows) before any decode
+    /// step has run, while the device still runs the prefill queued before it: the host
+    /// captures meanwhile, and the bucket's first step replays instead of running eagerly and
+    /// then waiting for the device to drain before a capture. Only where one table width
+    /// serves the call (the paged kernel within [`FULL_WIDTH_TABLE_BYTES`]). A failure is
+    /// logged and leaves the bucket to the usual capture on its second use.
+    pub fn precapture(
+        &mut self,
+        model: &Transformer,
+        pool: &KvPool,
+        s: usize,
+        sampler: &Sampler,
+    ) -> Result<()> {
+        if self.disabled || !pool.kernel || self.table_width == 0 {
+            return Ok(());
+        }
+        let Some(key) = self.bucket(s, 0, true) else {
+            return Ok(());
+        };
+        if self.graphs.contains_key(&key) {
+            return Ok(());
+        }
+        // Nothing is compiled inside a capture: the kernels a decode step launches are
+        // compiled (and run once on the trash block) first.
+        pool.warm_kernels(model, sampler)?;
+        let mut padded = HostBatch::new(key.0, 1, key.1);
+        padded.table.fill(TRASH_BLOCK as i64);
+        let flat = padded.flat();
+        let uniforms = (!sampler.is_greedy()).then(|| vec![0.5f32; key.0]);
+        match self.capture(model, pool, &padded, &flat, sampler, uniforms.as_deref(), 0) {
+            Ok(c) => {
+                self.graphs.insert(key, c);
+                self.pool_owner.get_or_insert(key);
+            }
+            Err(e) => {
+                tracing::debug!("decode graph capture ahead of the first step failed: {e}")
+            }
+        }
+        Ok(())
+    }
+
+    /// Captures a graph of one decode step over `padded` (its index data copied into the
+    /// graph's static buffer first); `warmup`: eager runs on the side stream before the
+    /// capture (after the device has drained), none when the kernels already ran at these
+    /// shapes or were warmed otherwise.
+    #[allow(clippy::too_many_arguments)]
     fn capture(
         &mut self,
         model: &Transformer,
@@ -239,6 +300,7 @@ impl DecodeGraphs {
         flat: &[i64],
         sampler: &Sampler,
         uniforms: Option<&[f32]>,
+        warmup: usize,
     ) -> Result<Captured> {
         let start = Instant::now();
         let dev = model.device();
@@ -261,7 +323,7 @@ impl DecodeGraphs {
             .and_then(|k| self.graphs.get(&k))
             .map(|c| &c.graph);
         let (graph, (tokens, log_probs)) =
-            verl_torch_ext::capture(share, 1, || -> Result<(Tensor, Option<Tensor>)> {
+            verl_torch_ext::capture(share, warmup, || -> Result<(Tensor, Option<Tensor>)> {
                 let dev_batch = DeviceBatch::from_flat(&input, padded.s, 1, padded.nb, false)?;
                 let logits = paged_attn::forward_device(model, pool, &dev_batch)?;
                 sampler.sample(&logits, u_static.as_ref())
@@ -271,6 +333,7 @@ impl DecodeGraphs {
         Ok(Captured {
             graph,
             input,
+            table: padded.table.clone(),
             uniforms: u_static,
             tokens,
             log_probs,

@@ -38,6 +38,10 @@ use crate::error::{Result, RolloutError};
 use crate::graphs::DecodeGraphs;
 use crate::paged_attn::{self, HostBatch, KvPool};
 use crate::params::{EngineConfig, FinishReason, Generation, GenerationStats};
+
+/// Shortest `max_new_tokens` for which the first decode step's graph is captured ahead (during
+/// the prefill): a capture costs the host about as much as a few eager steps.
+const PRECAPTURE_MIN_TOKENS: usize = 16;
 use crate::rng;
 
 pub(crate) fn run(
@@ -176,6 +180,9 @@ struct Engine<'a> {
     /// In admission order (the last one is preempted first).
     running: Vec<usize>,
     first_token_at: Option<Instant>,
+    /// Rows of the first decode step, whose graph is captured while the device runs the
+    /// prefill ([`DecodeGraphs::precapture`]); taken at the first prefill.
+    precapture: Option<usize>,
     /// Decode CUDA graphs (CUDA, dense models, `EngineConfig::cuda_graphs`); they hold `kv`'s
     /// addresses and are dropped with it.
     graphs: Option<DecodeGraphs>,
@@ -206,6 +213,14 @@ impl<'a> Engine<'a> {
             .collect();
         let longest = groups.iter().map(|g| g.tokens.len()).max().unwrap_or(0);
         let one_seq = (longest + m).div_ceil(bs);
+        // Everything at once: shared full prompt blocks once per prompt, the rest per sample.
+        let all_at_once: usize = groups
+            .iter()
+            .map(|g| {
+                let full = g.tokens.len() / bs;
+                full + job.per_prompt * ((g.tokens.len() + m).div_ceil(bs) - full)
+            })
+            .sum();
         let usable = match config.kv_cache_tokens {
             Some(tokens) => {
                 let blocks = tokens / bs;
@@ -221,14 +236,7 @@ impl<'a> Engine<'a> {
                 }
                 blocks
             }
-            // Everything at once: shared full prompt blocks once per prompt, the rest per sample.
-            None => groups
-                .iter()
-                .map(|g| {
-                    let full = g.tokens.len() / bs;
-                    full + job.per_prompt * ((g.tokens.len() + m).div_ceil(bs) - full)
-                })
-                .sum(),
+            None => all_at_once,
         };
         let seqs: Vec<Seq> = (0..job.rows())
             .map(|r| Seq {
@@ -255,6 +263,13 @@ impl<'a> Engine<'a> {
             groups,
             running: Vec::new(),
             first_token_at: None,
+            // Every sequence decodes at once when the pool holds them all (and the batch
+            // limit allows): the first decode step's graph can be captured during the prefill.
+            // `VERL_DECODE_PRECAPTURE=0` leaves it to the bucket's second use, like the others.
+            precapture: (usable >= all_at_once
+                && m >= PRECAPTURE_MIN_TOKENS
+                && std::env::var("VERL_DECODE_PRECAPTURE").as_deref() != Ok("0"))
+            .then(|| config.max_num_seqs.unwrap_or(usize::MAX).min(job.rows())),
             inflight: None,
             overlap: std::env::var("VERL_ASYNC_DECODE").as_deref() != Ok("0"),
             // A tensor-parallel shard decodes eagerly: its collectives run outside the graph's
@@ -487,6 +502,10 @@ impl<'a> Engine<'a> {
         }
         let logits = paged_attn::forward(self.model, &self.kv, &batch)?;
         stats.prefill_steps += 1;
+        // The device runs the prefill just queued while the host captures.
+        if let (Some(rows), Some(graphs)) = (self.precapture.take(), self.graphs.as_mut()) {
+            graphs.precapture(self.model, &self.kv, rows, &self.job.sampler)?;
+        }
 
         // Forks share their leader's blocks and logits row.
         let mut pick = Vec::with_capacity(plan.len());

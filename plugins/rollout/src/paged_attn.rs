@@ -80,6 +80,44 @@ impl KvPool {
         })
     }
 
+    /// Compiles (once per process) the kernels of a decode step and runs each once on one row
+    /// of the trash block: the paged-attention kernel and the sampler's (with the rest of the
+    /// row kernels). A CUDA-graph capture must not be the first to launch them.
+    pub fn warm_kernels(
+        &self,
+        model: &Transformer,
+        sampler: &crate::sampler::Sampler,
+    ) -> Result<()> {
+        let dev = self.data.device();
+        if self.kernel {
+            let c = model.shard_config();
+            let q = Tensor::f_zeros([1, c.num_attention_heads, c.head_dim], (model.dtype(), dev))?;
+            let table = Tensor::f_full([1, 1], TRASH_BLOCK as i64, (Kind::Int64, dev))?;
+            let lens = Tensor::f_ones([1], (Kind::Int64, dev))?;
+            if let Some(l) = self.layers.first() {
+                let _ = verl_torch_ext::paged_decode_attention_with(
+                    &q,
+                    &l.k_blocks,
+                    &l.v_blocks,
+                    &table,
+                    &lens,
+                    1.0,
+                    None,
+                    verl_torch_ext::PagedAttentionOptions {
+                        num_splits: usize::from(self.consistent),
+                        ..Default::default()
+                    },
+                )?;
+            }
+        }
+        let logits = Tensor::f_zeros([1, model.shard_config().vocab_size], (Kind::Float, dev))?;
+        let u = (!sampler.is_greedy())
+            .then(|| Tensor::f_full([1], 0.5, (Kind::Float, dev)))
+            .transpose()?;
+        let _ = sampler.sample(&logits, u.as_ref())?;
+        Ok(())
+    }
+
     /// Copies blocks `src[i]` into `dst[i]` in every layer (copy-on-write of shared blocks).
     pub fn copy_blocks(&self, src: &[u32], dst: &[u32]) -> Result<()> {
         if src.is_empty() {
@@ -181,13 +219,20 @@ impl HostBatch {
         self.last[r] = tokens.len().saturating_sub(1) as i64;
     }
 
-    /// All index data, flat: ids, positions, slots, block tables, last indices.
+    /// All index data, flat: ids, positions, slots, last indices, then the block tables (last,
+    /// so that a decode graph can take a step's per-row data without a table that did not
+    /// change: the first [`HostBatch::head_len`] entries).
     pub fn flat(&self) -> Vec<i64> {
         let mut buf = Vec::with_capacity(3 * self.ids.len() + self.table.len() + self.last.len());
-        for part in [&self.ids, &self.pos, &self.slots, &self.table, &self.last] {
+        for part in [&self.ids, &self.pos, &self.slots, &self.last, &self.table] {
             buf.extend_from_slice(part);
         }
         buf
+    }
+
+    /// Entries of [`HostBatch::flat`] before the block tables.
+    pub fn head_len(&self) -> usize {
+        3 * self.s * self.t + self.s
     }
 
     /// All index data in one non-blocking upload.
@@ -242,8 +287,8 @@ impl DeviceBatch {
             ids: all.f_narrow(0, 0, st)?.f_view([s, t])?,
             pos: all.f_narrow(0, st, st)?.f_view([s, t])?,
             slots: all.f_narrow(0, 2 * st, st)?,
-            table: all.f_narrow(0, 3 * st, s * nb)?,
-            last: all.f_narrow(0, 3 * st + s * nb, s)?,
+            last: all.f_narrow(0, 3 * st, s)?,
+            table: all.f_narrow(0, 3 * st + s, s * nb)?,
             s,
             t,
             nb,
@@ -276,6 +321,17 @@ impl PagedAttention<'_> {
             })
     }
 
+    /// `[S]` context lengths of a decode step (positions + 1), built on first use.
+    fn seq_lens(&mut self) -> verl_nn::Result<Tensor> {
+        if let Some(t) = &self.seq_lens {
+            return Ok(t.shallow_clone());
+        }
+        let b = self.batch;
+        let t = b.pos.f_view([b.s])?.f_add_scalar(1)?;
+        self.seq_lens = Some(t.shallow_clone());
+        Ok(t)
+    }
+
     /// A decode step's attention (`q` `[S, H, D]` contiguous, keys/values already stored) through
     /// the paged-attention kernel, as `[S, H, 1, D]`.
     fn decode_kernel(
@@ -287,14 +343,7 @@ impl PagedAttention<'_> {
         let b = self.batch;
         let qs = q.size();
         let (s, h, d) = (qs[0], qs[1], qs[2]);
-        let seq_lens = match &self.seq_lens {
-            Some(t) => t.shallow_clone(),
-            None => {
-                let t = b.pos.f_view([s])?.f_add_scalar(1)?;
-                self.seq_lens = Some(t.shallow_clone());
-                t
-            }
-        };
+        let seq_lens = self.seq_lens()?;
         let out = self.kernel(
             layer,
             q,
@@ -397,8 +446,8 @@ impl AttentionBackend for PagedAttention<'_> {
         if !applies {
             return Ok(None);
         }
-        let views = self.views(call.layer)?;
         let flat = |x: &Tensor| x.f_reshape([s, d]).and_then(|x| x.f_contiguous());
+        let views = self.views(call.layer)?;
         let q = verl_torch_ext::rope_store(
             &call.q.f_select(2, 0)?,
             &call.k.f_select(2, 0)?,

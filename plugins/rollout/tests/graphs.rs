@@ -97,6 +97,23 @@ fn check(m: &Transformer, params: &SamplingParams) {
     assert_eq!(eager, graphed, "graphed decode changed tokens");
     let d = (&eager_lp - &graphed_lp).abs().max().double_value(&[]);
     assert!(d < 1e-4, "log-probs differ by {d}");
+    if params.ignore_eos {
+        // Every row decodes to max_new_tokens in one bucket, whose graph is captured while the
+        // device runs the prefill: every decode step replays it, the first one included.
+        assert_eq!(gs.cuda_graph_steps, gs.decode_steps, "{gs:?}");
+        assert_eq!(gs.cuda_graphs, 1, "{gs:?}");
+        // Captured at its second use instead (the first step eager): the same tokens.
+        std::env::set_var("VERL_DECODE_PRECAPTURE", "0");
+        let (late, late_lp, ls) = run(m, params, true);
+        std::env::remove_var("VERL_DECODE_PRECAPTURE");
+        assert_eq!(ls.cuda_graph_steps + 1, ls.decode_steps, "{ls:?}");
+        assert_eq!(
+            eager, late,
+            "graphs captured at their second use changed tokens"
+        );
+        let d = (&eager_lp - &late_lp).abs().max().double_value(&[]);
+        assert!(d < 1e-4, "log-probs differ by {d}");
+    }
     // And without it (each step waits for the host), the same.
     std::env::set_var("VERL_ASYNC_DECODE", "0");
     let (sync, sync_lp, ss) = run(m, params, true);

@@ -96,7 +96,7 @@ extern "C" {
     ) -> *mut c_char;
     fn vt_graph_new(out: *mut *mut c_void) -> *mut c_char;
     fn vt_graph_free(g: *mut c_void);
-    fn vt_graph_begin_side(g: *mut c_void) -> *mut c_char;
+    fn vt_graph_begin_side(g: *mut c_void, sync: i32) -> *mut c_char;
     fn vt_graph_end_side(g: *mut c_void) -> *mut c_char;
     fn vt_graph_capture_begin(g: *mut c_void, share: *mut c_void) -> *mut c_char;
     fn vt_graph_capture_end(g: *mut c_void) -> *mut c_char;
@@ -532,9 +532,10 @@ impl Drop for CudaEvent {
 }
 
 /// Captures what `f` launches into a new graph. `f` runs `warmup` times eagerly on a side stream
-/// first (lazy initialisation such as cuBLAS workspaces must not happen inside a capture), then
+/// first (lazy initialisation such as cuBLAS workspaces should not happen inside a capture), then
 /// once under capture; its last result (whose tensors are the graph's outputs) is returned with
-/// the graph. Sharing `pool` with an earlier graph saves memory when the graphs never run
+/// the graph. With a warm-up the device finishes its queued work first (the warm-up reads it);
+/// without one nothing waits, so the host can capture while the device runs earlier work. Sharing `pool` with an earlier graph saves memory when the graphs never run
 /// concurrently. Nothing in `f` may synchronise with the host or launch work on other streams.
 pub fn capture<T, E: From<TorchExtError>>(
     pool: Option<&CudaGraph>,
@@ -544,7 +545,9 @@ pub fn capture<T, E: From<TorchExtError>>(
     let graph = CudaGraph::new()?;
     let g = graph.ptr.as_ptr();
     // SAFETY: g is live for the whole function; the side stream is restored on every path below.
-    check("begin capture stream", unsafe { vt_graph_begin_side(g) })?;
+    check("begin capture stream", unsafe {
+        vt_graph_begin_side(g, i32::from(warmup > 0))
+    })?;
     let captured = (|| -> Result<T, E> {
         for _ in 0..warmup {
             drop(f()?);

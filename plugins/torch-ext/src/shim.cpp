@@ -390,17 +390,20 @@ void vt_graph_free(void* g) {
 }
 
 // Makes a fresh non-default stream current (capture cannot run on the default stream), after
-// the device has finished all queued work. Work launched until vt_graph_end_side runs on it.
-char* vt_graph_begin_side(void* g) {
+// the device has finished all queued work when `sync` is non-zero (work that runs eagerly on the
+// side stream, a warm-up, must see it; a capture alone launches nothing, so the device may keep
+// running queued work meanwhile). Work launched until vt_graph_end_side runs on it.
+char* vt_graph_begin_side(void* g, int sync) {
   return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     auto* graph = static_cast<Graph*>(g);
-    c10::cuda::device_synchronize();
+    if (sync != 0) c10::cuda::device_synchronize();
     graph->previous = c10::cuda::getCurrentCUDAStream();
     graph->side = c10::cuda::getStreamFromPool();
     c10::cuda::setCurrentCUDAStream(*graph->side);
 #else
     (void)g;
+    (void)sync;
     throw std::runtime_error("CUDA graphs: this build of the torch extension has no CUDA");
 #endif
   });

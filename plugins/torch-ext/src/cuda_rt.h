@@ -33,24 +33,6 @@ constexpr int kAttrMultiprocessorCount = 16;   // CU_DEVICE_ATTRIBUTE_MULTIPROCE
 constexpr int kAttrComputeCapMajor = 75;       // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 constexpr int kAttrComputeCapMinor = 76;       // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
 
-// cuLaunchKernelEx's configuration (CUDA 12+), laid out as the driver API declares it.
-struct CuLaunchAttr {
-  int id;
-  char pad[4];
-  union {
-    char bytes[64];
-    int value;
-    void* align_;
-  } v;
-};
-struct CuLaunchConfig {
-  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
-  CUstream_t stream;
-  CuLaunchAttr* attrs;
-  unsigned num_attrs;
-};
-constexpr int kLaunchAttrProgrammaticSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_...
-
 struct CudaApi {
   CUresult_t (*cuInit)(unsigned int);
   CUresult_t (*cuGetErrorString)(CUresult_t, const char**);
@@ -67,8 +49,6 @@ struct CudaApi {
   CUresult_t (*cuEventRecord)(void*, CUstream_t);
   CUresult_t (*cuEventSynchronize)(void*);
   CUresult_t (*cuEventDestroy)(void*);
-  // Optional (CUDA 12+): programmatic dependent launch.
-  CUresult_t (*cuLaunchKernelEx)(const CuLaunchConfig*, CUfunction_t, void**, void**);
   std::string error;  // non-empty: unusable
 };
 
@@ -106,7 +86,6 @@ inline const CudaApi& cuda_api() {
     load_sym(lib, "cuEventRecord", a.cuEventRecord, err);
     load_sym(lib, "cuEventSynchronize", a.cuEventSynchronize, err);
     load_sym(lib, "cuEventDestroy_v2", a.cuEventDestroy, err);
-    a.cuLaunchKernelEx = reinterpret_cast<decltype(a.cuLaunchKernelEx)>(dlsym(lib, "cuLaunchKernelEx"));
     if (!err.empty()) {
       a.error = "libcuda.so.1: " + err;
       return a;
@@ -385,34 +364,6 @@ inline std::vector<CUfunction_t> load_functions(const Binary& bin,
     out.push_back(fn);
   }
   return out;
-}
-
-// Whether kernels launch with programmatic dependent launch on sm_90+ (`VERL_PDL=0`: never):
-// each may then start while the kernel before it drains, up to its VT_GRID_WAIT, which every
-// kernel of this extension runs before touching memory.
-inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("VERL_PDL");
-    return !(v != nullptr && std::string(v) == "0");
-  }();
-  return on;
-}
-
-// Launches `fn` on `stream` (grid x/y/z, 1-D blocks, no dynamic shared memory), with
-// programmatic dependent launch where the device and driver have it.
-inline void launch_kernel(const DeviceInfo& info, CUfunction_t fn, unsigned gx, unsigned gy,
-                          unsigned gz, unsigned block, CUstream_t stream, void** args,
-                          const char* what) {
-  const CudaApi& cu = cuda_checked();
-  if (info.arch >= 90 && cu.cuLaunchKernelEx != nullptr && pdl_enabled()) {
-    CuLaunchAttr attr{};
-    attr.id = kLaunchAttrProgrammaticSerialization;
-    attr.v.value = 1;
-    CuLaunchConfig cfg{gx, gy, gz, block, 1, 1, 0, stream, &attr, 1};
-    cu_check(cu.cuLaunchKernelEx(&cfg, fn, args, nullptr), what);
-    return;
-  }
-  cu_check(cu.cuLaunchKernel(fn, gx, gy, gz, block, 1, 1, 0, stream, args, nullptr), what);
 }
 
 inline CUstream_t current_stream(int index) {

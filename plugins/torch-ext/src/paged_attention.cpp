@@ -147,14 +147,6 @@ VT_DEV void vt_mma(float (&d)[4], vt_u32 a0, vt_u32 a1, vt_u32 a2, vt_u32 a3, vt
 
 // ---------------------------------------------------------------------------------------------
 // Shared by both environments.
-// Programmatic dependent launch (sm_90+): a kernel launched with it may start while the kernel
-// before it finishes; it waits here, before touching memory, until that kernel's results are
-// visible. A no-op for a kernel launched without it (and before sm_90).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define VT_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#else
-#define VT_GRID_WAIT()
-#endif
 
 VT_DEV vt_bf16 vt_bf16_from_float(float f) {
   vt_u32 u = __float_as_uint(f);
@@ -528,17 +520,14 @@ typedef vt_f16 vt_t;
 #endif
 #ifdef VT_WITH_TC
 extern "C" __global__ void __launch_bounds__(128, VT_MIN_BLOCKS) vt_pa_main(const VtPaParams p) {
-  VT_GRID_WAIT();
   vt_tc_body<vt_t, VT_HEAD_DIM>(p);
 }
 #else
 extern "C" __global__ void __launch_bounds__(128) vt_pa_main(const VtPaParams p) {
-  VT_GRID_WAIT();
   vt_simt_body<vt_t, VT_HEAD_DIM>(p);
 }
 #endif
 extern "C" __global__ void __launch_bounds__(128) vt_pa_reduce(const VtPaParams p) {
-  VT_GRID_WAIT();
   vt_reduce_body<vt_t, VT_HEAD_DIM>(p);
 }
 #endif
@@ -790,13 +779,16 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     p.part_o = part_o.data_ptr<float>();
     p.part_lse = part_lse.data_ptr<float>();
   }
+  const CudaApi& cu = cuda_checked();
   CUstream_t stream = current_stream(index);
   void* args[] = {&p};
-  launch_kernel(info, k.main, static_cast<unsigned>(S), static_cast<unsigned>(KVH * chunks),
-                static_cast<unsigned>(parts), 128, stream, args, "launch(vt_pa_main)");
+  cu_check(cu.cuLaunchKernel(k.main, static_cast<unsigned>(S), static_cast<unsigned>(KVH * chunks),
+                             static_cast<unsigned>(parts), 128, 1, 1, 0, stream, args, nullptr),
+           "cuLaunchKernel(vt_pa_main)");
   if (parts > 1) {
-    launch_kernel(info, k.reduce, static_cast<unsigned>(S * H), 1, 1, 128, stream, args,
-                  "launch(vt_pa_reduce)");
+    cu_check(cu.cuLaunchKernel(k.reduce, static_cast<unsigned>(S * H), 1, 1, 128, 1, 1, 0, stream,
+                               args, nullptr),
+             "cuLaunchKernel(vt_pa_reduce)");
   }
 }
 

@@ -134,14 +134,6 @@
 namespace {
 
 const char* const kRowSource = R"VTROW(
-// Programmatic dependent launch (sm_90+): a kernel launched with it may start while the kernel
-// before it finishes; it waits here, before touching memory, until that kernel's results are
-// visible. A no-op for a kernel launched without it (and before sm_90).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define VT_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#else
-#define VT_GRID_WAIT()
-#endif
 #define THREADS 512
 #define WARPS (THREADS / 32)
 
@@ -316,7 +308,6 @@ __device__ void vt_find_part(const float* sums, float start, float target, int& 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) vt_sample_rows(const VtRowParams p) {
-  VT_GRID_WAIT();
   const long long r = blockIdx.x;
   const long long V = p.vocab;
   const float* row = p.logits + r * V;
@@ -517,7 +508,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) vt_sample_rows(const VtRow
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) vt_token_stats(const VtRowParams p) {
-  VT_GRID_WAIT();
   const long long r = blockIdx.x;
   const long long V = p.vocab;
   const float* row = p.logits + r * V;
@@ -560,7 +550,6 @@ __device__ __forceinline__ float vt_round(float g, int dtype);
 __device__ __forceinline__ unsigned int vt_pack16(float lo, float hi, int dtype);
 
 extern "C" __global__ void __launch_bounds__(THREADS) vt_token_stats_grad(const VtRowParams p) {
-  VT_GRID_WAIT();
   const long long r = blockIdx.x;
   const long long V = p.vocab;
   const float* row = p.logits + r * V;
@@ -767,7 +756,6 @@ __device__ __forceinline__ void vt_rope_x2(const VtRopeParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) vt_rope(const VtRopeParams p) {
-  VT_GRID_WAIT();
   if (p.x2) {
     if (p.dtype == 1) {
       vt_rope_x2<1>(p);
@@ -822,7 +810,6 @@ __device__ __forceinline__ void vt_swiglu_vec(const VtSwigluParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) vt_swiglu(const VtSwigluParams p) {
-  VT_GRID_WAIT();
   if (p.vec) {
     if (p.dtype == 1) {
       vt_swiglu_vec<1>(p);
@@ -880,7 +867,6 @@ __device__ __forceinline__ void vt_swiglu_bwd_vec(const VtSwigluBwdParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) vt_swiglu_bwd(const VtSwigluBwdParams p) {
-  VT_GRID_WAIT();
   if (p.vec) {
     if (p.dtype == 1) {
       vt_swiglu_bwd_vec<1>(p);
@@ -956,7 +942,6 @@ __device__ __forceinline__ void vt_rope_store_x2(const VtRopeStoreParams& p) {
 // Index arithmetic in 32 bits (the host checks the item count fits): with 64-bit divisions by
 // run-time divisors the kernel was instruction-bound (about 12 us at 512 x 16 heads x 128).
 extern "C" __global__ void __launch_bounds__(256) vt_rope_store(const VtRopeStoreParams p) {
-  VT_GRID_WAIT();
   if (p.x2) {
     if (p.dtype == 1) {
       vt_rope_store_x2<1>(p);
@@ -1077,7 +1062,6 @@ __device__ __forceinline__ void vt_add_rms_norm_vec(const VtAddNormParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) vt_add_rms_norm(const VtAddNormParams p) {
-  VT_GRID_WAIT();
   if (p.vec) {
     if (p.dtype == 1) {
       vt_add_rms_norm_vec<1>(p);
@@ -1230,9 +1214,11 @@ Launch prepare(const at::Tensor* logits, double temperature) {
 
 void launch(Launch& l, CUfunction_t fn, const char* what) {
   if (l.rows == 0) return;
+  const CudaApi& cu = cuda_checked();
   void* args[] = {&l.p};
-  launch_kernel(device_info(l.index), fn, static_cast<unsigned>(l.rows), 1, 1, kThreads,
-                current_stream(l.index), args, what);
+  cu_check(cu.cuLaunchKernel(fn, static_cast<unsigned>(l.rows), 1, 1, kThreads, 1, 1, 0,
+                             current_stream(l.index), args, nullptr),
+           what);
 }
 
 void sample(const at::Tensor* logits, const at::Tensor* uniforms, double temperature,
@@ -1253,7 +1239,7 @@ void sample(const at::Tensor* logits, const at::Tensor* uniforms, double tempera
   const DeviceInfo& info = device_info(l.index);
   make_current(info);
   l.k = row_kernels(l.index, info);
-  launch(l, l.k.sample, "launch(vt_sample_rows)");
+  launch(l, l.k.sample, "cuLaunchKernel(vt_sample_rows)");
 }
 
 void stats(const at::Tensor* logits, const at::Tensor* targets, double temperature,
@@ -1277,7 +1263,7 @@ void stats(const at::Tensor* logits, const at::Tensor* targets, double temperatu
   const DeviceInfo& info = device_info(l.index);
   make_current(info);
   l.k = row_kernels(l.index, info);
-  launch(l, l.k.stats, "launch(vt_token_stats)");
+  launch(l, l.k.stats, "cuLaunchKernel(vt_token_stats)");
 }
 
 void stats_grad(const at::Tensor* logits, const at::Tensor* targets, const at::Tensor* lse,
@@ -1318,7 +1304,7 @@ void stats_grad(const at::Tensor* logits, const at::Tensor* targets, const at::T
   const DeviceInfo& info = device_info(l.index);
   make_current(info);
   l.k = row_kernels(l.index, info);
-  launch(l, l.k.grad, "launch(vt_token_stats_grad)");
+  launch(l, l.k.grad, "cuLaunchKernel(vt_token_stats_grad)");
 }
 
 int storage_code(c10::ScalarType t, const char* what) {
@@ -1346,9 +1332,11 @@ int64_t grid_blocks(int64_t items, const DeviceInfo& info) {
 // `index`'s current stream.
 template <typename P>
 void launch_blocks(CUfunction_t fn, int64_t blocks, int index, P& p, const char* what) {
+  const CudaApi& cu = cuda_checked();
   void* args[] = {&p};
-  launch_kernel(device_info(index), fn, static_cast<unsigned>(blocks), 1, 1, 256,
-                current_stream(index), args, what);
+  cu_check(cu.cuLaunchKernel(fn, static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0,
+                             current_stream(index), args, nullptr),
+           what);
 }
 
 void rope_launch(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
@@ -1423,7 +1411,7 @@ void rope_launch(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* s
              ? 1
              : 0;
   if (p.x2) blocks = grid_blocks(n / 2, info);  // half the items: two pairs each
-  launch_blocks(k.rope, blocks, index, p, "launch(vt_rope)");
+  launch_blocks(k.rope, blocks, index, p, "cuLaunchKernel(vt_rope)");
 }
 
 void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
@@ -1462,7 +1450,7 @@ void swiglu_launch(const at::Tensor& gate, const at::Tensor& up, const at::Tenso
   const DeviceInfo& info = device_info(index);
   make_current(info);
   const RowKernels k = row_kernels(index, info);
-  launch_blocks(k.swiglu, grid_blocks(n, info), index, p, "launch(vt_swiglu)");
+  launch_blocks(k.swiglu, grid_blocks(n, info), index, p, "cuLaunchKernel(vt_swiglu)");
 }
 
 // x (+ delta) [rows, H] (contiguous, one dtype) RMS-normalised with weight [H] into `out`; with
@@ -1520,9 +1508,11 @@ void add_rms_norm(const at::Tensor* x, const at::Tensor* delta, const at::Tensor
   const DeviceInfo& info = device_info(index);
   make_current(info);
   const RowKernels k = row_kernels(index, info);
+  const CudaApi& cu = cuda_checked();
   void* args[] = {&p};
-  launch_kernel(info, k.add_norm, static_cast<unsigned>(R), 1, 1, 256, current_stream(index), args,
-                "launch(vt_add_rms_norm)");
+  cu_check(cu.cuLaunchKernel(k.add_norm, static_cast<unsigned>(R), 1, 1, 256, 1, 1, 0,
+                             current_stream(index), args, nullptr),
+           "cuLaunchKernel(vt_add_rms_norm)");
 }
 
 void swiglu(const at::Tensor* x, const at::Tensor* out) {
@@ -1570,7 +1560,7 @@ void swiglu_bwd_launch(const at::Tensor& go, const at::Tensor& g, const at::Tens
   const DeviceInfo& info = device_info(index);
   make_current(info);
   const RowKernels k = row_kernels(index, info);
-  launch_blocks(k.swiglu_bwd, grid_blocks(work, info), index, p, "launch(vt_swiglu_bwd)");
+  launch_blocks(k.swiglu_bwd, grid_blocks(work, info), index, p, "cuLaunchKernel(vt_swiglu_bwd)");
 }
 
 // Autograd functions over the kernels above, for training forwards: each backward is one kernel
@@ -1778,7 +1768,7 @@ void rope_store(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v,
   }
   make_current(info);
   const RowKernels kern = row_kernels(index, info);
-  launch_blocks(kern.rope_store, blocks, index, p, "launch(vt_rope_store)");
+  launch_blocks(kern.rope_store, blocks, index, p, "cuLaunchKernel(vt_rope_store)");
 }
 
 #endif  // VERL_WITH_CUDA

@@ -481,17 +481,28 @@ impl AttentionBackend for PagedAttention<'_> {
         if self.pool.consistent && t > 1 && call.window.is_none() {
             // Every query as its own decode step (see `KvPool::consistent`): the row of query
             // (s, i) is sequence s's block table, its length the query's position + 1.
+            // Consecutive queries of a row share their keys' loads (bit-identical to one decode
+            // step per query).
             let q = call
                 .q
                 .f_transpose(1, 2)?
                 .f_contiguous()?
                 .f_view([s * t, h, d])?;
-            let table =
-                b.table
-                    .f_view([s, b.nb])?
-                    .f_repeat_interleave_self_int(t, Some(0), None)?;
             let seq_lens = b.pos.f_view([s * t])?.f_add_scalar(1)?;
-            let out = self.kernel(call.layer, &q, &table, &seq_lens, None, 1)?;
+            let out = verl_torch_ext::paged_multi_query_attention(
+                &q,
+                &views.k_blocks,
+                &views.v_blocks,
+                &b.table.f_view([s, b.nb])?,
+                &seq_lens,
+                t,
+                1.0 / (d as f64).sqrt(),
+            )
+            .map_err(|e| NnError::InvalidInput {
+                what: "paged attention kernel (multi-query)".into(),
+                expected: "a launch".into(),
+                found: e.to_string(),
+            })?;
             return Ok(out.f_view([s, t, h, d])?.f_transpose(1, 2)?);
         }
         if b.from_scratch && t > 1 && call.window.is_none() {

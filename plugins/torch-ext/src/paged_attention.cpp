@@ -75,7 +75,7 @@
     int parts;                                                                               \
     int part_len;               /* keys per split, a multiple of 16 */                       \
     float scale_log2e;          /* softmax scale * log2(e) */                                \
-    int pad_;                                                                                \
+    int q_per_seq;              /* vt_pa_multi: queries per block-table row */               \
   };
 
 #define VT_PA_STR_(...) #__VA_ARGS__
@@ -316,58 +316,137 @@ VT_DEV void vt_simt_body(const VtPaParams& p) {
 }
 
 #if defined(VT_WITH_TC) || defined(VT_EMULATE)
-// Tensor-core kernel: bf16/fp16, D % 64 == 0. Lane = 4 * r + c (r = lane / 4, c = lane % 4).
-//
-// S = Q K^T per 16-key tile as two m16n8k16 MMAs (keys t0..t0+7 and t0+8..t0+15), rows = the
-// chunk's query heads (8 valid rows, 8 zero rows), k = head dims. The head-dim order inside the
-// dot product is free, so k-step j uses dims base(j, c) + {0,1} (as k = 2c, 2c+1) and
-// base(j, c) + {2,3} (as k = 2c+8, 2c+9) with base = 32 (j / 2) + 8 c + 4 (j % 2): lane (r, c)
-// loads 16 contiguous bytes per 32 dims of key r's row and feeds them to two k-steps directly.
-//
-// O^T += V^T P^T as one m16n8k16 MMA per 16 head dims (m-tile i), k = the tile's 16 keys,
-// n = query heads. Rows of m-tile i are dims r*D/8 + 2i (row r) and r*D/8 + 2i + 1 (row r+8), so
-// lane (r, c) needs the contiguous dims [r*D/8, (r+1)*D/8) of keys 2c, 2c+1, 2c+8, 2c+9 and builds
-// its A fragments with byte permutes. P^T's B fragment (keys 2c, 2c+1 | 2c+8, 2c+9 of head r) is
-// exactly what lane (r, c) holds of S, so probabilities never leave registers.
+// One 16-key tile of a warp (tile start t0, keys at or past `stop` masked): S = Q K^T from the
+// q fragments `qa` and the tile's K fragments `kv`, the online softmax of head r (lane = 4 r + c)
+// into (m, l), and O^T += V^T P^T into `o` from the V rows `vv`. Its arithmetic is the whole
+// definition of a query's result, shared by the decode and the multi-query kernels.
 template <typename T, int D>
-VT_DEV void vt_tc_body(const VtPaParams& p) {
-  constexpr int NK = D / 16;  // k-steps of Q K^T, m-tiles of V^T P^T
-  constexpr int NKV = D / 32;  // 16-byte K vectors per lane per key
-  constexpr int NV = D / 64;   // 16-byte V vectors per lane per key
-  __shared__ float sm_m[4][8];
-  __shared__ float sm_l[4][8];
-  __shared__ float sm_o[4][8][D];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int r = lane >> 2, c = lane & 3;
-  const VtBlock b = vt_block(p);
+VT_DEV void vt_tc_step(const vt_u32 (&qa)[D / 16][2], float (&o)[D / 16][4], float& m, float& l,
+                       const uint4 (&kv)[2][D / 32], const uint4 (&vv)[4][D / 64], int t0,
+                       int stop, int r, int c, int nh, float scale_log2e) {
+  constexpr int NK = D / 16;
+  constexpr int NKV = D / 32;
   const float ninf = vt_neg_inf();
-
-  vt_u32 qa[NK][2];
-  {
-    const T* q = reinterpret_cast<const T*>(p.q) + ((long long)b.s * p.heads + b.head0) * D;
+  // S = Q K^T: sc[n] = (head r: keys t0 + 8n + 2c, +1 | head r + 8: padding).
+  float sc[2][4];
 #pragma unroll
-    for (int j = 0; j < NK; ++j) {
-      const int base = (j >> 1) * 32 + c * 8 + (j & 1) * 4;
-      qa[j][0] = r < b.nh ? vt_ld32(q + r * D + base) : 0u;
-      qa[j][1] = r < b.nh ? vt_ld32(q + r * D + base + 2) : 0u;
+  for (int n = 0; n < 2; ++n) {
+    sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < NKV; ++jj) {
+      vt_mma(sc[n], qa[2 * jj][0], 0u, qa[2 * jj][1], 0u, kv[n][jj].x, kv[n][jj].y, T());
+      vt_mma(sc[n], qa[2 * jj + 1][0], 0u, qa[2 * jj + 1][1], 0u, kv[n][jj].z, kv[n][jj].w,
+             T());
     }
   }
-  float o[NK][4];
+  // Online softmax (log2 domain) for head r; the 4 lanes of a quad hold its 16 keys.
+  float x[2][2];
+  float mx = ninf;
 #pragma unroll
-  for (int i = 0; i < NK; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m = ninf, l = 0.f;
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int pos = t0 + 8 * n + 2 * c + e;
+      x[n][e] = pos < stop ? sc[n][e] * scale_log2e : ninf;
+      mx = fmaxf(mx, x[n][e]);
+    }
+  }
+  mx = fmaxf(mx, vt_shfl_xor(mx, 1));
+  mx = fmaxf(mx, vt_shfl_xor(mx, 2));
+  const float m_new = fmaxf(m, mx);
+  const float m_use = m_new == ninf ? 0.f : m_new;
+  const float corr = vt_exp2(m - m_use);
+  float pr[2][2];
+  float psum = 0.f;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      pr[n][e] = r < nh ? vt_exp2(x[n][e] - m_use) : 0.f;
+      psum += pr[n][e];
+    }
+  }
+  l = l * corr + psum;
+  m = m_new;
+  // O^T columns are heads 2c and 2c + 1: their rescale factors live in quads 2c and 2c + 1.
+  const float ca = vt_shfl(corr, 8 * c);
+  const float cb = vt_shfl(corr, 8 * c + 4);
+  const vt_u32 pb0 = vt_pack(pr[0][0], pr[0][1], T());
+  const vt_u32 pb1 = vt_pack(pr[1][0], pr[1][1], T());
+#pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    o[i][0] *= ca;
+    o[i][1] *= cb;
+    o[i][2] *= ca;
+    o[i][3] *= cb;
+    const vt_u32 w0 = vt_word(vv[0][i >> 2], i & 3);
+    const vt_u32 w1 = vt_word(vv[1][i >> 2], i & 3);
+    const vt_u32 w8 = vt_word(vv[2][i >> 2], i & 3);
+    const vt_u32 w9 = vt_word(vv[3][i >> 2], i & 3);
+    vt_mma(o[i], vt_prmt(w0, w1, 0x5410u), vt_prmt(w0, w1, 0x7632u), vt_prmt(w8, w9, 0x5410u),
+           vt_prmt(w8, w9, 0x7632u), pb0, pb1, T());
+  }
+}
+
+// Merges the 4 warps' (m, l, o) of query row `row` (heads head0 .. head0 + nh) through shared
+// memory and writes its output (see vt_combine).
+template <typename T, int D>
+VT_DEV void vt_tc_finish(const VtPaParams& p, int row, int head0, int nh, int part,
+                         const float (&o)[D / 16][4], float m, float l, int warp, int r, int c,
+                         float (*sm_m)[8], float (*sm_l)[8], float (*sm_o)[8][D]) {
+  constexpr int NK = D / 16;
+  l += vt_shfl_xor(l, 1);
+  l += vt_shfl_xor(l, 2);
+  if (c == 0) {
+    sm_m[warp][r] = m;
+    sm_l[warp][r] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    const int d0 = r * (D / 8) + 2 * i;
+    sm_o[warp][2 * c][d0] = o[i][0];
+    sm_o[warp][2 * c + 1][d0] = o[i][1];
+    sm_o[warp][2 * c][d0 + 1] = o[i][2];
+    sm_o[warp][2 * c + 1][d0 + 1] = o[i][3];
+  }
+  vt_combine<T, D>(p, row, head0, nh, part, sm_m, sm_l, sm_o);
+}
+
+// The q fragments of query row `row` (heads head0 + r, r < nh; zero rows past nh).
+template <typename T, int D>
+VT_DEV void vt_tc_load_q(const VtPaParams& p, long long row, int head0, int nh, int r, int c,
+                         vt_u32 (&qa)[D / 16][2]) {
+  const T* q = reinterpret_cast<const T*>(p.q) + (row * p.heads + head0) * D;
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) {
+    const int base = (j >> 1) * 32 + c * 8 + (j & 1) * 4;
+    qa[j][0] = r < nh ? vt_ld32(q + r * D + base) : 0u;
+    qa[j][1] = r < nh ? vt_ld32(q + r * D + base + 2) : 0u;
+  }
+}
+
+// A warp's tiles of one block-table row (sequence `seq`, kv head `kvh`) from key `start`: the
+// K/V rows of keys below `stop` (the longest of the Q queries) are loaded once per tile and every
+// query j runs vt_tc_step on them with its own `stops[j]` (a tile past a query's stop is an exact
+// no-op for it), so each query's state is what a decode step of that query alone computes.
+template <typename T, int D, int Q>
+VT_DEV void vt_tc_loop(const VtPaParams& p, int seq, int kvh, long long start, int stop,
+                       const int (&stops)[Q], const vt_u32 (&qa)[Q][D / 16][2],
+                       float (&o)[Q][D / 16][4], float (&m)[Q], float (&l)[Q], int warp, int r,
+                       int c, int nh) {
+  constexpr int NKV = D / 32;
+  constexpr int NV = D / 64;
   const uint4 zero4 = {0u, 0u, 0u, 0u};
-  const long long* tab = p.table + (long long)b.s * p.max_blocks;
-  const T* kb = reinterpret_cast<const T*>(p.k) + (long long)b.kvh * D;
-  const T* vb = reinterpret_cast<const T*>(p.v) + (long long)b.kvh * D + r * (D / 8);
+  const long long* tab = p.table + (long long)seq * p.max_blocks;
+  const T* kb = reinterpret_cast<const T*>(p.k) + (long long)kvh * D;
+  const T* vb = reinterpret_cast<const T*>(p.v) + (long long)kvh * D + r * (D / 8);
 
   // When every 16-key tile lies in one cache block (blocks of a multiple of 16 slots, tiles
   // starting on a multiple of 16), a tile's rows need one table entry, which is read a tile
   // ahead: the data loads of a tile then do not wait for its table load.
   // Positions fit 32 bits (a table row holds at most 2^31 slots): fewer registers.
-  const int stop = (int)b.stop;
-  const bool one_block = p.block_shift >= 4 && (b.start & 15) == 0;
-  int t0 = (int)b.start + 16 * warp;
+  const bool one_block = p.block_shift >= 4 && (start & 15) == 0;
+  int t0 = (int)start + 16 * warp;
   int block_next = one_block && t0 < stop ? (int)tab[t0 >> p.block_shift] : 0;
   for (; t0 < stop; t0 += 64) {
     const int block = block_next;
@@ -404,81 +483,113 @@ VT_DEV void vt_tc_body(const VtPaParams& p) {
         for (int u = 0; u < NV; ++u) vv[e][u] = zero4;
       }
     }
-    // S = Q K^T: sc[n] = (head r: keys t0 + 8n + 2c, +1 | head r + 8: padding).
-    float sc[2][4];
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-#pragma unroll
-      for (int jj = 0; jj < NKV; ++jj) {
-        vt_mma(sc[n], qa[2 * jj][0], 0u, qa[2 * jj][1], 0u, kv[n][jj].x, kv[n][jj].y, T());
-        vt_mma(sc[n], qa[2 * jj + 1][0], 0u, qa[2 * jj + 1][1], 0u, kv[n][jj].z, kv[n][jj].w,
-               T());
-      }
-    }
-    // Online softmax (log2 domain) for head r; the 4 lanes of a quad hold its 16 keys.
-    float x[2][2];
-    float mx = ninf;
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int pos = t0 + 8 * n + 2 * c + e;
-        x[n][e] = pos < stop ? sc[n][e] * p.scale_log2e : ninf;
-        mx = fmaxf(mx, x[n][e]);
-      }
-    }
-    mx = fmaxf(mx, vt_shfl_xor(mx, 1));
-    mx = fmaxf(mx, vt_shfl_xor(mx, 2));
-    const float m_new = fmaxf(m, mx);
-    const float m_use = m_new == ninf ? 0.f : m_new;
-    const float corr = vt_exp2(m - m_use);
-    float pr[2][2];
-    float psum = 0.f;
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        pr[n][e] = r < b.nh ? vt_exp2(x[n][e] - m_use) : 0.f;
-        psum += pr[n][e];
-      }
-    }
-    l = l * corr + psum;
-    m = m_new;
-    // O^T columns are heads 2c and 2c + 1: their rescale factors live in quads 2c and 2c + 1.
-    const float ca = vt_shfl(corr, 8 * c);
-    const float cb = vt_shfl(corr, 8 * c + 4);
-    const vt_u32 pb0 = vt_pack(pr[0][0], pr[0][1], T());
-    const vt_u32 pb1 = vt_pack(pr[1][0], pr[1][1], T());
-#pragma unroll
-    for (int i = 0; i < NK; ++i) {
-      o[i][0] *= ca;
-      o[i][1] *= cb;
-      o[i][2] *= ca;
-      o[i][3] *= cb;
-      const vt_u32 w0 = vt_word(vv[0][i >> 2], i & 3);
-      const vt_u32 w1 = vt_word(vv[1][i >> 2], i & 3);
-      const vt_u32 w8 = vt_word(vv[2][i >> 2], i & 3);
-      const vt_u32 w9 = vt_word(vv[3][i >> 2], i & 3);
-      vt_mma(o[i], vt_prmt(w0, w1, 0x5410u), vt_prmt(w0, w1, 0x7632u), vt_prmt(w8, w9, 0x5410u),
-             vt_prmt(w8, w9, 0x7632u), pb0, pb1, T());
+    for (int j = 0; j < Q; ++j) {
+      vt_tc_step<T, D>(qa[j], o[j], m[j], l[j], kv, vv, t0, stops[j], r, c, nh, p.scale_log2e);
     }
   }
-  l += vt_shfl_xor(l, 1);
-  l += vt_shfl_xor(l, 2);
-  if (c == 0) {
-    sm_m[warp][r] = m;
-    sm_l[warp][r] = l;
-  }
+}
+
+// Tensor-core kernel: bf16/fp16, D % 64 == 0. Lane = 4 * r + c (r = lane / 4, c = lane % 4).
+//
+// S = Q K^T per 16-key tile as two m16n8k16 MMAs (keys t0..t0+7 and t0+8..t0+15), rows = the
+// chunk's query heads (8 valid rows, 8 zero rows), k = head dims. The head-dim order inside the
+// dot product is free, so k-step j uses dims base(j, c) + {0,1} (as k = 2c, 2c+1) and
+// base(j, c) + {2,3} (as k = 2c+8, 2c+9) with base = 32 (j / 2) + 8 c + 4 (j % 2): lane (r, c)
+// loads 16 contiguous bytes per 32 dims of key r's row and feeds them to two k-steps directly.
+//
+// O^T += V^T P^T as one m16n8k16 MMA per 16 head dims (m-tile i), k = the tile's 16 keys,
+// n = query heads. Rows of m-tile i are dims r*D/8 + 2i (row r) and r*D/8 + 2i + 1 (row r+8), so
+// lane (r, c) needs the contiguous dims [r*D/8, (r+1)*D/8) of keys 2c, 2c+1, 2c+8, 2c+9 and builds
+// its A fragments with byte permutes. P^T's B fragment (keys 2c, 2c+1 | 2c+8, 2c+9 of head r) is
+// exactly what lane (r, c) holds of S, so probabilities never leave registers.
+template <typename T, int D>
+VT_DEV void vt_tc_body(const VtPaParams& p) {
+  constexpr int NK = D / 16;  // k-steps of Q K^T, m-tiles of V^T P^T
+  constexpr int NKV = D / 32;  // 16-byte K vectors per lane per key
+  constexpr int NV = D / 64;   // 16-byte V vectors per lane per key
+  __shared__ float sm_m[4][8];
+  __shared__ float sm_l[4][8];
+  __shared__ float sm_o[4][8][D];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r = lane >> 2, c = lane & 3;
+  const VtBlock b = vt_block(p);
+  const float ninf = vt_neg_inf();
+
+  vt_u32 qa1[1][NK][2];
+  vt_tc_load_q<T, D>(p, b.s, b.head0, b.nh, r, c, qa1[0]);
+  float o1[1][NK][4];
 #pragma unroll
-  for (int i = 0; i < NK; ++i) {
-    const int d0 = r * (D / 8) + 2 * i;
-    sm_o[warp][2 * c][d0] = o[i][0];
-    sm_o[warp][2 * c + 1][d0] = o[i][1];
-    sm_o[warp][2 * c][d0 + 1] = o[i][2];
-    sm_o[warp][2 * c + 1][d0 + 1] = o[i][3];
+  for (int i = 0; i < NK; ++i) o1[0][i][0] = o1[0][i][1] = o1[0][i][2] = o1[0][i][3] = 0.f;
+  float m1[1] = {ninf}, l1[1] = {0.f};
+  const int stops[1] = {(int)b.stop};
+  vt_tc_loop<T, D, 1>(p, b.s, b.kvh, b.start, (int)b.stop, stops, qa1, o1, m1, l1, warp, r, c, b.nh);
+  vt_tc_finish<T, D>(p, b.s, b.head0, b.nh, b.part, o1[0], m1[0], l1[0], warp, r, c, sm_m, sm_l,
+                     sm_o);
+}
+
+// Multi-query kernel (vt_pa_multi, tensor cores): the queries of a forward in which every query
+// attends as its own decode step would (`consistent_attention`'s prefill and log-prob passes).
+// q and out hold S * q_per_seq query rows, the table S rows (row i / q_per_seq for query i),
+// seq_lens one length per query; one split, no window. A thread block takes up to Q consecutive
+// queries of one row (blockIdx.x = row * ceil(q_per_seq / Q) + block), so the keys and values
+// they share are read once for all of them; each query's result is bit-identical to vt_tc_body's
+// for that query alone.
+template <typename T, int D>
+struct VtMq {
+  static constexpr int Q = D == 64 ? 4 : (D == 128 ? 2 : 1);
+};
+
+template <typename T, int D>
+VT_DEV void vt_tc_multi_body(const VtPaParams& p) {
+  constexpr int NK = D / 16;
+  constexpr int Q = VtMq<T, D>::Q;
+  __shared__ float sm_m[4][8];
+  __shared__ float sm_l[4][8];
+  __shared__ float sm_o[4][8][D];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r = lane >> 2, c = lane & 3;
+  const int per = p.q_per_seq;
+  const int blocks = (per + Q - 1) / Q;
+  const int seq = (int)blockIdx.x / blocks;
+  const int i0 = ((int)blockIdx.x - seq * blocks) * Q;
+  const int kvh = (int)blockIdx.y / p.chunks;
+  const int chunk = (int)blockIdx.y - kvh * p.chunks;
+  const int head0 = kvh * p.groups + chunk * 8;
+  const int nh = p.groups - chunk * 8 < 8 ? p.groups - chunk * 8 : 8;
+  const long long cap = (long long)p.max_blocks * p.block_size;
+  const float ninf = vt_neg_inf();
+  int stops[Q];
+  int stop = 0;
+  vt_u32 qa[Q][NK][2];
+  float o[Q][NK][4];
+  float m[Q], l[Q];
+#pragma unroll
+  for (int j = 0; j < Q; ++j) {
+    const long long row = (long long)seq * per + i0 + j;
+    long long len = 0;
+    if (i0 + j < per) {
+      len = p.seq_lens[row];
+      if (len > cap) len = cap;
+      if (len < 0) len = 0;
+    }
+    stops[j] = (int)len;
+    stop = stops[j] > stop ? stops[j] : stop;
+    vt_tc_load_q<T, D>(p, row, head0, i0 + j < per ? nh : 0, r, c, qa[j]);
+#pragma unroll
+    for (int i = 0; i < NK; ++i) o[j][i][0] = o[j][i][1] = o[j][i][2] = o[j][i][3] = 0.f;
+    m[j] = ninf;
+    l[j] = 0.f;
   }
-  vt_combine<T, D>(p, b.s, b.head0, b.nh, b.part, sm_m, sm_l, sm_o);
+  vt_tc_loop<T, D, Q>(p, seq, kvh, 0, stop, stops, qa, o, m, l, warp, r, c, nh);
+#pragma unroll
+  for (int j = 0; j < Q; ++j) {
+    if (i0 + j < per) {
+      vt_tc_finish<T, D>(p, seq * per + i0 + j, head0, nh, 0, o[j], m[j], l[j], warp, r, c, sm_m,
+                         sm_l, sm_o);
+      __syncthreads();  // the shared partials are read before the next query writes its own
+    }
+  }
 }
 #endif
 
@@ -521,6 +632,9 @@ typedef vt_f16 vt_t;
 #ifdef VT_WITH_TC
 extern "C" __global__ void __launch_bounds__(128, VT_MIN_BLOCKS) vt_pa_main(const VtPaParams p) {
   vt_tc_body<vt_t, VT_HEAD_DIM>(p);
+}
+extern "C" __global__ void __launch_bounds__(128) vt_pa_multi(const VtPaParams p) {
+  vt_tc_multi_body<vt_t, VT_HEAD_DIM>(p);
 }
 #else
 extern "C" __global__ void __launch_bounds__(128) vt_pa_main(const VtPaParams p) {
@@ -583,6 +697,7 @@ Binary compile_program(int dtype, int head_dim, bool tc, int arch, bool verbose)
 struct Kernels {
   CUfunction_t main = nullptr;
   CUfunction_t reduce = nullptr;
+  CUfunction_t multi = nullptr;  // tensor-core programs only
 };
 
 std::map<std::tuple<int, int, int, int>, Kernels> g_kernels;  // (tc, dtype, head_dim, device)
@@ -596,10 +711,12 @@ Kernels kernels_for(bool tc, int dtype, int head_dim, int index, const DeviceInf
   }
   // Compile outside the lock; a concurrent first call may compile twice (the first insert wins).
   const Binary bin = compile_program(dtype, head_dim, tc, info.arch, false);
-  const auto fns = load_functions(bin, {"vt_pa_main", "vt_pa_reduce"});
+  const auto fns = tc ? load_functions(bin, {"vt_pa_main", "vt_pa_reduce", "vt_pa_multi"})
+                      : load_functions(bin, {"vt_pa_main", "vt_pa_reduce"});
   Kernels k;
   k.main = fns[0];
   k.reduce = fns[1];
+  if (tc) k.multi = fns[2];
   std::lock_guard<std::mutex> lock(rt_mutex());
   return g_kernels.emplace(key, k).first->second;
 }
@@ -792,6 +909,105 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 }
 
+// Attention of `t` queries per block-table row, each as its own decode step (one split, no
+// window): q/out [S * t, heads, head_dim], block_table [S, max_blocks], seq_lens [S * t] (each
+// query's length). Through vt_pa_multi where the tensor-core kernel applies, else the decode
+// kernel over the table with each row repeated t times; the results are the same.
+void paged_multi(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t t,
+                 double scale, const at::Tensor& out) {
+  if (!q.defined() || !q.is_cuda()) {
+    bad_input("q", "a CUDA tensor", q.defined() ? q.device().str() : "undefined");
+  }
+  const at::Device device = q.device();
+  check_tensor(block_table, "block_table [S, max_blocks]", 2, device);
+  if (t < 1) bad_input("queries per table row", ">= 1", std::to_string(t));
+  if (q.dim() != 3 || q.size(0) != block_table.size(0) * t) {
+    bad_input("q", "[table rows x " + std::to_string(t) + ", heads, head_dim]", shape_str(q));
+  }
+  check_tensor(q, "q [S, heads, head_dim]", 3, device);
+  check_tensor(k_cache, "k_cache [blocks, block_size, kv_heads, head_dim]", 4, device);
+  const int dtype = dtype_code(q.scalar_type());
+  const int64_t D = q.size(2), H = q.size(1), KVH = k_cache.size(2);
+  c10::DeviceGuard guard(device);
+  const int index = device.index();
+  const DeviceInfo& info = device_info(index);
+  make_current(info);
+  const bool tc = dtype != 0 && D % 64 == 0 && D <= 256 && info.arch >= 80 &&
+                  aligned16(q.data_ptr()) && aligned16(k_cache.data_ptr()) &&
+                  aligned16(v_cache.data_ptr()) && KVH >= 1 && H % KVH == 0 &&
+                  k_cache.scalar_type() == q.scalar_type() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && block_table.scalar_type() == c10::ScalarType::Long;
+  const bool forced_off = [] {
+    const char* v = std::getenv("VERL_PA_MULTI_QUERY");
+    return v != nullptr && std::string(v) == "0";
+  }();
+  if (!tc || forced_off) {
+    paged_decode(q, k_cache, v_cache, block_table.repeat_interleave(t, 0), seq_lens, scale, 0, out,
+                 0, 1);
+    return;
+  }
+  // Shapes, dtypes and devices through the decode path's checks (one row per query).
+  check_tensor(v_cache, "v_cache [blocks, block_size, kv_heads, head_dim]", 4, device);
+  check_tensor(seq_lens, "seq_lens [S]", 1, device);
+  check_tensor(out, "out [S, heads, head_dim]", 3, device);
+  if (!v_cache.sizes().equals(k_cache.sizes()) || k_cache.size(3) != D ||
+      v_cache.scalar_type() != q.scalar_type()) {
+    bad_input("v_cache", "k_cache's shape and q's dtype and head_dim", shape_str(v_cache));
+  }
+  if (seq_lens.size(0) != q.size(0) || seq_lens.scalar_type() != c10::ScalarType::Long) {
+    bad_input("seq_lens", "int64, one per query (" + std::to_string(q.size(0)) + ")",
+              shape_str(seq_lens));
+  }
+  if (!out.sizes().equals(q.sizes()) || out.scalar_type() != q.scalar_type()) {
+    bad_input("out", "q's shape and dtype", shape_str(out));
+  }
+  const int64_t S = block_table.size(0), MB = block_table.size(1);
+  const int64_t BS = k_cache.size(1);
+  if (MB * BS >= (int64_t(1) << 31)) {
+    bad_input("cache size", "fewer than 2^31 positions per sequence",
+              std::to_string(MB) + " blocks of " + std::to_string(BS));
+  }
+  if (S == 0 || H == 0) return;
+  const Kernels k = kernels_for(true, dtype, static_cast<int>(D), index, info);
+  const int64_t groups = H / KVH, chunks = (groups + 7) / 8;
+  const int64_t per_block = D == 64 ? 4 : (D == 128 ? 2 : 1);
+  const int64_t blocks = S * ((t + per_block - 1) / per_block);
+  if (blocks > (int64_t(1) << 31) - 1 || KVH * chunks > 65535) {
+    bad_input("queries", "fewer thread blocks", std::to_string(blocks));
+  }
+  VtPaParams p{};
+  p.q = q.data_ptr();
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.table = reinterpret_cast<const long long*>(block_table.data_ptr<int64_t>());
+  p.seq_lens = reinterpret_cast<const long long*>(seq_lens.data_ptr<int64_t>());
+  p.out = out.data_ptr();
+  p.kv_row_stride = KVH * D;
+  p.window = 0;
+  p.heads = static_cast<int>(H);
+  p.groups = static_cast<int>(groups);
+  p.chunks = static_cast<int>(chunks);
+  p.max_blocks = static_cast<int>(MB);
+  p.block_size = static_cast<int>(BS);
+  p.block_shift = -1;
+  if ((BS & (BS - 1)) == 0) {
+    int sh = 0;
+    while ((int64_t(1) << sh) < BS) ++sh;
+    p.block_shift = sh;
+  }
+  p.parts = 1;
+  p.part_len = static_cast<int>(((MB * BS + 15) / 16) * 16);
+  p.scale_log2e = static_cast<float>(scale * 1.4426950408889634);
+  p.q_per_seq = static_cast<int>(t);
+  const CudaApi& cu = cuda_checked();
+  void* args[] = {&p};
+  cu_check(cu.cuLaunchKernel(k.multi, static_cast<unsigned>(blocks),
+                             static_cast<unsigned>(KVH * chunks), 1, 128, 1, 1, 0,
+                             current_stream(index), args, nullptr),
+           "cuLaunchKernel(vt_pa_multi)");
+}
+
 #endif  // VERL_WITH_CUDA
 
 }  // namespace
@@ -847,6 +1063,27 @@ char* vt_paged_decode_attention_ex(at::Tensor* q, at::Tensor* k_cache, at::Tenso
     (void)out;
     (void)kernel;
     (void)num_splits;
+    throw std::runtime_error("paged attention: this build of the torch extension has no CUDA");
+#endif
+  });
+}
+
+// paged_multi above: `t` queries per block-table row, each attending as its own decode step.
+char* vt_paged_multi_query_attention(at::Tensor* q, at::Tensor* k_cache, at::Tensor* v_cache,
+                                     at::Tensor* block_table, at::Tensor* seq_lens, int64_t t,
+                                     double scale, at::Tensor* out) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    paged_multi(*q, *k_cache, *v_cache, *block_table, *seq_lens, t, scale, *out);
+#else
+    (void)q;
+    (void)k_cache;
+    (void)v_cache;
+    (void)block_table;
+    (void)seq_lens;
+    (void)t;
+    (void)scale;
+    (void)out;
     throw std::runtime_error("paged attention: this build of the torch extension has no CUDA");
 #endif
   });

@@ -37,6 +37,16 @@ extern "C" {
         kernel: i64,
         num_splits: i64,
     ) -> *mut c_char;
+    fn vt_paged_multi_query_attention(
+        q: CTensor,
+        k_cache: CTensor,
+        v_cache: CTensor,
+        block_table: CTensor,
+        seq_lens: CTensor,
+        t: i64,
+        scale: f64,
+        out: CTensor,
+    ) -> *mut c_char;
 }
 
 /// Which kernel [`paged_decode_attention_with`] launches.
@@ -218,6 +228,40 @@ pub fn paged_decode_attention_out(
         )
     };
     check("paged_decode_attention", err)
+}
+
+/// Attention of `t` queries per block-table row, each exactly as its own decode step would compute
+/// it ([`paged_decode_attention_with`] with one context split and no window): `q` `[S·t, heads,
+/// head_dim]` (contiguous; query `i` belongs to table row `i / t`), `block_table` `[S,
+/// max_blocks]`, `seq_lens` `[S·t]` int64 (each query's context length). Returns `[S·t, heads,
+/// head_dim]`, bit-identical to the decode kernel over the table with each row repeated `t`
+/// times; the tensor-core multi-query kernel reads the keys and values a block of consecutive
+/// queries shares once for all of them (`VERL_PA_MULTI_QUERY=0`: the repeated-table path).
+pub fn paged_multi_query_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    block_table: &Tensor,
+    seq_lens: &Tensor,
+    t: i64,
+    scale: f64,
+) -> Result<Tensor> {
+    let out = Tensor::f_empty(q.size(), (q.kind(), q.device())).map_err(torch_err("empty"))?;
+    // SAFETY: live tch tensors borrowed for the call; the shim validates them.
+    let err = unsafe {
+        vt_paged_multi_query_attention(
+            q.as_ptr(),
+            k_cache.as_ptr(),
+            v_cache.as_ptr(),
+            block_table.as_ptr(),
+            seq_lens.as_ptr(),
+            t,
+            scale,
+            out.as_ptr(),
+        )
+    };
+    check("paged_multi_query_attention", err)?;
+    Ok(out)
 }
 
 fn input(

@@ -8,8 +8,8 @@ use std::process::Command;
 use tch::{Device, Kind, Tensor};
 use verl_torch_ext::{
     capture, paged_attention_compile_check, paged_attention_kernel_source, paged_decode_attention,
-    paged_decode_attention_reference, paged_decode_attention_with, PagedAttentionOptions,
-    PagedDtype, PagedKernel, TorchExtError,
+    paged_decode_attention_reference, paged_decode_attention_with, paged_multi_query_attention,
+    PagedAttentionOptions, PagedDtype, PagedKernel, TorchExtError,
 };
 
 /// A random paged cache and batch: `lens[s]` positions per sequence, block ids shuffled over the
@@ -288,6 +288,22 @@ fn kernels_compile_with_nvrtc() {
                 report += &format!("sm_{arch} {dtype:?} d={d} tc={tc}: {regs}\n");
                 if tc && d <= 128 {
                     assert!(!spills, "sm_{arch} {dtype:?} d={d}: spills\n{log}");
+                    // The multi-query kernel (tensor-core programs only) holds 4 (d=64) or 2
+                    // (d=128) queries' state without spilling either.
+                    let multi: Vec<&str> = log
+                        .lines()
+                        .skip_while(|l| !l.contains("vt_pa_multi"))
+                        .take(4)
+                        .collect();
+                    assert!(
+                        !multi.is_empty(),
+                        "sm_{arch} {dtype:?} d={d}: no vt_pa_multi\n{log}"
+                    );
+                    assert!(
+                        !multi.iter().any(|l| l.contains("spill")
+                            && !l.contains(" 0 bytes spill stores, 0 bytes spill loads")),
+                        "sm_{arch} {dtype:?} d={d}: vt_pa_multi spills\n{log}"
+                    );
                 }
             }
         }
@@ -514,6 +530,60 @@ fn gpu_kernel_rejects_what_it_cannot_do() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("tensor-core"), "{err}");
+}
+
+/// `t` queries per table row through the multi-query kernel (tensor cores) or its fallback (fp32):
+/// bit-identical to the decode kernel run once per query over the repeated table rows.
+#[test]
+fn gpu_multi_query_matches_one_decode_step_per_query() {
+    let Some(dev) = gpu() else { return };
+    for kind in [Kind::BFloat16, Kind::Half, Kind::Float] {
+        for (heads, kv, d, bs, t) in [
+            (14i64, 2i64, 64i64, 16i64, 37i64),
+            (12, 2, 128, 16, 21),
+            (20, 2, 128, 8, 9),
+            (32, 8, 64, 12, 5),
+        ] {
+            // Rows of 0..300 cached positions plus t queries each.
+            let past: Vec<i64> = (0..11).map(|i| (i * 29) % 300).collect();
+            let lens: Vec<i64> = past.iter().map(|&p| p + t).collect();
+            let case = make_case(&lens, heads, kv, d, bs, 4, kind, dev, 5 + d + t);
+            let s = lens.len() as i64;
+            let q = Tensor::randn([s * t, heads, d], (Kind::Float, dev)).to_kind(kind);
+            let q_lens: Vec<i64> = past
+                .iter()
+                .flat_map(|&p| (0..t).map(move |i| p + i + 1))
+                .collect();
+            let q_lens = Tensor::from_slice(&q_lens).to_device(dev);
+            let scale = 1.0 / (d as f64).sqrt();
+            let got =
+                paged_multi_query_attention(&q, &case.k, &case.v, &case.table, &q_lens, t, scale)
+                    .unwrap_or_else(|e| panic!("{kind:?} {heads}/{kv} d={d}: {e}"));
+            let table = case.table.repeat_interleave_self_int(t, Some(0), None);
+            let want = paged_decode_attention_with(
+                &q,
+                &case.k,
+                &case.v,
+                &table,
+                &q_lens,
+                scale,
+                None,
+                PagedAttentionOptions {
+                    kernel: PagedKernel::Auto,
+                    num_splits: 1,
+                },
+            )
+            .unwrap();
+            let what = format!("{kind:?} {heads}/{kv} d={d} bs={bs} t={t}");
+            assert!(!bool::try_from(got.isnan().any()).unwrap(), "{what}: NaN");
+            assert!(
+                got.equal(&want),
+                "{what}: differs (max {})",
+                scaled_diff(&got, &want)
+            );
+            eprintln!("{what}: bit-identical");
+        }
+    }
 }
 
 /// The kernel (with context splits, so the scratch allocation and the reduce launch are captured

@@ -618,9 +618,6 @@ pub(crate) struct ConsistentAttention {
     pub table: Tensor,
     /// int64 `[B*T]`.
     pub seq_lens: Tensor,
-    /// A padded `[B, T]` forward: the table `[B, 1]` and `T`, for the multi-query kernel (the
-    /// queries of a row share their keys' loads; bit-identical to one decode step each).
-    pub per_row: Option<(Tensor, i64)>,
 }
 
 impl ConsistentAttention {
@@ -633,36 +630,24 @@ impl ConsistentAttention {
                 .f_floor_divide_scalar(rows.len)?
                 .f_view([-1, 1])?,
             seq_lens: rows.scatter.f_remainder(rows.len)?.f_add_scalar(1)?,
-            per_row: None,
         })
     }
 
     /// The kernel over queries `q` `[queries, H, D]` and the key/value rows `k`, `v`
     /// `[rows, len, n_kv, D]` (one split, so each query's arithmetic is a decode step's).
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, head_dim: i64) -> Result<Tensor> {
-        if let Some((table, t)) = &self.per_row {
-            return Ok(verl_torch_ext::paged_multi_query_attention(
-                q,
-                k,
-                v,
-                table,
-                &self.seq_lens,
-                *t,
-                1.0 / (head_dim as f64).sqrt(),
-            )?);
-        }
-        Ok(verl_torch_ext::paged_decode_attention_with(
+        // The multi-query kernel: consecutive queries of one row share their keys' loads, each
+        // computed as its own decode step (row r's block table is [r]).
+        let rows = k.size()[0];
+        let table = Tensor::f_arange(rows, (Kind::Int64, q.device()))?.f_view([rows, 1])?;
+        Ok(verl_torch_ext::paged_multi_query_attention(
             q,
             k,
             v,
-            &self.table,
+            &table,
+            &self.table.f_view([-1])?,
             &self.seq_lens,
             1.0 / (head_dim as f64).sqrt(),
-            None,
-            verl_torch_ext::PagedAttentionOptions {
-                num_splits: 1,
-                ..Default::default()
-            },
         )?)
     }
 
@@ -673,7 +658,6 @@ impl ConsistentAttention {
                 .f_repeat_interleave_self_int(t, Some(0), None)?
                 .f_view([b * t, 1])?,
             seq_lens: Tensor::f_arange_start(1, t + 1, opts)?.f_repeat([b])?,
-            per_row: Some((Tensor::f_arange(b, opts)?.f_view([b, 1])?, t)),
         })
     }
 }

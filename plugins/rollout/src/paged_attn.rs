@@ -489,13 +489,15 @@ impl AttentionBackend for PagedAttention<'_> {
                 .f_contiguous()?
                 .f_view([s * t, h, d])?;
             let seq_lens = b.pos.f_view([s * t])?.f_add_scalar(1)?;
+            let rows =
+                Tensor::f_arange(s * t, (Kind::Int64, q.device()))?.f_floor_divide_scalar(t)?;
             let out = verl_torch_ext::paged_multi_query_attention(
                 &q,
                 &views.k_blocks,
                 &views.v_blocks,
                 &b.table.f_view([s, b.nb])?,
+                &rows,
                 &seq_lens,
-                t,
                 1.0 / (d as f64).sqrt(),
             )
             .map_err(|e| NnError::InvalidInput {

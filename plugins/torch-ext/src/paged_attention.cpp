@@ -75,7 +75,8 @@
     int parts;                                                                               \
     int part_len;               /* keys per split, a multiple of 16 */                       \
     float scale_log2e;          /* softmax scale * log2(e) */                                \
-    int q_per_seq;              /* vt_pa_multi: queries per block-table row */               \
+    int queries;                /* vt_pa_multi: query rows */                                \
+    const long long* q_rows;    /* vt_pa_multi: [queries] each query's block-table row */    \
   };
 
 #define VT_PA_STR_(...) #__VA_ARGS__
@@ -528,13 +529,13 @@ VT_DEV void vt_tc_body(const VtPaParams& p) {
                      sm_o);
 }
 
-// Multi-query kernel (vt_pa_multi, tensor cores): the queries of a forward in which every query
-// attends as its own decode step would (`consistent_attention`'s prefill and log-prob passes).
-// q and out hold S * q_per_seq query rows, the table S rows (row i / q_per_seq for query i),
-// seq_lens one length per query; one split, no window. A thread block takes up to Q consecutive
-// queries of one row (blockIdx.x = row * ceil(q_per_seq / Q) + block), so the keys and values
-// they share are read once for all of them; each query's result is bit-identical to vt_tc_body's
-// for that query alone.
+// Multi-query kernel (vt_pa_multi, tensor cores): forwards in which every query attends as its
+// own decode step would (`consistent_attention`'s prefill and log-prob passes). Query i (of
+// `queries` rows of q and out) reads block-table row q_rows[i] up to its length seq_lens[i]; one
+// split, no window. A thread block takes Q consecutive queries: when they read the same table row
+// (all but the blocks that straddle two rows of a forward), the keys and values they share are
+// loaded once for all of them; otherwise it runs them one after another. Either way each query's
+// result is bit-identical to vt_tc_body's for that query alone.
 template <typename T, int D>
 struct VtMq {
   static constexpr int Q = D == 64 ? 4 : (D == 128 ? 2 : 1);
@@ -549,10 +550,8 @@ VT_DEV void vt_tc_multi_body(const VtPaParams& p) {
   __shared__ float sm_o[4][8][D];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, c = lane & 3;
-  const int per = p.q_per_seq;
-  const int blocks = (per + Q - 1) / Q;
-  const int seq = (int)blockIdx.x / blocks;
-  const int i0 = ((int)blockIdx.x - seq * blocks) * Q;
+  const int n = p.queries;
+  const int i0 = (int)blockIdx.x * Q;
   const int kvh = (int)blockIdx.y / p.chunks;
   const int chunk = (int)blockIdx.y - kvh * p.chunks;
   const int head0 = kvh * p.groups + chunk * 8;
@@ -560,33 +559,51 @@ VT_DEV void vt_tc_multi_body(const VtPaParams& p) {
   const long long cap = (long long)p.max_blocks * p.block_size;
   const float ninf = vt_neg_inf();
   int stops[Q];
+  int rows[Q];
   int stop = 0;
+  bool shared = true;
   vt_u32 qa[Q][NK][2];
   float o[Q][NK][4];
   float m[Q], l[Q];
+  const int row0 = (int)p.q_rows[i0];
 #pragma unroll
   for (int j = 0; j < Q; ++j) {
-    const long long row = (long long)seq * per + i0 + j;
+    const int qi = i0 + j;
     long long len = 0;
-    if (i0 + j < per) {
-      len = p.seq_lens[row];
+    rows[j] = row0;
+    if (qi < n) {
+      rows[j] = (int)p.q_rows[qi];
+      len = p.seq_lens[qi];
       if (len > cap) len = cap;
       if (len < 0) len = 0;
     }
+    shared = shared && rows[j] == row0;
     stops[j] = (int)len;
     stop = stops[j] > stop ? stops[j] : stop;
-    vt_tc_load_q<T, D>(p, row, head0, i0 + j < per ? nh : 0, r, c, qa[j]);
+    vt_tc_load_q<T, D>(p, qi < n ? qi : i0, head0, qi < n ? nh : 0, r, c, qa[j]);
 #pragma unroll
     for (int i = 0; i < NK; ++i) o[j][i][0] = o[j][i][1] = o[j][i][2] = o[j][i][3] = 0.f;
     m[j] = ninf;
     l[j] = 0.f;
   }
-  vt_tc_loop<T, D, Q>(p, seq, kvh, 0, stop, stops, qa, o, m, l, warp, r, c, nh);
+  if (shared) {
+    vt_tc_loop<T, D, Q>(p, row0, kvh, 0, stop, stops, qa, o, m, l, warp, r, c, nh);
+  } else {
+#pragma unroll
+    for (int j = 0; j < Q; ++j) {
+      typedef vt_u32 Qa1[1][NK][2];
+      typedef float O1[1][NK][4];
+      typedef float S1[1];
+      const int stop1[1] = {stops[j]};
+      vt_tc_loop<T, D, 1>(p, rows[j], kvh, 0, stops[j], stop1, reinterpret_cast<const Qa1&>(qa[j]),
+                          reinterpret_cast<O1&>(o[j]), reinterpret_cast<S1&>(m[j]),
+                          reinterpret_cast<S1&>(l[j]), warp, r, c, nh);
+    }
+  }
 #pragma unroll
   for (int j = 0; j < Q; ++j) {
-    if (i0 + j < per) {
-      vt_tc_finish<T, D>(p, seq * per + i0 + j, head0, nh, 0, o[j], m[j], l[j], warp, r, c, sm_m,
-                         sm_l, sm_o);
+    if (i0 + j < n) {
+      vt_tc_finish<T, D>(p, i0 + j, head0, nh, 0, o[j], m[j], l[j], warp, r, c, sm_m, sm_l, sm_o);
       __syncthreads();  // the shared partials are read before the next query writes its own
     }
   }
@@ -909,26 +926,27 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 }
 
-// Attention of `t` queries per block-table row, each as its own decode step (one split, no
-// window): q/out [S * t, heads, head_dim], block_table [S, max_blocks], seq_lens [S * t] (each
-// query's length). Through vt_pa_multi where the tensor-core kernel applies, else the decode
-// kernel over the table with each row repeated t times; the results are the same.
+// Attention of queries that each attend as their own decode step (one split, no window): q/out
+// [N, heads, head_dim], query i reading row q_rows[i] of block_table [R, max_blocks] up to its
+// length seq_lens[i]. Through vt_pa_multi where the tensor-core kernel applies, else the decode
+// kernel over the table rows gathered per query; the results are the same.
 void paged_multi(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t t,
-                 double scale, const at::Tensor& out) {
+                 const at::Tensor& block_table, const at::Tensor& q_rows,
+                 const at::Tensor& seq_lens, double scale, const at::Tensor& out) {
   if (!q.defined() || !q.is_cuda()) {
     bad_input("q", "a CUDA tensor", q.defined() ? q.device().str() : "undefined");
   }
   const at::Device device = q.device();
-  check_tensor(block_table, "block_table [S, max_blocks]", 2, device);
-  if (t < 1) bad_input("queries per table row", ">= 1", std::to_string(t));
-  if (q.dim() != 3 || q.size(0) != block_table.size(0) * t) {
-    bad_input("q", "[table rows x " + std::to_string(t) + ", heads, head_dim]", shape_str(q));
+  check_tensor(q, "q [N, heads, head_dim]", 3, device);
+  check_tensor(block_table, "block_table [rows, max_blocks]", 2, device);
+  check_tensor(q_rows, "q_rows [N]", 1, device);
+  if (q_rows.size(0) != q.size(0) || q_rows.scalar_type() != c10::ScalarType::Long) {
+    bad_input("q_rows", "int64, one table row per query (" + std::to_string(q.size(0)) + ")",
+              shape_str(q_rows));
   }
-  check_tensor(q, "q [S, heads, head_dim]", 3, device);
   check_tensor(k_cache, "k_cache [blocks, block_size, kv_heads, head_dim]", 4, device);
   const int dtype = dtype_code(q.scalar_type());
-  const int64_t D = q.size(2), H = q.size(1), KVH = k_cache.size(2);
+  const int64_t N = q.size(0), D = q.size(2), H = q.size(1), KVH = k_cache.size(2);
   c10::DeviceGuard guard(device);
   const int index = device.index();
   const DeviceInfo& info = device_info(index);
@@ -943,38 +961,35 @@ void paged_multi(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     return v != nullptr && std::string(v) == "0";
   }();
   if (!tc || forced_off) {
-    paged_decode(q, k_cache, v_cache, block_table.repeat_interleave(t, 0), seq_lens, scale, 0, out,
+    paged_decode(q, k_cache, v_cache, block_table.index_select(0, q_rows), seq_lens, scale, 0, out,
                  0, 1);
     return;
   }
-  // Shapes, dtypes and devices through the decode path's checks (one row per query).
   check_tensor(v_cache, "v_cache [blocks, block_size, kv_heads, head_dim]", 4, device);
-  check_tensor(seq_lens, "seq_lens [S]", 1, device);
-  check_tensor(out, "out [S, heads, head_dim]", 3, device);
+  check_tensor(seq_lens, "seq_lens [N]", 1, device);
+  check_tensor(out, "out [N, heads, head_dim]", 3, device);
   if (!v_cache.sizes().equals(k_cache.sizes()) || k_cache.size(3) != D ||
       v_cache.scalar_type() != q.scalar_type()) {
     bad_input("v_cache", "k_cache's shape and q's dtype and head_dim", shape_str(v_cache));
   }
-  if (seq_lens.size(0) != q.size(0) || seq_lens.scalar_type() != c10::ScalarType::Long) {
-    bad_input("seq_lens", "int64, one per query (" + std::to_string(q.size(0)) + ")",
-              shape_str(seq_lens));
+  if (seq_lens.size(0) != N || seq_lens.scalar_type() != c10::ScalarType::Long) {
+    bad_input("seq_lens", "int64, one per query (" + std::to_string(N) + ")", shape_str(seq_lens));
   }
   if (!out.sizes().equals(q.sizes()) || out.scalar_type() != q.scalar_type()) {
     bad_input("out", "q's shape and dtype", shape_str(out));
   }
-  const int64_t S = block_table.size(0), MB = block_table.size(1);
-  const int64_t BS = k_cache.size(1);
-  if (MB * BS >= (int64_t(1) << 31)) {
+  const int64_t MB = block_table.size(1), BS = k_cache.size(1);
+  if (MB * BS >= (int64_t(1) << 31) || block_table.size(0) >= (int64_t(1) << 31)) {
     bad_input("cache size", "fewer than 2^31 positions per sequence",
               std::to_string(MB) + " blocks of " + std::to_string(BS));
   }
-  if (S == 0 || H == 0) return;
+  if (N == 0 || H == 0) return;
   const Kernels k = kernels_for(true, dtype, static_cast<int>(D), index, info);
   const int64_t groups = H / KVH, chunks = (groups + 7) / 8;
   const int64_t per_block = D == 64 ? 4 : (D == 128 ? 2 : 1);
-  const int64_t blocks = S * ((t + per_block - 1) / per_block);
-  if (blocks > (int64_t(1) << 31) - 1 || KVH * chunks > 65535) {
-    bad_input("queries", "fewer thread blocks", std::to_string(blocks));
+  const int64_t blocks = (N + per_block - 1) / per_block;
+  if (N > (int64_t(1) << 31) - 1 || KVH * chunks > 65535) {
+    bad_input("queries", "fewer than 2^31", std::to_string(N));
   }
   VtPaParams p{};
   p.q = q.data_ptr();
@@ -982,6 +997,7 @@ void paged_multi(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   p.v = v_cache.data_ptr();
   p.table = reinterpret_cast<const long long*>(block_table.data_ptr<int64_t>());
   p.seq_lens = reinterpret_cast<const long long*>(seq_lens.data_ptr<int64_t>());
+  p.q_rows = reinterpret_cast<const long long*>(q_rows.data_ptr<int64_t>());
   p.out = out.data_ptr();
   p.kv_row_stride = KVH * D;
   p.window = 0;
@@ -999,7 +1015,7 @@ void paged_multi(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   p.parts = 1;
   p.part_len = static_cast<int>(((MB * BS + 15) / 16) * 16);
   p.scale_log2e = static_cast<float>(scale * 1.4426950408889634);
-  p.q_per_seq = static_cast<int>(t);
+  p.queries = static_cast<int>(N);
   const CudaApi& cu = cuda_checked();
   void* args[] = {&p};
   cu_check(cu.cuLaunchKernel(k.multi, static_cast<unsigned>(blocks),
@@ -1068,20 +1084,20 @@ char* vt_paged_decode_attention_ex(at::Tensor* q, at::Tensor* k_cache, at::Tenso
   });
 }
 
-// paged_multi above: `t` queries per block-table row, each attending as its own decode step.
+// paged_multi above: queries that each attend as their own decode step.
 char* vt_paged_multi_query_attention(at::Tensor* q, at::Tensor* k_cache, at::Tensor* v_cache,
-                                     at::Tensor* block_table, at::Tensor* seq_lens, int64_t t,
-                                     double scale, at::Tensor* out) {
+                                     at::Tensor* block_table, at::Tensor* q_rows,
+                                     at::Tensor* seq_lens, double scale, at::Tensor* out) {
   return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
-    paged_multi(*q, *k_cache, *v_cache, *block_table, *seq_lens, t, scale, *out);
+    paged_multi(*q, *k_cache, *v_cache, *block_table, *q_rows, *seq_lens, scale, *out);
 #else
     (void)q;
     (void)k_cache;
     (void)v_cache;
     (void)block_table;
+    (void)q_rows;
     (void)seq_lens;
-    (void)t;
     (void)scale;
     (void)out;
     throw std::runtime_error("paged attention: this build of the torch extension has no CUDA");

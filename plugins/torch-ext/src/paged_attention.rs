@@ -42,8 +42,8 @@ extern "C" {
         k_cache: CTensor,
         v_cache: CTensor,
         block_table: CTensor,
+        q_rows: CTensor,
         seq_lens: CTensor,
-        t: i64,
         scale: f64,
         out: CTensor,
     ) -> *mut c_char;
@@ -230,20 +230,21 @@ pub fn paged_decode_attention_out(
     check("paged_decode_attention", err)
 }
 
-/// Attention of `t` queries per block-table row, each exactly as its own decode step would compute
-/// it ([`paged_decode_attention_with`] with one context split and no window): `q` `[S·t, heads,
-/// head_dim]` (contiguous; query `i` belongs to table row `i / t`), `block_table` `[S,
-/// max_blocks]`, `seq_lens` `[S·t]` int64 (each query's context length). Returns `[S·t, heads,
-/// head_dim]`, bit-identical to the decode kernel over the table with each row repeated `t`
-/// times; the tensor-core multi-query kernel reads the keys and values a block of consecutive
-/// queries shares once for all of them (`VERL_PA_MULTI_QUERY=0`: the repeated-table path).
+/// Attention of queries that each attend exactly as their own decode step would
+/// ([`paged_decode_attention_with`] with one context split and no window): `q` `[N, heads,
+/// head_dim]` (contiguous), query `i` reading row `q_rows[i]` of `block_table` `[rows,
+/// max_blocks]` up to its context length `seq_lens[i]` (`q_rows`, `seq_lens` `[N]` int64).
+/// Returns `[N, heads, head_dim]`, bit-identical to the decode kernel over the table rows
+/// gathered per query; the tensor-core multi-query kernel loads the keys and values that a block
+/// of consecutive queries of one row shares once for all of them (`VERL_PA_MULTI_QUERY=0`: the
+/// gathered-table path).
 pub fn paged_multi_query_attention(
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
     block_table: &Tensor,
+    q_rows: &Tensor,
     seq_lens: &Tensor,
-    t: i64,
     scale: f64,
 ) -> Result<Tensor> {
     let out = Tensor::f_empty(q.size(), (q.kind(), q.device())).map_err(torch_err("empty"))?;
@@ -254,8 +255,8 @@ pub fn paged_multi_query_attention(
             k_cache.as_ptr(),
             v_cache.as_ptr(),
             block_table.as_ptr(),
+            q_rows.as_ptr(),
             seq_lens.as_ptr(),
-            t,
             scale,
             out.as_ptr(),
         )

@@ -532,8 +532,9 @@ fn gpu_kernel_rejects_what_it_cannot_do() {
     assert!(err.to_string().contains("tensor-core"), "{err}");
 }
 
-/// `t` queries per table row through the multi-query kernel (tensor cores) or its fallback (fp32):
-/// bit-identical to the decode kernel run once per query over the repeated table rows.
+/// Queries of table rows through the multi-query kernel (tensor cores) or its fallback (fp32), in
+/// row order and interleaved as in a packed stream: bit-identical to the decode kernel run once
+/// per query over each query's table row.
 #[test]
 fn gpu_multi_query_matches_one_decode_step_per_query() {
     let Some(dev) = gpu() else { return };
@@ -556,10 +557,36 @@ fn gpu_multi_query_matches_one_decode_step_per_query() {
                 .collect();
             let q_lens = Tensor::from_slice(&q_lens).to_device(dev);
             let scale = 1.0 / (d as f64).sqrt();
-            let got =
-                paged_multi_query_attention(&q, &case.k, &case.v, &case.table, &q_lens, t, scale)
-                    .unwrap_or_else(|e| panic!("{kind:?} {heads}/{kv} d={d}: {e}"));
-            let table = case.table.repeat_interleave_self_int(t, Some(0), None);
+            // Queries in row order (t even), or as a packed stream has them (t odd: runs of 3
+            // per row, interleaved), so that blocks of consecutive queries straddle rows.
+            let mut rows: Vec<i64> = (0..s).flat_map(|r| (0..t).map(move |_| r)).collect();
+            let mut q_lens = q_lens;
+            if t % 2 == 1 {
+                let host = Vec::<i64>::try_from(&q_lens.to_device(Device::Cpu)).unwrap();
+                let mut order: Vec<usize> = Vec::new();
+                for i0 in (0..t as usize).step_by(3) {
+                    for r in 0..s as usize {
+                        for i in i0..(i0 + 3).min(t as usize) {
+                            order.push(r * t as usize + i);
+                        }
+                    }
+                }
+                rows = order.iter().map(|&i| rows[i]).collect();
+                let lens: Vec<i64> = order.iter().map(|&i| host[i]).collect();
+                q_lens = Tensor::from_slice(&lens).to_device(dev);
+            }
+            let rows = Tensor::from_slice(&rows).to_device(dev);
+            let got = paged_multi_query_attention(
+                &q,
+                &case.k,
+                &case.v,
+                &case.table,
+                &rows,
+                &q_lens,
+                scale,
+            )
+            .unwrap_or_else(|e| panic!("{kind:?} {heads}/{kv} d={d}: {e}"));
+            let table = case.table.index_select(0, &rows);
             let want = paged_decode_attention_with(
                 &q,
                 &case.k,

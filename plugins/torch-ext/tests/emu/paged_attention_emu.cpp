@@ -371,7 +371,7 @@ bool run_case(const Case& c, unsigned seed) {
 // position past[s] + i), bit for bit.
 template <typename T, int D>
 bool run_multi_case(const char* name, int H, int KVH, int BS, int t,
-                    const std::vector<long long>& past, unsigned seed) {
+                    const std::vector<long long>& past, unsigned seed, int run = 0) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
   const int S = static_cast<int>(past.size());
@@ -411,14 +411,25 @@ bool run_multi_case(const char* name, int H, int KVH, int BS, int t,
         v[slot * KVH * D + i] = quant<T>(normal(rng));
       }
     }
-  std::vector<long long> lens(N), table_rep(static_cast<size_t>(N) * max_blocks);
-  for (int s = 0; s < S; ++s)
-    for (int i = 0; i < t; ++i) {
-      lens[s * t + i] = past[s] + i + 1;
-      for (int b = 0; b < max_blocks; ++b)
-        table_rep[static_cast<size_t>(s * t + i) * max_blocks + b] =
-            table[static_cast<size_t>(s) * max_blocks + b];
-    }
+  // Queries in row order, or (run > 0) runs of `run` queries of each row interleaved round-robin,
+  // as a packed stream has them: blocks of consecutive queries then straddle rows.
+  std::vector<std::pair<int, long long>> order;
+  if (run == 0) {
+    for (int s = 0; s < S; ++s)
+      for (int i = 0; i < t; ++i) order.push_back({s, past[s] + i + 1});
+  } else {
+    for (int i0 = 0; i0 < t; i0 += run)
+      for (int s = 0; s < S; ++s)
+        for (int i = i0; i < std::min(t, i0 + run); ++i) order.push_back({s, past[s] + i + 1});
+  }
+  std::vector<long long> lens(N), q_rows(N), table_rep(static_cast<size_t>(N) * max_blocks);
+  for (int i = 0; i < N; ++i) {
+    q_rows[i] = order[i].first;
+    lens[i] = order[i].second;
+    for (int b = 0; b < max_blocks; ++b)
+      table_rep[static_cast<size_t>(i) * max_blocks + b] =
+          table[static_cast<size_t>(q_rows[i]) * max_blocks + b];
+  }
   const int groups = H / KVH, chunks = (groups + 7) / 8;
   VtPaParams p{};
   p.q = q;
@@ -451,9 +462,10 @@ bool run_multi_case(const char* name, int H, int KVH, int BS, int t,
   VtPaParams p2 = p;
   p2.table = table.data();
   p2.out = out2;
-  p2.q_per_seq = t;
+  p2.queries = N;
+  p2.q_rows = q_rows.data();
   constexpr int Q = VtMq<T, D>::Q;
-  launch([](const VtPaParams& pp) { vt_tc_multi_body<T, D>(pp); }, p2, S * ((t + Q - 1) / Q),
+  launch([](const VtPaParams& pp) { vt_tc_multi_body<T, D>(pp); }, p2, (N + Q - 1) / Q,
          KVH * chunks, 1);
   bool same = true, nan_seen = false;
   for (int i = 0; i < N * H * D; ++i) {
@@ -495,6 +507,10 @@ int main() {
   ok &= run_multi_case<vt_bf16, 128>("multi bf16 20/2 (2 chunks) bs8", 20, 2, 8, 5, {2, 30}, 22);
   ok &= run_multi_case<vt_bf16, 128>("multi bf16 12/2 one block per row", 12, 2, 37, 37, {0}, 23);
   ok &= run_multi_case<vt_f16, 192>("multi f16 8/8 bs16", 8, 8, 16, 3, {17}, 24);
+  ok &= run_multi_case<vt_bf16, 64>("multi bf16 14/2 bs16 interleaved runs of 3", 14, 2, 16, 9,
+                                    {0, 40, 5}, 25, 3);
+  ok &= run_multi_case<vt_f16, 128>("multi f16 12/2 bs16 interleaved runs of 1", 12, 2, 16, 4,
+                                    {7, 0, 19}, 26, 1);
   std::printf(ok ? "all emulated cases match\n" : "SOME EMULATED CASES FAILED\n");
   return ok ? 0 : 1;
 }

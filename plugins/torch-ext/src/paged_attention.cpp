@@ -538,7 +538,11 @@ VT_DEV void vt_tc_body(const VtPaParams& p) {
 // result is bit-identical to vt_tc_body's for that query alone.
 template <typename T, int D>
 struct VtMq {
+#ifdef VT_MULTI_QUERIES
+  static constexpr int Q = VT_MULTI_QUERIES;
+#else
   static constexpr int Q = D == 64 ? 4 : (D == 128 ? 2 : 1);
+#endif
 };
 
 template <typename T, int D>
@@ -692,6 +696,18 @@ int min_blocks(int head_dim) {
   return head_dim == 128 ? 3 : 1;
 }
 
+// Queries per thread block of the multi-query kernel: 4 at head_dim 64, 2 at 128, else 1
+// (their state fits the registers without spills); VERL_PA_MULTI_QUERIES=1..8 overrides.
+int multi_queries(int head_dim) {
+  static const int forced = [] {
+    const char* v = std::getenv("VERL_PA_MULTI_QUERIES");
+    const int x = v ? std::atoi(v) : 0;
+    return x >= 1 && x <= 8 ? x : 0;
+  }();
+  if (forced > 0) return forced;
+  return head_dim == 64 ? 4 : (head_dim == 128 ? 2 : 1);
+}
+
 // Compiles the paged-attention kernels for (dtype 0/1/2, head_dim, tensor cores?) for compute
 // capability `arch`.
 Binary compile_program(int dtype, int head_dim, bool tc, int arch, bool verbose) {
@@ -701,6 +717,7 @@ Binary compile_program(int dtype, int head_dim, bool tc, int arch, bool verbose)
   };
   if (tc) opts.push_back("-DVT_WITH_TC");
   if (tc) opts.push_back("-DVT_MIN_BLOCKS=" + std::to_string(min_blocks(head_dim)));
+  if (tc) opts.push_back("-DVT_MULTI_QUERIES=" + std::to_string(multi_queries(head_dim)));
   try {
     return compile_source(full_source(), "verl_paged_attention", opts, arch, verbose);
   } catch (const std::exception& e) {
@@ -986,7 +1003,7 @@ void paged_multi(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   if (N == 0 || H == 0) return;
   const Kernels k = kernels_for(true, dtype, static_cast<int>(D), index, info);
   const int64_t groups = H / KVH, chunks = (groups + 7) / 8;
-  const int64_t per_block = D == 64 ? 4 : (D == 128 ? 2 : 1);
+  const int64_t per_block = multi_queries(static_cast<int>(D));
   const int64_t blocks = (N + per_block - 1) / per_block;
   if (N > (int64_t(1) << 31) - 1 || KVH * chunks > 65535) {
     bad_input("queries", "fewer than 2^31", std::to_string(N));

@@ -797,6 +797,35 @@ int dtype_code(c10::ScalarType t) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// The parameter fields every launch shares: pointers, kv heads and their groups of query heads
+// (in chunks of 8), the table's shape and the block size (with its shift when a power of two),
+// and the softmax scale in the log2 domain. Shapes were checked by the caller.
+void fill_params(VtPaParams& p, const at::Tensor& q, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, const at::Tensor& block_table,
+                 const at::Tensor& seq_lens, const at::Tensor& out, double scale) {
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  const int64_t BS = k_cache.size(1), groups = H / KVH;
+  p.q = q.data_ptr();
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.table = reinterpret_cast<const long long*>(block_table.data_ptr<int64_t>());
+  p.seq_lens = reinterpret_cast<const long long*>(seq_lens.data_ptr<int64_t>());
+  p.out = out.data_ptr();
+  p.kv_row_stride = KVH * D;
+  p.heads = static_cast<int>(H);
+  p.groups = static_cast<int>(groups);
+  p.chunks = static_cast<int>((groups + 7) / 8);
+  p.max_blocks = static_cast<int>(block_table.size(1));
+  p.block_size = static_cast<int>(BS);
+  p.block_shift = -1;
+  if ((BS & (BS - 1)) == 0) {
+    int sh = 0;
+    while ((int64_t(1) << sh) < BS) ++sh;
+    p.block_shift = sh;
+  }
+  p.scale_log2e = static_cast<float>(scale * 1.4426950408889634);
+}
+
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
                   int64_t window, const at::Tensor& out, int64_t kernel, int64_t num_splits) {
@@ -897,30 +926,10 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   if (parts < 1) parts = 1;
 
   VtPaParams p{};
-  p.q = q.data_ptr();
-  p.k = k_cache.data_ptr();
-  p.v = v_cache.data_ptr();
-  p.table = block_table.data_ptr<int64_t>() == nullptr
-                ? nullptr
-                : reinterpret_cast<const long long*>(block_table.data_ptr<int64_t>());
-  p.seq_lens = reinterpret_cast<const long long*>(seq_lens.data_ptr<int64_t>());
-  p.out = out.data_ptr();
-  p.kv_row_stride = KVH * D;
+  fill_params(p, q, k_cache, v_cache, block_table, seq_lens, out, scale);
   p.window = window;
-  p.heads = static_cast<int>(H);
-  p.groups = static_cast<int>(groups);
-  p.chunks = static_cast<int>(chunks);
-  p.max_blocks = static_cast<int>(MB);
-  p.block_size = static_cast<int>(BS);
-  p.block_shift = -1;
-  if ((BS & (BS - 1)) == 0) {
-    int sh = 0;
-    while ((int64_t(1) << sh) < BS) ++sh;
-    p.block_shift = sh;
-  }
   p.parts = static_cast<int>(parts);
   p.part_len = static_cast<int>(part_len);
-  p.scale_log2e = static_cast<float>(scale * 1.4426950408889634);
 
   at::Tensor part_o, part_lse;  // scratch from torch's caching allocator (graph-safe)
   if (parts > 1) {
@@ -1009,29 +1018,11 @@ void paged_multi(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     bad_input("queries", "fewer than 2^31", std::to_string(N));
   }
   VtPaParams p{};
-  p.q = q.data_ptr();
-  p.k = k_cache.data_ptr();
-  p.v = v_cache.data_ptr();
-  p.table = reinterpret_cast<const long long*>(block_table.data_ptr<int64_t>());
-  p.seq_lens = reinterpret_cast<const long long*>(seq_lens.data_ptr<int64_t>());
+  fill_params(p, q, k_cache, v_cache, block_table, seq_lens, out, scale);
   p.q_rows = reinterpret_cast<const long long*>(q_rows.data_ptr<int64_t>());
-  p.out = out.data_ptr();
-  p.kv_row_stride = KVH * D;
   p.window = 0;
-  p.heads = static_cast<int>(H);
-  p.groups = static_cast<int>(groups);
-  p.chunks = static_cast<int>(chunks);
-  p.max_blocks = static_cast<int>(MB);
-  p.block_size = static_cast<int>(BS);
-  p.block_shift = -1;
-  if ((BS & (BS - 1)) == 0) {
-    int sh = 0;
-    while ((int64_t(1) << sh) < BS) ++sh;
-    p.block_shift = sh;
-  }
   p.parts = 1;
   p.part_len = static_cast<int>(((MB * BS + 15) / 16) * 16);
-  p.scale_log2e = static_cast<float>(scale * 1.4426950408889634);
   p.queries = static_cast<int>(N);
   const CudaApi& cu = cuda_checked();
   void* args[] = {&p};

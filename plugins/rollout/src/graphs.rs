@@ -14,9 +14,10 @@
 //! A bucket is captured on its second use (one-off shapes stay eager), into one private memory
 //! pool shared by all of this call's graphs, and lives as long as the call's KV pool (the graphs
 //! hold its addresses). The call's first full batch is captured ahead instead
-//! ([`DecodeGraphs::precapture`]), while the device still runs the prefill. Sampling is captured too: inputs go through one static index buffer and
-//! one static uniforms buffer per graph, and the sampled tokens (and their log-probs) come back in
-//! the graph's static outputs, so a step is two small uploads, one replay and one small download.
+//! ([`DecodeGraphs::precapture`]), while the device still runs the prefill. Sampling is captured
+//! too: inputs go through one static index buffer and one static uniforms buffer per graph, and
+//! the sampled tokens (and their log-probs) come back in the graph's static outputs, so a step is
+//! two small uploads, one replay and one small download.
 //! Any capture failure logs once and leaves the call eager.
 
 use std::collections::HashMap;

@@ -38,11 +38,11 @@ use crate::error::{Result, RolloutError};
 use crate::graphs::DecodeGraphs;
 use crate::paged_attn::{self, HostBatch, KvPool};
 use crate::params::{EngineConfig, FinishReason, Generation, GenerationStats};
+use crate::rng;
 
 /// Shortest `max_new_tokens` for which the first decode step's graph is captured ahead (during
 /// the prefill): a capture costs the host about as much as a few eager steps.
 const PRECAPTURE_MIN_TOKENS: usize = 16;
-use crate::rng;
 
 pub(crate) fn run(
     model: &Transformer,

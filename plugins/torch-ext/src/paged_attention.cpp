@@ -686,12 +686,15 @@ using namespace vt_rt;
 // of too few warps are in flight; capped at 168 (3 blocks, no spills) it ran 85.0 -> 77.6 us at
 // S=512, context 512, 12/2 heads on an H200 (1.5B decode step 6.72 -> 6.42 ms). head_dim 64
 // already fits 4 blocks. VERL_PA_MIN_BLOCKS overrides (1..16).
+// The integer in environment variable `name` when it lies in [lo, hi], else 0.
+int env_int_in(const char* name, int lo, int hi) {
+  const char* v = std::getenv(name);
+  const int x = v ? std::atoi(v) : 0;
+  return x >= lo && x <= hi ? x : 0;
+}
+
 int min_blocks(int head_dim) {
-  static const int forced = [] {
-    const char* v = std::getenv("VERL_PA_MIN_BLOCKS");
-    const int x = v ? std::atoi(v) : 0;
-    return x >= 1 && x <= 16 ? x : 0;
-  }();
+  static const int forced = env_int_in("VERL_PA_MIN_BLOCKS", 1, 16);
   if (forced > 0) return forced;
   return head_dim == 128 ? 3 : 1;
 }
@@ -699,11 +702,7 @@ int min_blocks(int head_dim) {
 // Queries per thread block of the multi-query kernel: 4 at head_dim 64, 2 at 128, else 1
 // (their state fits the registers without spills); VERL_PA_MULTI_QUERIES=1..8 overrides.
 int multi_queries(int head_dim) {
-  static const int forced = [] {
-    const char* v = std::getenv("VERL_PA_MULTI_QUERIES");
-    const int x = v ? std::atoi(v) : 0;
-    return x >= 1 && x <= 8 ? x : 0;
-  }();
+  static const int forced = env_int_in("VERL_PA_MULTI_QUERIES", 1, 8);
   if (forced > 0) return forced;
   return head_dim == 64 ? 4 : (head_dim == 128 ? 2 : 1);
 }
@@ -982,7 +981,8 @@ void paged_multi(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                   aligned16(v_cache.data_ptr()) && KVH >= 1 && H % KVH == 0 &&
                   k_cache.scalar_type() == q.scalar_type() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && block_table.scalar_type() == c10::ScalarType::Long;
-  const bool forced_off = [] {
+  // Read once (this runs per layer and forward).
+  static const bool forced_off = [] {
     const char* v = std::getenv("VERL_PA_MULTI_QUERY");
     return v != nullptr && std::string(v) == "0";
   }();

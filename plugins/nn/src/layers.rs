@@ -151,12 +151,22 @@ fn fused_rms_norm() -> bool {
     *ON.get_or_init(|| std::env::var("VERL_FUSED_RMSNORM").as_deref() != Ok("0"))
 }
 
-/// Whether forwards without autograd add the residual and apply the decoder layers' RMSNorms in
-/// one kernel ([`verl_torch_ext::add_rms_norm`]) on CUDA in bf16/fp16. Off with
+/// Whether forwards add the residual and apply the decoder layers' RMSNorms in one kernel on CUDA
+/// in bf16/fp16: [`verl_torch_ext::add_rms_norm`] without autograd,
+/// [`verl_torch_ext::add_rms_norm_autograd`] (one backward kernel too) under it. Off with
 /// `VERL_FUSED_ADD_NORM=0`.
 fn fused_add_norm() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("VERL_FUSED_ADD_NORM").as_deref() != Ok("0"))
+}
+
+/// Whether training forwards gather a shared prompt's keys/values into each sample's sequence
+/// with [`verl_torch_ext::gather_rows`] (a backward summing each token's readers in one kernel,
+/// no atomics) instead of `index_select` (whose backward is `index_add_`). Off with
+/// `VERL_GATHER_ROWS=0`.
+fn fused_gather() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VERL_GATHER_ROWS").as_deref() != Ok("0"))
 }
 
 /// The residual stream between decoder layers: hidden states, possibly with the last block's
@@ -177,6 +187,11 @@ impl Residual {
         if fuse && norm.fusable(&h, delta.as_ref()) {
             let (sum, normed) =
                 verl_torch_ext::add_rms_norm(&h, delta.as_ref(), &norm.weight, norm.eps)?;
+            return Ok((sum.unwrap_or(h), normed));
+        }
+        if norm.fusable_with_grad(&h, delta.as_ref()) {
+            let (sum, normed) =
+                verl_torch_ext::add_rms_norm_autograd(&h, delta.as_ref(), &norm.weight, norm.eps)?;
             return Ok((sum.unwrap_or(h), normed));
         }
         let h = match delta {
@@ -210,6 +225,19 @@ impl RmsNorm {
                 && (x.requires_grad()
                     || self.weight.requires_grad()
                     || delta.is_some_and(|d| d.requires_grad())))
+    }
+
+    /// Whether [`verl_torch_ext::add_rms_norm_autograd`] can add and normalise `x` (+ `delta`)
+    /// under autograd (a training forward): as [`RmsNorm::fusable`] but recorded, for hidden
+    /// sizes its backward takes; off with `VERL_FUSED_ADD_NORM=0` too.
+    fn fusable_with_grad(&self, x: &Tensor, delta: Option<&Tensor>) -> bool {
+        verl_torch_ext::grad_enabled()
+            && (x.requires_grad()
+                || self.weight.requires_grad()
+                || delta.is_some_and(|d| d.requires_grad()))
+            && delta.is_none_or(|d| d.kind() == x.kind() && d.size() == x.size())
+            && verl_torch_ext::add_rms_norm_autograd_applies(x, &self.weight)
+            && fused_add_norm()
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -445,6 +473,11 @@ pub struct VarlenRows {
     pub cu_k: Tensor,
     pub max_q: i64,
     pub max_k: i64,
+    /// int64 `[N + 1]` and `[total_k]`: the inverse of `kv_gather` (stream token `n` is read at
+    /// positions `kv_sources[kv_offsets[n]..kv_offsets[n + 1]]`), for the gather's backward
+    /// ([`verl_torch_ext::gather_rows`]).
+    pub kv_offsets: Tensor,
+    pub kv_sources: Tensor,
 }
 
 /// The host side of [`VarlenRows`]: `(kv_gather, cu_q, cu_k)`, or `None` when the stream's
@@ -515,9 +548,19 @@ impl AttentionRows {
         )?;
         if let Some((kv, cu_q, cu_k)) = varlen_layout(gather, scatter, rows, len) {
             let longest = |cu: &[i64]| cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+            let (offsets, sources) = verl_torch_ext::gather_rows_inverse(&kv, scatter.len())
+                .ok_or_else(|| {
+                    NnError::input(
+                        "attention rows gather index",
+                        format!("stream indices below {}", scatter.len()),
+                        "an index out of range",
+                    )
+                })?;
             out.varlen = Some(VarlenRows {
                 max_q: longest(&cu_q),
                 max_k: longest(&cu_k),
+                kv_offsets: up(&offsets, Kind::Int64)?,
+                kv_sources: up(&sources, Kind::Int64)?,
                 kv_gather: up(&kv, Kind::Int64)?,
                 cu_q: up(&cu_q, Kind::Int)?,
                 cu_k: up(&cu_k, Kind::Int)?,
@@ -579,6 +622,8 @@ impl AttentionRows {
                 cu_k: v.cu_k.shallow_clone(),
                 max_q: v.max_q,
                 max_k: v.max_k,
+                kv_offsets: v.kv_offsets.shallow_clone(),
+                kv_sources: v.kv_sources.shallow_clone(),
             }),
         }
     }
@@ -858,7 +903,16 @@ impl Attention {
         if let Some(vl) = rows.varlen.as_ref() {
             if consistent.is_none() && self.window.is_none() && varlen_applies(q, self.head_dim) {
                 let kv = |x: &Tensor| -> Result<Tensor> {
-                    Ok(AttentionRows::stream(x)?.f_index_select(0, &vl.kv_gather)?)
+                    let s = AttentionRows::stream(x)?;
+                    if s.requires_grad() && verl_torch_ext::grad_enabled() && fused_gather() {
+                        return Ok(verl_torch_ext::gather_rows(
+                            &s,
+                            &vl.kv_gather,
+                            &vl.kv_offsets,
+                            &vl.kv_sources,
+                        )?);
+                    }
+                    Ok(s.f_index_select(0, &vl.kv_gather)?)
                 };
                 let out = verl_torch_ext::varlen_causal_attention(
                     &AttentionRows::stream(q)?,

@@ -768,12 +768,19 @@ fn packed_rows_varlen_matches_padded_rows_on_cuda_bf16() {
         r.len,
     )
     .unwrap();
+    // (with the inverse of that gather, which the backward sums over)
+    let total_k = vl.kv_gather.size()[0];
+    let (offsets, sources) =
+        verl_torch_ext::gather_rows_inverse(&vec![0; total_k as usize], r.tokens() as usize)
+            .unwrap();
     wrong.varlen = Some(verl_nn::VarlenRows {
         kv_gather: vl.kv_gather.zeros_like(),
         cu_q: vl.cu_q.shallow_clone(),
         cu_k: vl.cu_k.shallow_clone(),
         max_q: vl.max_q,
         max_k: vl.max_k,
+        kv_offsets: Tensor::from_slice(&offsets).to_device(dev),
+        kv_sources: Tensor::from_slice(&sources).to_device(dev),
     });
     let (h_wrong, _) = run(&wrong);
     let d = max_abs(&h_wrong, &h_pad);

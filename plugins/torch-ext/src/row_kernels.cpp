@@ -32,6 +32,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -126,6 +127,31 @@
     int dtype;          /* 0 fp32, 1 bf16, 2 fp16 */                                      \
     int vec;            /* 1: 8 elements per 16-byte access (16-bit dtypes) */            \
     float eps;                                                                            \
+  };
+
+#define VT_ADD_NORM_BWD_PARAMS_DEF                                                        \
+  struct VtAddNormBwdParams {                                                             \
+    const void* dy;     /* [R, H] gradient of the normalised rows, contiguous */          \
+    const void* gs;     /* [R, H] gradient arriving at the sum itself, or null */         \
+    const void* h;      /* [R, H] the rows that were normalised, contiguous */            \
+    const void* weight; /* [H] */                                                         \
+    void* dx;           /* [R, H] out: the gradient of the rows (of x and of delta) */    \
+    float* dw_part;     /* [gridDim.x, H] out: each block's share of the weight grad */   \
+    long long rows;                                                                       \
+    int hidden;                                                                           \
+    int dtype;          /* 1 bf16, 2 fp16 (16-byte accesses only) */                      \
+    float eps;                                                                            \
+  };
+
+#define VT_ROWS_SUM_PARAMS_DEF                                                            \
+  struct VtRowsSumParams {                                                                \
+    const void* g;              /* [M, C] contiguous */                                   \
+    const long long* offsets;   /* [N + 1]: row n sums g rows sources[offsets[n]..] */    \
+    const long long* sources;   /* [M] */                                                 \
+    void* out;                  /* [N, C] contiguous */                                   \
+    long long rows, cols;                                                                 \
+    int dtype;                  /* 0 fp32, 1 bf16, 2 fp16 */                              \
+    int vec;                    /* 1: 8 elements per 16-byte access (16-bit dtypes) */    \
   };
 
 #define VT_ROW_STR_(...) #__VA_ARGS__
@@ -1096,6 +1122,176 @@ extern "C" __global__ void __launch_bounds__(256) vt_add_rms_norm(const VtAddNor
     }
   }
 }
+// ---- its backward, for training forwards (AddRmsNormFn): with r = rsqrt(mean(h^2) + eps),
+// dh = r w dy - h r^3 mean(w dy h) (+ the gradient arriving at the sum), rounded once, and the
+// weight's gradient sum over rows of dy h r, accumulated in fp32 per block (dw_part) and summed
+// over blocks by the host. r is recomputed exactly as the forward computed it (same order of
+// squares, same block reduction). Each block walks rows blockIdx.x, + gridDim.x, ...; a thread
+// keeps its C 8-element chunks (c = threadIdx.x + 256 k) of the weight and of its weight-gradient
+// sums in registers across rows.
+__device__ __forceinline__ float2 vt_norm_block_sum2(float a, float b) {
+  __shared__ float2 part2[8];
+  __shared__ float2 total2;
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  if ((threadIdx.x & 31) == 0) part2[threadIdx.x >> 5] = make_float2(a, b);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float ta = 0.0f, tb = 0.0f;
+    for (int w = 0; w < 8; ++w) {
+      ta += part2[w].x;
+      tb += part2[w].y;
+    }
+    total2 = make_float2(ta, tb);
+  }
+  __syncthreads();
+  return total2;
+}
+
+__device__ __forceinline__ void vt_unpack8(const uint4 v, float* f, int dt) {
+  const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    f[2 * j] = vt_half16(w[j], 0, dt);
+    f[2 * j + 1] = vt_half16(w[j], 1, dt);
+  }
+}
+
+template <int DT, int C>
+__device__ __forceinline__ void vt_add_rms_norm_bwd_vec(const VtAddNormBwdParams& p) {
+  const int n8 = p.hidden / 8;
+  const float inv_h = 1.0f / (float)p.hidden;
+  float wf[C][8], acc[C][8];
+#pragma unroll
+  for (int k = 0; k < C; ++k) {
+    const int c = threadIdx.x + 256 * k;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[k][j] = 0.0f;
+    if (c < n8) {
+      vt_unpack8(*reinterpret_cast<const uint4*>(
+                     static_cast<const unsigned short*>(p.weight) + 8 * c), wf[k], DT);
+    }
+  }
+  for (long long r = blockIdx.x; r < p.rows; r += gridDim.x) {
+    const long long base = r * p.hidden;
+    const unsigned short* h = static_cast<const unsigned short*>(p.h) + base;
+    const unsigned short* dy = static_cast<const unsigned short*>(p.dy) + base;
+    float hf[C][8], gf[C][8];
+    float ss = 0.0f, dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const int c = threadIdx.x + 256 * k;
+      if (c < n8) {
+        vt_unpack8(*reinterpret_cast<const uint4*>(h + 8 * c), hf[k], DT);
+        vt_unpack8(*reinterpret_cast<const uint4*>(dy + 8 * c), gf[k], DT);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          ss += hf[k][j] * hf[k][j];
+          dot += wf[k][j] * gf[k][j] * hf[k][j];
+        }
+      }
+    }
+    const float2 t = vt_norm_block_sum2(ss, dot);
+    const float rstd = rsqrtf(t.x / (float)p.hidden + p.eps);
+    const float coef = rstd * rstd * rstd * t.y * inv_h;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const int c = threadIdx.x + 256 * k;
+      if (c < n8) {
+        float add[8];
+        if (p.gs != nullptr) {
+          vt_unpack8(*reinterpret_cast<const uint4*>(
+                         static_cast<const unsigned short*>(p.gs) + base + 8 * c), add, DT);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) add[j] = 0.0f;
+        }
+        unsigned int ow[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float lo =
+              rstd * wf[k][2 * j] * gf[k][2 * j] - hf[k][2 * j] * coef + add[2 * j];
+          const float hi = rstd * wf[k][2 * j + 1] * gf[k][2 * j + 1] -
+                           hf[k][2 * j + 1] * coef + add[2 * j + 1];
+          ow[j] = vt_pack16(vt_round(lo, DT), vt_round(hi, DT), DT);
+        }
+        *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.dx) + base + 8 * c) =
+            make_uint4(ow[0], ow[1], ow[2], ow[3]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[k][j] += gf[k][j] * hf[k][j] * rstd;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < C; ++k) {
+    const int c = threadIdx.x + 256 * k;
+    if (c < n8) {
+      float4* out = reinterpret_cast<float4*>(p.dw_part + (long long)blockIdx.x * p.hidden + 8 * c);
+      out[0] = make_float4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]);
+      out[1] = make_float4(acc[k][4], acc[k][5], acc[k][6], acc[k][7]);
+    }
+  }
+}
+
+// One kernel per chunk count (the host picks it from H): one kernel with all three would be
+// allocated the registers of the largest and run at a quarter of the occupancy.
+#define VT_ADD_NORM_BWD_KERNEL(C)                                                              \
+  extern "C" __global__ void __launch_bounds__(256) vt_add_rms_norm_bwd##C(                    \
+      const VtAddNormBwdParams p) {                                                            \
+    if (p.dtype == 1) {                                                                        \
+      vt_add_rms_norm_bwd_vec<1, C>(p);                                                        \
+    } else {                                                                                   \
+      vt_add_rms_norm_bwd_vec<2, C>(p);                                                        \
+    }                                                                                          \
+  }
+VT_ADD_NORM_BWD_KERNEL(1)
+VT_ADD_NORM_BWD_KERNEL(2)
+VT_ADD_NORM_BWD_KERNEL(4)
+
+// ---- the backward of a row gather (index_select along dim 0) without atomics: output row n is
+// the sum, in fp32 and in the order given, of the gradient rows sources[offsets[n] ..
+// offsets[n + 1]] (the positions that read row n), rounded once; rows nobody read get zeros.
+// Grid-stride over (row, 8-element chunk) items, or (row, element) items off the vector path.
+extern "C" __global__ void __launch_bounds__(256) vt_rows_sum(const VtRowsSumParams p) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  if (p.vec) {
+    const long long c8 = p.cols / 8, items = p.rows * c8;
+    for (long long it = (long long)blockIdx.x * blockDim.x + threadIdx.x; it < items;
+         it += stride) {
+      const long long n = it / c8, c = it - n * c8;
+      float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for (long long i = p.offsets[n]; i < p.offsets[n + 1]; ++i) {
+        const uint4 v = *reinterpret_cast<const uint4*>(
+            static_cast<const unsigned short*>(p.g) + p.sources[i] * p.cols + 8 * c);
+        float f[8];
+        vt_unpack8(v, f, p.dtype);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] += f[j];
+      }
+      unsigned int ow[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        ow[j] = vt_pack16(vt_round(acc[2 * j], p.dtype), vt_round(acc[2 * j + 1], p.dtype),
+                          p.dtype);
+      }
+      *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.out) + n * p.cols + 8 * c) =
+          make_uint4(ow[0], ow[1], ow[2], ow[3]);
+    }
+    return;
+  }
+  const long long items = p.rows * p.cols;
+  for (long long it = (long long)blockIdx.x * blockDim.x + threadIdx.x; it < items;
+       it += stride) {
+    const long long n = it / p.cols, c = it - n * p.cols;
+    float acc = 0.0f;
+    for (long long i = p.offsets[n]; i < p.offsets[n + 1]; ++i) {
+      acc += vt_load(p.g, p.dtype, p.sources[i] * p.cols + c);
+    }
+    vt_store(p.out, p.dtype, it, acc);
+  }
+}
 )VTROW";
 
 const std::string& row_source() {
@@ -1105,7 +1301,9 @@ const std::string& row_source() {
                                  VT_ROW_STR(VT_SWIGLU_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_SWIGLU_BWD_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_ROPE_STORE_PARAMS_DEF) + "\n" +
-                                 VT_ROW_STR(VT_ADD_NORM_PARAMS_DEF) + "\n" + kRowSource;
+                                 VT_ROW_STR(VT_ADD_NORM_PARAMS_DEF) + "\n" +
+                                 VT_ROW_STR(VT_ADD_NORM_BWD_PARAMS_DEF) + "\n" +
+                                 VT_ROW_STR(VT_ROWS_SUM_PARAMS_DEF) + "\n" + kRowSource;
   return src;
 }
 
@@ -1117,6 +1315,8 @@ VT_SWIGLU_PARAMS_DEF
 VT_SWIGLU_BWD_PARAMS_DEF
 VT_ROPE_STORE_PARAMS_DEF
 VT_ADD_NORM_PARAMS_DEF
+VT_ADD_NORM_BWD_PARAMS_DEF
+VT_ROWS_SUM_PARAMS_DEF
 
 using namespace vt_rt;
 
@@ -1131,6 +1331,8 @@ struct RowKernels {
   CUfunction_t rope_store = nullptr;
   CUfunction_t swiglu_bwd = nullptr;
   CUfunction_t add_norm = nullptr;
+  CUfunction_t add_norm_bwd[3] = {nullptr, nullptr, nullptr};  // 1, 2, 4 chunks per thread
+  CUfunction_t rows_sum = nullptr;
 };
 
 std::map<int, RowKernels> g_row_kernels;  // by device
@@ -1144,7 +1346,8 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   const Binary bin = compile_source(row_source(), "verl_row_kernels", {}, info.arch, false);
   const auto fns = load_functions(
       bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad", "vt_rope", "vt_swiglu",
-                "vt_rope_store", "vt_swiglu_bwd", "vt_add_rms_norm"});
+                "vt_rope_store", "vt_swiglu_bwd", "vt_add_rms_norm", "vt_add_rms_norm_bwd1",
+                "vt_add_rms_norm_bwd2", "vt_add_rms_norm_bwd4", "vt_rows_sum"});
   RowKernels k;
   k.sample = fns[0];
   k.stats = fns[1];
@@ -1154,6 +1357,10 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   k.rope_store = fns[5];
   k.swiglu_bwd = fns[6];
   k.add_norm = fns[7];
+  k.add_norm_bwd[0] = fns[8];
+  k.add_norm_bwd[1] = fns[9];
+  k.add_norm_bwd[2] = fns[10];
+  k.rows_sum = fns[11];
   std::lock_guard<std::mutex> lock(rt_mutex());
   return g_row_kernels.emplace(index, k).first->second;
 }
@@ -1515,6 +1722,103 @@ void add_rms_norm(const at::Tensor* x, const at::Tensor* delta, const at::Tensor
            "cuLaunchKernel(vt_add_rms_norm)");
 }
 
+// The backward of add_rms_norm (see vt_add_rms_norm_bwd): dx [R, H] (h's dtype) of the rows
+// `h` [R, H] normalised with `weight` [H], for the gradient `dy` of the normed rows plus `gs`
+// (nullable) arriving at the rows themselves, and the weight's gradient (in its dtype). 16-bit
+// dtypes, H % 8 == 0 and H <= 8192; every tensor contiguous and 16-byte aligned (the caller
+// copies where not).
+std::pair<at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor& dy, const at::Tensor& gs,
+                                                   const at::Tensor& h, const at::Tensor& weight,
+                                                   double eps) {
+  const at::Device dev = h.device();
+  const int64_t R = h.size(0), H = h.size(1);
+  const auto kind = h.scalar_type();
+  const int dtype = storage_code(kind, "add_rms_norm backward dtype");
+  if (dtype == 0 || H % 8 != 0 || H > 8192) {
+    bad("add_rms_norm backward rows", "bf16/fp16 rows of a multiple of 8 up to 8192 elements",
+        sizes_str(h) + " " + c10::toString(kind));
+  }
+  check(&dy, "add_rms_norm backward dy [rows, hidden]", 2, R, kind, dev);
+  if (dy.size(1) != H) bad("add_rms_norm backward dy shape", sizes_str(h), sizes_str(dy));
+  if (gs.defined()) {
+    check(&gs, "add_rms_norm backward sum gradient [rows, hidden]", 2, R, kind, dev);
+    if (gs.size(1) != H) bad("add_rms_norm backward sum gradient shape", sizes_str(h),
+                             sizes_str(gs));
+  }
+  at::Tensor dx = at::empty({R, H}, h.options());
+  c10::DeviceGuard guard(dev);
+  const int index = dev.index();
+  const DeviceInfo& info = device_info(index);
+  // One wave: the blocks that fit an SM at each variant's registers (about 62, 95 and 159).
+  const int64_t n8 = H / 8, variant = n8 <= 256 ? 0 : n8 <= 512 ? 1 : 2;
+  const int64_t per_sm = variant == 0 ? 4 : variant == 1 ? 2 : 1;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(R, int64_t{info.sms} * per_sm));
+  at::Tensor part = at::empty({blocks, H}, h.options().dtype(c10::ScalarType::Float));
+  if (R == 0) return {dx, at::zeros_like(weight)};
+  const auto a16 = [](const at::Tensor& t) {
+    return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  if (!a16(dy) || !a16(gs) || !a16(h)) {
+    bad("add_rms_norm backward", "16-byte aligned rows", "an unaligned tensor");
+  }
+  // A parameter viewed out of a flat buffer may sit at any offset.
+  const at::Tensor w = a16(weight) && weight.is_contiguous() ? weight : weight.contiguous().clone();
+  VtAddNormBwdParams p{};
+  p.dy = dy.data_ptr();
+  p.gs = gs.defined() ? gs.data_ptr() : nullptr;
+  p.h = h.data_ptr();
+  p.weight = w.data_ptr();
+  p.dx = dx.data_ptr();
+  p.dw_part = part.data_ptr<float>();
+  p.rows = R;
+  p.hidden = static_cast<int>(H);
+  p.dtype = dtype;
+  p.eps = static_cast<float>(eps);
+  make_current(info);
+  const RowKernels k = row_kernels(index, info);
+  launch_blocks(k.add_norm_bwd[variant], blocks, index, p,
+                "cuLaunchKernel(vt_add_rms_norm_bwd)");
+  return {dx, part.sum(0).to(weight.scalar_type())};
+}
+
+// Row n of the result [N, C] (g's dtype): the sum of g's rows sources[offsets[n] ..
+// offsets[n + 1]] (see vt_rows_sum); g [M, C] contiguous, offsets int64 [N + 1], sources int64
+// [M], on g's device.
+at::Tensor rows_sum(const at::Tensor& g, const at::Tensor& offsets, const at::Tensor& sources) {
+  if (!g.is_cuda() || g.dim() != 2) bad("rows_sum gradient", "a CUDA [rows, cols] tensor", sizes_str(g));
+  const at::Device dev = g.device();
+  const int64_t N = offsets.numel() - 1, C = g.size(1);
+  if (N < 0) bad("rows_sum offsets", "int64 [rows + 1]", sizes_str(offsets));
+  check(&offsets, "rows_sum offsets [rows + 1]", 1, N + 1, c10::ScalarType::Long, dev);
+  check(&sources, "rows_sum sources", 1, sources.size(0), c10::ScalarType::Long, dev);
+  if (sources.numel() != g.size(0)) {
+    bad("rows_sum sources", "one per gradient row (" + std::to_string(g.size(0)) + ")",
+        sizes_str(sources));
+  }
+  const int dtype = storage_code(g.scalar_type(), "rows_sum dtype");
+  const at::Tensor gc = g.contiguous();
+  at::Tensor out = at::empty({N, C}, g.options());
+  if (N == 0 || C == 0) return out;
+  c10::DeviceGuard guard(dev);
+  const int index = dev.index();
+  VtRowsSumParams p{};
+  p.g = gc.data_ptr();
+  p.offsets = static_cast<const long long*>(offsets.data_ptr());
+  p.sources = static_cast<const long long*>(sources.data_ptr());
+  p.out = out.data_ptr();
+  p.rows = N;
+  p.cols = C;
+  p.dtype = dtype;
+  p.vec = dtype != 0 && C % 8 == 0 && reinterpret_cast<uintptr_t>(p.g) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
+  const DeviceInfo& info = device_info(index);
+  make_current(info);
+  const RowKernels k = row_kernels(index, info);
+  launch_blocks(k.rows_sum, grid_blocks(p.vec ? N * (C / 8) : N * C, info), index, p,
+                "cuLaunchKernel(vt_rows_sum)");
+  return out;
+}
+
 void swiglu(const at::Tensor* x, const at::Tensor* out) {
   if (x == nullptr || !x->defined() || !x->is_cuda()) {
     bad("swiglu x", "a CUDA tensor", x && x->defined() ? x->device().str() : "none");
@@ -1636,6 +1940,107 @@ struct SiluMulFn : public torch::autograd::Function<SiluMulFn> {
     at::Tensor du = at::empty(saved[1].sizes(), saved[1].options());
     swiglu_bwd_launch(go, saved[0], saved[1], dg, du);
     return {dg, du};
+  }
+};
+
+// x (+ delta) -> (the sum, its RMSNorm), as vt_add_rms_norm computes them, for training
+// forwards: saves the normalised rows and the weight; the backward is one kernel over the rows
+// (vt_add_rms_norm_bwd) plus a sum over its per-block weight-gradient shares. Without delta the
+// result is the norm alone (autograd records no undefined input: the caller then passes x in
+// delta's place and has_delta false). The gradient reaching the sum and the one through the norm
+// are added in fp32 and rounded once; x and delta get the same gradient.
+struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& delta_in,
+                                                const at::Tensor& weight, double eps,
+                                                bool has_delta) {
+    const at::Tensor delta = has_delta ? delta_in : at::Tensor();
+    if (!x.is_cuda()) bad("add_rms_norm x", "a CUDA tensor", x.device().str());
+    if (x.dim() < 1) bad("add_rms_norm x", "[.., hidden]", sizes_str(x));
+    const int64_t H = x.size(-1), R = H == 0 ? 0 : x.numel() / H;
+    if (delta.defined() && !delta.sizes().equals(x.sizes())) {
+      bad("add_rms_norm delta", "x's shape " + sizes_str(x), sizes_str(delta));
+    }
+    // Fresh contiguous (so 16-byte aligned) rows where the inputs are not.
+    const auto rows = [&](const at::Tensor& t) {
+      at::Tensor c = t.contiguous();
+      if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+      return c.view({R, H});
+    };
+    const at::Tensor x2 = rows(x);
+    const at::Tensor d2 = delta.defined() ? rows(delta) : at::Tensor();
+    at::Tensor out = at::empty(x.sizes(), x.options());
+    at::Tensor sum = delta.defined() ? at::empty(x.sizes(), x.options()) : at::Tensor();
+    const at::Tensor out2 = out.view({R, H});
+    const at::Tensor sum2 = delta.defined() ? sum.view({R, H}) : at::Tensor();
+    add_rms_norm(&x2, delta.defined() ? &d2 : nullptr, &weight, eps,
+                 delta.defined() ? &sum2 : nullptr, &out2);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({delta.defined() ? sum2 : x2, weight});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["has_delta"] = delta.defined();
+    if (delta.defined()) return {sum, out};
+    return {out};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const bool has_delta = ctx->saved_data["has_delta"].toBool();
+    const at::Tensor gs = has_delta ? grads[0] : at::Tensor();
+    const at::Tensor dy = grads[has_delta ? 1 : 0];
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& h = saved[0];
+    const int64_t R = h.size(0), H = h.size(1);
+    const auto rows = [&](const at::Tensor& t) {
+      if (!t.defined()) return t;
+      at::Tensor c = t.contiguous();
+      if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+      return c.view({R, H});
+    };
+    if (!dy.defined()) {
+      // Only the sum was used: it passes its gradient through to both inputs.
+      return {gs, has_delta ? gs : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    const at::Tensor& shape_of = grads[has_delta ? 1 : 0];
+    auto [dx, dw] = add_rms_norm_bwd(rows(dy), rows(gs), h, saved[1],
+                                     ctx->saved_data["eps"].toDouble());
+    dx = dx.view(shape_of.sizes());
+    return {dx, has_delta ? dx : at::Tensor(), dw, at::Tensor(), at::Tensor()};
+  }
+};
+
+// x.index_select(0, index) whose backward sums the gradient rows that read each row of x with
+// vt_rows_sum (no atomics, fp32 sums rounded once) instead of index_add_: `offsets` int64
+// [x rows + 1] and `sources` int64 [index rows] list, for each row of x, the positions of index
+// that name it (the caller builds them once per layout).
+struct GatherRowsFn : public torch::autograd::Function<GatherRowsFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& index, const at::Tensor& offsets,
+                            const at::Tensor& sources) {
+    if (!x.is_cuda() || x.dim() < 1) bad("gather_rows x", "a CUDA tensor [rows, ..]", sizes_str(x));
+    if (offsets.numel() != x.size(0) + 1) {
+      bad("gather_rows offsets", "int64 [" + std::to_string(x.size(0) + 1) + "] (x's rows + 1)",
+          sizes_str(offsets));
+    }
+    if (sources.numel() != index.numel()) {
+      bad("gather_rows sources", "one per index entry (" + std::to_string(index.numel()) + ")",
+          sizes_str(sources));
+    }
+    ctx->save_for_backward({offsets, sources});
+    ctx->saved_data["sizes"] = x.sizes().vec();
+    ctx->set_materialize_grads(false);
+    return x.index_select(0, index);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& g = grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
+    const int64_t M = g.size(0), C = M == 0 ? 0 : g.numel() / M;
+    at::Tensor dx = rows_sum(g.contiguous().view({M, C}), saved[0], saved[1]);
+    return {dx.view(sizes), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -1941,6 +2346,48 @@ char* vt_silu_mul(at::Tensor* gate, at::Tensor* up, at::Tensor** out) {
     *out = new at::Tensor(SiluMulFn::apply(*gate, *up));
 #else
     (void)gate, (void)up, (void)out;
+    no_cuda();
+#endif
+  });
+}
+
+// Autograd-recorded x (+ delta) and its RMSNorm (see AddRmsNormFn): new tensors in `*sum`
+// (with delta; else left null) and `*out` (freed by the caller). `delta` may be null.
+char* vt_add_rms_norm_autograd(at::Tensor* x, at::Tensor* delta, at::Tensor* weight, double eps,
+                               at::Tensor** sum, at::Tensor** out) {
+  return vt_util::guarded([&] {
+    if (sum != nullptr) *sum = nullptr;
+#ifdef VERL_WITH_CUDA
+    if (x == nullptr || weight == nullptr || sum == nullptr || out == nullptr) {
+      bad("add_rms_norm", "tensors", "a null handle");
+    }
+    auto res = AddRmsNormFn::apply(*x, delta ? *delta : *x, *weight, eps, delta != nullptr);
+    if (delta != nullptr) {
+      *sum = new at::Tensor(res[0]);
+      *out = new at::Tensor(res[1]);
+    } else {
+      *out = new at::Tensor(res[0]);
+    }
+#else
+    (void)x, (void)delta, (void)weight, (void)eps, (void)out;
+    no_cuda();
+#endif
+  });
+}
+
+// Autograd-recorded x.index_select(0, index) with an atomics-free backward (see GatherRowsFn):
+// a new tensor in `*out` (freed by the caller).
+char* vt_gather_rows(at::Tensor* x, at::Tensor* index, at::Tensor* offsets, at::Tensor* sources,
+                     at::Tensor** out) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    if (x == nullptr || index == nullptr || offsets == nullptr || sources == nullptr ||
+        out == nullptr) {
+      bad("gather_rows", "tensors", "a null handle");
+    }
+    *out = new at::Tensor(GatherRowsFn::apply(*x, *index, *offsets, *sources));
+#else
+    (void)x, (void)index, (void)offsets, (void)sources, (void)out;
     no_cuda();
 #endif
   });

@@ -48,6 +48,21 @@ extern "C" {
         out: *mut *mut torch_sys::C_tensor,
     ) -> *mut c_char;
     fn vt_silu_mul(gate: CTensor, up: CTensor, out: *mut *mut torch_sys::C_tensor) -> *mut c_char;
+    fn vt_gather_rows(
+        x: CTensor,
+        index: CTensor,
+        offsets: CTensor,
+        sources: CTensor,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
+    fn vt_add_rms_norm_autograd(
+        x: CTensor,
+        delta: CTensor,
+        weight: CTensor,
+        eps: f64,
+        sum: *mut *mut torch_sys::C_tensor,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
     fn vt_inject_grads(
         value: CTensor,
         a: CTensor,
@@ -353,6 +368,109 @@ pub fn add_rms_norm(
     Ok((sum.map(shape).transpose()?, shape(out)?))
 }
 
+/// [`add_rms_norm`] for training forwards: recorded by autograd, the forward the same kernel
+/// (bit-identical results), the backward one kernel over the rows plus a sum of per-block
+/// weight-gradient shares. `x + delta` and the norm's input gradient are added in fp32 and rounded
+/// once, so `x` and `delta` get one gradient (torch's ops round the norm's gradient before the
+/// add). CUDA, bf16/fp16 with `hidden % 8 == 0` and `hidden <= 8192` (see
+/// [`add_rms_norm_autograd_applies`]); `weight` `[hidden]` in x's dtype.
+pub fn add_rms_norm_autograd(
+    x: &Tensor,
+    delta: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Option<Tensor>, Tensor)> {
+    let mut sum: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors (or null for no delta) borrowed for the call; the shim validates
+    // them and allocates the results.
+    let err = unsafe {
+        vt_add_rms_norm_autograd(
+            x.as_ptr(),
+            ptr(delta),
+            weight.as_ptr(),
+            eps,
+            &mut sum,
+            &mut out,
+        )
+    };
+    // The sum (allocated only with a delta) is adopted first so that an error frees it too.
+    let sum = (!sum.is_null()).then(|| {
+        // SAFETY: a heap `at::Tensor*` the shim allocated and nothing else owns.
+        unsafe { Tensor::from_ptr(sum) }
+    });
+    let out = adopt("add_rms_norm_autograd", err, out)?;
+    if delta.is_some() && sum.is_none() {
+        return Err(TorchExtError::Torch {
+            op: "add_rms_norm_autograd",
+            message: "no sum returned".into(),
+        });
+    }
+    Ok((sum, out))
+}
+
+/// Whether [`add_rms_norm_autograd`] takes rows of `x` (with `weight`): CUDA row kernels, bf16 or
+/// fp16 in the weight's dtype, a last dimension that is a multiple of 8 up to 8192.
+pub fn add_rms_norm_autograd_applies(x: &Tensor, weight: &Tensor) -> bool {
+    let hidden = x.size().last().copied().unwrap_or(0);
+    matches!(x.kind(), Kind::BFloat16 | Kind::Half)
+        && weight.kind() == x.kind()
+        && weight.size() == [hidden]
+        && hidden > 0
+        && hidden % 8 == 0
+        && hidden <= 8192
+        && row_kernels_available(x.device())
+}
+
+/// `x.index_select(0, index)` recorded by autograd with a backward that sums, for each row of `x`,
+/// the gradient rows that read it, in fp32 in the order `sources` lists them, rounded once, in
+/// one kernel and without atomics (torch's `index_add_` backward adds in x's dtype through
+/// atomics, in no fixed order). `offsets` int64 `[x rows + 1]` and `sources` int64
+/// `[index len]` on x's device: row `n` of x is read at positions
+/// `sources[offsets[n]..offsets[n + 1]]` of `index` ([`gather_rows_inverse`] builds them).
+/// CUDA only.
+pub fn gather_rows(
+    x: &Tensor,
+    index: &Tensor,
+    offsets: &Tensor,
+    sources: &Tensor,
+) -> Result<Tensor> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors borrowed for the call; the shim validates them and allocates `out`.
+    let err = unsafe {
+        vt_gather_rows(
+            x.as_ptr(),
+            index.as_ptr(),
+            offsets.as_ptr(),
+            sources.as_ptr(),
+            &mut out,
+        )
+    };
+    adopt("gather_rows", err, out)
+}
+
+/// The inverse of a row gather over `rows` rows, for [`gather_rows`]: `(offsets, sources)` where
+/// `sources[offsets[n]..offsets[n + 1]]` are the positions `i` (ascending) with `index[i] == n`.
+/// `None` if an index is out of range.
+pub fn gather_rows_inverse(index: &[i64], rows: usize) -> Option<(Vec<i64>, Vec<i64>)> {
+    let mut offsets = vec![0i64; rows + 1];
+    for &i in index {
+        let i = usize::try_from(i).ok().filter(|&i| i < rows)?;
+        offsets[i + 1] += 1;
+    }
+    for n in 0..rows {
+        offsets[n + 1] += offsets[n];
+    }
+    let mut next: Vec<i64> = offsets[..rows].to_vec();
+    let mut sources = vec![0i64; index.len()];
+    for (pos, &i) in index.iter().enumerate() {
+        let slot = &mut next[i as usize];
+        sources[*slot as usize] = pos as i64;
+        *slot += 1;
+    }
+    Some((offsets, sources))
+}
+
 /// [`rope`] for training forwards: recorded by autograd, whose backward is one kernel too,
 /// bit-identical to autograd's backward through the torch ops (`g * cos` plus rotate_half's
 /// transpose of `g * sin`, each rounded as they round). `x` `[B, heads, T, head_dim]` (CUDA);
@@ -437,4 +555,30 @@ pub fn rope_store(
     };
     check("rope_store", err)?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gather_rows_inverse;
+
+    #[test]
+    fn gather_inverse_lists_every_reader_in_order() {
+        // A shared prompt (stream rows 0, 1) read by two sequences, then their own rows.
+        let index = [0i64, 1, 2, 3, 0, 1, 4];
+        let (offsets, sources) = gather_rows_inverse(&index, 6).unwrap();
+        assert_eq!(offsets, vec![0, 2, 4, 5, 6, 7, 7]);
+        assert_eq!(sources, vec![0, 4, 1, 5, 2, 3, 6]);
+        // Every position appears once, under the row it reads.
+        for n in 0..6 {
+            for &i in &sources[offsets[n] as usize..offsets[n + 1] as usize] {
+                assert_eq!(index[i as usize], n as i64);
+            }
+        }
+        assert!(gather_rows_inverse(&[0, 6], 6).is_none());
+        assert!(gather_rows_inverse(&[-1], 6).is_none());
+        assert_eq!(
+            gather_rows_inverse(&[], 2).unwrap(),
+            (vec![0, 0, 0], vec![])
+        );
+    }
 }

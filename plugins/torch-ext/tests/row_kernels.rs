@@ -4,7 +4,8 @@
 
 use tch::{Device, Kind, Tensor};
 use verl_torch_ext::{
-    add_rms_norm, cuda_graphs_compiled, rope, rope_autograd, rope_store, row_kernels_available,
+    add_rms_norm, add_rms_norm_autograd, add_rms_norm_autograd_applies, cuda_graphs_compiled,
+    gather_rows, gather_rows_inverse, rope, rope_autograd, rope_store, row_kernels_available,
     row_kernels_compile_check, sample_rows, silu_mul, swiglu, token_stats, token_stats_grad,
 };
 
@@ -538,6 +539,165 @@ fn add_rms_norm_matches_the_sum_and_norm() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("add_rms_norm delta"), "{e}");
+}
+
+/// max |a - b| over max |b| (1 where b is all zero).
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    let b = b.to_kind(Kind::Double);
+    let scale = b.abs().max().double_value(&[]).max(1e-30);
+    max_abs(a, &b) / scale
+}
+
+/// The training add + RMSNorm (recorded by autograd) against the same math in fp64 through
+/// autograd: the sum and the norm bit for bit the no-grad kernel's, x and delta one gradient
+/// (the sum's own plus the norm's), the weight's gradient summed over every row; with the sum or
+/// the norm unused, and without a delta; hidden sizes taking each of the backward's register
+/// layouts (one, two and four 8-element chunks per thread).
+#[test]
+fn add_rms_norm_autograd_matches_fp64_autograd() {
+    let Some(dev) = gpu() else { return };
+    tch::manual_seed(31);
+    let eps = 1e-6;
+    for kind in [Kind::BFloat16, Kind::Half] {
+        let tol = if kind == Kind::BFloat16 { 1e-2 } else { 2e-3 };
+        for shape in [
+            vec![4i64, 97, 1536],
+            vec![3, 896],
+            vec![1000, 64],
+            vec![7, 3584],
+            vec![2, 3, 8192],
+        ] {
+            let hidden = *shape.last().unwrap();
+            let mk = |scale: f64| {
+                (Tensor::randn(shape.as_slice(), (Kind::Float, dev)) * scale).to_kind(kind)
+            };
+            let (x0, d0, gy, gh) = (mk(2.0), mk(1.0), mk(1.0), mk(0.5));
+            let w0 = (Tensor::rand([hidden], (Kind::Float, dev)) + 0.5).to_kind(kind);
+            assert!(add_rms_norm_autograd_applies(&x0, &w0));
+            // (use the sum, use the norm) for each case, and with or without a delta.
+            for (use_sum, use_norm, with_delta) in [
+                (true, true, true),
+                (false, true, true),
+                (true, false, true),
+                (false, true, false),
+            ] {
+                let leaf = |t: &Tensor| t.detach().set_requires_grad(true);
+                let (x, d, w) = (leaf(&x0), leaf(&d0), leaf(&w0));
+                let (sum, out) =
+                    add_rms_norm_autograd(&x, with_delta.then_some(&d), &w, eps).unwrap();
+                let (want_sum, want_out) =
+                    add_rms_norm(&x0, with_delta.then_some(&d0), &w0, eps).unwrap();
+                assert_eq!(sum.is_some(), with_delta);
+                if let (Some(s), Some(ws)) = (&sum, &want_sum) {
+                    assert!(bits_equal(s, ws), "{kind:?} {shape:?}: sum");
+                }
+                assert!(bits_equal(&out, &want_out), "{kind:?} {shape:?}: norm");
+                let mut loss = Tensor::zeros([], (Kind::Float, dev));
+                if use_norm {
+                    loss += (&out * &gy).sum(Kind::Float);
+                }
+                if use_sum {
+                    loss += (sum.as_ref().unwrap() * &gh).sum(Kind::Float);
+                }
+                loss.backward();
+
+                // fp64 reference on the rounded sum (rounding passes gradients through).
+                let h = match with_delta {
+                    true => (&x0 + &d0).to_kind(Kind::Double),
+                    false => x0.to_kind(Kind::Double),
+                }
+                .set_requires_grad(true);
+                let wd = w0.to_kind(Kind::Double).set_requires_grad(true);
+                let rstd =
+                    (h.square().mean_dim([-1i64].as_slice(), true, Kind::Double) + eps).rsqrt();
+                let y = &h * rstd * &wd;
+                let mut loss = Tensor::zeros([], (Kind::Double, dev));
+                if use_norm {
+                    loss += (&y * gy.to_kind(Kind::Double)).sum(Kind::Double);
+                }
+                if use_sum {
+                    loss += (&h * gh.to_kind(Kind::Double)).sum(Kind::Double);
+                }
+                loss.backward();
+                let case = format!("{kind:?} {shape:?} sum {use_sum} norm {use_norm}");
+                let err = rel_err(&x.grad(), &h.grad());
+                assert!(err < tol, "{case}: d x differs by {err}");
+                if with_delta {
+                    assert!(bits_equal(&x.grad(), &d.grad()), "{case}: d delta != d x");
+                }
+                if use_norm {
+                    let err = rel_err(&w.grad(), &wd.grad());
+                    assert!(err < tol, "{case}: d weight differs by {err}");
+                } else {
+                    assert!(
+                        !w.grad().defined() || w.grad().abs().max().double_value(&[]) == 0.0,
+                        "{case}: a weight gradient without the norm"
+                    );
+                }
+            }
+        }
+    }
+    // Bad inputs name the argument.
+    let x = Tensor::randn([2, 64], (Kind::BFloat16, dev));
+    let e = add_rms_norm_autograd(&x, Some(&x.narrow(1, 0, 32)), &x.narrow(0, 0, 1), 1e-6)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("add_rms_norm delta"), "{e}");
+    assert!(!add_rms_norm_autograd_applies(
+        &Tensor::randn([2, 60], (Kind::BFloat16, dev)),
+        &Tensor::ones([60], (Kind::BFloat16, dev))
+    ));
+    assert!(!add_rms_norm_autograd_applies(
+        &Tensor::randn([2, 64], (Kind::Float, dev)),
+        &Tensor::ones([64], (Kind::Float, dev))
+    ));
+}
+
+/// The row gather with the atomics-free backward: the forward is `index_select` bit for bit; the
+/// backward sums each row's readers (a shared prompt read by every sample, rows read once, rows
+/// never read) as the fp64 `index_add` does, to the dtype's rounding, on the vector path
+/// (16-bit, 8 | row length) and the element path (fp32, odd row length).
+#[test]
+fn gather_rows_backward_sums_each_rows_readers() {
+    let Some(dev) = gpu() else { return };
+    tch::manual_seed(37);
+    // 5 stream rows: 0..2 a prompt read by three sequences, 3 read once, 4 never read.
+    let index: Vec<i64> = vec![0, 1, 2, 3, 0, 1, 2, 0, 1, 2];
+    let (offsets, sources) = gather_rows_inverse(&index, 5).unwrap();
+    let up = |v: &[i64]| Tensor::from_slice(v).to_device(dev);
+    let (idx, off, src) = (up(&index), up(&offsets), up(&sources));
+    for (kind, tail, tol) in [
+        (Kind::BFloat16, vec![2i64, 64], 1e-2),
+        (Kind::Half, vec![2, 128], 2e-3),
+        (Kind::Float, vec![3, 5], 1e-6),
+    ] {
+        let mut shape = vec![5i64];
+        shape.extend(&tail);
+        let x0 = Tensor::randn(shape.as_slice(), (Kind::Float, dev)).to_kind(kind);
+        let x = x0.detach().set_requires_grad(true);
+        let y = gather_rows(&x, &idx, &off, &src).unwrap();
+        assert!(
+            bits_equal(&y, &x0.index_select(0, &idx)),
+            "{kind:?} forward"
+        );
+        let g = Tensor::randn(y.size().as_slice(), (Kind::Float, dev)).to_kind(kind);
+        (&y * &g).sum(Kind::Float).backward();
+        let want = Tensor::zeros(shape.as_slice(), (Kind::Double, dev)).index_add(
+            0,
+            &idx,
+            &g.to_kind(Kind::Double),
+        );
+        let err = rel_err(&x.grad(), &want);
+        assert!(err < tol, "{kind:?}: backward differs by {err}");
+        assert_eq!(
+            x.grad().get(4).abs().max().double_value(&[]),
+            0.0,
+            "{kind:?}: an unread row has a gradient"
+        );
+    }
+    let x = Tensor::randn([4, 8], (Kind::BFloat16, dev));
+    let e = gather_rows(&x, &idx, &off, &src).unwrap_err().to_string();
+    assert!(e.contains("gather_rows offsets"), "{e}");
 }
 
 /// The decode step's fused rotary embedding + KV-cache write against `rope` and `index_copy_`:

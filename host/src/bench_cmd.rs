@@ -634,7 +634,12 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         };
         let mut loss: Vec<String> = metrics
             .iter()
-            .filter(|(k, _)| k == "actor/pg_loss" || k == "actor/kl_loss")
+            .filter(|(k, _)| {
+                matches!(
+                    k.as_str(),
+                    "actor/pg_loss" | "actor/kl_loss" | "actor/grad_norm"
+                )
+            })
             .map(|(k, v)| format!("{k}={v:.4}"))
             .collect();
         // What the generation spent outside its decode steps' replays (CUDA only).

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use tch::{Device, Kind, Tensor};
 use verl_losses::{
-    ActorInputs, ActorLoss, ActorLossConfig, ChunkedLmHead, LossScale, MaskCounts, Normaliser,
+    fetch_scalars, ActorInputs, ActorLoss, ActorLossConfig, ChunkedLmHead, DeferredMetrics,
+    LossScale, MaskCounts, Normaliser,
 };
 use verl_nn::{HeadKind, ModelOptions, SaveOptions, Transformer};
 use verl_plugin_api::{
@@ -619,6 +620,9 @@ impl FsdpActor {
                     ))
                 };
                 let mut next = parts.first().map(|mb| prepare(&mb.rows)).transpose()?;
+                // Each micro-batch's loss and metrics, fetched together after the last one is
+                // queued: the host never waits for the device in between, so it stays ahead.
+                let mut pending: Vec<(usize, Tensor, DeferredMetrics)> = Vec::new();
                 for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
                     let mut timer = verl_nn::profile::start(device);
                     let dummy = *dummy;
@@ -661,13 +665,35 @@ impl FsdpActor {
                         Err(e) => return Err(fail(train, e)),
                     };
                     // The next micro-batch is laid out on the host while the device still runs
-                    // this one's backward (the loss value below waits for it).
+                    // this one's backward.
                     next = parts.get(ui + 1).map(|mb| prepare(&mb.rows)).transpose()?;
                     let mut timer = verl_nn::profile::start(device);
                     if dummy {
                         continue;
                     }
-                    let loss_value = loss.f_double_value(&[]).ctx("loss value")?;
+                    train.after_backward()?;
+                    verl_nn::profile::lap(&mut timer, "train/after_backward");
+                    pending.push((ui, loss.f_detach().ctx("loss value")?, m));
+                }
+                // A non-finite loss or metric is reported (naming its micro-batch) before the
+                // optimizer step can apply it.
+                let values = fetch_scalars(
+                    &pending
+                        .iter()
+                        .flat_map(|(_, l, m)| std::iter::once(l).chain(m.device_values()))
+                        .collect::<Vec<_>>(),
+                )
+                .map_err(FsdpError::from);
+                let values = match values {
+                    Ok(v) => v,
+                    Err(e) => return Err(fail(train, e)),
+                };
+                let mut at = 0;
+                for (ui, _, m) in pending {
+                    let n = 1 + m.device_len();
+                    let loss_value = values[at];
+                    let m = m.with_values(&values[at + 1..at + n]);
+                    at += n;
                     for (name, v) in m.iter().chain([(&"loss".to_string(), &loss_value)]) {
                         if !v.is_finite() {
                             return Err(fail(
@@ -684,8 +710,6 @@ impl FsdpActor {
                             ));
                         }
                     }
-                    train.after_backward()?;
-                    verl_nn::profile::lap(&mut timer, "train/after_backward");
                     for (name, v) in &m {
                         match name.as_str() {
                             "actor/pg_loss" | "actor/kl_loss" => acc.add(name, *v),
@@ -835,7 +859,7 @@ pub fn actor_micro_batch_loss(
     hidden: &Tensor,
     weight: &Tensor,
     m: &MicroBatchLoss<'_>,
-) -> Result<(Tensor, std::collections::BTreeMap<String, f64>)> {
+) -> Result<(Tensor, DeferredMetrics)> {
     check_temperature(m.temperature)?;
     let picked = layout.gather(hidden)?;
     let head = ChunkedLmHead::new(m.chunk_tokens, m.temperature, m.need_entropy)
@@ -856,7 +880,7 @@ pub fn actor_micro_batch_loss(
         } else {
             m.old.shallow_clone()
         };
-        let out = m.loss.compute(
+        let (loss, metrics_out) = m.loss.compute_deferred(
             &ActorInputs {
                 old_log_prob: &old_used,
                 log_prob: &lp,
@@ -868,8 +892,8 @@ pub fn actor_micro_batch_loss(
             },
             m.norm,
         )?;
-        metrics = Some(out.metrics);
-        Ok(out.loss)
+        metrics = Some(metrics_out);
+        Ok(loss)
     })?;
     let loss = if m.dummy {
         surrogate.f_mul_scalar(0.0).ctx("zero padding loss")?

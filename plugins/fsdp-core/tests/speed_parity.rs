@@ -423,7 +423,7 @@ fn surrogate_backward_equals_full_logits_backward() {
                         },
                     )
                     .unwrap();
-                    got_metrics = Some(metrics);
+                    got_metrics = Some(metrics.resolve().unwrap());
                     Ok(l)
                 })
                 .unwrap()

@@ -7,6 +7,7 @@ use serde::Deserialize;
 use tch::Tensor;
 
 use crate::agg::{agg_loss, AggSpec, LossAggMode, Normaliser};
+use crate::deferred::DeferredMetrics;
 use crate::error::{LossError, Result, TorchContext};
 use crate::kl::KlPenalty;
 use crate::policy::{PolicyInputs, PolicyLoss};
@@ -185,8 +186,22 @@ impl ActorLoss {
     /// One micro-batch's loss. Every term is aggregated with the same normaliser, so with
     /// [`Normaliser::Global`] the sum over micro-batches is the mini-batch loss (see [`crate::agg`]).
     pub fn compute(&self, x: &ActorInputs<'_>, norm: &Normaliser) -> Result<ActorOutput> {
+        let (loss, metrics) = self.compute_deferred(x, norm)?;
+        Ok(ActorOutput {
+            loss,
+            metrics: metrics.resolve()?,
+        })
+    }
+
+    /// [`ActorLoss::compute`] with the metrics left on the device (the host does not wait for
+    /// the device): a backend fetches them once for all its micro-batches.
+    pub fn compute_deferred(
+        &self,
+        x: &ActorInputs<'_>,
+        norm: &Normaliser,
+    ) -> Result<(Tensor, DeferredMetrics)> {
         const OP: &str = "actor_loss";
-        let pg = self.policy.compute(
+        let (mut loss, mut metrics) = self.policy.compute_deferred(
             &PolicyInputs {
                 old_log_prob: x.old_log_prob,
                 log_prob: x.log_prob,
@@ -197,8 +212,6 @@ impl ActorLoss {
             self.agg,
             norm,
         )?;
-        let mut metrics = pg.metrics.named();
-        let mut loss = pg.loss;
 
         match (x.entropy, self.needs_entropy()) {
             (None, true) => {
@@ -211,10 +224,7 @@ impl ActorLoss {
             (None, false) => {}
             (Some(entropy), _) => {
                 let ent = agg_loss(entropy, x.response_mask, self.agg, norm)?;
-                metrics.insert(
-                    "actor/entropy".into(),
-                    ent.f_detach().op(OP)?.f_double_value(&[]).op(OP)?,
-                );
+                metrics.push("actor/entropy", &ent)?;
                 if self.needs_entropy() {
                     loss = loss
                         .f_sub(&ent.f_mul_scalar(self.entropy_coeff).op(OP)?)
@@ -231,13 +241,10 @@ impl ActorLoss {
             })?;
             let kld = penalty.compute(x.log_prob, ref_lp)?;
             let kl_loss = agg_loss(&kld, x.response_mask, self.agg, norm)?;
-            metrics.insert(
-                "actor/kl_loss".into(),
-                kl_loss.f_detach().op(OP)?.f_double_value(&[]).op(OP)?,
-            );
-            metrics.insert("actor/kl_coef".into(), coef);
+            metrics.push("actor/kl_loss", &kl_loss)?;
+            metrics.push_host("actor/kl_coef", coef);
             loss = loss.f_add(&kl_loss.f_mul_scalar(coef).op(OP)?).op(OP)?;
         }
-        Ok(ActorOutput { loss, metrics })
+        Ok((loss, metrics))
     }
 }

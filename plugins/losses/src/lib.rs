@@ -8,6 +8,7 @@
 
 pub mod agg;
 pub mod config;
+pub mod deferred;
 pub mod error;
 pub mod kl;
 pub mod policy;
@@ -21,6 +22,7 @@ pub use config::{
     ActorInputs, ActorLoss, ActorLossConfig, ActorOutput, CriticLoss, CriticLossConfig,
     PolicyLossSection,
 };
+pub use deferred::{fetch_scalars, DeferredMetrics};
 pub use error::{LossError, Result};
 pub use kl::{KlEstimator, KlPenalty};
 pub use policy::{PolicyInputs, PolicyLoss, PolicyMetrics, PolicyOutput, POLICY_LOSS_MODES};

@@ -7,6 +7,7 @@ use tch::{Kind, Tensor};
 use crate::agg::{
     agg_loss, check_2d, check_same_shape, masked_mean, AggSpec, LossAggMode, Normaliser,
 };
+use crate::deferred::DeferredMetrics;
 use crate::error::{LossError, Result, TorchContext};
 
 /// verl clamps `log π - log π_old` to this range before `exp` so one wild token cannot overflow the ratio.
@@ -217,6 +218,25 @@ impl PolicyLoss {
         agg: AggSpec,
         norm: &Normaliser,
     ) -> Result<PolicyOutput> {
+        let (loss, metrics) = self.compute_deferred(x, agg, norm)?;
+        let m = metrics.resolve()?;
+        let metrics = PolicyMetrics {
+            pg_loss: m.get("actor/pg_loss").copied().unwrap_or(f64::NAN),
+            pg_clipfrac: m.get("actor/pg_clipfrac").copied(),
+            pg_clipfrac_lower: m.get("actor/pg_clipfrac_lower").copied(),
+            ppo_kl: m.get("actor/ppo_kl").copied(),
+        };
+        Ok(PolicyOutput { loss, metrics })
+    }
+
+    /// [`PolicyLoss::compute`] with the metrics (verl's names, as [`PolicyMetrics::named`]) left
+    /// on the device: the host does not wait for the device here.
+    pub fn compute_deferred(
+        &self,
+        x: &PolicyInputs<'_>,
+        agg: AggSpec,
+        norm: &Normaliser,
+    ) -> Result<(Tensor, DeferredMetrics)> {
         check_inputs(x)?;
         let op = self.name();
         let mask = x.response_mask;
@@ -375,14 +395,19 @@ impl PolicyLoss {
             None => pg_losses,
         };
         let loss = agg_loss(&pg_losses, mask, agg, norm)?;
-        let value = |t: Tensor| -> Result<f64> { t.f_double_value(&[]).op(op) };
-        let metrics = PolicyMetrics {
-            pg_loss: value(loss.f_detach().op(op)?)?,
-            pg_clipfrac: clipfrac.map(value).transpose()?,
-            pg_clipfrac_lower: clipfrac_lower.map(value).transpose()?,
-            ppo_kl: ppo_kl.map(value).transpose()?,
-        };
-        Ok(PolicyOutput { loss, metrics })
+        let mut metrics = DeferredMetrics::default();
+        metrics.push("actor/pg_loss", &loss)?;
+        let optional = [
+            ("actor/pg_clipfrac", clipfrac),
+            ("actor/pg_clipfrac_lower", clipfrac_lower),
+            ("actor/ppo_kl", ppo_kl),
+        ];
+        for (name, v) in optional {
+            if let Some(v) = v {
+                metrics.push(name, &v)?;
+            }
+        }
+        Ok((loss, metrics))
     }
 }
 

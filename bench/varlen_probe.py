@@ -13,8 +13,8 @@
 Prints the largest difference of the outputs and of q/k/v gradients from a first run of the rows
 form (the rows form against itself shows the run-to-run spread of its gathers' atomic bf16
 backward), and the forward + backward time of each (CUDA events, median of 20). libtorch 2.11's
-cuDNN ragged path (`_cudnn_attention_forward` with offsets) refuses this layout. Needs a CUDA GPU
-and torch.
+cuDNN ragged path (`_cudnn_attention_forward` with offsets) refuses this layout; the rows form is also
+timed with each SDPA backend forced (flash, cuDNN, memory-efficient). Needs a CUDA GPU and torch.
 """
 import argparse
 
@@ -80,6 +80,12 @@ def main():
         o = F.scaled_dot_product_attention(qa, ka, va, is_causal=True, enable_gqa=True)
         return o.transpose(1, 2).reshape(rows * length, h, d).index_select(0, scatter)
 
+    def rows_with(backend):
+        def form(q, k, v):
+            with torch.nn.attention.sdpa_kernel([backend]):
+                return rows_form(q, k, v)
+        return form
+
     def flash_form(q, k, v):
         ka, va = k.index_select(0, kv_gather), v.index_select(0, kv_gather)
         return torch.ops.aten._flash_attention_forward(
@@ -107,7 +113,11 @@ def main():
 
     ref = run(rows_form)
     print(f"arch {a.arch}: {rows} rows, stream {n_tok} tokens, padded rows of {length}")
-    for name, form in [("rows (padded, SDPA)", rows_form), ("varlen flash", flash_form)]:
+    B = torch.nn.attention.SDPBackend
+    forms = [("rows (padded, SDPA)", rows_form), ("rows, flash", rows_with(B.FLASH_ATTENTION)),
+             ("rows, cuDNN", rows_with(B.CUDNN_ATTENTION)),
+             ("rows, efficient", rows_with(B.EFFICIENT_ATTENTION)), ("varlen flash", flash_form)]
+    for name, form in forms:
         try:
             got = run(form)
             diffs = " ".join(f"{w} {(x.float() - y.float()).abs().max().item():.2e}"

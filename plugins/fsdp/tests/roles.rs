@@ -454,6 +454,34 @@ fn non_finite_advantages_fail_naming_the_metric_and_leave_weights_unchanged() {
     a.update(&good, &UpdateOptions::default()).unwrap();
 }
 
+/// The update fetches every micro-batch's loss and metrics once, after the last is queued: a NaN in a
+/// later micro-batch is still reported under that micro-batch's index, before any optimizer step.
+#[test]
+fn a_non_finite_later_micro_batch_is_named_and_leaves_weights_unchanged() {
+    let dir = tiny_model();
+    let mut a = actor(
+        dir.path(),
+        json!({"actor_rollout_ref": {"actor": {"ppo_micro_batch_size_per_gpu": 2}}}),
+    );
+    let seqs = sequences(8, 5);
+    let mut batch = update_batch(&mut a, &seqs, &[1.0; 8]);
+    let mut adv = f32s(&batch, col::ADVANTAGES);
+    adv[5 * RL] = f32::NAN; // row 5, first response token: rows 4 and 5 are the third micro-batch
+    batch.insert_tensor(col::ADVANTAGES, &[8, RL], &adv);
+    let (_, before) = weights(&mut a);
+    let msg = a
+        .update(&batch, &UpdateOptions::default())
+        .unwrap_err()
+        .to_string();
+    for part in ["actor/pg_loss", "not finite", "micro-batch 2"] {
+        assert!(msg.contains(part), "`{part}` missing from: {msg}");
+    }
+    let (_, after) = weights(&mut a);
+    assert_eq!(max_weight_diff(&before, &after), 0.0);
+    let good = update_batch(&mut a, &seqs, &[1.0; 8]);
+    a.update(&good, &UpdateOptions::default()).unwrap();
+}
+
 #[test]
 fn reference_is_frozen_and_matches_the_initial_policy() {
     let dir = tiny_model();

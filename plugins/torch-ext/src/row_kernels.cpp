@@ -1943,6 +1943,15 @@ struct SiluMulFn : public torch::autograd::Function<SiluMulFn> {
   }
 };
 
+// `t` as contiguous [R, H] rows at a 16-byte aligned address (a copy where it is not); undefined
+// stays undefined.
+at::Tensor aligned_rows(const at::Tensor& t, int64_t R, int64_t H) {
+  if (!t.defined()) return t;
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c.view({R, H});
+}
+
 // x (+ delta) -> (the sum, its RMSNorm), as vt_add_rms_norm computes them, for training
 // forwards: saves the normalised rows and the weight; the backward is one kernel over the rows
 // (vt_add_rms_norm_bwd) plus a sum over its per-block weight-gradient shares. Without delta the
@@ -1961,14 +1970,8 @@ struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
     if (delta.defined() && !delta.sizes().equals(x.sizes())) {
       bad("add_rms_norm delta", "x's shape " + sizes_str(x), sizes_str(delta));
     }
-    // Fresh contiguous (so 16-byte aligned) rows where the inputs are not.
-    const auto rows = [&](const at::Tensor& t) {
-      at::Tensor c = t.contiguous();
-      if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
-      return c.view({R, H});
-    };
-    const at::Tensor x2 = rows(x);
-    const at::Tensor d2 = delta.defined() ? rows(delta) : at::Tensor();
+    const at::Tensor x2 = aligned_rows(x, R, H);
+    const at::Tensor d2 = aligned_rows(delta, R, H);
     at::Tensor out = at::empty(x.sizes(), x.options());
     at::Tensor sum = delta.defined() ? at::empty(x.sizes(), x.options()) : at::Tensor();
     const at::Tensor out2 = out.view({R, H});
@@ -1991,18 +1994,12 @@ struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& h = saved[0];
     const int64_t R = h.size(0), H = h.size(1);
-    const auto rows = [&](const at::Tensor& t) {
-      if (!t.defined()) return t;
-      at::Tensor c = t.contiguous();
-      if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
-      return c.view({R, H});
-    };
     if (!dy.defined()) {
       // Only the sum was used: it passes its gradient through to both inputs.
       return {gs, has_delta ? gs : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
     const at::Tensor& shape_of = grads[has_delta ? 1 : 0];
-    auto [dx, dw] = add_rms_norm_bwd(rows(dy), rows(gs), h, saved[1],
+    auto [dx, dw] = add_rms_norm_bwd(aligned_rows(dy, R, H), aligned_rows(gs, R, H), h, saved[1],
                                      ctx->saved_data["eps"].toDouble());
     dx = dx.view(shape_of.sizes());
     return {dx, has_delta ? dx : at::Tensor(), dw, at::Tensor(), at::Tensor()};

@@ -86,6 +86,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/cuda_rt.h");
     println!("cargo:rerun-if-changed=src/ext_util.h");
     println!("cargo:rerun-if-changed=src/row_kernels.cpp");
+    println!("cargo:rerun-if-changed=src/lt_gemm.cpp");
     for var in [
         "LIBTORCH",
         "LIBTORCH_CXX11_ABI",
@@ -116,6 +117,7 @@ fn main() {
         .file("src/shim.cpp")
         .file("src/paged_attention.cpp")
         .file("src/row_kernels.cpp")
+        .file("src/lt_gemm.cpp")
         .includes(&torch.includes)
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={}", torch.cxx11_abi))

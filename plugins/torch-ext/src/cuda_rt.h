@@ -32,6 +32,7 @@ typedef void* CUstream_t;
 constexpr int kAttrMultiprocessorCount = 16;   // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 constexpr int kAttrComputeCapMajor = 75;       // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 constexpr int kAttrComputeCapMinor = 76;       // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+constexpr int kAttrL2CacheSize = 38;           // CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE
 
 struct CudaApi {
   CUresult_t (*cuInit)(unsigned int);
@@ -49,6 +50,9 @@ struct CudaApi {
   CUresult_t (*cuEventRecord)(void*, CUstream_t);
   CUresult_t (*cuEventSynchronize)(void*);
   CUresult_t (*cuEventDestroy)(void*);
+  CUresult_t (*cuEventElapsedTime)(float*, void*, void*);
+  CUresult_t (*cuStreamIsCapturing)(CUstream_t, int*);
+  CUresult_t (*cuDeviceGetName)(char*, int, CUdevice_t);
   std::string error;  // non-empty: unusable
 };
 
@@ -86,6 +90,9 @@ inline const CudaApi& cuda_api() {
     load_sym(lib, "cuEventRecord", a.cuEventRecord, err);
     load_sym(lib, "cuEventSynchronize", a.cuEventSynchronize, err);
     load_sym(lib, "cuEventDestroy_v2", a.cuEventDestroy, err);
+    load_sym(lib, "cuEventElapsedTime", a.cuEventElapsedTime, err);
+    load_sym(lib, "cuStreamIsCapturing", a.cuStreamIsCapturing, err);
+    load_sym(lib, "cuDeviceGetName", a.cuDeviceGetName, err);
     if (!err.empty()) {
       a.error = "libcuda.so.1: " + err;
       return a;
@@ -310,6 +317,8 @@ inline Binary compile_source(const std::string& source, const std::string& name,
 struct DeviceInfo {
   int arch = 0;
   int sms = 0;
+  int l2_bytes = 0;
+  std::string name;
   CUcontext_t primary = nullptr;
 };
 
@@ -335,6 +344,11 @@ inline const DeviceInfo& device_info(int index) {
     cu_check(cu.cuDeviceGetAttribute(&minor, kAttrComputeCapMinor, dev), "cuDeviceGetAttribute");
     cu_check(cu.cuDeviceGetAttribute(&info.sms, kAttrMultiprocessorCount, dev),
              "cuDeviceGetAttribute");
+    cu_check(cu.cuDeviceGetAttribute(&info.l2_bytes, kAttrL2CacheSize, dev),
+             "cuDeviceGetAttribute");
+    char name[256] = {0};
+    cu_check(cu.cuDeviceGetName(name, int(sizeof(name)) - 1, dev), "cuDeviceGetName");
+    info.name = name;
     info.arch = major * 10 + minor;
     cu_check(cu.cuDevicePrimaryCtxRetain(&info.primary, dev), "cuDevicePrimaryCtxRetain");
     it = devices.emplace(index, info).first;

@@ -8,6 +8,8 @@
 //!   sequences (CUDA), with autograd.
 //! * [`fused_adamw`]: `torch.optim.AdamW(fused=True)`'s multi-tensor kernel (CPU and CUDA).
 //! * [`paged_decode_attention`]: decode attention over a block-paged KV cache (CUDA, NVRTC).
+//! * [`tune_linear`] / [`tuned_linear`]: decode-step GEMMs through cuBLASLt with the algorithm
+//!   chosen by timing among the row-consistent ones (CUDA).
 //! * [`sample_rows`], [`token_stats`], [`token_stats_grad`]: fused per-row kernels over fp32
 //!   logits for sampling and for the LM head's log-probs / entropy (CUDA, NVRTC).
 //!
@@ -19,8 +21,10 @@ use std::ptr::NonNull;
 
 use tch::Tensor;
 
+mod lt_gemm;
 mod paged_attention;
 mod row_kernels;
+pub use lt_gemm::*;
 pub use paged_attention::*;
 pub use row_kernels::*;
 

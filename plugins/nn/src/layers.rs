@@ -132,8 +132,26 @@ impl Linear {
                 self.bias.as_ref(),
             )?);
         }
-        Ok(x.f_linear(&self.weight, self.bias.as_ref())?)
+        decode_linear(x, &self.weight, self.bias.as_ref())
     }
+
+    fn gemm(&self) -> (Tensor, Option<Tensor>) {
+        (
+            self.weight.shallow_clone(),
+            self.bias.as_ref().map(Tensor::shallow_clone),
+        )
+    }
+}
+
+/// `x W^T (+ b)`: inside a generation engine's decode step (a
+/// [`verl_torch_ext::tuned_gemm_scope`]) a shape tuned with [`crate::Transformer::tune_decode_gemms`]
+/// runs with its timed cuBLASLt algorithm (the same bits as libtorch's GEMM); anything else is
+/// libtorch's `linear`.
+pub(crate) fn decode_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if let Some(y) = verl_torch_ext::tuned_linear(x, w, b, false)? {
+        return Ok(y);
+    }
+    Ok(x.f_linear(w, b)?)
 }
 
 #[derive(Debug)]
@@ -846,6 +864,25 @@ impl Attention {
         Ok(bytes)
     }
 
+    /// The (weight, bias) of each GEMM a decode step runs here: the fused q/k/v while it exists
+    /// (else q, k and v), and o_proj.
+    fn decode_gemms(&self) -> Vec<(Tensor, Option<Tensor>)> {
+        let fused = self
+            .fused_qkv
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|(w, b)| (w.shallow_clone(), b.as_ref().map(Tensor::shallow_clone)));
+        let mut out = match fused {
+            Some(g) => vec![g],
+            None => vec![self.q_proj.gemm(), self.k_proj.gemm(), self.v_proj.gemm()],
+        };
+        if self.tp.is_none() {
+            out.push(self.o_proj.gemm());
+        }
+        out
+    }
+
     /// `x`: `[B, T, H]`. With `kv`, the new keys/values are appended to it and attention runs
     /// over the whole cached sequence.
     pub fn forward(&self, x: &Tensor, ctx: &LayerCtx, kv: Option<KvSlot<'_>>) -> Result<Tensor> {
@@ -1036,7 +1073,10 @@ impl Attention {
         // The fused copies are detached: never on a path that needs gradients.
         let fused = (!x.requires_grad())
             .then(|| self.fused_qkv.lock().unwrap_or_else(|e| e.into_inner()))
-            .and_then(|g| g.as_ref().map(|(w, bias)| x.f_linear(w, bias.as_ref())))
+            .and_then(|g| {
+                g.as_ref()
+                    .map(|(w, bias)| decode_linear(x, w, bias.as_ref()))
+            })
             .transpose()?;
         let concatenated = match fused {
             Some(_) => None,
@@ -1194,11 +1234,28 @@ impl Mlp {
         Ok(bytes)
     }
 
+    /// The (weight, bias) of each GEMM a decode step runs here: the fused gate/up while it exists
+    /// (else gate and up), and down.
+    fn decode_gemms(&self) -> Vec<(Tensor, Option<Tensor>)> {
+        let fused = self
+            .fused_gate_up
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(Tensor::shallow_clone);
+        let mut out = match fused {
+            Some(w) => vec![(w, None)],
+            None => vec![self.gate.gemm(), self.up.gemm()],
+        };
+        out.push(self.down.gemm());
+        out
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // The fused copy is detached: never on a path that needs gradients.
         let fused = (!x.requires_grad())
             .then(|| self.fused_gate_up.lock().unwrap_or_else(|e| e.into_inner()))
-            .and_then(|g| g.as_ref().map(|w| x.f_linear(w, None::<&Tensor>)))
+            .and_then(|g| g.as_ref().map(|w| decode_linear(x, w, None)))
             .transpose()?;
         if let Some(gu) = fused {
             if fused_swiglu(&gu) {
@@ -1367,6 +1424,16 @@ impl DecoderLayer {
             bytes += mlp.fuse(on)?;
         }
         Ok(bytes)
+    }
+
+    /// The (weight, bias) of each GEMM a decode step runs in this layer (dense MLPs; MoE experts
+    /// and tensor-parallel shards stay with libtorch).
+    pub fn decode_gemms(&self) -> Vec<(Tensor, Option<Tensor>)> {
+        let mut out = self.self_attn.decode_gemms();
+        if let (FeedForward::Dense(mlp), None) = (&self.mlp, &self.tp) {
+            out.extend(mlp.decode_gemms());
+        }
+        out
     }
 
     pub fn new(f: &mut ParamFactory, cfg: &ModelConfig, i: usize) -> Result<Self> {

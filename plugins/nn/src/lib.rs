@@ -29,7 +29,7 @@ pub use layers::{
     apply_rope, causal_attention, rms_norm, silu_mul, varlen_layout, AttentionRows, VarlenRows,
 };
 pub use model::{
-    linear_fp32, AttentionBackend, AttentionCall, FusedDecodeWeights, HeadKind, KvCache,
-    ModelOptions, ParamGate, Transformer, Unit,
+    linear_fp32, AttentionBackend, AttentionCall, FusedDecodeWeights, GemmTuning, HeadKind,
+    KvCache, ModelOptions, ParamGate, Transformer, Unit,
 };
 pub use tp::TpComm;

@@ -267,6 +267,19 @@ impl std::fmt::Debug for Transformer {
     }
 }
 
+/// What [`Transformer::tune_decode_gemms`] did over a decode step's distinct GEMM shapes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GemmTuning {
+    /// Distinct shapes of the step.
+    pub shapes: usize,
+    /// Shapes that run a cuBLASLt configuration (faster than libtorch's, same bits).
+    pub chosen: usize,
+    /// Shapes timed by this call.
+    pub timed: usize,
+    /// Shapes settled by this call from the tuning cache file (checked again, not timed).
+    pub from_file: usize,
+}
+
 impl Transformer {
     /// A freshly initialised model (HF `_init_weights`: normal(0, initializer_range)).
     pub fn new(config: ModelConfig, opts: &ModelOptions) -> Result<Transformer> {
@@ -816,6 +829,47 @@ impl Transformer {
             guard.bytes += layer.fuse(true)?;
         }
         Ok(guard)
+    }
+
+    /// Tunes the GEMMs of a decode step of `rows` sequences (each distinct projection shape of
+    /// the layers, and the LM head with fp32 logits) with [`verl_torch_ext::tune_linear`] (`wide`:
+    /// over every configuration, not only the heuristic's), once per shape and process. Call it
+    /// with the decode weights fused ([`Transformer::fuse_decode_weights`]) and outside a CUDA
+    /// graph capture; it synchronises the device. Nothing happens off CUDA, without cuBLASLt, or
+    /// with `VERL_TUNED_GEMMS=0`.
+    pub fn tune_decode_gemms(&self, rows: i64, wide: bool) -> Result<GemmTuning> {
+        let mut sum = GemmTuning::default();
+        if !self.device().is_cuda() || !verl_torch_ext::tuned_gemms_available() {
+            return Ok(sum);
+        }
+        let _g = tch::no_grad_guard();
+        let mut seen: Vec<(Vec<i64>, bool)> = Vec::new();
+        let mut count = |t: verl_torch_ext::Tuned| {
+            sum.shapes += 1;
+            sum.chosen += usize::from(t.chosen);
+            sum.timed += usize::from(t.fresh && !t.from_file);
+            sum.from_file += usize::from(t.from_file);
+        };
+        for layer in &self.layers {
+            for (w, b) in layer.decode_gemms() {
+                let key = (w.size(), b.is_some());
+                if seen.contains(&key) {
+                    continue;
+                }
+                seen.push(key);
+                count(verl_torch_ext::tune_linear(
+                    rows,
+                    &w,
+                    b.as_ref(),
+                    false,
+                    wide,
+                )?);
+            }
+        }
+        if let Some(w) = self.lm_head_weight() {
+            count(verl_torch_ext::tune_linear(rows, w, None, true, wide)?);
+        }
+        Ok(sum)
     }
 
     /// Device bytes [`Transformer::fuse_decode_weights`] takes (dense layers: q/k/v weights and

@@ -197,7 +197,16 @@ impl DecodeGraphs {
             if *uses < CAPTURE_AFTER_USES {
                 return Ok(None);
             }
-            match self.capture(model, pool, &padded, &flat, sampler, padded_u.as_deref(), 1) {
+            match self.capture(
+                model,
+                pool,
+                &padded,
+                &flat,
+                sampler,
+                padded_u.as_deref(),
+                1,
+                false,
+            ) {
                 Ok(c) => {
                     self.graphs.insert(key, c);
                     self.pool_owner.get_or_insert(key);
@@ -277,7 +286,16 @@ impl DecodeGraphs {
         padded.table.fill(TRASH_BLOCK as i64);
         let flat = padded.flat();
         let uniforms = (!sampler.is_greedy()).then(|| vec![0.5f32; key.0]);
-        match self.capture(model, pool, &padded, &flat, sampler, uniforms.as_deref(), 0) {
+        match self.capture(
+            model,
+            pool,
+            &padded,
+            &flat,
+            sampler,
+            uniforms.as_deref(),
+            0,
+            true,
+        ) {
             Ok(c) => {
                 self.graphs.insert(key, c);
                 self.pool_owner.get_or_insert(key);
@@ -292,7 +310,9 @@ impl DecodeGraphs {
     /// Captures a graph of one decode step over `padded` (its index data copied into the
     /// graph's static buffer first); `warmup`: eager runs on the side stream before the
     /// capture (after the device has drained), none when the kernels already ran at these
-    /// shapes or were warmed otherwise.
+    /// shapes or were warmed otherwise. Under `consistent_attention` the step's GEMMs are tuned
+    /// for its batch size first (`wide`: over every cuBLASLt configuration, for the call's first
+    /// full batch; else among the heuristic's; `VERL_TUNED_GEMMS=narrow` keeps to the latter).
     #[allow(clippy::too_many_arguments)]
     fn capture(
         &mut self,
@@ -303,8 +323,43 @@ impl DecodeGraphs {
         sampler: &Sampler,
         uniforms: Option<&[f32]>,
         warmup: usize,
+        wide: bool,
     ) -> Result<Captured> {
         let start = Instant::now();
+        if pool.consistent {
+            // Once per batch size and process (a device synchronisation; see
+            // `Transformer::tune_decode_gemms`), before the capture that bakes the choice in.
+            // A failure (e.g. no memory for the reference GEMMs) leaves libtorch's GEMMs.
+            let wide = wide && std::env::var("VERL_TUNED_GEMMS").as_deref() != Ok("narrow");
+            let t = Instant::now();
+            match model.tune_decode_gemms(padded.s as i64, wide) {
+                Ok(g) if g.timed > 0 => tracing::info!(
+                    "decode GEMMs for {} rows tuned in {:.2} s ({}): {} of the step's {} GEMM \
+                     shapes run a cuBLASLt configuration faster than libtorch's (once per batch \
+                     size; kept in the tuning cache file, see VERL_TUNED_GEMMS_CACHE; \
+                     VERL_TUNED_GEMMS=0 turns this off)",
+                    padded.s,
+                    t.elapsed().as_secs_f64(),
+                    if wide {
+                        "wide search"
+                    } else {
+                        "heuristic's algorithms"
+                    },
+                    g.chosen,
+                    g.shapes,
+                ),
+                Ok(g) if g.from_file > 0 => tracing::info!(
+                    "decode GEMMs for {} rows: {} of the step's {} GEMM shapes run a cuBLASLt \
+                     configuration, as the tuning cache file says (checked in {:.2} s)",
+                    padded.s,
+                    g.chosen,
+                    g.shapes,
+                    t.elapsed().as_secs_f64(),
+                ),
+                Ok(_) => {}
+                Err(e) => tracing::warn!("tuning the decode GEMMs failed, libtorch's stay: {e}"),
+            }
+        }
         let dev = model.device();
         let input = Tensor::f_zeros([flat.len() as i64], (Kind::Int64, dev))?;
         let src = paged_attn::upload_i64(flat, dev)?;

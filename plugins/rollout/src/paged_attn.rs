@@ -574,6 +574,9 @@ pub(crate) fn forward_device(
     pool: &KvPool,
     dev: &DeviceBatch,
 ) -> Result<Tensor> {
+    // Decode steps under `consistent_attention` run their GEMMs with the algorithms tuned for
+    // their batch size (`Transformer::tune_decode_gemms`), row for row the same bits as libtorch's.
+    let _tuned = verl_torch_ext::tuned_gemm_scope(dev.t == 1 && pool.consistent);
     let mut backend = PagedAttention {
         pool,
         batch: dev,
@@ -595,7 +598,14 @@ pub(crate) fn forward_device(
     match model.lm_head_weight() {
         // fp32 logits from the GEMM (see `verl_nn::linear_fp32`), as the training forward's.
         // A tensor-parallel shard's `[S, vocab / tp]` are all-gathered to `[S, vocab]`.
-        Some(w) => Ok(model.gather_vocab(verl_nn::linear_fp32(&last.f_view([dev.s, -1])?, w)?)?),
+        Some(w) => {
+            let x = last.f_view([dev.s, -1])?;
+            let logits = match verl_torch_ext::tuned_linear(&x, w, None, true)? {
+                Some(y) => y,
+                None => verl_nn::linear_fp32(&x, w)?,
+            };
+            Ok(model.gather_vocab(logits)?)
+        }
         None => Ok(model.apply_head(&last, None)?.f_squeeze_dim(1)?),
     }
 }

@@ -209,6 +209,7 @@ struct Entry {
   cublasLtMatmulAlgo_t algo{};
   size_t ws = 0;
   bool from_file = false;  // read back from the cache file, not timed in this process
+  bool torch_differs = false;  // libtorch's rows at this size are not the reference's
   std::string report;
 };
 
@@ -489,7 +490,9 @@ std::vector<Candidate> grid(const LtApi& lt, cublasLtHandle_t h, const Entry& e,
 // One line per tuned shape: `KEY OURS WS ALGO[8 hex words] REPORT`, KEY naming everything the
 // choice depends on (device model and SM count, cuBLASLt version, shape, dtypes, search). A line
 // read back is used only after the configuration passes cuBLASLt's check and gives the
-// reference's bits again; anything unreadable is ignored and the shape is tuned anew.
+// reference's bits again (OURS 1), or, for libtorch, when its rows still are (OURS 0) or still
+// are not (OURS 2: no configuration was row-consistent) the reference's; anything else is ignored
+// and the shape is tuned anew.
 
 // VERL_TUNED_GEMMS_CACHE (empty or "0": no file), else $XDG_CACHE_HOME/verl-rs/tuned_gemms.txt or
 // $HOME/.cache/verl-rs/tuned_gemms.txt.
@@ -520,6 +523,7 @@ std::string cache_key(const LtApi& lt, int dev, int64_t m, int64_t n, int64_t k,
 }
 
 struct Cached {
+  int kind = 0;  // the line's OURS field: 1 ours, 0 libtorch, 2 libtorch though not row-consistent
   bool ours = false;
   size_t ws = 0;
   cublasLtMatmulAlgo_t algo{};
@@ -557,7 +561,8 @@ bool cache_lookup(const std::string& file, const std::string& key, Cached& out) 
     if (!ok) continue;
     std::getline(ls, c.report);
     if (!c.report.empty() && c.report[0] == ' ') c.report.erase(0, 1);
-    c.ours = ours != 0;
+    c.kind = ours;
+    c.ours = ours == 1;
     c.ws = size_t(ws);
     out = c;
     found = true;
@@ -571,7 +576,7 @@ void cache_store(const std::string& file, const std::string& key, const Entry& e
     ::mkdir(file.substr(0, p).c_str(), 0755);  // an existing directory is fine
   }
   std::ostringstream line;
-  line << key << ' ' << (e.ours ? 1 : 0) << ' ' << e.ws;
+  line << key << ' ' << (e.ours ? 1 : e.torch_differs ? 2 : 0) << ' ' << e.ws;
   char buf[24];
   for (uint64_t word : e.algo.data) {
     std::snprintf(buf, sizeof(buf), " %llx", static_cast<unsigned long long>(word));
@@ -624,7 +629,9 @@ Entry& tune(const LtApi& lt, int64_t m, const at::Tensor& w, const at::Tensor* b
   const std::string ckey = cache_key(lt, dev, m, n, k, dt, bias != nullptr, fp32, wide);
   Cached cached;
   if (cache_lookup(file, ckey, cached)) {
-    bool usable = !cached.ours && torch_same;
+    // libtorch, where it was kept as row-consistent and still is, or kept because nothing was
+    // row-consistent and it still is not (that search would find the same nothing).
+    bool usable = cached.kind == (torch_same ? 0 : 2);
     if (cached.ours) {
       cublasLtMatmulHeuristicResult_t chk{};
       usable = lt.algoCheck(h, e.op, e.a, e.b, e.d, e.d, &cached.algo, &chk) ==
@@ -699,7 +706,34 @@ Entry& tune(const LtApi& lt, int64_t m, const at::Tensor& w, const at::Tensor* b
     if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
   }
   screen(heur);
-  if (wide) {
+  // Where neither libtorch's rows at this size nor any of the heuristic's configurations give the
+  // reference's bits (seen for the fp32-logits LM head at 1 row), the configurations cuBLASLt's
+  // heuristic gives the reference's own row count are the likeliest to: run them at this size,
+  // then search their algorithm ids as the wide search does. (The layouts made for the
+  // reference's size live as long as the process, as every entry's.)
+  bool search_wide = wide;
+  if (!torch_same && same.empty()) {
+    Entry at_ref;
+    at_ref.op = e.op;
+    at_ref.a = e.a;
+    const lt_type_t in = cuda_type(dt), o = fp32 ? kR32F : in;
+    lt_check(lt.layoutCreate(&at_ref.b, in, k, ref_rows, k), "MatrixLayoutCreate");
+    lt_check(lt.layoutCreate(&at_ref.d, o, n, ref_rows, n), "MatrixLayoutCreate");
+    std::vector<Candidate> theirs;
+    for (const Candidate& c : heuristic_candidates(lt, h, at_ref)) {
+      cublasLtMatmulHeuristicResult_t chk{};
+      if (lt.algoCheck(h, e.op, e.a, e.b, e.d, e.d, &c.algo, &chk) != CUBLAS_STATUS_SUCCESS ||
+          chk.workspaceSize > kWorkspace) {
+        continue;
+      }
+      theirs.push_back({c.algo, chk.workspaceSize});
+      const int id = algo_attr(lt, c.algo, CUBLASLT_ALGO_CONFIG_ID);
+      if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+    }
+    screen(theirs);
+    search_wide = true;
+  }
+  if (search_wide) {
     // Coarse to fine (each new kernel costs a few ms to load the first time it runs): every
     // (tile, stages) of the heuristic's algorithm ids in its first accepted configuration, then
     // every custom option and cluster shape of the heuristic's first choice's pair and of the 4
@@ -773,9 +807,10 @@ Entry& tune(const LtApi& lt, int64_t m, const at::Tensor& w, const at::Tensor* b
   }
   rep << "; libtorch " << (has_torch ? std::to_string(torch_us) + " us" : "not row-consistent")
       << "; " << same.size() << " of " << ran << " configurations row-consistent"
-      << (wide ? " (wide search)" : " (heuristic's)");
+      << (wide ? " (wide search)" : search_wide ? " (widened: nothing row-consistent)" : " (heuristic's)");
   if (!torch_same) rep << "; libtorch's rows at this size differ from the reference's";
   e.report = rep.str();
+  e.torch_differs = !torch_same;
   cache_store(file, ckey, e);
   return st.entries.emplace(key, e).first->second;
 }

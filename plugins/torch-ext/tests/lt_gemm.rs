@@ -155,6 +155,46 @@ fn tuned_gemms_give_libtorchs_rows_eagerly_and_from_a_graph() {
 }
 
 #[test]
+fn where_libtorchs_small_batch_rows_differ_a_tuned_choice_gives_the_training_sizes() {
+    let Some(dev) = gpu() else { return };
+    let _g = tch::no_grad_guard();
+    // fp32-logits LM heads (the quickstart's tiny one, Qwen2.5-0.5B's) at 1 and 2 rows: libtorch
+    // picks other kernels there than for a training-size GEMM, and its rows can differ.
+    for &(n, k) in &[(455i64, 128i64), (151_936, 896)] {
+        for &rows in &[1i64, 2] {
+            let w = Tensor::randn([n, k], (Kind::BFloat16, dev)) * 0.05;
+            let big = Tensor::randn([4096, k], (Kind::BFloat16, dev));
+            let x = big.narrow(0, 0, rows);
+            let want = torch_gemm(&big, &w, None, true).narrow(0, 0, rows);
+            let libtorch_same = bits_equal(&torch_gemm(&x, &w, None, true), &want);
+            let tuned = tune_linear(rows, &w, None, true, false).unwrap();
+            let _s = tuned_gemm_scope(true);
+            let got = tuned_linear(&x, &w, None, true).unwrap();
+            eprintln!(
+                "{rows} rows, {k} -> {n}: libtorch row-consistent {libtorch_same}, tuned {}",
+                got.is_some()
+            );
+            assert_eq!(got.is_some(), tuned.chosen);
+            match got {
+                Some(y) => assert!(bits_equal(&y, &want), "{rows} rows, {k} -> {n}"),
+                // libtorch stays only where it is row-consistent or nothing was.
+                None => {
+                    let report = tuned_linear_report().unwrap();
+                    let line = report
+                        .iter()
+                        .find(|l| l.starts_with(&format!("{rows}x{k} @ {k}x{n} ")))
+                        .unwrap_or_else(|| panic!("{report:?}"));
+                    assert!(
+                        !line.contains("differ from the reference") || line.contains(" 0 of "),
+                        "libtorch kept though not row-consistent: {line}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn untuned_shapes_are_left_to_libtorch_and_a_capture_cannot_tune() {
     let Some(dev) = gpu() else { return };
     let _g = tch::no_grad_guard();

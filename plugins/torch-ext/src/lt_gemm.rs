@@ -16,7 +16,8 @@ use std::sync::OnceLock;
 
 use tch::Tensor;
 
-use crate::{check, grad_enabled, CTensor, Result, TorchExtError};
+use crate::paged_attention::torch_err;
+use crate::{check, grad_enabled, CTensor, Result};
 
 extern "C" {
     fn vt_free_error(e: *mut c_char);
@@ -135,10 +136,7 @@ pub fn tuned_linear(
     let Some(&k) = size.last() else {
         return Ok(None);
     };
-    let x2 = x.f_view([-1, k]).map_err(|e| TorchExtError::Torch {
-        op: "lt_linear",
-        message: e.to_string(),
-    })?;
+    let x2 = x.f_view([-1, k]).map_err(torch_err("lt_linear"))?;
     let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
     // SAFETY: live tch tensors (b nullable) borrowed for the call; the shim allocates `out` or
     // leaves it null.
@@ -161,12 +159,9 @@ pub fn tuned_linear(
     if let Some(last) = dims.last_mut() {
         *last = w.size()[0];
     }
-    Ok(Some(y.f_view(dims.as_slice()).map_err(|e| {
-        TorchExtError::Torch {
-            op: "lt_linear",
-            message: e.to_string(),
-        }
-    })?))
+    Ok(Some(
+        y.f_view(dims.as_slice()).map_err(torch_err("lt_linear"))?,
+    ))
 }
 
 /// One line per shape tuned in this process: the algorithm taken (or libtorch kept), its time

@@ -277,7 +277,7 @@ fn input(
     }
 }
 
-fn torch_err(op: &'static str) -> impl Fn(tch::TchError) -> TorchExtError {
+pub(crate) fn torch_err(op: &'static str) -> impl Fn(tch::TchError) -> TorchExtError {
     move |e| TorchExtError::Torch {
         op,
         message: e.to_string(),

@@ -16,9 +16,7 @@ pub fn column<T: verl_plugin_api::Element + tch::kind::Element>(
 ) -> Result<Tensor> {
     let t = batch.tensor_in::<T>(call, name)?;
     let shape: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
-    Tensor::f_from_slice(&t.data)
-        .and_then(|x| x.f_reshape(shape.as_slice()))
-        .and_then(|x| x.f_to_device(device))
+    verl_torch_ext::upload_slice(&t.data, &shape, device)
         .ctx(&format!("{call}: column `{name}` to {device:?}"))
 }
 
@@ -42,8 +40,7 @@ fn to_host<T: tch::kind::Element + Copy>(t: &Tensor, kind: Kind, what: &str) -> 
 /// ([`verl_torch_ext::upload_nonblocking`]): the host can lay out the next micro-batch while the
 /// device runs this one.
 pub fn upload_i64(v: &[i64], device: Device, what: &str) -> Result<Tensor> {
-    let host = Tensor::f_from_slice(v).ctx(what)?;
-    verl_torch_ext::upload_nonblocking(host, device, Kind::Int64).ctx(what)
+    verl_torch_ext::upload_slice(v, &[v.len() as i64], device).ctx(what)
 }
 
 /// The model's view of a batch: `input_ids = prompts ‖ responses`, the attention mask, verl's

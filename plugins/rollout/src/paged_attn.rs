@@ -137,27 +137,19 @@ impl KvPool {
 }
 
 /// Host-to-device copies that do not synchronise the stream
-/// ([`verl_torch_ext::upload_nonblocking`]).
+/// ([`verl_torch_ext::upload_slice`]).
 pub(crate) fn upload_i64(v: &[i64], device: Device) -> Result<Tensor> {
-    upload(Tensor::f_from_slice(v)?, device, Kind::Int64)
+    Ok(verl_torch_ext::upload_slice(v, &[v.len() as i64], device)?)
 }
 
 pub(crate) fn upload_f32(v: &[f32], device: Device) -> Result<Tensor> {
-    upload(Tensor::f_from_slice(v)?, device, Kind::Float)
+    Ok(verl_torch_ext::upload_slice(v, &[v.len() as i64], device)?)
 }
 
 /// `v` in page-locked host memory for `device` (where it is CUDA) — the source of a
 /// [`verl_torch_ext::copy_nonblocking`] into a device buffer.
 pub(crate) fn pinned<T: tch::kind::Element>(v: &[T], device: Device) -> Result<Tensor> {
-    let host = Tensor::f_from_slice(v)?;
-    Ok(match device {
-        Device::Cuda(_) => host.f_internal_pin_memory(device)?,
-        _ => host,
-    })
-}
-
-fn upload(host: Tensor, device: Device, kind: Kind) -> Result<Tensor> {
-    Ok(verl_torch_ext::upload_nonblocking(host, device, kind)?)
+    Ok(verl_torch_ext::pinned_copy(v, &[v.len() as i64], device)?)
 }
 
 /// One forward's inputs, built on the host: `S` sequences of up to `T` new tokens each

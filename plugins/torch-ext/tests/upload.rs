@@ -1,0 +1,76 @@
+//! `upload_slice`: a host slice as a device tensor without zeroing a staging buffer first. The
+//! result holds the slice's values in its shape and owns them (changing the slice afterwards
+//! changes nothing), on the CPU and, where one is present, on a GPU, for the element kinds the
+//! batch columns use; a shape that does not fit the data is an error, not a read past it.
+
+use tch::{Device, Kind, Tensor};
+use verl_torch_ext::upload_slice;
+
+fn devices() -> Vec<Device> {
+    let mut d = vec![Device::Cpu];
+    if tch::Cuda::is_available() {
+        d.push(Device::Cuda(0));
+    }
+    d
+}
+
+#[test]
+fn values_shape_and_ownership() {
+    for dev in devices() {
+        let mut ids: Vec<i64> = (0..6 * 1000).map(|i| i * 7 - 3).collect();
+        let t = upload_slice(&ids, &[6, 1000], dev).unwrap();
+        assert_eq!(t.size(), vec![6, 1000], "{dev:?}");
+        assert_eq!(t.kind(), Kind::Int64);
+        assert_eq!(t.device(), dev);
+        let want = Tensor::from_slice(&ids).reshape([6, 1000]);
+        for x in ids.iter_mut() {
+            *x = -1; // the tensor must not alias the slice
+        }
+        let got = t.to_device(Device::Cpu);
+        assert!(got.equal(&want), "{dev:?}: values differ");
+
+        let mut adv: Vec<f32> = (0..512).map(|i| i as f32 * 0.25 - 9.0).collect();
+        let t = upload_slice(&adv, &[2, 256], dev).unwrap();
+        let want = Tensor::from_slice(&adv).reshape([2, 256]);
+        adv.clear();
+        drop(adv);
+        assert_eq!(t.kind(), Kind::Float);
+        assert!(
+            t.to_device(Device::Cpu).equal(&want),
+            "{dev:?}: f32 values differ"
+        );
+    }
+}
+
+#[test]
+fn empty_data_and_a_shape_that_does_not_fit() {
+    for dev in devices() {
+        let t = upload_slice::<i64>(&[], &[0, 5], dev).unwrap();
+        assert_eq!(t.size(), vec![0, 5]);
+        let err = upload_slice(&[1i64, 2, 3], &[2, 2], dev).unwrap_err();
+        assert!(err.to_string().contains("shape"), "{dev:?}: {err}");
+    }
+}
+
+#[test]
+fn many_uploads_in_flight_keep_their_values() {
+    // Non-blocking copies from pinned blocks that libtorch's host allocator recycles: every
+    // upload must still hold its own values once the device has run them all.
+    let Some(dev) = devices().into_iter().find(|d| *d != Device::Cpu) else {
+        return;
+    };
+    let keep: Vec<(Vec<i64>, Tensor)> = (0..64)
+        .map(|k| {
+            let v: Vec<i64> = (0..4096).map(|i| i * 31 + k).collect();
+            let t = upload_slice(&v, &[4096], dev).unwrap();
+            (v, t)
+        })
+        .collect();
+    tch::Cuda::synchronize(0);
+    for (k, (v, t)) in keep.iter().enumerate() {
+        assert!(
+            t.to_device(Device::Cpu).equal(&Tensor::from_slice(v)),
+            "upload {k} differs"
+        );
+    }
+}

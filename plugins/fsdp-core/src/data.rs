@@ -37,7 +37,7 @@ fn to_host<T: tch::kind::Element + Copy>(t: &Tensor, kind: Kind, what: &str) -> 
 }
 
 /// `v` as an int64 tensor on `device`, without synchronising a GPU's stream
-/// ([`verl_torch_ext::upload_nonblocking`]): the host can lay out the next micro-batch while the
+/// ([`verl_torch_ext::upload_slice`]): the host can lay out the next micro-batch while the
 /// device runs this one.
 pub fn upload_i64(v: &[i64], device: Device, what: &str) -> Result<Tensor> {
     verl_torch_ext::upload_slice(v, &[v.len() as i64], device).ctx(what)

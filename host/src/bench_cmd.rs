@@ -527,17 +527,19 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
 
     let mut peak_mem: f64 = 0.0;
     let mut mem_source = String::new();
-    let mut probe = |actor: &mut verl_plugin_api::client::ActorClient| -> anyhow::Result<()> {
-        let m = actor.call("memory", &Batch::new(), &json!({}))?;
-        let used = meta_f64(&m, "peak_gb").or_else(|| meta_f64(&m, "used_gb"));
-        if let Some(u) = used {
-            peak_mem = peak_mem.max(u);
-        }
-        if let Some(src) = m.meta().get("source").and_then(Value::as_str) {
-            mem_source = src.to_string();
-        }
-        Ok(())
-    };
+    // The device memory in use after a phase (GiB), folded into the peak.
+    let mut probe =
+        |actor: &mut verl_plugin_api::client::ActorClient| -> anyhow::Result<Option<f64>> {
+            let m = actor.call("memory", &Batch::new(), &json!({}))?;
+            let used = meta_f64(&m, "peak_gb").or_else(|| meta_f64(&m, "used_gb"));
+            if let Some(u) = used {
+                peak_mem = peak_mem.max(u);
+            }
+            if let Some(src) = m.meta().get("source").and_then(Value::as_str) {
+                mem_source = src.to_string();
+            }
+            Ok(used)
+        };
     probe(&mut actor)?;
 
     let mut rng = Rng(a.seed ^ 0x5EED);
@@ -577,7 +579,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         };
         let t = Instant::now();
         let gen = actor.generate(&batch, &opts)?;
-        probe(&mut actor)?;
+        let mut mem = vec![("gen", probe(&mut actor)?)];
         let t_gen = t.elapsed().as_secs_f64();
 
         let lp_opts = LogProbOptions {
@@ -592,7 +594,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         } else {
             let t = Instant::now();
             let old = actor.compute_log_prob(&gen, &lp_opts)?;
-            probe(&mut actor)?;
+            mem.push(("old", probe(&mut actor)?));
             (Some(old), t.elapsed().as_secs_f64())
         };
 
@@ -601,7 +603,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         }
         let t = Instant::now();
         let rf = reference.compute_log_prob(&gen, &lp_opts)?;
-        probe(&mut actor)?;
+        mem.push(("ref", probe(&mut actor)?));
         let t_ref = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
@@ -621,7 +623,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
                 extra: json!({ "entropy_metric": skip_old, "bypass_mode": bypass }),
             },
         )?;
-        probe(&mut actor)?;
+        mem.push(("update", probe(&mut actor)?));
         let t_upd = t.elapsed().as_secs_f64();
         let times = StepTimes {
             gen: t_gen,
@@ -642,6 +644,13 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             })
             .map(|(k, v)| format!("{k}={v:.4}"))
             .collect();
+        let mem: Vec<String> = mem
+            .iter()
+            .filter_map(|(phase, m)| m.map(|m| format!("{phase} {m:.1}")))
+            .collect();
+        if !mem.is_empty() {
+            loss.push(format!("memory GiB after {}", mem.join(", ")));
+        }
         // What the generation spent outside its decode steps' replays (CUDA only).
         if let Some(n) = meta_f64(&gen, "rollout/cuda_graphs").filter(|&n| n > 0.0) {
             loss.push(format!(

@@ -413,12 +413,21 @@ impl ChunkedLmHead {
             // autograd node (one pass each) instead of differentiating Σ hidden·g_h + Σ weight·g_w.
             let g_hidden = Tensor::f_cat(&g_hidden, 0).op(OP)?;
             let zero = Tensor::f_zeros([], (acc_kind, hidden.device())).op(OP)?;
+            // Under the model's gradient-accumulation fusion the head's weight gradient goes
+            // straight into its .grad, as the projections' do.
+            static INTO: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let into_grad = verl_nn::accumulating_into_grad()
+                && weight.requires_grad()
+                && weight.is_leaf()
+                && *INTO
+                    .get_or_init(|| std::env::var("VERL_LM_HEAD_GRAD_INTO").as_deref() != Ok("0"));
             let push = verl_torch_ext::inject_grads(
                 &zero,
                 hidden,
                 Some(&g_hidden),
                 weight,
                 g_weight.as_ref().filter(|_| weight.requires_grad()),
+                into_grad,
             )?;
             return Ok((loss.f_detach().op(OP)?, stats, Some(push)));
         }

@@ -927,6 +927,11 @@ impl Transformer {
     {
         self.check_trainable()?;
         let _accumulate = AccumulateIntoGrad::set(self.grad_accumulation_fusion);
+        if self.grad_accumulation_fusion {
+            for layer in &self.layers {
+                layer.prepare_qkv_grads()?;
+            }
+        }
         if !self.checkpointing {
             let mut timer = crate::profile::start(self.device());
             let h = self.forward_hidden_in(input_ids, attention_mask, position_ids, None, rows)?;
@@ -1212,6 +1217,19 @@ impl Transformer {
     fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
         if let Some(tp) = &self.tp {
             return tp.embed(&self.embed_tokens, input_ids, self.padding_idx);
+        }
+        static ROWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if self.embed_tokens.requires_grad()
+            && crate::layers::accumulating_into_grad()
+            && crate::layers::env_on("VERL_EMBED_GRAD_ROWS", &ROWS)
+        {
+            // Gradient-accumulation fusion: the rows present go straight into .grad.
+            let pad = (self.padding_idx >= 0).then_some(self.padding_idx);
+            return Ok(verl_torch_ext::embedding_accumulating(
+                &self.embed_tokens,
+                input_ids,
+                pad,
+            )?);
         }
         Ok(Tensor::f_embedding(
             &self.embed_tokens,

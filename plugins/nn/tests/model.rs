@@ -898,6 +898,22 @@ fn check_packed(dev: tch::Device, consistent: bool, tol: f64) {
 /// ran) and are no further from the gradients computed in fp32 from the same weights.
 #[test]
 fn grad_accumulation_fusion_matches_autograd_accumulation() {
+    grad_accumulation_fusion_case(tch::Device::Cpu);
+}
+
+/// The same on a GPU, where the fused path also takes the embedding's rows straight into `.grad`
+/// (and, with `VERL_FUSED_QKV_GRAD=1`, the q/k/v projections into their `.grad` as views of one
+/// tensor). Skipped without CUDA.
+#[test]
+fn grad_accumulation_fusion_matches_autograd_accumulation_on_cuda() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    grad_accumulation_fusion_case(tch::Device::Cuda(0));
+}
+
+fn grad_accumulation_fusion_case(device: tch::Device) {
     let extra = json!({"attention_bias": true});
     let build = |kind: Kind| {
         tch::manual_seed(7);
@@ -905,13 +921,15 @@ fn grad_accumulation_fusion_matches_autograd_accumulation() {
             config(extra.clone()),
             &ModelOptions {
                 dtype: kind,
+                device,
                 ..ModelOptions::default()
             },
         )
         .unwrap()
     };
     let (ids, mask) = batch();
-    let weights = Tensor::randn([3, 7], (Kind::Float, tch::Device::Cpu));
+    let (ids, mask) = (ids.to_device(device), mask.to_device(device));
+    let weights = Tensor::randn([3, 7], (Kind::Float, tch::Device::Cpu)).to_device(device);
     let run = |m: &Transformer| {
         for (start, len) in [(0i64, 2i64), (2, 1)] {
             let (i, k) = (ids.narrow(0, start, len), mask.narrow(0, start, len));
@@ -927,15 +945,19 @@ fn grad_accumulation_fusion_matches_autograd_accumulation() {
     let plain = build(Kind::BFloat16);
     let mut fused = build(Kind::BFloat16);
     fused.set_grad_accumulation_fusion(true);
-    // The fp32 reference starts from the same (bf16) weights.
+    // The fused model and the fp32 reference start from the plain one's (bf16) weights (copied:
+    // tests running in parallel share the global generator, so one seed does not make two
+    // builds equal).
     let reference = build(Kind::Float);
     tch::no_grad(|| {
-        for ((_, r), (_, p)) in reference
-            .named_parameters()
-            .iter()
-            .zip(plain.named_parameters().iter())
-        {
-            r.shallow_clone().copy_(p);
+        for m in [&reference, &fused] {
+            for ((_, r), (_, p)) in m
+                .named_parameters()
+                .iter()
+                .zip(plain.named_parameters().iter())
+            {
+                r.shallow_clone().copy_(p);
+            }
         }
     });
     let (g_plain, g_fused, g_ref) = (run(&plain), run(&fused), run(&reference));

@@ -53,6 +53,20 @@ extern "C" {
     fn vt_prefer_cublaslt() -> *mut c_char;
     fn vt_clear_grads(ts: *const CTensor, n: i64) -> *mut c_char;
     fn vt_grad_enabled() -> i32;
+    fn vt_prepare_block_grads(leaves: *const CTensor, n: i64) -> *mut c_char;
+    fn vt_linear_blocks_accum(
+        x: CTensor,
+        ws: *const CTensor,
+        bs: *const CTensor,
+        n: i64,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
+    fn vt_embedding_accum(
+        w: CTensor,
+        ids: CTensor,
+        padding_idx: i64,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
     fn vt_linear_accum(
         x: CTensor,
         w: CTensor,
@@ -232,6 +246,85 @@ pub fn linear_accumulating(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result
         )
     };
     adopt("linear_accum", err, out)
+}
+
+/// `x cat(ws)^T (+ cat(bs))` for row blocks `ws` (and their biases; e.g. the q/k/v projections)
+/// recorded by autograd with a backward that adds the blocks' gradients straight into their
+/// `.grad`, as [`linear_accumulating`] does for one weight: the first micro-batch's weight
+/// gradient is one GEMM whose row blocks become the blocks' `.grad` (views of one tensor), and
+/// later micro-batches accumulate into all of them with one GEMM (beta = 1) and the biases with
+/// one reduction and one add, where autograd would split the concatenation's gradient and run an
+/// accumulation kernel per block and per bias. Blocks whose `.grad` something else has replaced
+/// are accumulated one by one. For `backward()` into `.grad` only. Any device.
+pub fn linear_blocks_accumulating(
+    x: &Tensor,
+    ws: &[&Tensor],
+    bs: Option<&[&Tensor]>,
+) -> Result<Tensor> {
+    if let Some(bs) = bs {
+        if bs.len() != ws.len() {
+            return Err(TorchExtError::Input {
+                what: "linear_blocks_accumulating biases",
+                expected: format!("one per block ({})", ws.len()),
+                found: bs.len().to_string(),
+            });
+        }
+    }
+    let wp: Vec<CTensor> = ws.iter().map(|t| t.as_ptr()).collect();
+    let bp: Option<Vec<CTensor>> = bs.map(|b| b.iter().map(|t| t.as_ptr()).collect());
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors borrowed for the call (the shim copies the handles it keeps);
+    // the shim allocates `out`.
+    let err = unsafe {
+        vt_linear_blocks_accum(
+            x.as_ptr(),
+            wp.as_ptr(),
+            bp.as_ref().map_or(std::ptr::null(), |b| b.as_ptr()),
+            wp.len() as i64,
+            &mut out,
+        )
+    };
+    adopt("linear_blocks_accum", err, out)
+}
+
+/// Where none of `leaves` (row blocks of one dtype, device and row shape: the q/k/v weights, or
+/// their biases) has a `.grad`, gives them zero gradients that are row views of one new tensor,
+/// the layout [`linear_blocks_accumulating`] accumulates into with one GEMM. Call it before the
+/// first micro-batch's forward: allocated then, the gradient sits with the other persistent
+/// tensors instead of splitting a block the backward freed (which the caching allocator would then
+/// keep split, and reserve more, for the rest of the step). A no-op where any has a `.grad` or
+/// needs none.
+pub fn prepare_block_grads(leaves: &[&Tensor]) -> Result<()> {
+    let ptrs: Vec<CTensor> = leaves.iter().map(|t| t.as_ptr()).collect();
+    // SAFETY: live tch tensors borrowed for the call.
+    check("prepare_block_grads", unsafe {
+        vt_prepare_block_grads(ptrs.as_ptr(), ptrs.len() as i64)
+    })
+}
+
+/// `embedding(w, ids)` (`padding_idx` as torch's: `None`, or a row whose gradient stays zero)
+/// recorded by autograd with a backward that adds w's gradient straight into `w.grad`, touching
+/// only the rows of the ids present (duplicates summed in the accumulation type, one rounding per
+/// row, deterministic on CUDA; `w.grad` starts from zeros where it has none), instead of a dense
+/// `[rows, dim]` gradient that autograd then adds: for a large vocabulary (and a tied LM head,
+/// whose gradient arrives separately) two passes over the table per micro-batch less. For
+/// `backward()` into `.grad` only, as [`linear_accumulating`]. Any device.
+pub fn embedding_accumulating(
+    w: &Tensor,
+    ids: &Tensor,
+    padding_idx: Option<i64>,
+) -> Result<Tensor> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors borrowed for the call; the shim allocates `out`.
+    let err = unsafe {
+        vt_embedding_accum(
+            w.as_ptr(),
+            ids.as_ptr(),
+            padding_idx.unwrap_or(-1),
+            &mut out,
+        )
+    };
+    adopt("embedding_accum", err, out)
 }
 
 /// `x W^T` recorded by autograd with a backward that adds W's gradient into `accs` instead of

@@ -154,6 +154,16 @@
     int vec;                    /* 1: 8 elements per 16-byte access (16-bit dtypes) */    \
   };
 
+#define VT_AXPY_PARAMS_DEF                                                                \
+  struct VtAxpyParams {                                                                   \
+    const float* x;             /* [n] fp32, contiguous */                                \
+    const float* s;             /* one fp32 on the device */                              \
+    void* out;                  /* [n] contiguous, added into */                          \
+    long long n;                                                                          \
+    int dtype;                  /* out: 0 fp32, 1 bf16, 2 fp16 */                         \
+    int vec;                    /* 1: 8 elements per access (16-bit out) */               \
+  };
+
 #define VT_ROW_STR_(...) #__VA_ARGS__
 #define VT_ROW_STR(...) VT_ROW_STR_(__VA_ARGS__)
 
@@ -1292,6 +1302,38 @@ extern "C" __global__ void __launch_bounds__(256) vt_rows_sum(const VtRowsSumPar
     vt_store(p.out, p.dtype, it, acc);
   }
 }
+
+// ---- out += x * s in one pass: x fp32, s one fp32 read from the device (no host sync), the sum
+// formed in fp32 and rounded once into out's dtype. Grid-stride over 8-element items (16-bit out,
+// 16-byte accesses) or elements.
+extern "C" __global__ void __launch_bounds__(256) vt_axpy_into(const VtAxpyParams p) {
+  const float s = *p.s;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  if (p.vec) {
+    const long long items = p.n / 8;
+    for (long long it = (long long)blockIdx.x * blockDim.x + threadIdx.x; it < items;
+         it += stride) {
+      const float4 a = reinterpret_cast<const float4*>(p.x)[2 * it];
+      const float4 b = reinterpret_cast<const float4*>(p.x)[2 * it + 1];
+      uint4* o = reinterpret_cast<uint4*>(p.out) + it;
+      float f[8];
+      vt_unpack8(*o, f, p.dtype);
+      const float xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      unsigned int ow[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float lo = __fadd_rn(f[2 * j], __fmul_rn(xs[2 * j], s));
+        const float hi = __fadd_rn(f[2 * j + 1], __fmul_rn(xs[2 * j + 1], s));
+        ow[j] = vt_pack16(vt_round(lo, p.dtype), vt_round(hi, p.dtype), p.dtype);
+      }
+      *o = make_uint4(ow[0], ow[1], ow[2], ow[3]);
+    }
+    return;
+  }
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < p.n; i += stride) {
+    vt_store(p.out, p.dtype, i, __fadd_rn(vt_load(p.out, p.dtype, i), __fmul_rn(p.x[i], s)));
+  }
+}
 )VTROW";
 
 const std::string& row_source() {
@@ -1303,7 +1345,8 @@ const std::string& row_source() {
                                  VT_ROW_STR(VT_ROPE_STORE_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_ADD_NORM_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_ADD_NORM_BWD_PARAMS_DEF) + "\n" +
-                                 VT_ROW_STR(VT_ROWS_SUM_PARAMS_DEF) + "\n" + kRowSource;
+                                 VT_ROW_STR(VT_ROWS_SUM_PARAMS_DEF) + "\n" +
+                                 VT_ROW_STR(VT_AXPY_PARAMS_DEF) + "\n" + kRowSource;
   return src;
 }
 
@@ -1317,6 +1360,7 @@ VT_ROPE_STORE_PARAMS_DEF
 VT_ADD_NORM_PARAMS_DEF
 VT_ADD_NORM_BWD_PARAMS_DEF
 VT_ROWS_SUM_PARAMS_DEF
+VT_AXPY_PARAMS_DEF
 
 using namespace vt_rt;
 
@@ -1333,6 +1377,7 @@ struct RowKernels {
   CUfunction_t add_norm = nullptr;
   CUfunction_t add_norm_bwd[3] = {nullptr, nullptr, nullptr};  // 1, 2, 4 chunks per thread
   CUfunction_t rows_sum = nullptr;
+  CUfunction_t axpy = nullptr;
 };
 
 std::map<int, RowKernels> g_row_kernels;  // by device
@@ -1347,7 +1392,7 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   const auto fns = load_functions(
       bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad", "vt_rope", "vt_swiglu",
                 "vt_rope_store", "vt_swiglu_bwd", "vt_add_rms_norm", "vt_add_rms_norm_bwd1",
-                "vt_add_rms_norm_bwd2", "vt_add_rms_norm_bwd4", "vt_rows_sum"});
+                "vt_add_rms_norm_bwd2", "vt_add_rms_norm_bwd4", "vt_rows_sum", "vt_axpy_into"});
   RowKernels k;
   k.sample = fns[0];
   k.stats = fns[1];
@@ -1361,6 +1406,7 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   k.add_norm_bwd[1] = fns[9];
   k.add_norm_bwd[2] = fns[10];
   k.rows_sum = fns[11];
+  k.axpy = fns[12];
   std::lock_guard<std::mutex> lock(rt_mutex());
   return g_row_kernels.emplace(index, k).first->second;
 }
@@ -1623,9 +1669,6 @@ void rope_launch(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* s
 
 void rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
           const at::Tensor* out) {
-  if (out != nullptr && out->defined() && !out->is_contiguous()) {
-    bad("rope out", "a contiguous tensor", "a strided one");
-  }
   rope_launch(x, cos, sin, out, false);
 }
 
@@ -1817,6 +1860,40 @@ at::Tensor rows_sum(const at::Tensor& g, const at::Tensor& offsets, const at::Te
   launch_blocks(k.rows_sum, grid_blocks(p.vec ? N * (C / 8) : N * C, info), index, p,
                 "cuLaunchKernel(vt_rows_sum)");
   return out;
+}
+
+// out += x * s (see vt_axpy_into): `out` contiguous CUDA fp32/bf16/fp16, `x` fp32 contiguous with
+// out's element count, `s` a one-element fp32 tensor on out's device.
+void axpy_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& s) {
+  if (!out.is_cuda() || !out.is_contiguous()) bad("axpy out", "a contiguous CUDA tensor", sizes_str(out));
+  const at::Device dev = out.device();
+  const int dtype = storage_code(out.scalar_type(), "axpy out dtype");
+  if (x.device() != dev || x.scalar_type() != at::kFloat || !x.is_contiguous() ||
+      x.numel() != out.numel()) {
+    bad("axpy x", "a contiguous fp32 tensor of " + std::to_string(out.numel()) + " elements on " +
+                      dev.str(), sizes_str(x) + " " + c10::toString(x.scalar_type()));
+  }
+  if (s.device() != dev || s.scalar_type() != at::kFloat || s.numel() != 1) {
+    bad("axpy scale", "one fp32 element on " + dev.str(), sizes_str(s));
+  }
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const at::Tensor sc = s.contiguous();
+  c10::DeviceGuard guard(dev);
+  const int index = dev.index();
+  VtAxpyParams p{};
+  p.x = static_cast<const float*>(x.data_ptr());
+  p.s = static_cast<const float*>(sc.data_ptr());
+  p.out = out.data_ptr();
+  p.n = n;
+  p.dtype = dtype;
+  p.vec = dtype != 0 && n % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
+  const DeviceInfo& info = device_info(index);
+  make_current(info);
+  const RowKernels k = row_kernels(index, info);
+  launch_blocks(k.axpy, grid_blocks(p.vec ? n / 8 : n, info), index, p,
+                "cuLaunchKernel(vt_axpy_into)");
 }
 
 void swiglu(const at::Tensor* x, const at::Tensor* out) {
@@ -2044,11 +2121,14 @@ struct GatherRowsFn : public torch::autograd::Function<GatherRowsFn> {
 // A tensor equal to `value` whose backward hands precomputed gradients to two inputs: `ga * g`
 // to `a` and `gb * g` to `b` (g the gradient arriving at the result, a scalar for a scalar
 // value), each computed in their dtype (fp32 for an fp32 gradient) and written in the input's
-// dtype in one pass. An undefined `ga`/`gb` gives that input no gradient.
+// dtype in one pass. An undefined `ga`/`gb` gives that input no gradient. With `b_into_grad`
+// (b a leaf), b's gradient goes straight into b.grad instead (added in one pass where it exists,
+// written there where it does not) and autograd gets none for b: no gradient tensor of b's size
+// for autograd's accumulation to add in a second pass.
 struct InjectFn : public torch::autograd::Function<InjectFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& value,
                             const at::Tensor& a, const at::Tensor& b, const at::Tensor& ga,
-                            const at::Tensor& gb) {
+                            const at::Tensor& gb, bool b_into_grad) {
     for (const auto& [x, gx, name] :
          {std::tuple<const at::Tensor&, const at::Tensor&, const char*>{a, ga, "a"},
           std::tuple<const at::Tensor&, const at::Tensor&, const char*>{b, gb, "b"}}) {
@@ -2057,10 +2137,15 @@ struct InjectFn : public torch::autograd::Function<InjectFn> {
             x.defined() ? sizes_str(x) : std::string("a defined input"), sizes_str(gx));
       }
     }
+    if (b_into_grad && !(b.defined() && b.is_leaf() && b.requires_grad())) {
+      bad("inject_grads b (into its .grad)", "a leaf that requires grad", "another tensor");
+    }
     ctx->saved_data["ga"] = ga;
     ctx->saved_data["gb"] = gb;
     ctx->saved_data["a_kind"] = static_cast<int64_t>(a.defined() ? a.scalar_type() : ga.scalar_type());
     ctx->saved_data["b_kind"] = static_cast<int64_t>(b.defined() ? b.scalar_type() : gb.scalar_type());
+    // The leaf itself (not a saved-variable copy): backward writes its .grad.
+    if (b_into_grad) ctx->saved_data["b_leaf"] = b;
     return value.clone();
   }
 
@@ -2075,7 +2160,39 @@ struct InjectFn : public torch::autograd::Function<InjectFn> {
       at::mul_out(out, gx, g.to(gx.scalar_type()));
       return out;
     };
-    return {at::Tensor(), scaled("ga", "a_kind"), scaled("gb", "b_kind"), at::Tensor(),
+    at::Tensor gb_out;
+    if (ctx->saved_data.count("b_leaf") != 0) {
+      const at::Tensor gb = ctx->saved_data["gb"].toTensor();
+      if (gb.defined() && g.defined()) {
+        at::Tensor leaf = ctx->saved_data["b_leaf"].toTensor();
+        at::Tensor& grad = leaf.mutable_grad();
+        const at::Tensor gs = g.to(gb.scalar_type());
+        if (grad.defined() && grad.is_cuda() && grad.is_contiguous() &&
+            gb.scalar_type() == at::kFloat && gb.is_contiguous() && gs.device() == grad.device()) {
+          axpy_into(grad, gb, gs);  // one pass, no temporaries, one rounding
+        } else if (grad.defined()) {
+          // In row blocks: libtorch's mixed-dtype in-place op makes a temporary of the block in
+          // the computation's dtype (fp32) and copies it back.
+          const int64_t rows = grad.dim() == 0 ? 1 : grad.size(0);
+          const int64_t per_row = rows == 0 ? 1 : std::max<int64_t>(1, grad.numel() / rows);
+          const int64_t block = std::max<int64_t>(1, (int64_t{1} << 22) / per_row);
+          if (grad.dim() == 0) {
+            grad.addcmul_(gb, gs);
+          } else {
+            for (int64_t r = 0; r < rows; r += block) {
+              const int64_t n = std::min(block, rows - r);
+              grad.narrow(0, r, n).addcmul_(gb.narrow(0, r, n), gs);
+            }
+          }
+        } else {
+          grad = at::empty(gb.sizes(), gb.options().dtype(leaf.scalar_type()));
+          at::mul_out(grad, gb, gs);
+        }
+      }
+    } else {
+      gb_out = scaled("gb", "b_kind");
+    }
+    return {at::Tensor(), scaled("ga", "a_kind"), gb_out, at::Tensor(), at::Tensor(),
             at::Tensor()};
   }
 };
@@ -2258,8 +2375,8 @@ char* vt_token_stats_grad(at::Tensor* logits, at::Tensor* targets, at::Tensor* l
 }
 
 // Rotary embedding of `x` [B, heads, T, head_dim] (any strides) with `cos`/`sin` [B, T,
-// head_dim] (x's dtype, contiguous) into `out` (contiguous, x's shape): bit-identical to
-// x * cos + rotate_half(x) * sin in torch ops.
+// head_dim] (x's dtype, contiguous) into `out` (x's shape, dense, its dimensions in any order):
+// bit-identical to x * cos + rotate_half(x) * sin in torch ops.
 char* vt_rope(at::Tensor* x, at::Tensor* cos, at::Tensor* sin, at::Tensor* out) {
   return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
@@ -2391,15 +2508,16 @@ char* vt_gather_rows(at::Tensor* x, at::Tensor* index, at::Tensor* offsets, at::
 }
 
 // See InjectFn: a new tensor equal to `value` in `*out` (freed by the caller). `a`, `b`, `ga`,
-// `gb` may be null (undefined).
+// `gb` may be null (undefined); `b_into_grad` nonzero: b's gradient goes into b.grad.
 char* vt_inject_grads(at::Tensor* value, at::Tensor* a, at::Tensor* b, at::Tensor* ga,
-                      at::Tensor* gb, at::Tensor** out) {
+                      at::Tensor* gb, int b_into_grad, at::Tensor** out) {
   return vt_util::guarded([&] {
     if (value == nullptr || out == nullptr) bad("inject_grads", "a value", "null");
     const at::Tensor none;
     const auto ref = [&](at::Tensor* t) -> const at::Tensor& { return t ? *t : none; };
 #ifdef VERL_WITH_CUDA
-    *out = new at::Tensor(InjectFn::apply(*value, ref(a), ref(b), ref(ga), ref(gb)));
+    *out = new at::Tensor(
+        InjectFn::apply(*value, ref(a), ref(b), ref(ga), ref(gb), b_into_grad != 0));
 #else
     (void)ref;
     no_cuda();

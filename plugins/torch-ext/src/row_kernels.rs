@@ -69,6 +69,7 @@ extern "C" {
         b: CTensor,
         ga: CTensor,
         gb: CTensor,
+        b_into_grad: i32,
         out: *mut *mut torch_sys::C_tensor,
     ) -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
@@ -280,15 +281,33 @@ pub fn token_stats_grad(
 
 /// Rotary position embedding `x * cos + rotate_half(x) * sin` in one kernel: `x` `[B, heads, T,
 /// head_dim]` (any strides, e.g. a transposed view; fp32/bf16/f16 on CUDA), `cos`/`sin` `[B, T,
-/// head_dim]` in x's dtype (contiguous). Returns a contiguous tensor of x's shape, bit-identical
+/// head_dim]` in x's dtype (contiguous). Returns a dense tensor of x's shape laid out in x's
+/// dimension order (a `[B, T, heads, D]` projection viewed as `[B, heads, T, D]` comes back as the
+/// same kind of view, so turning it into a `[B·T, heads, D]` token stream is free), bit-identical
 /// to those four torch ops (every intermediate rounded to the dtype as they round it). No
 /// autograd: for inference paths.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let out = Tensor::f_empty(x.size(), (x.kind(), x.device())).map_err(torch("empty"))?;
+    let out = empty_in_stride_order(x)?;
     // SAFETY: live tch tensors borrowed for the call; the shim validates them.
     let err = unsafe { vt_rope(x.as_ptr(), cos.as_ptr(), sin.as_ptr(), out.as_ptr()) };
     check("rope", err)?;
     Ok(out)
+}
+
+/// An uninitialised dense tensor of x's shape and dtype whose dimensions lie in memory in the order
+/// of x's strides (largest first; ties keep their order).
+fn empty_in_stride_order(x: &Tensor) -> Result<Tensor> {
+    let (size, stride) = (x.size(), x.stride());
+    let mut order: Vec<usize> = (0..size.len()).collect();
+    order.sort_by(|&a, &b| stride[b].cmp(&stride[a]));
+    let sizes: Vec<i64> = order.iter().map(|&d| size[d]).collect();
+    let mut inverse = vec![0i64; order.len()];
+    for (i, &d) in order.iter().enumerate() {
+        inverse[d] = i as i64;
+    }
+    Tensor::f_empty(sizes.as_slice(), (x.kind(), x.device()))
+        .and_then(|t| t.f_permute(inverse.as_slice()))
+        .map_err(torch("empty"))
 }
 
 /// `silu(x[.., :I]) * x[.., I:]` of a fused gate/up projection output `x` `[.., 2·I]` (unit
@@ -499,13 +518,18 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// scalar), each written in its input's dtype in one pass (an fp32 `gb` for a bf16 `b` is
 /// rounded once). A `None` gradient gives that input none. For a loss whose gradients were
 /// computed by hand (the chunked LM head): one kernel per input instead of differentiating
-/// `Σ a·ga + Σ b·gb`. Needs a CUDA build of the extension.
+/// `Σ a·ga + Σ b·gb`. With `b_into_grad` (`b` a leaf that requires grad), `b`'s gradient is
+/// added straight into `b.grad` (written there when it has none) and autograd sees none for `b`:
+/// one pass over `b`'s size instead of a gradient tensor and autograd's accumulation of it; for
+/// `backward()` into `.grad`, as [`crate::linear_accumulating`]. Needs a CUDA build of the
+/// extension.
 pub fn inject_grads(
     value: &Tensor,
     a: &Tensor,
     ga: Option<&Tensor>,
     b: &Tensor,
     gb: Option<&Tensor>,
+    b_into_grad: bool,
 ) -> Result<Tensor> {
     let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
     // SAFETY: live tch tensors (or null for an absent gradient) borrowed for the call.
@@ -516,6 +540,7 @@ pub fn inject_grads(
             b.as_ptr(),
             ptr(ga),
             ptr(gb),
+            i32::from(b_into_grad),
             &mut out,
         )
     };

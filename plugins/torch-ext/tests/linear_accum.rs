@@ -106,3 +106,118 @@ fn linear_into_adds_each_row_blocks_gradient_into_its_accumulator() {
     let e = linear_into(&x, &w, &[&acc_a]).unwrap_err().to_string();
     assert!(e.contains("linear_into") && e.contains("3 rows"), "{e}");
 }
+
+/// `linear_blocks_accumulating` (the q/k/v projections): the forward is `x cat(W_i)^T +
+/// cat(b_i)`; over three micro-batches the blocks' `.grad` equal autograd's accumulation through
+/// the concatenation, and after the first one they are row views of one tensor (so later
+/// micro-batches accumulate with one GEMM). A block whose `.grad` was cleared is still summed
+/// correctly (block by block); blocks of other shapes are refused with the shapes named.
+#[test]
+fn blocks_accumulate_into_their_grads_like_autograd() {
+    use verl_torch_ext::linear_blocks_accumulating;
+    tch::manual_seed(8);
+    let opts = (Kind::Double, Device::Cpu);
+    let rows = [4i64, 2, 2];
+    let leaf = |r: i64, c: &[i64]| {
+        let mut s = vec![r];
+        s.extend_from_slice(c);
+        Tensor::randn(s.as_slice(), opts).set_requires_grad(true)
+    };
+    let ws: Vec<Tensor> = rows.iter().map(|&r| leaf(r, &[5])).collect();
+    let bs: Vec<Tensor> = rows.iter().map(|&r| leaf(r, &[])).collect();
+    let copy = |t: &Tensor| t.detach().copy().set_requires_grad(true);
+    let ws_ref: Vec<Tensor> = ws.iter().map(copy).collect();
+    let bs_ref: Vec<Tensor> = bs.iter().map(copy).collect();
+    let check = |what: &str| {
+        for (i, (a, b)) in ws.iter().zip(&ws_ref).enumerate() {
+            assert!(max_abs(&a.grad(), &b.grad()) < 1e-12, "{what}: W{i} grad");
+        }
+        for (i, (a, b)) in bs.iter().zip(&bs_ref).enumerate() {
+            assert!(max_abs(&a.grad(), &b.grad()) < 1e-12, "{what}: b{i} grad");
+        }
+    };
+    let step = |mb: usize| {
+        let x = Tensor::randn([2, 3, 5], opts).set_requires_grad(true);
+        let x_ref = x.detach().copy().set_requires_grad(true);
+        let g = Tensor::randn([2, 3, 8], opts);
+        let w: Vec<&Tensor> = ws.iter().collect();
+        let b: Vec<&Tensor> = bs.iter().collect();
+        let y = linear_blocks_accumulating(&x, &w, Some(&b)).unwrap();
+        let y_ref = x_ref.linear(&Tensor::cat(&ws_ref, 0), Some(&Tensor::cat(&bs_ref, 0)));
+        assert!(max_abs(&y, &y_ref) < 1e-12, "forward, micro-batch {mb}");
+        (&y * &g).sum(Kind::Double).backward();
+        (&y_ref * &g).sum(Kind::Double).backward();
+        assert!(max_abs(&x.grad(), &x_ref.grad()) < 1e-12, "x grad {mb}");
+    };
+    for mb in 0..3 {
+        step(mb);
+        check(&format!("after micro-batch {mb}"));
+        // The blocks' gradients lie back to back in one storage.
+        let base = ws[0].grad().data_ptr() as usize;
+        assert_eq!(ws[1].grad().data_ptr() as usize, base + 4 * 5 * 8);
+        assert_eq!(ws[2].grad().data_ptr() as usize, base + 6 * 5 * 8);
+        let bb = bs[0].grad().data_ptr() as usize;
+        assert_eq!(bs[2].grad().data_ptr() as usize, bb + 6 * 8);
+    }
+    // Something cleared one block's gradient (as an optimizer's zero_grad(set_to_none) of one
+    // parameter would): the blocks are summed one by one, still right.
+    verl_torch_ext::clear_grads([&ws[1], &ws_ref[1]]).unwrap();
+    step(3);
+    check("after a cleared gradient");
+    step(4);
+    check("after a cleared gradient, next micro-batch");
+    let e = linear_blocks_accumulating(
+        &Tensor::randn([3, 5], opts),
+        &[&ws[0], &Tensor::zeros([2, 4], opts)],
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("linear_blocks_accum") && e.contains("[2, 4]"),
+        "{e}"
+    );
+}
+
+/// `embedding_accumulating`: the forward is torch's embedding; over two micro-batches with
+/// repeated ids and a padding row, `.grad` equals autograd's accumulated dense gradient (the
+/// padding row's stays zero, rows of ids never seen stay zero), and autograd hands the table
+/// no gradient of its own.
+#[test]
+fn embedding_gradient_goes_into_grad_rows() {
+    use verl_torch_ext::embedding_accumulating;
+    tch::manual_seed(9);
+    let opts = (Kind::Double, Device::Cpu);
+    let w = Tensor::randn([10, 3], opts).set_requires_grad(true);
+    let w_ref = w.detach().copy().set_requires_grad(true);
+    for (mb, ids) in [[1i64, 4, 4, 7, 2, 4], [7, 7, 0, 2, 9, 1]]
+        .iter()
+        .enumerate()
+    {
+        let ids = Tensor::from_slice(ids).view([2, 3]);
+        let g = Tensor::randn([2, 3, 3], opts);
+        let e = embedding_accumulating(&w, &ids, Some(2)).unwrap();
+        let e_ref = Tensor::embedding(&w_ref, &ids, 2, false, false);
+        assert!(max_abs(&e, &e_ref) < 1e-12, "forward {mb}");
+        (&e * &g).sum(Kind::Double).backward();
+        (&e_ref * &g).sum(Kind::Double).backward();
+        assert!(max_abs(&w.grad(), &w_ref.grad()) < 1e-12, "grad after {mb}");
+    }
+    let zero_rows = Tensor::from_slice(&[2i64, 3, 5, 6, 8]);
+    let z = w.grad().index_select(0, &zero_rows).abs().sum(Kind::Double);
+    assert_eq!(z.double_value(&[]), 0.0);
+    assert!(w.grad().abs().sum(Kind::Double).double_value(&[]) > 0.0);
+    // No padding row: every id's rows sum (id 2 included).
+    let w2 = Tensor::zeros([4, 2], opts).set_requires_grad(true);
+    let ids = Tensor::from_slice(&[2i64, 2, 3]);
+    embedding_accumulating(&w2, &ids, None)
+        .unwrap()
+        .sum(Kind::Double)
+        .backward();
+    let want = Tensor::from_slice(&[0.0f64, 0.0, 0.0, 0.0, 2.0, 2.0, 1.0, 1.0]).view([4, 2]);
+    assert!(max_abs(&w2.grad(), &want) < 1e-12);
+    let err = embedding_accumulating(&w2, &ids, Some(4))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("padding_idx 4"), "{err}");
+}

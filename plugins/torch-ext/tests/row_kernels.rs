@@ -225,7 +225,8 @@ fn bad_inputs_name_the_argument() {
 }
 
 /// The rotary kernel against the torch op sequence it replaces: bit-identical in every dtype,
-/// from a transposed (non-contiguous) input as the attention layer passes it.
+/// from a transposed (non-contiguous) input as the attention layer passes it, written in that
+/// input's layout.
 #[test]
 fn rope_is_bit_identical_to_the_torch_ops() {
     let Some(dev) = gpu() else { return };
@@ -263,7 +264,8 @@ fn rope_is_bit_identical_to_the_torch_ops() {
             let rot = Tensor::cat(&[&x2.neg(), &x1], -1);
             let want = &x * &c4 + rot * &s4;
             let got = rope(&x, &cos, &sin).unwrap();
-            assert!(got.is_contiguous());
+            // In the projection's layout: back to [B, T, H, D] it is contiguous.
+            assert!(got.transpose(1, 2).is_contiguous(), "{:?}", got.stride());
             let same = got.eq_tensor(&want).all().int64_value(&[]) == 1;
             assert!(
                 same,
@@ -757,4 +759,70 @@ fn rope_store_equals_rope_then_the_cache_write() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("cache"), "{e}");
+}
+
+/// `inject_grads` with `b_into_grad`: b's gradient `gb · g` goes into `b.grad` (written on the
+/// first backward, added in one rounding after), a's still through autograd; a non-leaf `b` is
+/// refused. Runs on the CPU wherever the extension was built with CUDA (the function's
+/// requirement; libtorch's in-place op in row blocks there) and on a GPU where there is one (one
+/// kernel there), in bf16 and fp16.
+#[test]
+fn inject_grads_into_grad_adds_into_the_leafs_grad() {
+    if !cuda_graphs_compiled() {
+        eprintln!("skipped: torch-ext built without CUDA headers");
+        return;
+    }
+    for kind in [Kind::BFloat16, Kind::Half] {
+        inject_into_grad_case(Device::Cpu, kind);
+        if let Some(dev) = gpu() {
+            inject_into_grad_case(dev, kind);
+        }
+    }
+}
+
+fn inject_into_grad_case(dev: Device, kind: Kind) {
+    use verl_torch_ext::inject_grads;
+    tch::manual_seed(31);
+    let f32c = (Kind::Float, dev);
+    // 40 rows of 24: the GPU kernel's 8-wide path.
+    let w = Tensor::randn([40, 24], f32c)
+        .to_kind(kind)
+        .set_requires_grad(true);
+    let a = Tensor::randn([2, 3], f32c).set_requires_grad(true);
+    let value = Tensor::zeros([], f32c);
+    let mut want: Option<Tensor> = None;
+    for mb in 0..3 {
+        let ga = Tensor::randn([2, 3], f32c);
+        let gb = Tensor::randn([40, 24], f32c);
+        let out = inject_grads(&value, &a, Some(&ga), &w, Some(&gb), true).unwrap();
+        (out * 0.5).backward();
+        let w_new = match &want {
+            None => (&gb * 0.5).to_kind(kind),
+            Some(prev) => (prev.to_kind(Kind::Float) + &gb * 0.5).to_kind(kind),
+        };
+        assert!(
+            bits_equal(&w.grad(), &w_new),
+            "{dev:?} {kind:?} micro-batch {mb}"
+        );
+        want = Some(w_new);
+        if mb == 0 {
+            assert!(
+                bits_equal(&a.grad(), &(&ga * 0.5)),
+                "a's gradient through autograd"
+            );
+        }
+    }
+    // Without: autograd's accumulation gets b's gradient.
+    let w2 = Tensor::zeros([3, 4], (kind, dev)).set_requires_grad(true);
+    let gb = Tensor::randn([3, 4], f32c);
+    let ga = Tensor::randn([2, 3], f32c);
+    let out = inject_grads(&value, &a, Some(&ga), &w2, Some(&gb), false).unwrap();
+    (out * 2.0).backward();
+    assert!(bits_equal(&w2.grad(), &(&gb * 2.0).to_kind(kind)));
+    // A non-leaf cannot take its gradient into .grad.
+    let nonleaf = &w2 * 1.0;
+    let e = inject_grads(&value, &a, Some(&ga), &nonleaf, Some(&gb), true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("leaf"), "{e}");
 }

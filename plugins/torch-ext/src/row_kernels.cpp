@@ -2126,9 +2126,13 @@ struct GatherRowsFn : public torch::autograd::Function<GatherRowsFn> {
 // written there where it does not) and autograd gets none for b: no gradient tensor of b's size
 // for autograd's accumulation to add in a second pass.
 struct InjectFn : public torch::autograd::Function<InjectFn> {
+  // `ga`/`gb` are tensors or None: not autograd inputs (libtorch's custom functions cannot take an
+  // undefined tensor as one).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& value,
-                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& ga,
-                            const at::Tensor& gb, bool b_into_grad) {
+                            const at::Tensor& a, const at::Tensor& b, const c10::IValue& ga_v,
+                            const c10::IValue& gb_v, bool b_into_grad) {
+    const at::Tensor ga = ga_v.isTensor() ? ga_v.toTensor() : at::Tensor();
+    const at::Tensor gb = gb_v.isTensor() ? gb_v.toTensor() : at::Tensor();
     for (const auto& [x, gx, name] :
          {std::tuple<const at::Tensor&, const at::Tensor&, const char*>{a, ga, "a"},
           std::tuple<const at::Tensor&, const at::Tensor&, const char*>{b, gb, "b"}}) {
@@ -2152,8 +2156,12 @@ struct InjectFn : public torch::autograd::Function<InjectFn> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const at::Tensor& g = grads[0];
+    const auto saved = [&](const char* key) -> at::Tensor {
+      const c10::IValue& v = ctx->saved_data[key];
+      return v.isTensor() ? v.toTensor() : at::Tensor();
+    };
     const auto scaled = [&](const char* key, const char* kind_key) -> at::Tensor {
-      const at::Tensor gx = ctx->saved_data[key].toTensor();
+      const at::Tensor gx = saved(key);
       if (!gx.defined() || !g.defined()) return at::Tensor();
       const auto kind = static_cast<c10::ScalarType>(ctx->saved_data[kind_key].toInt());
       at::Tensor out = at::empty(gx.sizes(), gx.options().dtype(kind));
@@ -2162,7 +2170,7 @@ struct InjectFn : public torch::autograd::Function<InjectFn> {
     };
     at::Tensor gb_out;
     if (ctx->saved_data.count("b_leaf") != 0) {
-      const at::Tensor gb = ctx->saved_data["gb"].toTensor();
+      const at::Tensor gb = saved("gb");
       if (gb.defined() && g.defined()) {
         at::Tensor leaf = ctx->saved_data["b_leaf"].toTensor();
         at::Tensor& grad = leaf.mutable_grad();
@@ -2513,13 +2521,16 @@ char* vt_inject_grads(at::Tensor* value, at::Tensor* a, at::Tensor* b, at::Tenso
                       at::Tensor* gb, int b_into_grad, at::Tensor** out) {
   return vt_util::guarded([&] {
     if (value == nullptr || out == nullptr) bad("inject_grads", "a value", "null");
-    const at::Tensor none;
-    const auto ref = [&](at::Tensor* t) -> const at::Tensor& { return t ? *t : none; };
+    if (a == nullptr || !a->defined() || b == nullptr || !b->defined()) {
+      bad("inject_grads", "two defined inputs", "a null or undefined one");
+    }
+    const auto opt = [](at::Tensor* t) {
+      return t != nullptr && t->defined() ? c10::IValue(*t) : c10::IValue();
+    };
 #ifdef VERL_WITH_CUDA
-    *out = new at::Tensor(
-        InjectFn::apply(*value, ref(a), ref(b), ref(ga), ref(gb), b_into_grad != 0));
+    *out = new at::Tensor(InjectFn::apply(*value, *a, *b, opt(ga), opt(gb), b_into_grad != 0));
 #else
-    (void)ref;
+    (void)opt;
     no_cuda();
 #endif
   });

@@ -819,6 +819,17 @@ fn inject_into_grad_case(dev: Device, kind: Kind) {
     let out = inject_grads(&value, &a, Some(&ga), &w2, Some(&gb), false).unwrap();
     (out * 2.0).backward();
     assert!(bits_equal(&w2.grad(), &(&gb * 2.0).to_kind(kind)));
+    // No gradient for a (or for b): that input gets none, the other its own.
+    let a2 = Tensor::randn([2, 3], f32c).set_requires_grad(true);
+    let w3 = Tensor::zeros([3, 4], (kind, dev)).set_requires_grad(true);
+    let out = inject_grads(&value, &a2, None, &w3, Some(&gb), true).unwrap();
+    out.backward();
+    assert!(!a2.grad().defined());
+    assert!(bits_equal(&w3.grad(), &gb.to_kind(kind)));
+    let out = inject_grads(&value, &a2, Some(&ga), &w3, None, false).unwrap();
+    out.backward();
+    assert!(bits_equal(&a2.grad(), &ga));
+    assert!(bits_equal(&w3.grad(), &gb.to_kind(kind)), "b untouched");
     // A non-leaf cannot take its gradient into .grad.
     let nonleaf = &w2 * 1.0;
     let e = inject_grads(&value, &a, Some(&ga), &nonleaf, Some(&gb), true)

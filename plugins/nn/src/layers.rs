@@ -118,15 +118,10 @@ impl Drop for AccumulateIntoGrad {
     }
 }
 
-/// Whether the environment variable `name` is unset or not `0` (read once per name).
-pub(crate) fn env_on(name: &'static str, cell: &'static std::sync::OnceLock<bool>) -> bool {
-    *cell.get_or_init(|| std::env::var(name).as_deref() != Ok("0"))
-}
-
 /// `VERL_FUSED_QKV_GRAD=1`: under gradient-accumulation fusion the q/k/v projections' gradients
 /// go into their `.grad` as row views of one tensor, one GEMM per micro-batch
 /// ([`verl_torch_ext::linear_blocks_accumulating`]). Off by default: on the 1.5B bench (H100) it
-/// saved ~40-60 ms of a 10.2 s step but raised the step's peak reserved memory from 39.1 to
+/// saved ~40-60 ms of a 10.2 s step but raised the bench's device-memory reading from 39.1 to
 /// 41.9 GiB (42.9 without allocating the gradients before the forward).
 fn fused_qkv_grad() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

@@ -1221,7 +1221,7 @@ impl Transformer {
         static ROWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         if self.embed_tokens.requires_grad()
             && crate::layers::accumulating_into_grad()
-            && crate::layers::env_on("VERL_EMBED_GRAD_ROWS", &ROWS)
+            && *ROWS.get_or_init(|| std::env::var("VERL_EMBED_GRAD_ROWS").as_deref() != Ok("0"))
         {
             // Gradient-accumulation fusion: the rows present go straight into .grad.
             let pad = (self.padding_idx >= 0).then_some(self.padding_idx);

@@ -455,6 +455,121 @@ fn surrogate_backward_equals_full_logits_backward() {
     }
 }
 
+/// On a GPU in bf16 under gradient-accumulation fusion, two micro-batches: the LM head's weight
+/// gradient taken in the backward as one product GEMM into `.grad` (every chunk's logits kept)
+/// against the chunked path (nothing kept: a GEMM per chunk into an fp32 buffer, added into
+/// `.grad`), both against an fp32 run of the same weights. Tied and untied heads. Skipped without
+/// CUDA.
+#[test]
+fn lm_head_product_backward_matches_the_chunked_one_on_cuda() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let dev = Device::Cuda(0);
+    let b = share_prompts(&batch(8, 23), 2);
+    let s_cpu = seqs(&b);
+    let s = Sequences::from_batch(&b, "test", dev).unwrap();
+    let loss = actor_loss();
+    let micro: [Vec<usize>; 2] = [vec![0, 1, 3], vec![4, 6, 7]];
+    for tied in [true, false] {
+        let base = model(tied, HeadKind::CausalLm, 29);
+        let build = |kind: Kind, fusion: bool| {
+            let mut m = Transformer::new(
+                config(tied),
+                &ModelOptions {
+                    device: dev,
+                    dtype: kind,
+                    head: HeadKind::CausalLm,
+                },
+            )
+            .unwrap();
+            tch::no_grad(|| {
+                for ((_, p), (_, q)) in m
+                    .named_parameters()
+                    .iter()
+                    .zip(base.named_parameters().iter())
+                {
+                    p.shallow_clone().copy_(&q.to_kind(kind));
+                }
+            });
+            m.set_grad_accumulation_fusion(fusion);
+            m
+        };
+        let run = |m: &Transformer, kept: u64| {
+            for rows in &micro {
+                let (old, adv, reference) = update_inputs(&s_cpu, rows);
+                let (old, adv, reference) = (
+                    old.to_device(dev),
+                    adv.to_device(dev),
+                    reference.to_device(dev),
+                );
+                let idx = Tensor::from_slice(&rows.iter().map(|&r| r as i64).collect::<Vec<_>>());
+                let mask = s_cpu.response_mask.index_select(0, &idx);
+                let norm =
+                    Normaliser::Global(LossScale::new(MaskCounts::of_mask(&mask).unwrap(), 1));
+                let layout = RowLayout::new(&s, rows, Padding::SharedPrompt).unwrap();
+                let weight = m.lm_head_weight().unwrap().shallow_clone();
+                let _loss = layout_forward_backward(m, &layout, |hidden| {
+                    let (l, _) = actor_micro_batch_loss(
+                        &layout,
+                        hidden,
+                        &weight,
+                        &MicroBatchLoss {
+                            loss: &loss,
+                            norm: &norm,
+                            old: &old,
+                            advantages: &adv,
+                            ref_log_prob: Some(&reference),
+                            rollout_is_weights: None,
+                            on_policy: false,
+                            dummy: false,
+                            need_entropy: true,
+                            temperature: TEMPERATURE,
+                            chunk_tokens: 5,
+                            kept_logits_bytes: kept,
+                        },
+                    )
+                    .unwrap();
+                    Ok(l)
+                })
+                .unwrap();
+            }
+            grads(m)
+        };
+        let before = verl_losses::ChunkedLmHead::product_backwards();
+        let product = run(&build(Kind::BFloat16, true), 1 << 40);
+        let took = verl_losses::ChunkedLmHead::product_backwards() - before;
+        assert!(
+            took >= micro.len() as u64,
+            "tied {tied}: the product path ran {took} times"
+        );
+        let chunked = run(&build(Kind::BFloat16, true), 0);
+        let exact = run(&build(Kind::Float, false), 0);
+        for (((name, p), (_, c)), (_, r)) in product.iter().zip(&chunked).zip(&exact) {
+            let (p, c, r) = (
+                p.to_kind(Kind::Float),
+                c.to_kind(Kind::Float),
+                r.to_kind(Kind::Float),
+            );
+            let scale = r.abs().max().double_value(&[]).max(1e-3);
+            let max_abs = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+            // bf16 weights and activations put both a few % from the fp32 run; the product path
+            // must be no further from it than the chunked one, and close to that one.
+            let (dp, dc) = (max_abs(&p, &r), max_abs(&c, &r));
+            assert!(
+                dp <= 1.25 * dc + 1e-2 * scale,
+                "tied {tied} {name}: product {dp:.3e}, chunked {dc:.3e} from fp32 (scale {scale:.3e})"
+            );
+            let dpc = max_abs(&p, &c);
+            assert!(
+                dpc <= 2e-2 * scale,
+                "tied {tied} {name}: product vs chunked {dpc:.3e} (scale {scale:.3e})"
+            );
+        }
+    }
+}
+
 /// The forward-backward of a micro-batch as the actor runs it for `layout` (padded, unpadded, or a
 /// shared-prompt stream).
 fn layout_forward_backward(

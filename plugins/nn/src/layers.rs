@@ -120,9 +120,9 @@ impl Drop for AccumulateIntoGrad {
 
 /// `VERL_FUSED_QKV_GRAD=1`: under gradient-accumulation fusion the q/k/v projections' gradients
 /// go into their `.grad` as row views of one tensor, one GEMM per micro-batch
-/// ([`verl_torch_ext::linear_blocks_accumulating`]). Off by default: on the 1.5B bench (H100) it
-/// saved ~40-60 ms of a 10.2 s step but raised the bench's device-memory reading from 39.1 to
-/// 41.9 GiB (42.9 without allocating the gradients before the forward).
+/// ([`verl_torch_ext::linear_blocks_accumulating`]). Off by default: on the 1.5B bench (H100) its
+/// update's kernels took as long (traced: 5.53 against 5.52 s) with the same peak held by tensors
+/// (36.6 GiB), while the allocator's cache kept 2.7 GiB more (device reading 41.5 against 38.8 GiB).
 fn fused_qkv_grad() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("VERL_FUSED_QKV_GRAD").as_deref() == Ok("1"))

@@ -530,7 +530,7 @@ impl Transformer {
     /// inside the weight-gradient GEMMs (beta = 1) instead of through autograd's separate
     /// accumulation kernels: for a trainer that accumulates micro-batch gradients in `.grad` and
     /// reads them from there. The sum is the same up to rounding (one rounding per micro-batch
-    /// instead of two).
+    /// instead of two; see [`verl_torch_ext::linear_accumulating`]).
     pub fn set_grad_accumulation_fusion(&mut self, on: bool) {
         self.grad_accumulation_fusion = on;
     }

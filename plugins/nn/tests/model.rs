@@ -981,12 +981,18 @@ fn grad_accumulation_fusion_case(device: tch::Device) {
             err_fused += (&b - &r).abs().sum(Kind::Double).double_value(&[]);
         }
     }
+    // The fused path ran: its one rounding per micro-batch (two for autograd's separate add;
+    // on CUDA through the extension's cuBLASLt call, since libtorch's `addmm_` there is
+    // bit-identical to the separate add) leaves some elements elsewhere. Which of the two is
+    // nearer the fp32 run is not asserted here: that error is mostly the bf16 forward's, and
+    // these inputs come from the generator parallel tests share (linear_accum.rs checks the
+    // rounding itself, against fp64, on the CPU and on CUDA).
+    eprintln!(
+        "{device:?}: {differ} projection gradient elements differ from autograd's accumulation \
+         (error {err_fused:.4e} fused, {err_plain:.4e} autograd)"
+    );
     assert!(
         differ > 0,
         "the fused path left every projection gradient bit-identical"
-    );
-    assert!(
-        err_fused <= err_plain,
-        "fused error {err_fused:.4e} above autograd's {err_plain:.4e}"
     );
 }

@@ -50,6 +50,7 @@ extern "C" {
     fn vt_cuda_graphs_compiled() -> i32;
     fn vt_cuda_empty_cache() -> *mut c_char;
     fn vt_cuda_memory_stats(device: i64, out: *mut i64) -> *mut c_char;
+    fn vt_cuda_reset_peak_memory_stats(device: i64) -> *mut c_char;
     fn vt_prefer_cublaslt() -> *mut c_char;
     fn vt_clear_grads(ts: *const CTensor, n: i64) -> *mut c_char;
     fn vt_grad_enabled() -> i32;
@@ -190,7 +191,8 @@ pub fn cuda_empty_cache() -> Result<()> {
 pub struct CudaMemoryStats {
     /// `memory_allocated()`: held by tensors now.
     pub allocated: u64,
-    /// `max_memory_allocated()`: the peak of `allocated` since the process started.
+    /// `max_memory_allocated()`: the peak of `allocated` since the process started or the last
+    /// [`cuda_reset_peak_memory_stats`].
     pub max_allocated: u64,
     /// `memory_reserved()`: segments the allocator holds from the driver now.
     pub reserved: u64,
@@ -221,6 +223,15 @@ pub fn cuda_memory_stats(device: usize) -> Result<CudaMemoryStats> {
     })
 }
 
+/// `torch.cuda.reset_peak_memory_stats(device)`: later [`cuda_memory_stats`] peaks count from
+/// here. Nothing to do in a build without CUDA.
+pub fn cuda_reset_peak_memory_stats(device: usize) -> Result<()> {
+    // SAFETY: a plain index; errors come back as a malloc'ed string.
+    check("cuda_reset_peak_memory_stats", unsafe {
+        vt_cuda_reset_peak_memory_stats(device as i64)
+    })
+}
+
 /// `torch.backends.cuda.preferred_blas_library("cublaslt")`: libtorch's GEMMs (forward and
 /// backward) go through cuBLASLt, whose workspace `TORCH_CUBLASLT_WORKSPACE_SIZE` sizes on its own
 /// (read at the first cuBLASLt GEMM). An error without CUDA.
@@ -231,7 +242,9 @@ pub fn prefer_cublaslt() -> Result<()> {
 
 /// `x W^T (+ b)` recorded by autograd with a backward that accumulates W's and b's gradients
 /// straight into their `.grad` (the weight-gradient GEMM adds into an existing `.grad`: one GEMM
-/// and one rounding per micro-batch instead of a GEMM, a rounding and a separate add) and hands
+/// and one rounding per micro-batch instead of a GEMM, a rounding and a separate add; on CUDA a
+/// cuBLASLt call with device-side scale factors, since libtorch's `addmm_` there rounds a 16-bit
+/// product before adding; `VERL_LT_GRAD_ACCUM=0` keeps `addmm_`) and hands
 /// autograd no gradient for them. For `backward()` into `.grad` only: `run_backward` with respect
 /// to W or b sees no gradient. Any device.
 pub fn linear_accumulating(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {

@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -82,6 +83,7 @@ using lt_type_t = int;
 constexpr lt_type_t kR32F = 0, kR16F = 2, kR16BF = 14;
 constexpr int CUBLAS_COMPUTE_32F = 68;
 constexpr int CUBLAS_OP_N = 0, CUBLAS_OP_T = 1;
+constexpr int CUBLASLT_MATMUL_DESC_POINTER_MODE = 2, CUBLASLT_POINTER_MODE_DEVICE = 1;
 constexpr int CUBLASLT_MATMUL_DESC_TRANSA = 3, CUBLASLT_MATMUL_DESC_TRANSB = 4,
               CUBLASLT_MATMUL_DESC_EPILOGUE = 7, CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,
               CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26;
@@ -103,6 +105,8 @@ struct LtApi {
   cublasStatus_t (*create)(cublasLtHandle_t*);
   cublasStatus_t (*descCreate)(cublasLtMatmulDesc_t*, int compute, lt_type_t scale);
   cublasStatus_t (*descSet)(cublasLtMatmulDesc_t, int attr, const void*, size_t);
+  cublasStatus_t (*descDestroy)(cublasLtMatmulDesc_t);
+  cublasStatus_t (*layoutDestroy)(cublasLtMatrixLayout_t);
   cublasStatus_t (*layoutCreate)(cublasLtMatrixLayout_t*, lt_type_t, uint64_t rows,
                                  uint64_t cols, int64_t ld);
   cublasStatus_t (*prefCreate)(cublasLtMatmulPreference_t*);
@@ -161,6 +165,8 @@ const LtApi& lt_api() {
     vt_rt::load_sym(lib, "cublasLtCreate", a.create, err);
     vt_rt::load_sym(lib, "cublasLtMatmulDescCreate", a.descCreate, err);
     vt_rt::load_sym(lib, "cublasLtMatmulDescSetAttribute", a.descSet, err);
+    vt_rt::load_sym(lib, "cublasLtMatmulDescDestroy", a.descDestroy, err);
+    vt_rt::load_sym(lib, "cublasLtMatrixLayoutDestroy", a.layoutDestroy, err);
     vt_rt::load_sym(lib, "cublasLtMatrixLayoutCreate", a.layoutCreate, err);
     vt_rt::load_sym(lib, "cublasLtMatmulPreferenceCreate", a.prefCreate, err);
     vt_rt::load_sym(lib, "cublasLtMatmulPreferenceSetAttribute", a.prefSet, err);
@@ -815,8 +821,120 @@ Entry& tune(const LtApi& lt, int64_t m, const at::Tensor& w, const at::Tensor* b
   return st.entries.emplace(key, e).first->second;
 }
 
+
+// d [R, C] (row-major, contiguous) = alpha * a^T b + d: a [K, R] and b [K, C] row-major and
+// contiguous, one 16-bit dtype; d bf16/fp16/fp32; `alpha_beta` two fp32 values on d's device
+// (alpha, then beta), read by the GEMM itself (no host sync). In cuBLASLt's column-major terms
+// D (C x R, ld C) = b (C x K, ld C) * op_T(a: R x K, ld R). fp32 accumulation, alpha * acc + beta * d
+// in fp32 and one rounding into d (with host-side scalars libtorch's addmm_ on a 16-bit d is
+// bit-identical to rounding the product first and adding; this call's results are not).
+// The algorithm is the heuristic's first within the 1 KiB workspace (no split-K: the same bits
+// on every run), kept per shape with its descriptors. False (nothing launched) where cuBLASLt or
+// an algorithm is missing: the caller computes it otherwise.
+// (device, K, R, C, operand dtype, d dtype) -> descriptors and the heuristic's algorithm; at most
+// kGradShapes shapes (K, the token count, changes with the batch), all dropped when full.
+using GradKey = std::tuple<int, int64_t, int64_t, int64_t, int, int>;
+constexpr size_t kGradShapes = 256;
+std::map<GradKey, Entry>& grad_entries() {
+  static auto* m = new std::map<GradKey, Entry>();  // never destroyed: outlives every caller
+  return *m;
+}
+
+void release_entry(const LtApi& lt, Entry& x) {
+  if (x.op != nullptr) lt.descDestroy(x.op);
+  for (void* l : {x.a, x.b, x.d}) {
+    if (l != nullptr) lt.layoutDestroy(l);
+  }
+  x.op = x.a = x.b = x.d = nullptr;
+}
+
+bool grad_into_impl(const at::Tensor& d, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& alpha_beta) {
+  const LtApi& lt = lt_api();
+  if (!lt.error.empty()) return false;
+  const int64_t K = a.size(0), R = a.size(1), C = b.size(1);
+  const lt_type_t in = cuda_type(a.scalar_type()), out = cuda_type(d.scalar_type());
+  const int dev = d.get_device();
+  std::lock_guard<std::mutex> lock(state().m);
+  cublasLtHandle_t h = handle_of(lt, dev);
+  auto& cache = grad_entries();
+  const GradKey key{dev, K, R, C, static_cast<int>(in), static_cast<int>(out)};
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    if (cache.size() >= kGradShapes) {
+      for (auto& kv : cache) release_entry(lt, kv.second);
+      cache.clear();
+    }
+    Entry e;
+    try {
+      lt_check(lt.descCreate(&e.op, CUBLAS_COMPUTE_32F, kR32F), "MatmulDescCreate");
+      const int ta = CUBLAS_OP_N, tb = CUBLAS_OP_T, pm = CUBLASLT_POINTER_MODE_DEVICE;
+      lt_check(lt.descSet(e.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "DescSetAttribute");
+      lt_check(lt.descSet(e.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "DescSetAttribute");
+      lt_check(lt.descSet(e.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pm, sizeof(pm)),
+               "DescSetAttribute");
+      lt_check(lt.layoutCreate(&e.a, in, C, K, C), "MatrixLayoutCreate");
+      lt_check(lt.layoutCreate(&e.b, in, R, K, R), "MatrixLayoutCreate");
+      lt_check(lt.layoutCreate(&e.d, out, C, R, C), "MatrixLayoutCreate");
+      const std::vector<Candidate> cands = heuristic_candidates(lt, h, e);
+      // No algorithm: remembered as such (ours = false), the caller computes it otherwise.
+      if (!cands.empty()) {
+        e.algo = cands[0].algo;
+        e.ws = cands[0].ws;
+        e.ours = true;
+      }
+    } catch (...) {
+      release_entry(lt, e);
+      throw;
+    }
+    it = cache.emplace(key, e).first;
+  }
+  const Entry& e = it->second;
+  if (!e.ours) return false;
+  const float* ab = alpha_beta.data_ptr<float>();
+  auto stream = reinterpret_cast<lt_stream_t>(vt_rt::current_stream(dev));
+  return lt.matmul(h, e.op, ab, b.data_ptr(), e.a, a.data_ptr(), e.b, ab + 1, d.data_ptr(), e.d,
+                   d.data_ptr(), e.d, &e.algo, workspace_of(dev), e.ws,
+                   stream) == CUBLAS_STATUS_SUCCESS;
+}
+
 }  // namespace
 #endif
+
+namespace vt_lt {
+// See grad_into_impl. Checks the operands; false where this build or device cannot run it.
+bool grad_into(const at::Tensor& d, const at::Tensor& a, const at::Tensor& b,
+               const at::Tensor& alpha_beta) {
+#ifdef VT_LT
+  const auto is16 = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+  };
+  if (!d.is_cuda() || !a.is_cuda() || !b.is_cuda() || !alpha_beta.is_cuda()) return false;
+  if (d.dim() != 2 || a.dim() != 2 || b.dim() != 2 || a.size(0) != b.size(0) ||
+      d.size(0) != a.size(1) || d.size(1) != b.size(1)) {
+    throw std::invalid_argument("grad_into: d [R, C] = a^T b needs a [K, R], b [K, C]; got d " +
+                                std::to_string(d.size(0)) + "x" + std::to_string(d.size(1)) +
+                                ", a " + std::to_string(a.size(0)) + "x" +
+                                std::to_string(a.size(1)) + ", b " + std::to_string(b.size(0)) +
+                                "x" + std::to_string(b.size(1)));
+  }
+  if (!is16(a) || a.scalar_type() != b.scalar_type() ||
+      !(is16(d) || d.scalar_type() == at::kFloat) || alpha_beta.scalar_type() != at::kFloat ||
+      alpha_beta.numel() != 2 || !alpha_beta.is_contiguous() || !d.is_contiguous() ||
+      !a.is_contiguous() || !b.is_contiguous() || a.device() != d.device() ||
+      b.device() != d.device() || alpha_beta.device() != d.device() ||
+      !aligned16(d.data_ptr()) || !aligned16(a.data_ptr()) || !aligned16(b.data_ptr()) ||
+      a.size(0) == 0 || d.numel() == 0) {
+    return false;
+  }
+  c10::DeviceGuard guard(d.device());
+  return grad_into_impl(d, a, b, alpha_beta);
+#else
+  (void)d, (void)a, (void)b, (void)alpha_beta;
+  return false;
+#endif
+}
+}  // namespace vt_lt
 
 extern "C" {
 

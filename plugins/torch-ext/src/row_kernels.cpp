@@ -31,7 +31,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -166,6 +169,13 @@
 
 #define VT_ROW_STR_(...) #__VA_ARGS__
 #define VT_ROW_STR(...) VT_ROW_STR_(__VA_ARGS__)
+
+namespace vt_lt {
+// lt_gemm.cpp: d = alpha * a^T b + beta * d through cuBLASLt, (alpha, beta) read on the device;
+// false where it cannot run (the caller computes it otherwise).
+bool grad_into(const at::Tensor& d, const at::Tensor& a, const at::Tensor& b,
+               const at::Tensor& alpha_beta);
+}  // namespace vt_lt
 
 namespace {
 
@@ -2121,18 +2131,24 @@ struct GatherRowsFn : public torch::autograd::Function<GatherRowsFn> {
 // A tensor equal to `value` whose backward hands precomputed gradients to two inputs: `ga * g`
 // to `a` and `gb * g` to `b` (g the gradient arriving at the result, a scalar for a scalar
 // value), each computed in their dtype (fp32 for an fp32 gradient) and written in the input's
-// dtype in one pass. An undefined `ga`/`gb` gives that input no gradient. With `b_into_grad`
-// (b a leaf), b's gradient goes straight into b.grad instead (added in one pass where it exists,
-// written there where it does not) and autograd gets none for b: no gradient tensor of b's size
-// for autograd's accumulation to add in a second pass.
+// dtype in one pass. An undefined `ga`/`gb` gives that input no gradient. b's gradient may
+// instead come as a product, `gb = lhs^T rhs` (lhs [K, b rows], rhs [K, b cols]): the GEMM then
+// runs in the backward, scaled by g on the device, and lhs/rhs are released right after it.
+// With `b_into_grad` (b a leaf), b's gradient goes straight into b.grad instead (added in one
+// pass where it exists, written there where it does not; a product is one GEMM accumulating into
+// b.grad) and autograd gets none for b: no gradient tensor of b's size for autograd's
+// accumulation to add in a second pass.
 struct InjectFn : public torch::autograd::Function<InjectFn> {
-  // `ga`/`gb` are tensors or None: not autograd inputs (libtorch's custom functions cannot take an
-  // undefined tensor as one).
+  // `ga`/`gb`/`lhs`/`rhs` are tensors or None: not autograd inputs (libtorch's custom functions
+  // cannot take an undefined tensor as one).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& value,
                             const at::Tensor& a, const at::Tensor& b, const c10::IValue& ga_v,
-                            const c10::IValue& gb_v, bool b_into_grad) {
+                            const c10::IValue& gb_v, const c10::IValue& lhs_v,
+                            const c10::IValue& rhs_v, bool b_into_grad) {
     const at::Tensor ga = ga_v.isTensor() ? ga_v.toTensor() : at::Tensor();
     const at::Tensor gb = gb_v.isTensor() ? gb_v.toTensor() : at::Tensor();
+    const at::Tensor lhs = lhs_v.isTensor() ? lhs_v.toTensor() : at::Tensor();
+    const at::Tensor rhs = rhs_v.isTensor() ? rhs_v.toTensor() : at::Tensor();
     for (const auto& [x, gx, name] :
          {std::tuple<const at::Tensor&, const at::Tensor&, const char*>{a, ga, "a"},
           std::tuple<const at::Tensor&, const at::Tensor&, const char*>{b, gb, "b"}}) {
@@ -2141,16 +2157,68 @@ struct InjectFn : public torch::autograd::Function<InjectFn> {
             x.defined() ? sizes_str(x) : std::string("a defined input"), sizes_str(gx));
       }
     }
+    if (lhs.defined() != rhs.defined() || (lhs.defined() && gb.defined())) {
+      bad("inject_grads gradient of b", "a tensor or the two factors of a product",
+          "a mix of them");
+    }
+    if (lhs.defined()) {
+      if (lhs.dim() != 2 || rhs.dim() != 2 || b.dim() != 2 || lhs.size(0) != rhs.size(0) ||
+          lhs.size(1) != b.size(0) || rhs.size(1) != b.size(1)) {
+        bad("inject_grads product lhs^T rhs for b " + sizes_str(b),
+            "lhs [K, " + std::to_string(b.dim() == 2 ? b.size(0) : -1) + "] and rhs [K, " +
+                std::to_string(b.dim() == 2 ? b.size(1) : -1) + "]",
+            sizes_str(lhs) + " and " + sizes_str(rhs));
+      }
+      if (lhs.scalar_type() != rhs.scalar_type() || lhs.device() != b.device() ||
+          rhs.device() != b.device()) {
+        bad("inject_grads product factors", "one dtype, on b's device",
+            std::string(c10::toString(lhs.scalar_type())) + " on " + lhs.device().str() +
+                " and " + c10::toString(rhs.scalar_type()) + " on " + rhs.device().str());
+      }
+    }
     if (b_into_grad && !(b.defined() && b.is_leaf() && b.requires_grad())) {
       bad("inject_grads b (into its .grad)", "a leaf that requires grad", "another tensor");
     }
     ctx->saved_data["ga"] = ga;
     ctx->saved_data["gb"] = gb;
+    ctx->saved_data["gb_lhs"] = lhs;
+    ctx->saved_data["gb_rhs"] = rhs;
     ctx->saved_data["a_kind"] = static_cast<int64_t>(a.defined() ? a.scalar_type() : ga.scalar_type());
     ctx->saved_data["b_kind"] = static_cast<int64_t>(b.defined() ? b.scalar_type() : gb.scalar_type());
     // The leaf itself (not a saved-variable copy): backward writes its .grad.
     if (b_into_grad) ctx->saved_data["b_leaf"] = b;
     return value.clone();
+  }
+
+  // grad += x * s in grad's dtype, one rounding (x of grad's shape, s a one-element tensor).
+  static void add_scaled_into(at::Tensor& grad, const at::Tensor& x, const at::Tensor& s) {
+    const at::Tensor gs = s.to(x.scalar_type());
+    if (grad.is_cuda() && grad.is_contiguous() && x.scalar_type() == at::kFloat &&
+        x.is_contiguous() && gs.device() == grad.device()) {
+      axpy_into(grad, x, gs);  // one pass, no temporaries, one rounding
+      return;
+    }
+    // In row blocks: libtorch's mixed-dtype in-place op makes a temporary of the block in the
+    // computation's dtype (fp32) and copies it back.
+    if (grad.dim() == 0) {
+      grad.addcmul_(x, gs);
+      return;
+    }
+    const int64_t rows = grad.size(0);
+    const int64_t per_row = rows == 0 ? 1 : std::max<int64_t>(1, grad.numel() / rows);
+    const int64_t block = std::max<int64_t>(1, (int64_t{1} << 22) / per_row);
+    for (int64_t r = 0; r < rows; r += block) {
+      const int64_t n = std::min(block, rows - r);
+      grad.narrow(0, r, n).addcmul_(x.narrow(0, r, n), gs);
+    }
+  }
+
+  // lhs^T rhs in fp32 (16-bit operands accumulate in fp32 inside one GEMM on CUDA).
+  static at::Tensor product_fp32(const at::Tensor& lhs, const at::Tensor& rhs) {
+    if (lhs.is_cuda() && lhs.scalar_type() != at::kFloat && lhs.scalar_type() != at::kDouble) {
+      return at::mm(lhs.t(), rhs, at::kFloat);
+    }
+    return at::mm(lhs.t().to(at::kFloat), rhs.to(at::kFloat));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -2168,40 +2236,46 @@ struct InjectFn : public torch::autograd::Function<InjectFn> {
       at::mul_out(out, gx, g.to(gx.scalar_type()));
       return out;
     };
+    const at::Tensor lhs = saved("gb_lhs"), rhs = saved("gb_rhs");
+    // The product's factors (the LM head's [tokens, vocab] logits gradient) are not needed past
+    // this node: released now, not when the graph goes.
+    ctx->saved_data["gb_lhs"] = c10::IValue();
+    ctx->saved_data["gb_rhs"] = c10::IValue();
+    const bool into = ctx->saved_data.count("b_leaf") != 0;
     at::Tensor gb_out;
-    if (ctx->saved_data.count("b_leaf") != 0) {
+    if (lhs.defined() && g.defined()) {
+      const at::Tensor gf = g.to(at::kFloat).reshape({1});
+      if (into) {
+        at::Tensor leaf = ctx->saved_data["b_leaf"].toTensor();
+        at::Tensor& grad = leaf.mutable_grad();
+        if (!grad.defined()) grad = at::zeros(leaf.sizes(), leaf.options());
+        // (alpha, beta) = (g, 1), read by the GEMM on the device.
+        at::Tensor ab = at::ones({2}, gf.options());
+        ab.narrow(0, 0, 1).copy_(gf);
+        if (!vt_lt::grad_into(grad, lhs, rhs, ab)) {
+          add_scaled_into(grad, product_fp32(lhs, rhs), gf);
+        }
+      } else {
+        const auto kind = static_cast<c10::ScalarType>(ctx->saved_data["b_kind"].toInt());
+        gb_out = product_fp32(lhs, rhs).mul_(gf).to(kind);
+      }
+    } else if (into) {
       const at::Tensor gb = saved("gb");
       if (gb.defined() && g.defined()) {
         at::Tensor leaf = ctx->saved_data["b_leaf"].toTensor();
         at::Tensor& grad = leaf.mutable_grad();
-        const at::Tensor gs = g.to(gb.scalar_type());
-        if (grad.defined() && grad.is_cuda() && grad.is_contiguous() &&
-            gb.scalar_type() == at::kFloat && gb.is_contiguous() && gs.device() == grad.device()) {
-          axpy_into(grad, gb, gs);  // one pass, no temporaries, one rounding
-        } else if (grad.defined()) {
-          // In row blocks: libtorch's mixed-dtype in-place op makes a temporary of the block in
-          // the computation's dtype (fp32) and copies it back.
-          const int64_t rows = grad.dim() == 0 ? 1 : grad.size(0);
-          const int64_t per_row = rows == 0 ? 1 : std::max<int64_t>(1, grad.numel() / rows);
-          const int64_t block = std::max<int64_t>(1, (int64_t{1} << 22) / per_row);
-          if (grad.dim() == 0) {
-            grad.addcmul_(gb, gs);
-          } else {
-            for (int64_t r = 0; r < rows; r += block) {
-              const int64_t n = std::min(block, rows - r);
-              grad.narrow(0, r, n).addcmul_(gb.narrow(0, r, n), gs);
-            }
-          }
+        if (grad.defined()) {
+          add_scaled_into(grad, gb, g);
         } else {
           grad = at::empty(gb.sizes(), gb.options().dtype(leaf.scalar_type()));
-          at::mul_out(grad, gb, gs);
+          at::mul_out(grad, gb, g.to(gb.scalar_type()));
         }
       }
     } else {
       gb_out = scaled("gb", "b_kind");
     }
     return {at::Tensor(), scaled("ga", "a_kind"), gb_out, at::Tensor(), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -2528,9 +2602,34 @@ char* vt_inject_grads(at::Tensor* value, at::Tensor* a, at::Tensor* b, at::Tenso
       return t != nullptr && t->defined() ? c10::IValue(*t) : c10::IValue();
     };
 #ifdef VERL_WITH_CUDA
-    *out = new at::Tensor(InjectFn::apply(*value, *a, *b, opt(ga), opt(gb), b_into_grad != 0));
+    *out = new at::Tensor(InjectFn::apply(*value, *a, *b, opt(ga), opt(gb), c10::IValue(),
+                                          c10::IValue(), b_into_grad != 0));
 #else
     (void)opt;
+    no_cuda();
+#endif
+  });
+}
+
+// See InjectFn: as vt_inject_grads, with b's gradient the product lhs^T rhs (both defined),
+// computed in the backward.
+char* vt_inject_grads_product(at::Tensor* value, at::Tensor* a, at::Tensor* b, at::Tensor* ga,
+                              at::Tensor* lhs, at::Tensor* rhs, int b_into_grad,
+                              at::Tensor** out) {
+  return vt_util::guarded([&] {
+    if (value == nullptr || out == nullptr) bad("inject_grads", "a value", "null");
+    if (a == nullptr || !a->defined() || b == nullptr || !b->defined()) {
+      bad("inject_grads", "two defined inputs", "a null or undefined one");
+    }
+    if (lhs == nullptr || !lhs->defined() || rhs == nullptr || !rhs->defined()) {
+      bad("inject_grads product", "two defined factors", "a null or undefined one");
+    }
+    const c10::IValue gav = ga != nullptr && ga->defined() ? c10::IValue(*ga) : c10::IValue();
+#ifdef VERL_WITH_CUDA
+    *out = new at::Tensor(InjectFn::apply(*value, *a, *b, gav, c10::IValue(), c10::IValue(*lhs),
+                                          c10::IValue(*rhs), b_into_grad != 0));
+#else
+    (void)gav;
     no_cuda();
 #endif
   });

@@ -73,6 +73,17 @@ extern "C" {
         out: *mut *mut torch_sys::C_tensor,
     ) -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
+    fn vt_inject_grads_product(
+        value: CTensor,
+        a: CTensor,
+        b: CTensor,
+        ga: CTensor,
+        lhs: CTensor,
+        rhs: CTensor,
+        b_into_grad: i32,
+        out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
+    #[allow(clippy::too_many_arguments)]
     fn vt_rope_store(
         q: CTensor,
         k: CTensor,
@@ -277,6 +288,53 @@ pub fn token_stats_grad(
     };
     check("token_stats_grad", err)?;
     Ok(grad)
+}
+
+/// [`token_stats_grad`] written into `out` (`[rows, vocab]`, contiguous, fp32/bf16/f16; e.g. a
+/// block of rows of a larger gradient) instead of a new tensor.
+#[allow(clippy::too_many_arguments)]
+pub fn token_stats_grad_into(
+    out: &Tensor,
+    logits: &Tensor,
+    targets: &Tensor,
+    lse: &Tensor,
+    mean: &Tensor,
+    g_log_probs: &Tensor,
+    g_entropy: Option<&Tensor>,
+    temperature: f64,
+) -> Result<()> {
+    if out.size() != logits.size() || !out.is_contiguous() {
+        return Err(TorchExtError::Input {
+            what: "token_stats_grad_into out",
+            expected: format!(
+                "a contiguous tensor of the logits' shape {:?}",
+                logits.size()
+            ),
+            found: format!(
+                "{:?}{}",
+                out.size(),
+                if out.is_contiguous() {
+                    ""
+                } else {
+                    " (not contiguous)"
+                }
+            ),
+        });
+    }
+    // SAFETY: live tch tensors (or null) borrowed for the call; the shim validates them.
+    let err = unsafe {
+        vt_token_stats_grad(
+            logits.as_ptr(),
+            targets.as_ptr(),
+            lse.as_ptr(),
+            mean.as_ptr(),
+            g_log_probs.as_ptr(),
+            ptr(g_entropy),
+            temperature,
+            out.as_ptr(),
+        )
+    };
+    check("token_stats_grad_into", err)
 }
 
 /// Rotary position embedding `x * cos + rotate_half(x) * sin` in one kernel: `x` `[B, heads, T,
@@ -545,6 +603,41 @@ pub fn inject_grads(
         )
     };
     adopt("inject_grads", err, out)
+}
+
+/// [`inject_grads`] with `b`'s gradient given as the product `lhsᵀ · rhs` (`lhs` `[K, b rows]`,
+/// `rhs` `[K, b cols]`, one dtype): the GEMM runs in the backward, scaled by the arriving gradient
+/// on the device (no host sync), and the factors are released right after it. With `b_into_grad`
+/// it is one cuBLASLt GEMM accumulating into `b.grad` with its scale factors read on the device:
+/// fp32 accumulation and one rounding into `b.grad` (on an H100 its results differ from libtorch's
+/// `addmm_`, which rounds the product to bf16 before adding, in about a quarter of the elements);
+/// an fp32 GEMM and one add pass where cuBLASLt cannot run it. For the LM head, whose `[V, H]`
+/// weight gradient is otherwise an fp32 buffer summed chunk by chunk and added in another pass.
+#[allow(clippy::too_many_arguments)]
+pub fn inject_grads_product(
+    value: &Tensor,
+    a: &Tensor,
+    ga: Option<&Tensor>,
+    b: &Tensor,
+    lhs: &Tensor,
+    rhs: &Tensor,
+    b_into_grad: bool,
+) -> Result<Tensor> {
+    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    // SAFETY: live tch tensors (or null for an absent gradient) borrowed for the call.
+    let err = unsafe {
+        vt_inject_grads_product(
+            value.as_ptr(),
+            a.as_ptr(),
+            b.as_ptr(),
+            ptr(ga),
+            lhs.as_ptr(),
+            rhs.as_ptr(),
+            i32::from(b_into_grad),
+            &mut out,
+        )
+    };
+    adopt("inject_grads_product", err, out)
 }
 
 /// A decode step's rotary embedding and KV-cache write in one kernel: returns `q` `[S, H, D]`

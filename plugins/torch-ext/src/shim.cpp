@@ -17,6 +17,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -31,6 +32,8 @@
 #include <stdexcept>
 
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <exception>
 #include <string>
 #include <vector>
@@ -42,6 +45,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
 #endif
+
+namespace vt_lt {
+// lt_gemm.cpp: d = alpha * a^T b + beta * d through cuBLASLt, (alpha, beta) read on the device;
+// false where it cannot run (the caller computes it otherwise).
+bool grad_into(const at::Tensor& d, const at::Tensor& a, const at::Tensor& b,
+               const at::Tensor& alpha_beta);
+}  // namespace vt_lt
 
 namespace {
 
@@ -64,11 +74,24 @@ struct Graph {
 #endif
 
 
+// (alpha, beta) = (1, 1) as fp32 on `device`, made once per device.
+const at::Tensor& unit_scales(const at::Device& device) {
+  static std::mutex m;
+  static std::map<int, at::Tensor>* per = new std::map<int, at::Tensor>();
+  std::lock_guard<std::mutex> lock(m);
+  auto it = per->find(device.index());
+  if (it == per->end()) {
+    it = per->emplace(device.index(), at::ones({2}, at::TensorOptions().dtype(at::kFloat).device(device))).first;
+  }
+  return it->second;
+}
+
 // y = x W^T (+ b) whose backward adds W's (and b's) gradient straight into W.grad (b.grad): where
-// .grad exists, the weight-gradient GEMM accumulates into it (addmm_ with beta = 1: one GEMM and
-// one rounding per micro-batch); where it does not, a plain GEMM becomes it. autograd's
-// AccumulateGrad would add a separately computed gradient with its own kernel (an extra pass
-// over every weight per micro-batch, rounded twice). W and b get no gradient through autograd:
+// .grad exists, the weight-gradient GEMM accumulates into it (beta = 1: one GEMM and one rounding
+// per micro-batch; on CUDA through vt_lt::grad_into, see below); where it does not, a plain GEMM
+// becomes it.
+// autograd's AccumulateGrad would add a separately computed gradient with its own kernel (an
+// extra pass over every weight per micro-batch). W and b get no gradient through autograd:
 // this is for backward() into .grad, not for autograd.grad with respect to them.
 struct LinearAccumFn : public torch::autograd::Function<LinearAccumFn> {
   // `b`: a tensor or None. It is not an autograd input (undefined tensors cannot be); its
@@ -99,7 +122,18 @@ struct LinearAccumFn : public torch::autograd::Function<LinearAccumFn> {
       const at::Tensor x2 = x.reshape({-1, in});
       at::Tensor& g = w.mutable_grad();
       if (g.defined()) {
-        g.addmm_(gy2.t(), x2);
+        // On CUDA one cuBLASLt GEMM with its scale factors on the device: fp32 accumulation and
+        // one rounding into .grad. libtorch's addmm_ (the fallback) rounds the product to .grad's
+        // 16-bit dtype first: its results are those of a separate add.
+        // VERL_LT_GRAD_ACCUM=0: libtorch's addmm_ throughout.
+        static const bool lt_accum = [] {
+          const char* v = std::getenv("VERL_LT_GRAD_ACCUM");
+          return v == nullptr || std::string(v) != "0";
+        }();
+        if (!(lt_accum && g.is_cuda() &&
+              vt_lt::grad_into(g, gy2, x2, unit_scales(g.device())))) {
+          g.addmm_(gy2.t(), x2);
+        }
       } else {
         g = at::mm(gy2.t(), x2);
       }
@@ -359,6 +393,18 @@ char* vt_cuda_memory_stats(int64_t device, int64_t* out) {
     const int64_t r = s.reserved_bytes[all].current - s.active_bytes[all].current -
                       s.inactive_split_bytes[all].current;
     out[4] = r > 0 ? r : 0;
+#else
+    (void)device;
+#endif
+  });
+}
+
+// Resets the caching allocator's peak statistics of `device` (`torch.cuda.reset_peak_memory_stats`):
+// the next `max_allocated` / `max_reserved` readings are peaks since this call.
+char* vt_cuda_reset_peak_memory_stats(int64_t device) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
 #else
     (void)device;
 #endif

@@ -221,3 +221,53 @@ fn embedding_gradient_goes_into_grad_rows() {
         .to_string();
     assert!(err.contains("padding_idx 4"), "{err}");
 }
+
+/// In bf16, on the CPU and on a GPU: adding a micro-batch's weight gradient into `.grad` rounds
+/// once (the product accumulated in fp32, added to `.grad` in fp32, one rounding), nearer the
+/// exact sum than rounding the product to bf16 first and adding (what autograd's separate
+/// accumulation gives, and on CUDA libtorch's `addmm_` too). The GPU case is skipped without CUDA.
+#[test]
+fn accumulation_into_a_bf16_grad_rounds_once() {
+    rounds_once_case(Device::Cpu);
+    if tch::Cuda::is_available() {
+        rounds_once_case(Device::Cuda(0));
+    } else {
+        eprintln!("GPU case skipped: no CUDA device");
+    }
+}
+
+fn rounds_once_case(dev: Device) {
+    tch::manual_seed(9);
+    let bf = |t: Tensor| t.to_kind(Kind::BFloat16);
+    let w = bf(Tensor::randn([96, 64], (Kind::Float, dev))).set_requires_grad(true);
+    // Loss weights that bf16 holds exactly: the gradient reaching y is exactly them.
+    let step = |x: &Tensor, g: &Tensor| {
+        let y = linear_accumulating(x, &w, None).unwrap();
+        (y.to_kind(Kind::Float) * g).sum(Kind::Float).backward();
+    };
+    let x1 = bf(Tensor::randn([300, 64], (Kind::Float, dev)));
+    let g1 = bf(Tensor::randn([300, 96], (Kind::Float, dev))).to_kind(Kind::Float);
+    step(&x1, &g1);
+    let prev = w.grad().copy();
+    let x2 = bf(Tensor::randn([300, 64], (Kind::Float, dev)));
+    let g2 = bf(Tensor::randn([300, 96], (Kind::Float, dev))).to_kind(Kind::Float);
+    step(&x2, &g2);
+    let f64s = |t: &Tensor| t.to_kind(Kind::Double);
+    let product = f64s(&g2).tr().matmul(&f64s(&x2));
+    let exact = f64s(&prev) + &product;
+    let twice = bf(f64s(&prev) + f64s(&bf(product.shallow_clone())));
+    let err = |t: &Tensor| (f64s(t) - &exact).abs().sum(Kind::Double).double_value(&[]);
+    let (e_got, e_twice) = (err(&w.grad()), err(&twice));
+    assert!(
+        e_got < e_twice,
+        "{dev:?}: accumulated error {e_got:.4e}, rounding the product first {e_twice:.4e}"
+    );
+    // Against rounding the exact sum once: equal but for fp32 accumulation ties.
+    let once = bf(exact.shallow_clone());
+    let differ = once.ne_tensor(&w.grad()).sum(Kind::Int64).int64_value(&[]);
+    assert!(
+        differ * 100 < once.numel() as i64,
+        "{dev:?}: {differ} of {} elements differ from one rounding of the exact sum",
+        once.numel()
+    );
+}

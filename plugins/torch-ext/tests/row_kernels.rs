@@ -837,3 +837,115 @@ fn inject_into_grad_case(dev: Device, kind: Kind) {
         .to_string();
     assert!(e.contains("leaf"), "{e}");
 }
+
+/// `inject_grads_product`: b's gradient `lhsᵀ·rhs` scaled by the arriving gradient, into `.grad`
+/// (one GEMM accumulating into it on CUDA, written where there is none yet) or to autograd; `a`
+/// gets its own gradient either way. Against the product in f64, within one rounding of the dtype.
+#[test]
+fn inject_grads_product_adds_the_product_into_grad() {
+    if !cuda_graphs_compiled() {
+        eprintln!("skipped: torch-ext built without CUDA headers");
+        return;
+    }
+    for kind in [Kind::BFloat16, Kind::Half] {
+        inject_product_case(Device::Cpu, kind, 40, 24, 33);
+        if let Some(dev) = gpu() {
+            inject_product_case(dev, kind, 40, 24, 33);
+            // The LM head's shape class: a long vocabulary side, more tokens than one tile.
+            inject_product_case(dev, kind, 3000, 64, 700);
+        }
+    }
+}
+
+fn inject_product_case(dev: Device, kind: Kind, rows: i64, cols: i64, k: i64) {
+    use verl_torch_ext::inject_grads_product;
+    tch::manual_seed(47);
+    let f32c = (Kind::Float, dev);
+    let w = (Tensor::randn([rows, cols], f32c) * 0.1)
+        .to_kind(kind)
+        .set_requires_grad(true);
+    let a = Tensor::randn([2, 3], f32c).set_requires_grad(true);
+    let value = Tensor::zeros([], f32c);
+    // Within one rounding of the dtype of the f64 value, plus fp32 accumulation error (a few fp32
+    // ulps of the sum of the terms' magnitudes, `mag`).
+    let close = |got: &Tensor, want: &Tensor, mag: &Tensor, what: &str| {
+        let want64 = want.to_kind(Kind::Double);
+        let err = (got.to_kind(Kind::Double) - &want64).abs();
+        let ulp = if kind == Kind::BFloat16 {
+            2f64.powi(-8)
+        } else {
+            2f64.powi(-11)
+        };
+        let bound = want64.abs() * ulp + mag * 2f64.powi(-16) + 1e-30;
+        let worst = (err - bound).max().double_value(&[]);
+        assert!(
+            worst <= 0.0,
+            "{dev:?} {kind:?} {what}: beyond one rounding by {worst:e}"
+        );
+    };
+    let mut want: Option<Tensor> = None;
+    for mb in 0..3 {
+        let lhs = (Tensor::randn([k, rows], f32c) * 0.3).to_kind(kind);
+        let rhs = (Tensor::randn([k, cols], f32c) * 0.3).to_kind(kind);
+        let ga = Tensor::randn([2, 3], f32c);
+        let out = inject_grads_product(&value, &a, Some(&ga), &w, &lhs, &rhs, true).unwrap();
+        (out * 0.5).backward();
+        let prod = lhs
+            .to_kind(Kind::Double)
+            .tr()
+            .matmul(&rhs.to_kind(Kind::Double))
+            * 0.5;
+        let mag = lhs
+            .to_kind(Kind::Double)
+            .abs()
+            .tr()
+            .matmul(&rhs.to_kind(Kind::Double).abs())
+            * 0.5;
+        let exact = match &want {
+            None => prod,
+            Some(prev) => prev.to_kind(Kind::Double) + prod,
+        };
+        let mag = match &want {
+            None => mag,
+            Some(prev) => prev.to_kind(Kind::Double).abs() + mag,
+        };
+        close(&w.grad(), &exact, &mag, &format!("micro-batch {mb}"));
+        if let (Some(prev), true) = (&want, dev.is_cuda()) {
+            // What libtorch's own accumulating GEMM gives (informational: how cuBLAS rounds).
+            let theirs = prev.addmm(&lhs.tr(), &(&rhs * 0.5));
+            let differ = theirs
+                .ne_tensor(&w.grad())
+                .sum(Kind::Int64)
+                .int64_value(&[]);
+            eprintln!("{dev:?} {kind:?} {rows}x{cols}: {differ} elements differ from addmm");
+        }
+        // The next micro-batch adds to what is there, rounded as stored.
+        want = Some(w.grad().copy());
+        if mb == 0 {
+            assert!(bits_equal(&a.grad(), &(&ga * 0.5)), "a's gradient");
+        }
+    }
+    // Without `b_into_grad`: autograd's accumulation gets the product.
+    let w2 = Tensor::zeros([rows, cols], (kind, dev)).set_requires_grad(true);
+    let lhs = (Tensor::randn([k, rows], f32c) * 0.3).to_kind(kind);
+    let rhs = (Tensor::randn([k, cols], f32c) * 0.3).to_kind(kind);
+    let out = inject_grads_product(&value, &a, None, &w2, &lhs, &rhs, false).unwrap();
+    (out * 2.0).backward();
+    let exact = lhs
+        .to_kind(Kind::Double)
+        .tr()
+        .matmul(&rhs.to_kind(Kind::Double))
+        * 2.0;
+    let mag = lhs
+        .to_kind(Kind::Double)
+        .abs()
+        .tr()
+        .matmul(&rhs.to_kind(Kind::Double).abs())
+        * 2.0;
+    close(&w2.grad(), &exact, &mag, "through autograd");
+    // Factors that do not make b's shape are refused, naming both.
+    let e = inject_grads_product(&value, &a, None, &w2, &rhs, &lhs, true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("product") && e.contains("rhs"), "{e}");
+}

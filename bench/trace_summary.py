@@ -62,6 +62,12 @@ def short(name):
     return re.sub(r"<.*", "<..>", name)[:100] if len(name) > 100 else name
 
 
+def node_name(name):
+    # A custom autograd function's node reads `torch::autograd::CppNode<(anonymous namespace)::XFn>`:
+    # keep the function's name, which the truncation would cut.
+    return re.sub(r"torch::autograd::CppNode<(?:\(anonymous namespace\)::)?(.*)>$", r"CppNode<\1>", name)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
@@ -117,7 +123,7 @@ def main():
         groups = collections.defaultdict(lambda: [0, 0.0])
         for e in ks:
             op, node = owner.get(e.get("args", {}).get("correlation"), ("?", ""))
-            g = groups[(short(e["name"])[:45], op[:40], node[:40])]
+            g = groups[(short(e["name"])[:45], node_name(op)[:40], node_name(node)[:40])]
             g[0] += 1
             g[1] += e["dur"]
         print(f"{'ms':>10} {'count':>7}  kernel | aten op | autograd node")

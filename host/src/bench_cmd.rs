@@ -526,20 +526,28 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     );
 
     let mut peak_mem: f64 = 0.0;
+    let mut peak_alloc: Option<f64> = None;
     let mut mem_source = String::new();
-    // The device memory in use after a phase (GiB), folded into the peak.
-    let mut probe =
-        |actor: &mut verl_plugin_api::client::ActorClient| -> anyhow::Result<Option<f64>> {
-            let m = actor.call("memory", &Batch::new(), &json!({}))?;
-            let used = meta_f64(&m, "peak_gb").or_else(|| meta_f64(&m, "used_gb"));
-            if let Some(u) = used {
-                peak_mem = peak_mem.max(u);
-            }
-            if let Some(src) = m.meta().get("source").and_then(Value::as_str) {
-                mem_source = src.to_string();
-            }
-            Ok(used)
-        };
+    // The device memory in use after a phase (GiB), folded into the peak, and the allocator's
+    // peak held by tensors during the phase (CUDA; the `memory` call resets it each time).
+    let mut probe = |actor: &mut verl_plugin_api::client::ActorClient| -> anyhow::Result<(
+        Option<f64>,
+        Option<f64>,
+    )> {
+        let m = actor.call("memory", &Batch::new(), &json!({}))?;
+        let used = meta_f64(&m, "peak_gb").or_else(|| meta_f64(&m, "used_gb"));
+        if let Some(u) = used {
+            peak_mem = peak_mem.max(u);
+        }
+        let alloc = meta_f64(&m, "max_allocated_gb");
+        if let Some(p) = alloc {
+            peak_alloc = Some(peak_alloc.map_or(p, |q| q.max(p)));
+        }
+        if let Some(src) = m.meta().get("source").and_then(Value::as_str) {
+            mem_source = src.to_string();
+        }
+        Ok((used, alloc))
+    };
     probe(&mut actor)?;
 
     let mut rng = Rng(a.seed ^ 0x5EED);
@@ -644,12 +652,19 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             })
             .map(|(k, v)| format!("{k}={v:.4}"))
             .collect();
-        let mem: Vec<String> = mem
+        let used: Vec<String> = mem
             .iter()
-            .filter_map(|(phase, m)| m.map(|m| format!("{phase} {m:.1}")))
+            .filter_map(|(phase, (m, _))| m.map(|m| format!("{phase} {m:.1}")))
             .collect();
-        if !mem.is_empty() {
-            loss.push(format!("memory GiB after {}", mem.join(", ")));
+        if !used.is_empty() {
+            loss.push(format!("memory GiB after {}", used.join(", ")));
+        }
+        let held: Vec<String> = mem
+            .iter()
+            .filter_map(|(phase, (_, p))| p.map(|p| format!("{phase} {p:.1}")))
+            .collect();
+        if !held.is_empty() {
+            loss.push(format!("tensor peak GiB in {}", held.join(", ")));
         }
         // What the generation spent outside its decode steps' replays (CUDA only).
         if let Some(n) = meta_f64(&gen, "rollout/cuda_graphs").filter(|&n| n > 0.0) {
@@ -678,6 +693,14 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     let mut out = report.json(&s, a, peak_mem, &mem_source);
     out["per_step"] = Value::Array(per_step.iter().map(StepTimes::to_json).collect());
     let mut table = report.table(peak_mem, &mem_source);
+    if let Some(p) = peak_alloc {
+        // What TRL's script reports (`torch.cuda.max_memory_allocated`, per phase): tensors only,
+        // the KV pool included, the allocator's cached segments not.
+        out["peak_tensor_mem_gb"] = json!((p * 1000.0).round() / 1000.0);
+        table.push_str(&format!(
+            "peak memory held by tensors {p:.2} GiB (the caching allocator's max_memory_allocated, any phase)\n"
+        ));
+    }
     if let Some((mean, max)) = exactness {
         out["rollout_logprob_abs_diff_mean"] = json!(mean);
         out["rollout_logprob_abs_diff_max"] = json!(max);

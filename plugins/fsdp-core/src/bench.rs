@@ -93,7 +93,11 @@ pub fn calibrate(device: Device, options: &serde_json::Value) -> Result<Batch> {
 
 /// Device memory now. On CUDA: `used_gb` = total − free from `cuMemGetInfo` (GiB): everything on
 /// the GPU — CUDA context, the caching allocator's reserve (which keeps what a phase used), other
-/// processes — not the allocator's `max_memory_allocated`, which tch does not bind. On the CPU:
+/// processes; and the caching allocator's own readings (where it keeps statistics):
+/// `allocated_gb` (held by tensors now), `reserved_gb` (segments held from the driver now) and
+/// `max_allocated_gb` (the peak held by tensors since the previous `memory` call, which resets it:
+/// called after each phase, the phase's own peak, as `torch.cuda.max_memory_allocated` after
+/// `reset_peak_memory_stats`). On the CPU:
 /// this process's resident set now and its high-water mark (`/proc/self/status` VmRSS / VmHWM).
 /// `params_gb`: the bytes this role holds in parameters, gradients and optimizer state.
 pub fn memory(device: Device, role_bytes: usize) -> Result<Batch> {
@@ -112,6 +116,16 @@ pub fn memory(device: Device, role_bytes: usize) -> Result<Batch> {
                 );
                 m.insert("total_gb".into(), (total as f64 / gib).into());
                 m.insert("source".into(), "cuMemGetInfo total-free".into());
+            }
+            if let Ok(st) = verl_torch_ext::cuda_memory_stats(gpu) {
+                m.insert("allocated_gb".into(), (st.allocated as f64 / gib).into());
+                m.insert(
+                    "max_allocated_gb".into(),
+                    (st.max_allocated as f64 / gib).into(),
+                );
+                m.insert("reserved_gb".into(), (st.reserved as f64 / gib).into());
+                // The next call's peak is the next phase's.
+                let _ = verl_torch_ext::cuda_reset_peak_memory_stats(gpu);
             }
         }
         _ => {

@@ -344,28 +344,12 @@ impl ChunkedLmHead {
                 // the head's two GEMMs by hand (no autograd graph over [C, V] tensors).
                 let _guard = tch::no_grad_guard();
                 let h = hidden_d.f_narrow(0, start, len).op(OP)?;
-                let t = targets
-                    .f_narrow(0, start, len)
-                    .op(OP)?
-                    .f_contiguous()
-                    .op(OP)?;
+                let (t, g_lp_c, g_ent_c) =
+                    chunk_grad_inputs(start, len, targets, &g_lp, g_ent.as_ref())?;
                 let (lse, mean, kept_logits) = &mut kept[ci];
                 let logits = match kept_logits.take() {
                     Some(l) => l,
                     None => Self::chunk_logits(&h, &weight_leaf)?,
-                };
-                let f32c = |g: &Tensor| -> Result<Tensor> {
-                    g.f_narrow(0, start, len)
-                        .op(OP)?
-                        .f_to_kind(Kind::Float)
-                        .op(OP)?
-                        .f_contiguous()
-                        .op(OP)
-                };
-                let g_lp_c = f32c(&g_lp)?;
-                let g_ent_c = match &g_ent {
-                    Some(g) => Some(f32c(g)?),
-                    None => None,
                 };
                 let g_logits = verl_torch_ext::token_stats_grad(
                     &logits,
@@ -541,11 +525,7 @@ impl ChunkedLmHead {
         let g_all =
             Tensor::f_empty([n, weight.size()[0]], (hidden.kind(), hidden.device())).op(OP)?;
         for (ci, (start, len)) in chunks(n, self.chunk_tokens).enumerate() {
-            let t = targets
-                .f_narrow(0, start, len)
-                .op(OP)?
-                .f_contiguous()
-                .op(OP)?;
+            let (t, g_lp_c, g_ent_c) = chunk_grad_inputs(start, len, targets, g_lp, g_ent)?;
             let (lse, mean, kept_logits) = &mut kept[ci];
             let logits = kept_logits.take().ok_or_else(|| LossError::Shape {
                 op: OP,
@@ -553,19 +533,6 @@ impl ChunkedLmHead {
                 expected: "every chunk's logits kept".into(),
                 found: vec![ci as i64],
             })?;
-            let f32c = |g: &Tensor| -> Result<Tensor> {
-                g.f_narrow(0, start, len)
-                    .op(OP)?
-                    .f_to_kind(Kind::Float)
-                    .op(OP)?
-                    .f_contiguous()
-                    .op(OP)
-            };
-            let g_lp_c = f32c(g_lp)?;
-            let g_ent_c = match g_ent {
-                Some(g) => Some(f32c(g)?),
-                None => None,
-            };
             verl_torch_ext::token_stats_grad_into(
                 &g_all.f_narrow(0, start, len).op(OP)?,
                 &logits,
@@ -678,6 +645,35 @@ impl ChunkedLmHead {
         }
         check_labels(OP, targets, &[hidden.size()[0], weight.size()[0]])
     }
+}
+
+/// A chunk's targets (contiguous) and its rows of the loss's gradients with respect to the
+/// log-probs and the entropy (fp32, contiguous): the fused logits-gradient kernel's inputs.
+fn chunk_grad_inputs(
+    start: i64,
+    len: i64,
+    targets: &Tensor,
+    g_lp: &Tensor,
+    g_ent: Option<&Tensor>,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    const OP: &str = "ChunkedLmHead::loss_and_backward";
+    let rows = |g: &Tensor, kind: Option<Kind>| -> Result<Tensor> {
+        let g = g.f_narrow(0, start, len).op(OP)?;
+        let g = match kind {
+            Some(k) => g.f_to_kind(k).op(OP)?,
+            None => g,
+        };
+        g.f_contiguous().op(OP)
+    };
+    let g_ent_c = match g_ent {
+        Some(g) => Some(rows(g, Some(Kind::Float))?),
+        None => None,
+    };
+    Ok((
+        rows(targets, None)?,
+        rows(g_lp, Some(Kind::Float))?,
+        g_ent_c,
+    ))
 }
 
 static PRODUCT_BACKWARDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

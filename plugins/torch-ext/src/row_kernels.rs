@@ -273,20 +273,16 @@ pub fn token_stats_grad(
     kind: Kind,
 ) -> Result<Tensor> {
     let grad = Tensor::f_empty(logits.size(), (kind, logits.device())).map_err(torch("empty"))?;
-    // SAFETY: live tch tensors (or null) borrowed for the call; the shim validates them.
-    let err = unsafe {
-        vt_token_stats_grad(
-            logits.as_ptr(),
-            targets.as_ptr(),
-            lse.as_ptr(),
-            mean.as_ptr(),
-            g_log_probs.as_ptr(),
-            ptr(g_entropy),
-            temperature,
-            grad.as_ptr(),
-        )
-    };
-    check("token_stats_grad", err)?;
+    token_stats_grad_into(
+        &grad,
+        logits,
+        targets,
+        lse,
+        mean,
+        g_log_probs,
+        g_entropy,
+        temperature,
+    )?;
     Ok(grad)
 }
 

@@ -226,8 +226,14 @@ impl Residual {
             return Ok((sum.unwrap_or(h), normed));
         }
         if norm.fusable_with_grad(&h, delta.as_ref()) {
-            let (sum, normed) =
-                verl_torch_ext::add_rms_norm_autograd(&h, delta.as_ref(), &norm.weight, norm.eps)?;
+            // Under gradient-accumulation fusion the weight's gradient goes into its .grad in
+            // the backward's own reduction (no separate accumulation).
+            let recorded = if norm.weight.requires_grad() && accumulating_into_grad() {
+                verl_torch_ext::add_rms_norm_accumulating
+            } else {
+                verl_torch_ext::add_rms_norm_autograd
+            };
+            let (sum, normed) = recorded(&h, delta.as_ref(), &norm.weight, norm.eps)?;
             return Ok((sum.unwrap_or(h), normed));
         }
         let h = match delta {
@@ -1316,6 +1322,21 @@ impl Mlp {
             return self
                 .down
                 .forward(&g.f_mul(&gu.f_narrow(-1, inter, inter)?)?);
+        }
+        // Under gradient-accumulation fusion gate and up are one backward node: x's gradient is
+        // a GEMM and an accumulating GEMM instead of two GEMMs and a separate add.
+        if self.gate.weight.requires_grad()
+            && self.up.weight.requires_grad()
+            && accumulating_into_grad()
+        {
+            let (g, u) = verl_torch_ext::linear_pair_accumulating(
+                x,
+                &self.gate.weight,
+                &self.up.weight,
+                self.gate.bias.as_ref(),
+                self.up.bias.as_ref(),
+            )?;
+            return self.down.forward(&silu_mul(&g, &u)?);
         }
         let g = self.gate.forward(x)?;
         self.down.forward(&silu_mul(&g, &self.up.forward(x)?)?)

@@ -74,6 +74,15 @@ extern "C" {
         b: CTensor,
         out: *mut *mut torch_sys::C_tensor,
     ) -> *mut c_char;
+    fn vt_linear_pair_accum(
+        x: CTensor,
+        wa: CTensor,
+        wb: CTensor,
+        ba: CTensor,
+        bb: CTensor,
+        a_out: *mut *mut torch_sys::C_tensor,
+        b_out: *mut *mut torch_sys::C_tensor,
+    ) -> *mut c_char;
     fn vt_linear_into(
         x: CTensor,
         w: CTensor,
@@ -259,6 +268,48 @@ pub fn linear_accumulating(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result
         )
     };
     adopt("linear_accum", err, out)
+}
+
+/// Two [`linear_accumulating`] projections of one input (a SwiGLU MLP's gate and up):
+/// `(x Wa^T (+ ba), x Wb^T (+ bb))` with one backward node whose input gradient is one GEMM and
+/// one accumulating GEMM (`addmm_`, one pass fewer than two GEMMs and autograd's separate add; on
+/// CUDA the same bits, since libtorch rounds the 16-bit product before adding there; on the CPU
+/// it rounds once). The parameters' gradients go straight into their `.grad` as there. Any
+/// device.
+pub fn linear_pair_accumulating(
+    x: &Tensor,
+    wa: &Tensor,
+    wb: &Tensor,
+    ba: Option<&Tensor>,
+    bb: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let mut a: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    let mut b: *mut torch_sys::C_tensor = std::ptr::null_mut();
+    let opt = |t: Option<&Tensor>| t.map_or(std::ptr::null(), |t| t.as_ptr());
+    // SAFETY: live tch tensors (biases nullable) borrowed for the call; the shim allocates both
+    // outputs or neither.
+    let err = unsafe {
+        vt_linear_pair_accum(
+            x.as_ptr(),
+            wa.as_ptr(),
+            wb.as_ptr(),
+            opt(ba),
+            opt(bb),
+            &mut a,
+            &mut b,
+        )
+    };
+    // Adopted first so that an error frees a half-made pair too.
+    let second = (!b.is_null()).then(|| {
+        // SAFETY: a heap `at::Tensor*` the shim allocated and nothing else owns.
+        unsafe { Tensor::from_ptr(b) }
+    });
+    let first = adopt("linear_pair_accum", err, a)?;
+    let second = second.ok_or_else(|| TorchExtError::Torch {
+        op: "linear_pair_accum",
+        message: "no second output returned".into(),
+    })?;
+    Ok((first, second))
 }
 
 /// `x cat(ws)^T (+ cat(bs))` for row blocks `ws` (and their biases; e.g. the q/k/v projections)

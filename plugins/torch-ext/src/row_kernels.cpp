@@ -167,6 +167,16 @@
     int vec;                    /* 1: 8 elements per access (16-bit out) */               \
   };
 
+#define VT_COLS_SUM_PARAMS_DEF                                                            \
+  struct VtColsSumParams {                                                                \
+    const float* x;             /* [rows, cols] fp32, contiguous */                       \
+    void* out;                  /* [cols] contiguous */                                   \
+    long long rows;                                                                       \
+    int cols;                                                                             \
+    int dtype;                  /* out: 0 fp32, 1 bf16, 2 fp16 */                         \
+    int accumulate;             /* 1: out += the sums, else out = the sums */             \
+  };
+
 #define VT_ROW_STR_(...) #__VA_ARGS__
 #define VT_ROW_STR(...) VT_ROW_STR_(__VA_ARGS__)
 
@@ -1344,6 +1354,29 @@ extern "C" __global__ void __launch_bounds__(256) vt_axpy_into(const VtAxpyParam
     vt_store(p.out, p.dtype, i, __fadd_rn(vt_load(p.out, p.dtype, i), __fmul_rn(p.x[i], s)));
   }
 }
+
+// ---- column sums of an fp32 [rows, cols] matrix (per-block partial gradients), in a fixed
+// order, added into (or written to) out [cols] with one rounding: block (32, 16) takes 32
+// columns; thread (c, w) sums rows w, w + 16, ... of its column, then thread (c, 0) adds the 16
+// partial sums in order. Deterministic: the same bits on every run.
+extern "C" __global__ void __launch_bounds__(512) vt_cols_sum_into(const VtColsSumParams p) {
+  __shared__ float sm[16][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float acc = 0.0f;
+  if (c < p.cols) {
+#pragma unroll 8
+    for (long long r = threadIdx.y; r < p.rows; r += 16) acc += p.x[r * p.cols + c];
+  }
+  sm[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < p.cols) {
+    float t = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 16; ++w) t += sm[w][threadIdx.x];
+    if (p.accumulate) t = __fadd_rn(vt_load(p.out, p.dtype, c), t);
+    vt_store(p.out, p.dtype, c, t);
+  }
+}
 )VTROW";
 
 const std::string& row_source() {
@@ -1356,7 +1389,8 @@ const std::string& row_source() {
                                  VT_ROW_STR(VT_ADD_NORM_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_ADD_NORM_BWD_PARAMS_DEF) + "\n" +
                                  VT_ROW_STR(VT_ROWS_SUM_PARAMS_DEF) + "\n" +
-                                 VT_ROW_STR(VT_AXPY_PARAMS_DEF) + "\n" + kRowSource;
+                                 VT_ROW_STR(VT_AXPY_PARAMS_DEF) + "\n" +
+                                 VT_ROW_STR(VT_COLS_SUM_PARAMS_DEF) + "\n" + kRowSource;
   return src;
 }
 
@@ -1371,6 +1405,7 @@ VT_ADD_NORM_PARAMS_DEF
 VT_ADD_NORM_BWD_PARAMS_DEF
 VT_ROWS_SUM_PARAMS_DEF
 VT_AXPY_PARAMS_DEF
+VT_COLS_SUM_PARAMS_DEF
 
 using namespace vt_rt;
 
@@ -1388,6 +1423,7 @@ struct RowKernels {
   CUfunction_t add_norm_bwd[3] = {nullptr, nullptr, nullptr};  // 1, 2, 4 chunks per thread
   CUfunction_t rows_sum = nullptr;
   CUfunction_t axpy = nullptr;
+  CUfunction_t cols_sum = nullptr;
 };
 
 std::map<int, RowKernels> g_row_kernels;  // by device
@@ -1402,7 +1438,8 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   const auto fns = load_functions(
       bin, {"vt_sample_rows", "vt_token_stats", "vt_token_stats_grad", "vt_rope", "vt_swiglu",
                 "vt_rope_store", "vt_swiglu_bwd", "vt_add_rms_norm", "vt_add_rms_norm_bwd1",
-                "vt_add_rms_norm_bwd2", "vt_add_rms_norm_bwd4", "vt_rows_sum", "vt_axpy_into"});
+                "vt_add_rms_norm_bwd2", "vt_add_rms_norm_bwd4", "vt_rows_sum", "vt_axpy_into",
+                "vt_cols_sum_into"});
   RowKernels k;
   k.sample = fns[0];
   k.stats = fns[1];
@@ -1417,6 +1454,7 @@ RowKernels row_kernels(int index, const DeviceInfo& info) {
   k.add_norm_bwd[2] = fns[10];
   k.rows_sum = fns[11];
   k.axpy = fns[12];
+  k.cols_sum = fns[13];
   std::lock_guard<std::mutex> lock(rt_mutex());
   return g_row_kernels.emplace(index, k).first->second;
 }
@@ -1780,9 +1818,11 @@ void add_rms_norm(const at::Tensor* x, const at::Tensor* delta, const at::Tensor
 // (nullable) arriving at the rows themselves, and the weight's gradient (in its dtype). 16-bit
 // dtypes, H % 8 == 0 and H <= 8192; every tensor contiguous and 16-byte aligned (the caller
 // copies where not).
+void cols_sum_into(const at::Tensor& x, const at::Tensor& out, bool accumulate);
+
 std::pair<at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor& dy, const at::Tensor& gs,
                                                    const at::Tensor& h, const at::Tensor& weight,
-                                                   double eps) {
+                                                   double eps, at::Tensor* grad_into = nullptr) {
   const at::Device dev = h.device();
   const int64_t R = h.size(0), H = h.size(1);
   const auto kind = h.scalar_type();
@@ -1807,7 +1847,13 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor& dy, const a
   const int64_t per_sm = variant == 0 ? 4 : variant == 1 ? 2 : 1;
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(R, int64_t{info.sms} * per_sm));
   at::Tensor part = at::empty({blocks, H}, h.options().dtype(c10::ScalarType::Float));
-  if (R == 0) return {dx, at::zeros_like(weight)};
+  if (R == 0) {
+    if (grad_into != nullptr) {
+      if (!grad_into->defined()) *grad_into = at::zeros_like(weight);
+      return {dx, at::Tensor()};
+    }
+    return {dx, at::zeros_like(weight)};
+  }
   const auto a16 = [](const at::Tensor& t) {
     return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   };
@@ -1831,7 +1877,22 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor& dy, const a
   const RowKernels k = row_kernels(index, info);
   launch_blocks(k.add_norm_bwd[variant], blocks, index, p,
                 "cuLaunchKernel(vt_add_rms_norm_bwd)");
-  return {dx, part.sum(0).to(weight.scalar_type())};
+  if (grad_into != nullptr) {
+    // The weight's gradient summed straight into its .grad (made here on first use).
+    const bool acc = grad_into->defined();
+    if (acc && (grad_into->device() != dev || !grad_into->is_contiguous() ||
+                grad_into->numel() != H)) {
+      bad("add_rms_norm weight .grad", "a contiguous [" + std::to_string(H) + "] tensor on " +
+                                           dev.str(),
+          sizes_str(*grad_into) + " on " + grad_into->device().str());
+    }
+    if (!acc) *grad_into = at::empty({H}, weight.options()).view(weight.sizes());
+    cols_sum_into(part, *grad_into, acc);
+    return {dx, at::Tensor()};
+  }
+  at::Tensor dw = at::empty({H}, weight.options());
+  cols_sum_into(part, dw, false);
+  return {dx, dw.view(weight.sizes())};
 }
 
 // Row n of the result [N, C] (g's dtype): the sum of g's rows sources[offsets[n] ..
@@ -1904,6 +1965,42 @@ void axpy_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& s) 
   const RowKernels k = row_kernels(index, info);
   launch_blocks(k.axpy, grid_blocks(p.vec ? n / 8 : n, info), index, p,
                 "cuLaunchKernel(vt_axpy_into)");
+}
+
+// out (+)= x.sum(0) (see vt_cols_sum_into): `x` contiguous fp32 [rows, cols] and `out` a
+// contiguous CUDA [cols] tensor (fp32/bf16/fp16) on x's device; the sums in a fixed order, in
+// fp32, rounded once into out's dtype (with `accumulate`, after adding out's value).
+void cols_sum_into(const at::Tensor& x, const at::Tensor& out, bool accumulate) {
+  if (!x.is_cuda() || x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous()) {
+    bad("cols_sum x", "a contiguous fp32 CUDA [rows, cols] tensor",
+        sizes_str(x) + " " + c10::toString(x.scalar_type()));
+  }
+  const at::Device dev = x.device();
+  const int64_t R = x.size(0), C = x.size(1);
+  if (out.device() != dev || !out.is_contiguous() || out.numel() != C) {
+    bad("cols_sum out", "a contiguous [" + std::to_string(C) + "] tensor on " + dev.str(),
+        sizes_str(out) + " on " + out.device().str());
+  }
+  if (C > (int64_t{1} << 30)) bad("cols_sum columns", "at most 2^30", std::to_string(C));
+  const int dtype = storage_code(out.scalar_type(), "cols_sum out dtype");
+  if (C == 0) return;
+  c10::DeviceGuard guard(dev);
+  const int index = dev.index();
+  VtColsSumParams p{};
+  p.x = static_cast<const float*>(x.data_ptr());
+  p.out = out.data_ptr();
+  p.rows = R;
+  p.cols = static_cast<int>(C);
+  p.dtype = dtype;
+  p.accumulate = accumulate ? 1 : 0;
+  const DeviceInfo& info = device_info(index);
+  make_current(info);
+  const RowKernels k = row_kernels(index, info);
+  const CudaApi& cu = cuda_checked();
+  void* args[] = {&p};
+  cu_check(cu.cuLaunchKernel(k.cols_sum, static_cast<unsigned>((C + 31) / 32), 1, 1, 32, 16, 1, 0,
+                             current_stream(index), args, nullptr),
+           "cuLaunchKernel(vt_cols_sum_into)");
 }
 
 void swiglu(const at::Tensor* x, const at::Tensor* out) {
@@ -2049,7 +2146,7 @@ struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& x, const at::Tensor& delta_in,
                                                 const at::Tensor& weight, double eps,
-                                                bool has_delta) {
+                                                bool has_delta, bool into_grad) {
     const at::Tensor delta = has_delta ? delta_in : at::Tensor();
     if (!x.is_cuda()) bad("add_rms_norm x", "a CUDA tensor", x.device().str());
     if (x.dim() < 1) bad("add_rms_norm x", "[.., hidden]", sizes_str(x));
@@ -2069,6 +2166,8 @@ struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
     ctx->save_for_backward({delta.defined() ? sum2 : x2, weight});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["has_delta"] = delta.defined();
+    // The parameter itself (not a saved-variable copy): the backward writes its .grad.
+    if (into_grad) ctx->saved_data["w"] = weight;
     if (delta.defined()) return {sum, out};
     return {out};
   }
@@ -2083,13 +2182,20 @@ struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
     const int64_t R = h.size(0), H = h.size(1);
     if (!dy.defined()) {
       // Only the sum was used: it passes its gradient through to both inputs.
-      return {gs, has_delta ? gs : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      return {gs, has_delta ? gs : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+              at::Tensor()};
     }
     const at::Tensor& shape_of = grads[has_delta ? 1 : 0];
+    at::Tensor* grad_into = nullptr;
+    at::Tensor w;
+    if (ctx->saved_data.count("w") != 0) {
+      w = ctx->saved_data["w"].toTensor();
+      if (w.requires_grad()) grad_into = &w.mutable_grad();
+    }
     auto [dx, dw] = add_rms_norm_bwd(aligned_rows(dy, R, H), aligned_rows(gs, R, H), h, saved[1],
-                                     ctx->saved_data["eps"].toDouble());
+                                     ctx->saved_data["eps"].toDouble(), grad_into);
     dx = dx.view(shape_of.sizes());
-    return {dx, has_delta ? dx : at::Tensor(), dw, at::Tensor(), at::Tensor()};
+    return {dx, has_delta ? dx : at::Tensor(), dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -2550,14 +2656,15 @@ char* vt_silu_mul(at::Tensor* gate, at::Tensor* up, at::Tensor** out) {
 // Autograd-recorded x (+ delta) and its RMSNorm (see AddRmsNormFn): new tensors in `*sum`
 // (with delta; else left null) and `*out` (freed by the caller). `delta` may be null.
 char* vt_add_rms_norm_autograd(at::Tensor* x, at::Tensor* delta, at::Tensor* weight, double eps,
-                               at::Tensor** sum, at::Tensor** out) {
+                               int into_grad, at::Tensor** sum, at::Tensor** out) {
   return vt_util::guarded([&] {
     if (sum != nullptr) *sum = nullptr;
 #ifdef VERL_WITH_CUDA
     if (x == nullptr || weight == nullptr || sum == nullptr || out == nullptr) {
       bad("add_rms_norm", "tensors", "a null handle");
     }
-    auto res = AddRmsNormFn::apply(*x, delta ? *delta : *x, *weight, eps, delta != nullptr);
+    auto res = AddRmsNormFn::apply(*x, delta ? *delta : *x, *weight, eps, delta != nullptr,
+                                   into_grad != 0);
     if (delta != nullptr) {
       *sum = new at::Tensor(res[0]);
       *out = new at::Tensor(res[1]);
@@ -2565,7 +2672,7 @@ char* vt_add_rms_norm_autograd(at::Tensor* x, at::Tensor* delta, at::Tensor* wei
       *out = new at::Tensor(res[0]);
     }
 #else
-    (void)x, (void)delta, (void)weight, (void)eps, (void)out;
+    (void)x, (void)delta, (void)weight, (void)eps, (void)into_grad, (void)out;
     no_cuda();
 #endif
   });

@@ -60,6 +60,7 @@ extern "C" {
         delta: CTensor,
         weight: CTensor,
         eps: f64,
+        into_grad: i32,
         sum: *mut *mut torch_sys::C_tensor,
         out: *mut *mut torch_sys::C_tensor,
     ) -> *mut c_char;
@@ -453,6 +454,29 @@ pub fn add_rms_norm_autograd(
     weight: &Tensor,
     eps: f64,
 ) -> Result<(Option<Tensor>, Tensor)> {
+    add_rms_norm_recorded(x, delta, weight, eps, false)
+}
+
+/// [`add_rms_norm_autograd`] whose backward sums the weight's gradient straight into
+/// `weight.grad` (one kernel over the per-block shares, fp32, one rounding; `.grad` made on
+/// first use) instead of handing autograd a gradient to add there: for `backward()` into
+/// `.grad` only (gradient-accumulation fusion, as [`crate::linear_accumulating`]).
+pub fn add_rms_norm_accumulating(
+    x: &Tensor,
+    delta: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Option<Tensor>, Tensor)> {
+    add_rms_norm_recorded(x, delta, weight, eps, true)
+}
+
+fn add_rms_norm_recorded(
+    x: &Tensor,
+    delta: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f64,
+    into_grad: bool,
+) -> Result<(Option<Tensor>, Tensor)> {
     let mut sum: *mut torch_sys::C_tensor = std::ptr::null_mut();
     let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
     // SAFETY: live tch tensors (or null for no delta) borrowed for the call; the shim validates
@@ -463,6 +487,7 @@ pub fn add_rms_norm_autograd(
             ptr(delta),
             weight.as_ptr(),
             eps,
+            i32::from(into_grad),
             &mut sum,
             &mut out,
         )

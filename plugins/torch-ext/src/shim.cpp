@@ -93,6 +93,9 @@ const at::Tensor& unit_scales(const at::Device& device) {
 // autograd's AccumulateGrad would add a separately computed gradient with its own kernel (an
 // extra pass over every weight per micro-batch). W and b get no gradient through autograd:
 // this is for backward() into .grad, not for autograd.grad with respect to them.
+void accumulate_param_grads(at::Tensor& w, at::Tensor& b, const at::Tensor& gy2,
+                            const at::Tensor& x);
+
 struct LinearAccumFn : public torch::autograd::Function<LinearAccumFn> {
   // `b`: a tensor or None. It is not an autograd input (undefined tensors cannot be); its
   // gradient goes into its .grad like W's.
@@ -114,40 +117,95 @@ struct LinearAccumFn : public torch::autograd::Function<LinearAccumFn> {
     at::Tensor w = ctx->saved_data["w"].toTensor();
     const c10::IValue bv = ctx->saved_data["b"];
     at::Tensor b = bv.isTensor() ? bv.toTensor() : at::Tensor();
-    const int64_t out = w.size(0), in = w.size(1);
-    const at::Tensor gy2 = gy.reshape({-1, out});
+    const at::Tensor gy2 = gy.reshape({-1, w.size(0)});
     at::Tensor gx;
     if (ctx->needs_input_grad(0)) gx = at::mm(gy2, w).view(x.sizes());
-    if (w.requires_grad()) {
-      const at::Tensor x2 = x.reshape({-1, in});
-      at::Tensor& g = w.mutable_grad();
-      if (g.defined()) {
-        // On CUDA one cuBLASLt GEMM with its scale factors on the device: fp32 accumulation and
-        // one rounding into .grad. libtorch's addmm_ (the fallback) rounds the product to .grad's
-        // 16-bit dtype first: its results are those of a separate add.
-        // VERL_LT_GRAD_ACCUM=0: libtorch's addmm_ throughout.
-        static const bool lt_accum = [] {
-          const char* v = std::getenv("VERL_LT_GRAD_ACCUM");
-          return v == nullptr || std::string(v) != "0";
-        }();
-        if (!(lt_accum && g.is_cuda() &&
-              vt_lt::grad_into(g, gy2, x2, unit_scales(g.device())))) {
-          g.addmm_(gy2.t(), x2);
-        }
-      } else {
-        g = at::mm(gy2.t(), x2);
-      }
-    }
-    if (b.defined() && b.requires_grad()) {
-      at::Tensor& g = b.mutable_grad();
-      at::Tensor s = gy2.sum(0);
-      if (g.defined()) {
-        g.add_(s);
-      } else {
-        g = s;
-      }
-    }
+    accumulate_param_grads(w, b, gy2, x);
     return {gx, none, none};
+  }
+};
+
+// For the weight `w` [out, in] (and bias `b`, possibly undefined) of y = x w^T (+ b): adds
+// gy2^T x into w.grad and gy2's column sums into b.grad (each made on first use), for the
+// parameters that require grad. gy2 [rows, out], x [.., in].
+void accumulate_param_grads(at::Tensor& w, at::Tensor& b, const at::Tensor& gy2,
+                            const at::Tensor& x) {
+  const int64_t in = w.size(1);
+  if (w.requires_grad()) {
+    const at::Tensor x2 = x.reshape({-1, in});
+    at::Tensor& g = w.mutable_grad();
+    if (g.defined()) {
+      // On CUDA one cuBLASLt GEMM with its scale factors on the device: fp32 accumulation and
+      // one rounding into .grad. libtorch's addmm_ (the fallback) rounds the product to .grad's
+      // 16-bit dtype first: its results are those of a separate add.
+      // VERL_LT_GRAD_ACCUM=0: libtorch's addmm_ throughout.
+      static const bool lt_accum = [] {
+        const char* v = std::getenv("VERL_LT_GRAD_ACCUM");
+        return v == nullptr || std::string(v) != "0";
+      }();
+      if (!(lt_accum && g.is_cuda() &&
+            vt_lt::grad_into(g, gy2, x2, unit_scales(g.device())))) {
+        g.addmm_(gy2.t(), x2);
+      }
+    } else {
+      g = at::mm(gy2.t(), x2);
+    }
+  }
+  if (b.defined() && b.requires_grad()) {
+    at::Tensor& g = b.mutable_grad();
+    at::Tensor s = gy2.sum(0);
+    if (g.defined()) {
+      g.add_(s);
+    } else {
+      g = s;
+    }
+  }
+}
+
+// Two projections of one input (a SwiGLU MLP's gate and up): (x wa^T (+ ba), x wb^T (+ bb)),
+// each weight's (and bias's) gradient added straight into its .grad as LinearAccumFn does, and
+// x's gradient as one GEMM plus one accumulating GEMM (ga wa, then += gb wb in the second GEMM's
+// epilogue) where autograd would run two GEMMs and a separate add (on CUDA the same bits:
+// libtorch's addmm_ rounds a 16-bit product before adding; on the CPU it rounds once).
+struct LinearPairAccumFn : public torch::autograd::Function<LinearPairAccumFn> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& wa,
+                                                const at::Tensor& wb, const c10::IValue& ba,
+                                                const c10::IValue& bb) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["wa"] = wa;
+    ctx->saved_data["wb"] = wb;
+    ctx->saved_data["ba"] = ba;
+    ctx->saved_data["bb"] = bb;
+    const auto opt = [](const c10::IValue& v) {
+      return v.isTensor() ? c10::optional<at::Tensor>(v.toTensor()) : c10::nullopt;
+    };
+    return {at::linear(x, wa, opt(ba)), at::linear(x, wb, opt(bb))};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor none;
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    at::Tensor gx;
+    for (int i = 0; i < 2; ++i) {
+      const at::Tensor& gy = grads[i];
+      if (!gy.defined()) continue;
+      at::Tensor w = ctx->saved_data[i == 0 ? "wa" : "wb"].toTensor();
+      const c10::IValue bv = ctx->saved_data[i == 0 ? "ba" : "bb"];
+      at::Tensor b = bv.isTensor() ? bv.toTensor() : at::Tensor();
+      const at::Tensor gy2 = gy.reshape({-1, w.size(0)});
+      if (ctx->needs_input_grad(0)) {
+        if (gx.defined()) {
+          gx.addmm_(gy2, w);
+        } else {
+          gx = at::mm(gy2, w);
+        }
+      }
+      accumulate_param_grads(w, b, gy2, x);
+    }
+    if (gx.defined()) gx = gx.view(x.sizes());
+    return {gx, none, none, none, none};
   }
 };
 
@@ -490,6 +548,33 @@ char* vt_linear_accum(const at::Tensor* x, const at::Tensor* w, const at::Tensor
     }
     const c10::IValue bias = b != nullptr && b->defined() ? c10::IValue(*b) : c10::IValue();
     *out = new at::Tensor(LinearAccumFn::apply(*x, *w, bias));
+  });
+}
+
+// (x wa^T (+ ba), x wb^T (+ bb)) recorded by autograd with LinearPairAccumFn's backward: new
+// tensors in `*a_out` and `*b_out` (freed by the caller); `ba`, `bb` may be null.
+char* vt_linear_pair_accum(const at::Tensor* x, const at::Tensor* wa, const at::Tensor* wb,
+                           const at::Tensor* ba, const at::Tensor* bb, at::Tensor** a_out,
+                           at::Tensor** b_out) {
+  return vt_util::guarded([&] {
+    if (x == nullptr || wa == nullptr || wb == nullptr || a_out == nullptr || b_out == nullptr) {
+      throw std::invalid_argument("linear_pair_accum: null argument");
+    }
+    *a_out = nullptr;
+    *b_out = nullptr;
+    for (const at::Tensor* w : {wa, wb}) {
+      if (w->dim() != 2 || x->dim() < 1 || x->size(-1) != w->size(1)) {
+        throw std::invalid_argument(
+            "linear_pair_accum: expected x [.., in] and weights [out, in], found " +
+            c10::str(x->sizes()) + " and " + c10::str(w->sizes()));
+      }
+    }
+    const auto iv = [](const at::Tensor* t) {
+      return t != nullptr && t->defined() ? c10::IValue(*t) : c10::IValue();
+    };
+    auto res = LinearPairAccumFn::apply(*x, *wa, *wb, iv(ba), iv(bb));
+    *a_out = new at::Tensor(res[0]);
+    *b_out = new at::Tensor(res[1]);
   });
 }
 

@@ -271,3 +271,104 @@ fn rounds_once_case(dev: Device) {
         once.numel()
     );
 }
+
+/// `linear_pair_accumulating`: the two projections of one input as two `linear_accumulating`
+/// calls compute them (forward, x's gradient, both weights' and biases' `.grad` over three
+/// micro-batches; f64 on the CPU to 1e-12), also when only one output gets a gradient.
+#[test]
+fn pair_accumulates_like_two_linears() {
+    use verl_torch_ext::linear_pair_accumulating;
+    tch::manual_seed(9);
+    let opts = (Kind::Double, Device::Cpu);
+    let leaf = |t: &Tensor| t.detach().copy().set_requires_grad(true);
+    let (wa0, wb0) = (Tensor::randn([6, 4], opts), Tensor::randn([5, 4], opts));
+    let (ba0, bb0) = (Tensor::randn([6], opts), Tensor::randn([5], opts));
+    let (wa, wb, ba, bb) = (leaf(&wa0), leaf(&wb0), leaf(&ba0), leaf(&bb0));
+    let (wa_r, wb_r, ba_r, bb_r) = (leaf(&wa0), leaf(&wb0), leaf(&ba0), leaf(&bb0));
+    for mb in 0..3 {
+        let x = Tensor::randn([2, 3, 4], opts).set_requires_grad(true);
+        let x_ref = leaf(&x);
+        let (ga, gb) = (
+            Tensor::randn([2, 3, 6], opts),
+            Tensor::randn([2, 3, 5], opts),
+        );
+        let (a, b) = linear_pair_accumulating(&x, &wa, &wb, Some(&ba), Some(&bb)).unwrap();
+        let a_ref = linear_accumulating(&x_ref, &wa_r, Some(&ba_r)).unwrap();
+        let b_ref = linear_accumulating(&x_ref, &wb_r, Some(&bb_r)).unwrap();
+        assert!(
+            max_abs(&a, &a_ref) < 1e-12 && max_abs(&b, &b_ref) < 1e-12,
+            "forward {mb}"
+        );
+        // The last micro-batch's loss reads only the first output.
+        let loss = |a: &Tensor, b: &Tensor| {
+            if mb == 2 {
+                (a * &ga).sum(Kind::Double)
+            } else {
+                (a * &ga).sum(Kind::Double) + (b * &gb).sum(Kind::Double)
+            }
+        };
+        loss(&a, &b).backward();
+        loss(&a_ref, &b_ref).backward();
+        assert!(max_abs(&x.grad(), &x_ref.grad()) < 1e-12, "x grad {mb}");
+        for (got, want, name) in [
+            (&wa, &wa_r, "wa"),
+            (&wb, &wb_r, "wb"),
+            (&ba, &ba_r, "ba"),
+            (&bb, &bb_r, "bb"),
+        ] {
+            assert!(
+                max_abs(&got.grad(), &want.grad()) < 1e-12,
+                "{name} grad after {mb}"
+            );
+        }
+    }
+    assert!(wb.grad().abs().sum(Kind::Double).double_value(&[]) > 0.0);
+    // Mismatched weights are named.
+    let x = Tensor::randn([7, 4], opts);
+    let e = linear_pair_accumulating(&x, &wa, &Tensor::zeros([3, 5], opts), None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("linear_pair_accum"), "{e}");
+}
+
+/// On CUDA in bf16 the pair's input gradient (one GEMM, then one accumulating GEMM) has the bits
+/// of two GEMMs and autograd's separate add, and the weights' `.grad` those of two
+/// `linear_accumulating` calls.
+#[test]
+fn pair_input_gradient_has_the_bits_of_two_gemms_and_an_add_on_cuda() {
+    use verl_torch_ext::linear_pair_accumulating;
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    tch::manual_seed(10);
+    let dev = Device::Cuda(0);
+    let opts = (Kind::BFloat16, dev);
+    let leaf = |t: &Tensor| t.detach().copy().set_requires_grad(true);
+    let (wa0, wb0) = (
+        Tensor::randn([384, 256], opts),
+        Tensor::randn([384, 256], opts),
+    );
+    let (wa, wb, wa_r, wb_r) = (leaf(&wa0), leaf(&wb0), leaf(&wa0), leaf(&wb0));
+    for mb in 0..3 {
+        let x = Tensor::randn([512, 256], opts).set_requires_grad(true);
+        let x_ref = leaf(&x);
+        let (ga, gb) = (
+            Tensor::randn([512, 384], opts),
+            Tensor::randn([512, 384], opts),
+        );
+        let (a, b) = linear_pair_accumulating(&x, &wa, &wb, None, None).unwrap();
+        ((&a * &ga).sum(Kind::Float) + (&b * &gb).sum(Kind::Float)).backward();
+        let a_ref = linear_accumulating(&x_ref, &wa_r, None).unwrap();
+        let b_ref = linear_accumulating(&x_ref, &wb_r, None).unwrap();
+        ((&a_ref * &ga).sum(Kind::Float) + (&b_ref * &gb).sum(Kind::Float)).backward();
+        assert!(
+            x.grad().equal(&x_ref.grad()),
+            "x grad bits, micro-batch {mb}"
+        );
+        assert!(
+            wa.grad().equal(&wa_r.grad()) && wb.grad().equal(&wb_r.grad()),
+            "W grads {mb}"
+        );
+    }
+}

@@ -4,9 +4,10 @@
 
 use tch::{Device, Kind, Tensor};
 use verl_torch_ext::{
-    add_rms_norm, add_rms_norm_autograd, add_rms_norm_autograd_applies, cuda_graphs_compiled,
-    gather_rows, gather_rows_inverse, rope, rope_autograd, rope_store, row_kernels_available,
-    row_kernels_compile_check, sample_rows, silu_mul, swiglu, token_stats, token_stats_grad,
+    add_rms_norm, add_rms_norm_accumulating, add_rms_norm_autograd, add_rms_norm_autograd_applies,
+    cuda_graphs_compiled, gather_rows, gather_rows_inverse, rope, rope_autograd, rope_store,
+    row_kernels_available, row_kernels_compile_check, sample_rows, silu_mul, swiglu, token_stats,
+    token_stats_grad,
 };
 
 #[test]
@@ -653,6 +654,72 @@ fn add_rms_norm_autograd_matches_fp64_autograd() {
         &Tensor::randn([2, 64], (Kind::Float, dev)),
         &Tensor::ones([64], (Kind::Float, dev))
     ));
+}
+
+/// `add_rms_norm_accumulating`: the same forward and input gradients as `add_rms_norm_autograd`
+/// (bit for bit), and the weight's gradient summed straight into `weight.grad` over three
+/// micro-batches (made on the first; one rounding each), as fp64 autograd accumulates it; autograd
+/// itself hands the weight nothing.
+#[test]
+fn add_rms_norm_accumulating_sums_the_weight_gradient_into_grad() {
+    let Some(dev) = gpu() else { return };
+    tch::manual_seed(37);
+    let eps = 1e-6;
+    for (kind, hidden) in [
+        (Kind::BFloat16, 1536i64),
+        (Kind::Half, 3584),
+        (Kind::BFloat16, 64),
+    ] {
+        let w0 = (Tensor::rand([hidden], (Kind::Float, dev)) + 0.5).to_kind(kind);
+        let w = w0.detach().copy().set_requires_grad(true);
+        let w_auto = w0.detach().copy().set_requires_grad(true);
+        let wd = w0.to_kind(Kind::Double).set_requires_grad(true);
+        for mb in 0..3 {
+            let mk = |scale: f64| {
+                (Tensor::randn([300, hidden], (Kind::Float, dev)) * scale).to_kind(kind)
+            };
+            let (x0, d0, gy) = (mk(2.0), mk(1.0), mk(1.0));
+            let leaf = |t: &Tensor| t.detach().copy().set_requires_grad(true);
+            let (x, x_auto) = (leaf(&x0), leaf(&x0));
+            let (_, out) = add_rms_norm_accumulating(&x, Some(&d0), &w, eps).unwrap();
+            let (_, out_auto) = add_rms_norm_autograd(&x_auto, Some(&d0), &w_auto, eps).unwrap();
+            assert!(
+                bits_equal(&out, &out_auto),
+                "{kind:?} {hidden} forward {mb}"
+            );
+            (&out * &gy).sum(Kind::Float).backward();
+            (&out_auto * &gy).sum(Kind::Float).backward();
+            assert!(
+                bits_equal(&x.grad(), &x_auto.grad()),
+                "{kind:?} {hidden}: d x {mb}"
+            );
+            let h = (&x0 + &d0).to_kind(Kind::Double);
+            let rstd = (h.square().mean_dim([-1i64].as_slice(), true, Kind::Double) + eps).rsqrt();
+            (&h * rstd * &wd * gy.to_kind(Kind::Double))
+                .sum(Kind::Double)
+                .backward();
+            let err = rel_err(&w.grad(), &wd.grad());
+            assert!(
+                err < 1e-2,
+                "{kind:?} {hidden}: weight .grad after {mb} differs by {err}"
+            );
+            assert_eq!(w.grad().kind(), kind);
+            // Close to autograd's accumulation (which rounds each micro-batch's sum before
+            // adding it).
+            let err = rel_err(&w.grad(), &w_auto.grad());
+            assert!(
+                err < 1e-2,
+                "{kind:?} {hidden}: vs autograd's .grad after {mb}: {err}"
+            );
+        }
+        // The weight gets nothing through autograd itself.
+        let x = Tensor::randn([5, hidden], (kind, dev)).set_requires_grad(true);
+        let wl = w0.detach().copy().set_requires_grad(true);
+        let (_, out) = add_rms_norm_accumulating(&x, None, &wl, eps).unwrap();
+        let got = Tensor::run_backward(&[out.sum(Kind::Float)], &[&x, &wl], false, true);
+        assert!(got[0].defined());
+        assert!(!got[1].defined() || got[1].abs().max().double_value(&[]) == 0.0);
+    }
 }
 
 /// The row gather with the atomics-free backward: the forward is `index_select` bit for bit; the

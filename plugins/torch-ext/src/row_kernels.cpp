@@ -1813,13 +1813,14 @@ void add_rms_norm(const at::Tensor* x, const at::Tensor* delta, const at::Tensor
            "cuLaunchKernel(vt_add_rms_norm)");
 }
 
+void cols_sum_into(const at::Tensor& x, const at::Tensor& out, bool accumulate);
+
 // The backward of add_rms_norm (see vt_add_rms_norm_bwd): dx [R, H] (h's dtype) of the rows
 // `h` [R, H] normalised with `weight` [H], for the gradient `dy` of the normed rows plus `gs`
 // (nullable) arriving at the rows themselves, and the weight's gradient (in its dtype). 16-bit
 // dtypes, H % 8 == 0 and H <= 8192; every tensor contiguous and 16-byte aligned (the caller
-// copies where not).
-void cols_sum_into(const at::Tensor& x, const at::Tensor& out, bool accumulate);
-
+// copies where not). With `grad_into` (the weight's .grad, possibly undefined) the weight's
+// gradient is added there instead (made on first use) and the second result is undefined.
 std::pair<at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor& dy, const at::Tensor& gs,
                                                    const at::Tensor& h, const at::Tensor& weight,
                                                    double eps, at::Tensor* grad_into = nullptr) {

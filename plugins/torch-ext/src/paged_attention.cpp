@@ -194,11 +194,28 @@ VT_DEV long long vt_slot(const VtPaParams& p, const long long* tab, long long po
   return (tab[b] * p.block_size + o) * p.kv_row_stride;
 }
 
+// Where the 4 warps' unnormalised outputs sit in shared memory: warp w's value of head h, dim d
+// at sm_o[w][VtOut<D>::at(h, d)]. With D % 64 == 0 (the tensor-core kernels) every run of D / 8
+// dims is followed by one unused float and heads lie D + 12 floats apart, so the 32 lanes of a
+// vt_tc_finish store (lane (r, c): head 2c or 2c + 1, dims r D/8 + 2i or + 1) hit 32 distinct
+// banks; in a dense [8][D] layout they hit 2 (D = 128) or 4 (D = 64), serialising each store
+// 16- or 8-fold. The combine's reads (consecutive dims per thread) stay at most 2-way.
+template <int D>
+struct VtOut {
+  static constexpr bool padded = D % 64 == 0;
+  static constexpr int run = D / 8;
+  static constexpr int pitch = padded ? D + 12 : D;
+  static constexpr int size = 8 * pitch;
+  static VT_DEV int at(int h, int d) {
+    return padded ? h * pitch + (d / run) * (run + 1) + d % run : h * D + d;
+  }
+};
+
 // Merges the 4 warps' (max, sum, unnormalised output) per head and writes the result: the final
 // output (one split) or the split's normalised partial output and log-sum-exp.
 template <typename T, int D>
 VT_DEV void vt_combine(const VtPaParams& p, int s, int head0, int nh, int part,
-                       float (*sm_m)[8], float (*sm_l)[8], float (*sm_o)[8][D]) {
+                       float (*sm_m)[8], float (*sm_l)[8], float (*sm_o)[VtOut<D>::size]) {
   __syncthreads();
   const float ninf = vt_neg_inf();
   for (int idx = threadIdx.x; idx < nh * D; idx += 128) {
@@ -213,7 +230,7 @@ VT_DEV void vt_combine(const VtPaParams& p, int s, int head0, int nh, int part,
         if (mw != ninf) {
           const float f = vt_exp2(mw - mx);
           l += f * sm_l[w][h];
-          o += f * sm_o[w][h][d];
+          o += f * sm_o[w][VtOut<D>::at(h, d)];
         }
       }
     }
@@ -253,7 +270,7 @@ VT_DEV void vt_simt_body(const VtPaParams& p) {
   constexpr int DPL = (D + 31) / 32;
   __shared__ float sm_m[4][8];
   __shared__ float sm_l[4][8];
-  __shared__ float sm_o[4][8][D];
+  __shared__ float sm_o[4][VtOut<D>::size];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const VtBlock b = vt_block(p);
   const float ninf = vt_neg_inf();
@@ -310,7 +327,7 @@ VT_DEV void vt_simt_body(const VtPaParams& p) {
 #pragma unroll
     for (int j = 0; j < DPL; ++j) {
       const int d = lane + 32 * j;
-      if (d < D) sm_o[warp][h][d] = acc[h][j];
+      if (d < D) sm_o[warp][VtOut<D>::at(h, d)] = acc[h][j];
     }
   }
   vt_combine<T, D>(p, b.s, b.head0, b.nh, b.part, sm_m, sm_l, sm_o);
@@ -394,7 +411,7 @@ VT_DEV void vt_tc_step(const vt_u32 (&qa)[D / 16][2], float (&o)[D / 16][4], flo
 template <typename T, int D>
 VT_DEV void vt_tc_finish(const VtPaParams& p, int row, int head0, int nh, int part,
                          const float (&o)[D / 16][4], float m, float l, int warp, int r, int c,
-                         float (*sm_m)[8], float (*sm_l)[8], float (*sm_o)[8][D]) {
+                         float (*sm_m)[8], float (*sm_l)[8], float (*sm_o)[VtOut<D>::size]) {
   constexpr int NK = D / 16;
   l += vt_shfl_xor(l, 1);
   l += vt_shfl_xor(l, 2);
@@ -405,10 +422,10 @@ VT_DEV void vt_tc_finish(const VtPaParams& p, int row, int head0, int nh, int pa
 #pragma unroll
   for (int i = 0; i < NK; ++i) {
     const int d0 = r * (D / 8) + 2 * i;
-    sm_o[warp][2 * c][d0] = o[i][0];
-    sm_o[warp][2 * c + 1][d0] = o[i][1];
-    sm_o[warp][2 * c][d0 + 1] = o[i][2];
-    sm_o[warp][2 * c + 1][d0 + 1] = o[i][3];
+    sm_o[warp][VtOut<D>::at(2 * c, d0)] = o[i][0];
+    sm_o[warp][VtOut<D>::at(2 * c + 1, d0)] = o[i][1];
+    sm_o[warp][VtOut<D>::at(2 * c, d0 + 1)] = o[i][2];
+    sm_o[warp][VtOut<D>::at(2 * c + 1, d0 + 1)] = o[i][3];
   }
   vt_combine<T, D>(p, row, head0, nh, part, sm_m, sm_l, sm_o);
 }
@@ -511,7 +528,7 @@ VT_DEV void vt_tc_body(const VtPaParams& p) {
   constexpr int NV = D / 64;   // 16-byte V vectors per lane per key
   __shared__ float sm_m[4][8];
   __shared__ float sm_l[4][8];
-  __shared__ float sm_o[4][8][D];
+  __shared__ float sm_o[4][VtOut<D>::size];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, c = lane & 3;
   const VtBlock b = vt_block(p);
@@ -551,7 +568,7 @@ VT_DEV void vt_tc_multi_body(const VtPaParams& p) {
   constexpr int Q = VtMq<T, D>::Q;
   __shared__ float sm_m[4][8];
   __shared__ float sm_l[4][8];
-  __shared__ float sm_o[4][8][D];
+  __shared__ float sm_o[4][VtOut<D>::size];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, c = lane & 3;
   const int n = p.queries;

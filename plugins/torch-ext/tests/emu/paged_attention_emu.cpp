@@ -483,11 +483,50 @@ bool run_multi_case(const char* name, int H, int KVH, int BS, int t,
   return ok;
 }
 
+// The shared-memory layout of the warps' partial outputs (VtOut): every (head, dim) has its own
+// slot inside the array, and each store instruction of vt_tc_finish (lane (r, c) writes head
+// 2c + (k & 1), dim r D/8 + 2i + (k >> 1)) puts its 32 lanes in 32 distinct 4-byte banks.
+template <int D>
+bool check_out_layout() {
+  std::vector<int> seen(VtOut<D>::size, 0);
+  for (int h = 0; h < 8; ++h) {
+    for (int d = 0; d < D; ++d) {
+      const int a = VtOut<D>::at(h, d);
+      if (a < 0 || a >= VtOut<D>::size || seen[a]++) {
+        std::printf("FAIL out layout D=%d: (%d, %d) -> %d collides or is out of range\n", D, h, d, a);
+        return false;
+      }
+    }
+  }
+  if (D % 64 != 0) {  // CUDA-core kernel only: dense
+    std::printf("ok   out layout D=%d (dense)\n", D);
+    return true;
+  }
+  for (int i = 0; i < D / 16; ++i) {
+    for (int k = 0; k < 4; ++k) {
+      bool bank[32] = {};
+      for (int lane = 0; lane < 32; ++lane) {
+        const int r = lane >> 2, c = lane & 3;
+        const int b = VtOut<D>::at(2 * c + (k & 1), r * (D / 8) + 2 * i + (k >> 1)) % 32;
+        if (bank[b]) {
+          std::printf("FAIL out layout D=%d: store (i=%d, k=%d) has a bank conflict\n", D, i, k);
+          return false;
+        }
+        bank[b] = true;
+      }
+    }
+  }
+  std::printf("ok   out layout D=%d (tensor-core stores conflict-free)\n", D);
+  return true;
+}
+
 int main() {
   for (auto& w : g_warp) w = new Barrier(32);
   bool ok = true;
   const std::vector<long long> ragged = {1, 37, 0, 100, 16, 65};
   const std::vector<long long> short_ragged = {1, 19, 0, 40};
+  ok &= check_out_layout<64>() && check_out_layout<80>() && check_out_layout<128>() &&
+        check_out_layout<192>() && check_out_layout<256>();
   // Tensor-core kernel.
   ok &= run_case<vt_bf16, 64>({"tc bf16 14/2 bs16", 1, 14, 2, 16, 1, 0, ragged, 3e-2}, 1);
   ok &= run_case<vt_bf16, 64>({"tc bf16 14/2 bs16 window 50 split", 1, 14, 2, 16, 3, 50, ragged, 3e-2}, 2);

@@ -360,6 +360,10 @@ fn round4(x: f64) -> f64 {
     (x * 1e4).round() / 1e4
 }
 
+/// One phase's memory readings (GiB): device memory in use after it, the peak held by tensors
+/// during it, and (held by tensors, free inside partly used cached segments) after it.
+type PhaseMemory = (Option<f64>, Option<f64>, Option<(f64, f64)>);
+
 fn meta_f64(b: &Batch, key: &str) -> Option<f64> {
     b.meta().get(key).and_then(Value::as_f64)
 }
@@ -529,25 +533,33 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     let mut peak_alloc: Option<f64> = None;
     let mut mem_source = String::new();
     // The device memory in use after a phase (GiB), folded into the peak, and the allocator's
-    // peak held by tensors during the phase (CUDA; the `memory` call resets it each time).
-    let mut probe = |actor: &mut verl_plugin_api::client::ActorClient| -> anyhow::Result<(
-        Option<f64>,
-        Option<f64>,
-    )> {
-        let m = actor.call("memory", &Batch::new(), &json!({}))?;
-        let used = meta_f64(&m, "peak_gb").or_else(|| meta_f64(&m, "used_gb"));
-        if let Some(u) = used {
-            peak_mem = peak_mem.max(u);
-        }
-        let alloc = meta_f64(&m, "max_allocated_gb");
-        if let Some(p) = alloc {
-            peak_alloc = Some(peak_alloc.map_or(p, |q| q.max(p)));
-        }
-        if let Some(src) = m.meta().get("source").and_then(Value::as_str) {
-            mem_source = src.to_string();
-        }
-        Ok((used, alloc))
-    };
+    // peak held by tensors during the phase (CUDA; the `memory` call resets it each time); then
+    // what tensors hold after the phase and the allocator's cached segments that are partly in
+    // use (not releasable: the next generation's KV budget counts them as used).
+    let mut probe =
+        |actor: &mut verl_plugin_api::client::ActorClient| -> anyhow::Result<PhaseMemory> {
+            let m = actor.call("memory", &Batch::new(), &json!({}))?;
+            let used = meta_f64(&m, "peak_gb").or_else(|| meta_f64(&m, "used_gb"));
+            if let Some(u) = used {
+                peak_mem = peak_mem.max(u);
+            }
+            let alloc = meta_f64(&m, "max_allocated_gb");
+            if let Some(p) = alloc {
+                peak_alloc = Some(peak_alloc.map_or(p, |q| q.max(p)));
+            }
+            if let Some(src) = m.meta().get("source").and_then(Value::as_str) {
+                mem_source = src.to_string();
+            }
+            let held = match (
+                meta_f64(&m, "allocated_gb"),
+                meta_f64(&m, "reserved_gb"),
+                meta_f64(&m, "releasable_gb"),
+            ) {
+                (Some(a), Some(r), Some(f)) => Some((a, (r - a - f).max(0.0))),
+                _ => None,
+            };
+            Ok((used, alloc, held))
+        };
     probe(&mut actor)?;
 
     let mut rng = Rng(a.seed ^ 0x5EED);
@@ -654,17 +666,29 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             .collect();
         let used: Vec<String> = mem
             .iter()
-            .filter_map(|(phase, (m, _))| m.map(|m| format!("{phase} {m:.1}")))
+            .filter_map(|(phase, (m, _, _))| m.map(|m| format!("{phase} {m:.1}")))
             .collect();
         if !used.is_empty() {
             loss.push(format!("memory GiB after {}", used.join(", ")));
         }
         let held: Vec<String> = mem
             .iter()
-            .filter_map(|(phase, (_, p))| p.map(|p| format!("{phase} {p:.1}")))
+            .filter_map(|(phase, (_, p, _))| p.map(|p| format!("{phase} {p:.1}")))
             .collect();
         if !held.is_empty() {
             loss.push(format!("tensor peak GiB in {}", held.join(", ")));
+        }
+        let after: Vec<String> = mem
+            .iter()
+            .filter_map(|(phase, (_, _, h))| {
+                h.map(|(a, stuck)| format!("{phase} {a:.1} + {stuck:.1}"))
+            })
+            .collect();
+        if !after.is_empty() {
+            loss.push(format!(
+                "held + partly-used cache GiB after {}",
+                after.join(", ")
+            ));
         }
         // What the generation spent outside its decode steps' replays (CUDA only).
         if let Some(n) = meta_f64(&gen, "rollout/cuda_graphs").filter(|&n| n > 0.0) {
@@ -673,6 +697,24 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
                 meta_f64(&gen, "rollout/cuda_graph_capture_s").unwrap_or(0.0),
                 meta_f64(&gen, "rollout/cuda_graph_steps").unwrap_or(0.0)
             ));
+        }
+        // The KV pool the call ran with (a pool too small for every sequence at once makes the
+        // engine run fewer at a time, or preempt): a later step can get less than the first,
+        // once the optimizer's state exists.
+        if let Some(tokens) = meta_f64(&gen, "rollout/kv_cache_tokens") {
+            let mut kv = format!("kv pool {tokens:.0} tokens");
+            if let Some(gb) = meta_f64(&gen, "rollout/kv_budget_gb") {
+                kv.push_str(&format!(" (budget {gb:.1} GiB)"));
+            }
+            for (key, name) in [
+                ("rollout/max_running", "max running"),
+                ("rollout/preemptions", "preemptions"),
+            ] {
+                if let Some(v) = meta_f64(&gen, key) {
+                    kv.push_str(&format!(", {name} {v:.0}"));
+                }
+            }
+            loss.push(kv);
         }
         eprintln!(
             "[bench] step {}/{}: gen {:.3}s old {:.3}s ref {:.3}s update {:.3}s step {:.3}s {}",

@@ -94,7 +94,9 @@ pub fn calibrate(device: Device, options: &serde_json::Value) -> Result<Batch> {
 /// Device memory now. On CUDA: `used_gb` = total − free from `cuMemGetInfo` (GiB): everything on
 /// the GPU — CUDA context, the caching allocator's reserve (which keeps what a phase used), other
 /// processes; and the caching allocator's own readings (where it keeps statistics):
-/// `allocated_gb` (held by tensors now), `reserved_gb` (segments held from the driver now) and
+/// `allocated_gb` (held by tensors now), `reserved_gb` (segments held from the driver now),
+/// `releasable_gb` (the part of those segments that holds no tensor at all, which the KV cache's
+/// budget counts as free) and
 /// `max_allocated_gb` (the peak held by tensors since the previous `memory` call, which resets it:
 /// called after each phase, the phase's own peak, as `torch.cuda.max_memory_allocated` after
 /// `reset_peak_memory_stats`). On the CPU:
@@ -124,6 +126,7 @@ pub fn memory(device: Device, role_bytes: usize) -> Result<Batch> {
                     (st.max_allocated as f64 / gib).into(),
                 );
                 m.insert("reserved_gb".into(), (st.reserved as f64 / gib).into());
+                m.insert("releasable_gb".into(), (st.releasable as f64 / gib).into());
                 // The next call's peak is the next phase's.
                 let _ = verl_torch_ext::cuda_reset_peak_memory_stats(gpu);
             }

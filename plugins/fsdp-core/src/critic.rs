@@ -47,6 +47,9 @@ impl FsdpCritic {
         let device = config::device(&trainer, init.local_rank)?;
         let dp = Dp::join(init, "critic", device)?;
         let dp_size = dp.size;
+        if device.is_cuda() {
+            crate::actor::expandable_segments(dp_size);
+        }
         let critic: CriticSection = section(cfg, "critic")?;
         let actor_model: ModelSection = section(cfg, "actor_rollout_ref.model")?;
         let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
@@ -77,6 +80,16 @@ impl FsdpCritic {
         }
         let loss_cfg: CriticLossConfig = section(cfg, "critic")?;
         let loss = CriticLoss::from_config(&loss_cfg)?;
+        let offload = Offload {
+            params: fsdp.param_offload,
+            optimizer: fsdp.optimizer_offload,
+        };
+        crate::train::warn_offload_without_sharding(
+            offload,
+            &dp,
+            device,
+            "critic.model.fsdp_config",
+        );
         let train = TrainableModel::new_on(
             model,
             precision,
@@ -85,10 +98,7 @@ impl FsdpCritic {
             critic.grad_clip,
             &dp,
             Sharding {
-                offload: Offload {
-                    params: fsdp.param_offload,
-                    optimizer: fsdp.optimizer_offload,
-                },
+                offload,
                 reshard_after_forward: fsdp.reshard_after_forward,
             },
         )?;

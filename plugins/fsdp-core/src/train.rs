@@ -14,7 +14,7 @@
 
 use std::path::Path;
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 use verl_nn::{Checkpoint, NnError, SaveOptions, Transformer};
 
 use crate::config::{OptimSection, Precision};
@@ -69,6 +69,26 @@ impl Default for Sharding {
         Sharding {
             offload: Offload::default(),
             reshard_after_forward: true,
+        }
+    }
+}
+
+/// Warns that `{section}.param_offload` / `optimizer_offload` do nothing for a one-rank job on a
+/// GPU: one rank keeps the whole model, its gradients and its optimizer state on its device (the
+/// offload keys act on the sharded state of several ranks).
+pub fn warn_offload_without_sharding(offload: Offload, dp: &Dp, device: Device, section: &str) {
+    if dp.is_sharded() || !device.is_cuda() {
+        return;
+    }
+    for (on, key) in [
+        (offload.params, "param_offload"),
+        (offload.optimizer, "optimizer_offload"),
+    ] {
+        if on {
+            tracing::warn!(
+                "{section}.{key}=true has no effect with one data-parallel rank: the parameters, \
+                 gradients and optimizer state stay on the device"
+            );
         }
     }
 }

@@ -49,6 +49,7 @@ extern "C" {
     fn vt_free_error(e: *mut c_char);
     fn vt_cuda_graphs_compiled() -> i32;
     fn vt_cuda_empty_cache() -> *mut c_char;
+    fn vt_cuda_allocator_settings(settings: *const c_char) -> *mut c_char;
     fn vt_cuda_memory_stats(device: i64, out: *mut i64) -> *mut c_char;
     fn vt_cuda_reset_peak_memory_stats(device: i64) -> *mut c_char;
     fn vt_prefer_cublaslt() -> *mut c_char;
@@ -193,6 +194,23 @@ pub(crate) fn adopt(
 pub fn cuda_empty_cache() -> Result<()> {
     // SAFETY: no arguments; errors come back as a malloc'ed string.
     check("cuda_empty_cache", unsafe { vt_cuda_empty_cache() })
+}
+
+/// `torch.cuda.memory._set_allocator_settings(settings)`: the CUDA caching allocator takes
+/// `settings` (`PYTORCH_CUDA_ALLOC_CONF` syntax, e.g. `expandable_segments:True`) from now on,
+/// for the segments it creates later. An error in a build without CUDA, or for settings libtorch
+/// rejects.
+pub fn set_cuda_allocator_settings(settings: &str) -> Result<()> {
+    let c = std::ffi::CString::new(settings).map_err(|_| TorchExtError::Input {
+        what: "cuda_allocator_settings",
+        expected: "text without NUL bytes".into(),
+        found: format!("{settings:?}"),
+    })?;
+    // SAFETY: a NUL-terminated string that outlives the call; errors come back as a malloc'ed
+    // string.
+    check("cuda_allocator_settings", unsafe {
+        vt_cuda_allocator_settings(c.as_ptr())
+    })
 }
 
 /// The CUDA caching allocator's statistics for one device (bytes), as `torch.cuda` reports them.

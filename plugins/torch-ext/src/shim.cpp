@@ -40,6 +40,7 @@
 
 #ifdef VERL_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -427,6 +428,20 @@ char* vt_cuda_empty_cache() {
   return vt_util::guarded([&] {
 #ifdef VERL_WITH_CUDA
     c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+  });
+}
+
+// `torch.cuda.memory._set_allocator_settings(settings)`: parses allocator options
+// ("expandable_segments:True", ...) into the caching allocator's configuration at run time; new
+// segments follow them. Reports that CUDA is missing in a build without it.
+char* vt_cuda_allocator_settings(const char* settings) {
+  return vt_util::guarded([&] {
+    if (settings == nullptr) throw std::invalid_argument("cuda_allocator_settings: null settings");
+#ifdef VERL_WITH_CUDA
+    c10::CachingAllocator::setAllocatorSettings(std::string(settings));
+#else
+    throw std::runtime_error("cuda_allocator_settings: this build of the torch extension has no CUDA");
 #endif
   });
 }

@@ -51,3 +51,25 @@ fn statistics_follow_allocations_and_the_releasable_cache() {
         "{released:?} vs {freed:?}"
     );
 }
+
+/// `set_cuda_allocator_settings` hands its text to libtorch's allocator-settings parser: a known
+/// option at its default value is taken, an unknown one is refused with libtorch's message, text
+/// with a NUL byte never reaches it. (The parser is libtorch's own, with or without a device.)
+#[test]
+fn allocator_settings_are_parsed_by_libtorch() {
+    use verl_torch_ext::set_cuda_allocator_settings;
+    match set_cuda_allocator_settings("expandable_segments:False") {
+        Ok(()) => {
+            let e = set_cuda_allocator_settings("verl_no_such_option:1")
+                .expect_err("an unknown allocator option must be refused")
+                .to_string();
+            assert!(e.contains("verl_no_such_option"), "{e}");
+        }
+        // A build of the extension without CUDA says so.
+        Err(e) => assert!(e.to_string().contains("no CUDA"), "{e}"),
+    }
+    let e = set_cuda_allocator_settings("expandable_segments:\0True")
+        .expect_err("NUL inside the settings")
+        .to_string();
+    assert!(e.contains("without NUL"), "{e}");
+}

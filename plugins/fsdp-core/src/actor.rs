@@ -159,6 +159,12 @@ pub fn batch_invariant_gemms() {
 /// it belongs before the role's first CUDA tensor. Several ranks keep libtorch's default (not
 /// measured with NCCL here).
 pub fn expandable_segments(world: usize) {
+    // Once per process (every role of a one-process job calls this).
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| apply_allocator_settings(world));
+}
+
+fn apply_allocator_settings(world: usize) {
     let get = |k: &str| std::env::var(k).ok();
     let Some(settings) = allocator_settings_plan(get, world) else {
         return;

@@ -7,11 +7,35 @@ venv="$root/.venv"
 torch_version="2.11.0"
 py="${PYTHON:-python3}"
 
+# Free space under a path in GiB (the filesystem holding it, or its nearest existing parent).
+free_gib() {
+  local d="$1"
+  while [ ! -e "$d" ]; do d="$(dirname "$d")"; done
+  df -Pk "$d" | awk 'NR==2 { printf "%.1f", $4 / 1048576 }'
+}
+# Stops before a download that cannot fit: pip's own error comes only after minutes of download
+# ("[Errno 28] No space left on device"), and a half-installed venv is left behind.
+# VERL_SKIP_DISK_CHECK=1 skips it.
+need_space() {
+  local path="$1" gib="$2" what="$3" have
+  [ "${VERL_SKIP_DISK_CHECK:-0}" = "1" ] && return 0
+  have="$(free_gib "$path")"
+  if awk -v h="$have" -v n="$gib" 'BEGIN { exit !(h < n) }'; then
+    echo "[setup] error: $what needs about $gib GiB free at $path; the filesystem has $have GiB free" >&2
+    echo "[setup] free some space (or set VERL_SKIP_DISK_CHECK=1 to try anyway)" >&2
+    exit 1
+  fi
+}
+
 if [ ! -x "$venv/bin/python" ]; then
   echo "[setup] creating $venv"
   "$py" -m venv "$venv"
 fi
 if ! "$venv/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.split('+')[0]=='$torch_version' else 1)" 2>/dev/null; then
+  # The wheels with their CUDA libraries take ~5 GiB installed, plus the largest wheel while it
+  # unpacks; the build after it (target/) takes ~6 GiB more.
+  need_space "$venv" 7 "installing torch==$torch_version"
+  need_space "${TMPDIR:-/tmp}" 1.5 "unpacking torch's wheels (TMPDIR)"
   echo "[setup] installing torch==$torch_version into $venv (one time, ~1 min)"
   "$venv/bin/pip" install -q --no-cache-dir --disable-pip-version-check "torch==$torch_version"
 fi
@@ -27,6 +51,10 @@ stamp="$venv/.verl-requirements.sha256"
 want="$(sha256sum "$req" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[setup] installing test requirements ($req)"
-  "$venv/bin/pip" install -q --disable-pip-version-check -r "$req"
+  "$venv/bin/pip" install -q --no-cache-dir --disable-pip-version-check -r "$req"
   echo "$want" > "$stamp"
+fi
+# The first build of the workspace (debug for the tests, release for the quickstart) writes ~6 GiB.
+if [ ! -d "$root/target" ]; then
+  need_space "$root" 6 "the first cargo build (target/)"
 fi

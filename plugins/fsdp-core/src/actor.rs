@@ -380,12 +380,16 @@ impl FsdpActor {
             params: actor.fsdp_config.param_offload,
             optimizer: actor.fsdp_config.optimizer_offload,
         };
-        crate::train::warn_offload_without_sharding(
-            offload,
-            &dp,
-            device,
-            "actor_rollout_ref.actor.fsdp_config",
-        );
+        let offload = if dp.is_sharded() {
+            offload
+        } else {
+            crate::train::one_rank_offload(
+                offload,
+                precision,
+                device,
+                "actor_rollout_ref.actor.fsdp_config",
+            )
+        };
         let train = TrainableModel::new_on(
             model,
             precision,

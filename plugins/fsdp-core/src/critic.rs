@@ -84,12 +84,11 @@ impl FsdpCritic {
             params: fsdp.param_offload,
             optimizer: fsdp.optimizer_offload,
         };
-        crate::train::warn_offload_without_sharding(
-            offload,
-            &dp,
-            device,
-            "critic.model.fsdp_config",
-        );
+        let offload = if dp.is_sharded() {
+            offload
+        } else {
+            crate::train::one_rank_offload(offload, precision, device, "critic.model.fsdp_config")
+        };
         let train = TrainableModel::new_on(
             model,
             precision,

@@ -27,6 +27,18 @@ pub struct AdamW {
 
 impl AdamW {
     pub fn new(cfg: &OptimSection, prefix: &str, params: &[Tensor]) -> Result<AdamW> {
+        let on_cuda = params.first().is_some_and(|p| p.device().is_cuda());
+        let mut optim = Self::without_state(cfg, prefix, on_cuda)?;
+        let zeros = |p: &Tensor| p.f_zeros_like().ctx("optimizer state");
+        optim.exp_avg = params.iter().map(zeros).collect::<Result<_>>()?;
+        optim.exp_avg_sq = params.iter().map(zeros).collect::<Result<_>>()?;
+        Ok(optim)
+    }
+
+    /// An AdamW whose state the caller provides (`exp_avg`, `exp_avg_sq`: zeros shaped like the
+    /// parameters, wherever the caller keeps them); `cuda_params`: whether the steps run on a GPU
+    /// (which picks the fused kernel, see [`AdamW::fused`]).
+    pub fn without_state(cfg: &OptimSection, prefix: &str, cuda_params: bool) -> Result<AdamW> {
         if !cfg.optimizer.eq_ignore_ascii_case("adamw") {
             return Err(FsdpError::config(
                 format!("{prefix}.optimizer"),
@@ -41,39 +53,49 @@ impl AdamW {
                 format!("{:?}", cfg.betas),
             ));
         }
-        let zeros = |p: &Tensor| p.f_zeros_like().ctx("optimizer state");
-        let on_cuda = params.first().is_some_and(|p| p.device().is_cuda());
         let fused = match std::env::var("VERL_FUSED_ADAMW").as_deref() {
             Ok("0") => false,
             Ok("1") => true,
-            _ => on_cuda,
+            _ => cuda_params,
         };
         Ok(AdamW {
             betas: (cfg.betas[0], cfg.betas[1]),
             eps: cfg.eps,
             weight_decay: cfg.weight_decay,
             step: 0,
-            exp_avg: params.iter().map(zeros).collect::<Result<_>>()?,
-            exp_avg_sq: params.iter().map(zeros).collect::<Result<_>>()?,
+            exp_avg: Vec::new(),
+            exp_avg_sq: Vec::new(),
             fused,
         })
     }
 
     /// One step on `params` with `grads` (both fp32, same order as at creation).
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<()> {
-        if self.fused && !params.is_empty() {
-            return self.fused_step(params, grads, lr);
-        }
         let c = self.begin_step(lr);
-        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-            let (m, v) = (&self.exp_avg[i], &self.exp_avg_sq[i]);
-            self.update(&c, p, g, m, v)?;
-        }
-        Ok(())
+        self.step_tensors(&c, params, grads, &self.exp_avg, &self.exp_avg_sq)
     }
 
-    fn fused_step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<()> {
-        self.step += 1;
+    /// The step [`AdamW::begin_step`] counted, on a list of parameters with their gradients and
+    /// state (all on one device; any subset of the model, e.g. a chunk of offloaded state brought
+    /// to the device: the update is elementwise, so a step taken chunk by chunk equals one step
+    /// over all of them).
+    pub fn step_tensors(
+        &self,
+        c: &StepCoefficients,
+        params: &[Tensor],
+        grads: &[Tensor],
+        exp_avg: &[Tensor],
+        exp_avg_sq: &[Tensor],
+    ) -> Result<()> {
+        if params.is_empty() {
+            return Ok(());
+        }
+        if !self.fused {
+            for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+                self.update(c, p, g, &exp_avg[i], &exp_avg_sq[i])?;
+            }
+            return Ok(());
+        }
         let device = params[0].device();
         let step = Tensor::f_full([], self.step as f64, (Kind::Float, device)).ctx("AdamW step")?;
         let steps: Vec<Tensor> = params.iter().map(|_| step.shallow_clone()).collect();
@@ -81,10 +103,10 @@ impl AdamW {
             verl_torch_ext::fused_adamw(
                 params,
                 grads,
-                &self.exp_avg,
-                &self.exp_avg_sq,
+                exp_avg,
+                exp_avg_sq,
                 &steps,
-                lr,
+                c.lr,
                 self.betas,
                 self.weight_decay,
                 self.eps,

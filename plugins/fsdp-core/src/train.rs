@@ -7,6 +7,11 @@
 //! accumulators, the optimizer steps the fp32 masters, and the masters are cast back into the live
 //! model.
 //!
+//! One rank's `param_offload` (mixed precision: the fp32 masters) and `optimizer_offload` (the AdamW
+//! moments) keep that state in host memory; the optimizer step brings it to the device a chunk at a
+//! time ([`OFFLOAD_CHUNK_BYTES`]), steps the chunk and copies it back, bit for bit the step it would
+//! take on the device.
+//!
 //! On several ranks ([`crate::shard`]): each rank holds 1/world of the masters, gradient
 //! accumulators and AdamW state; the live model's parameters are empty except while a unit (or a
 //! whole call, see [`TrainableModel::with_full`]) uses them. Gradients are summed over ranks (not
@@ -23,13 +28,16 @@ use crate::error::{FsdpError, Result, TorchContext};
 use crate::optim::{clip_grad_norm, AdamW, LrSchedule};
 use crate::packing::RowLayout;
 use crate::shard::{
-    read_named, sum_bytes, Gate, Layout, MemoryStats, Offload, ShardState, Source, What,
+    bytes, read_named, sum_bytes, Gate, Layout, MemoryStats, Offload, ShardState, Source, What,
 };
 
 pub const STATE_FILE: &str = "state.json";
 pub const OPTIM_FILE: &str = "optim.safetensors";
 pub const MASTER_FILE: &str = "master.safetensors";
 pub const MODEL_DIR: &str = "model";
+/// One rank with offloaded state: the master-dtype bytes of parameters stepped per host round trip
+/// (their moments and, offloaded, their masters visit the device together).
+pub const OFFLOAD_CHUNK_BYTES: usize = 1 << 30;
 const FORMAT: &str = "verl-fsdp/1";
 
 pub struct TrainableModel {
@@ -37,8 +45,16 @@ pub struct TrainableModel {
     pub precision: Precision,
     names: Vec<String>,
     masters: Vec<Tensor>,
-    /// fp32 gradient accumulators (mixed precision only).
+    /// fp32 gradient accumulators (mixed precision only): allocated by the first backward of a
+    /// mini-batch and dropped by its optimizer step, so between updates (while the rollout engine
+    /// sizes its KV cache) they hold no device memory.
     accum: Vec<Tensor>,
+    /// Whether the master dtype differs from the compute dtype (one rank: separate fp32 masters).
+    mixed: bool,
+    /// One rank: what lives in host memory between optimizer steps (see [`Offload`]).
+    host: Offload,
+    /// Master-dtype bytes per host round trip of an offloaded step ([`OFFLOAD_CHUNK_BYTES`]).
+    offload_chunk_bytes: usize,
     optim: AdamW,
     optim_cfg: OptimSection,
     optim_key: String,
@@ -73,23 +89,33 @@ impl Default for Sharding {
     }
 }
 
-/// Warns that `{section}.param_offload` / `optimizer_offload` do nothing for a one-rank job on a
-/// GPU: one rank keeps the whole model, its gradients and its optimizer state on its device (the
-/// offload keys act on the sharded state of several ranks).
-pub fn warn_offload_without_sharding(offload: Offload, dp: &Dp, device: Device, section: &str) {
-    if dp.is_sharded() || !device.is_cuda() {
-        return;
+/// What one rank keeps in host memory for `offload` (the `*.fsdp_config` keys): the AdamW moments
+/// for `optimizer_offload`; the fp32 masters for `param_offload` only when they are separate from
+/// the model (mixed precision). Without mixed precision the masters are the parameters generation
+/// and the forward passes use, which stay on the device: then `param_offload` is dropped with a
+/// warning naming `{section}.param_offload`. Nothing is offloaded for a CPU job (the state is in
+/// host memory already).
+pub fn one_rank_offload(
+    offload: Offload,
+    precision: Precision,
+    device: Device,
+    section: &str,
+) -> Offload {
+    if !device.is_cuda() {
+        return Offload::default();
     }
-    for (on, key) in [
-        (offload.params, "param_offload"),
-        (offload.optimizer, "optimizer_offload"),
-    ] {
-        if on {
-            tracing::warn!(
-                "{section}.{key}=true has no effect with one data-parallel rank: the parameters, \
-                 gradients and optimizer state stay on the device"
-            );
-        }
+    let mixed = precision.master != precision.compute;
+    if offload.params && !mixed {
+        tracing::warn!(
+            "{section}.param_offload=true has no effect with one data-parallel rank when the \
+             master dtype equals the compute dtype ({:?}): the parameters are the model's, which \
+             generation and the forward passes use on the device",
+            precision.master
+        );
+    }
+    Offload {
+        params: offload.params && mixed,
+        optimizer: offload.optimizer,
     }
 }
 
@@ -149,6 +175,9 @@ impl TrainableModel {
                 names,
                 masters: Vec::new(),
                 accum: Vec::new(),
+                mixed: precision.master != precision.compute,
+                host: Offload::default(),
+                offload_chunk_bytes: OFFLOAD_CHUNK_BYTES,
                 optim,
                 optim_cfg,
                 optim_key: optim_key.to_string(),
@@ -164,28 +193,39 @@ impl TrainableModel {
             .map(|(n, _)| n.clone())
             .collect();
         let mixed = precision.master != model.dtype();
+        let device = model.device();
+        // `sharding.offload` as the caller resolved it for one rank ([`one_rank_offload`]);
+        // masters can only live on the host when they are not the model's parameters.
+        let host = Offload {
+            params: sharding.offload.params && mixed,
+            optimizer: sharding.offload.optimizer,
+        };
         let masters: Vec<Tensor> = model
             .named_parameters()
             .iter()
             .map(|(_, p)| {
-                if mixed {
-                    p.f_detach()
-                        .and_then(|x| x.f_to_kind(precision.master))
-                        .ctx("master weights")
-                } else {
-                    Ok(p.shallow_clone())
+                if !mixed {
+                    return Ok(p.shallow_clone());
                 }
+                let p = p.f_detach().ctx("master weights")?;
+                // Offloaded: cast on the host, so no fp32 copy of the model passes the device.
+                let p = if host.params {
+                    p.f_to_device(Device::Cpu).ctx("master weights to host")?
+                } else {
+                    p
+                };
+                p.f_to_kind(precision.master).ctx("master weights")
             })
             .collect::<Result<_>>()?;
-        let accum = if mixed {
-            masters
-                .iter()
-                .map(|m| m.f_zeros_like().ctx("gradient accumulators"))
-                .collect::<Result<_>>()?
-        } else {
-            Vec::new()
-        };
-        let optim = AdamW::new(&optim_cfg, optim_key, &masters)?;
+        let mut optim = AdamW::without_state(&optim_cfg, optim_key, device.is_cuda())?;
+        let state_device = if host.optimizer { Device::Cpu } else { device };
+        for m in &masters {
+            for state in [&mut optim.exp_avg, &mut optim.exp_avg_sq] {
+                state.push(
+                    Tensor::f_zeros(m.size(), (m.kind(), state_device)).ctx("optimizer state")?,
+                );
+            }
+        }
         // Parameters in the master dtype: micro-batch gradients accumulate in `.grad`, so the
         // weight-gradient GEMMs add into it themselves (`VERL_GRAD_ACCUM_FUSION=0`: autograd's
         // separate accumulation kernels).
@@ -198,7 +238,10 @@ impl TrainableModel {
             precision,
             names,
             masters,
-            accum,
+            accum: Vec::new(),
+            mixed,
+            host,
+            offload_chunk_bytes: OFFLOAD_CHUNK_BYTES,
             optim,
             optim_cfg,
             optim_key: optim_key.to_string(),
@@ -210,7 +253,13 @@ impl TrainableModel {
     }
 
     fn mixed(&self) -> bool {
-        !self.accum.is_empty()
+        self.mixed
+    }
+
+    /// What this one-rank model keeps in host memory between optimizer steps (nothing when
+    /// sharded: see the shards' own placement).
+    pub fn host_offload(&self) -> Offload {
+        self.host
     }
 
     pub fn is_sharded(&self) -> bool {
@@ -490,9 +539,8 @@ impl TrainableModel {
             return s.zero_grad();
         }
         verl_torch_ext::clear_grads(self.model.named_parameters().iter().map(|(_, p)| p))?;
-        for a in &mut self.accum {
-            let _ = a.f_zero_().ctx("zero gradient accumulators")?;
-        }
+        // The accumulators are allocated again (zeroed) by the next backward.
+        self.accum.clear();
         Ok(())
     }
 
@@ -502,6 +550,15 @@ impl TrainableModel {
             return Ok(());
         }
         let params = self.model.named_parameters();
+        if self.accum.is_empty() {
+            let device = self.model.device();
+            self.accum = self
+                .masters
+                .iter()
+                .map(|m| Tensor::f_zeros(m.size(), (m.kind(), device)))
+                .collect::<std::result::Result<_, _>>()
+                .ctx("gradient accumulators")?;
+        }
         tch::no_grad(|| -> Result<()> {
             for ((_, p), a) in params.iter().zip(&mut self.accum) {
                 let g = p.grad();
@@ -521,6 +578,16 @@ impl TrainableModel {
     /// The accumulated fp32 gradients (zeros for parameters that got none).
     fn grads(&self) -> Result<Vec<Tensor>> {
         if self.mixed() {
+            if self.accum.is_empty() {
+                // No backward since the last step: every gradient is zero.
+                let device = self.model.device();
+                return self
+                    .masters
+                    .iter()
+                    .map(|m| Tensor::f_zeros(m.size(), (m.kind(), device)))
+                    .collect::<std::result::Result<_, _>>()
+                    .ctx("missing gradient");
+            }
             return Ok(self.accum.iter().map(|a| a.shallow_clone()).collect());
         }
         self.model
@@ -595,14 +662,101 @@ impl TrainableModel {
             // The live parameters are empty; the next gather publishes the new weights.
             return s.step(&mut self.optim, lr);
         }
-        self.optim.step(&self.masters, grads, lr)?;
-        if self.mixed() {
+        if self.host != Offload::default() {
+            self.offloaded_step(grads, lr)?;
+        } else {
+            self.optim.step(&self.masters, grads, lr)?;
+            if self.mixed() {
+                tch::no_grad(|| -> Result<()> {
+                    for ((_, p), m) in self.model.named_parameters().iter().zip(&self.masters) {
+                        p.shallow_clone().f_copy_(m).ctx("masters → live model")?;
+                    }
+                    Ok(())
+                })?;
+            }
+        }
+        // The step consumed the accumulated gradients: free them until the next backward.
+        self.accum.clear();
+        Ok(())
+    }
+
+    /// [`TrainableModel::apply`] with state in host memory: chunks of about
+    /// [`OFFLOAD_CHUNK_BYTES`] (at least one parameter each) go to the device, take the step (the
+    /// same kernel as without offloading, so the same bits) and come back; the live model takes
+    /// the new masters from the device copies.
+    fn offloaded_step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        let device = self.model.device();
+        let c = self.optim.begin_step(lr);
+        let params = self.model.named_parameters();
+        let n = self.masters.len();
+        let budget = self.offload_chunk_bytes;
+        let mut start = 0;
+        while start < n {
+            let mut end = start;
+            let mut chunk = 0usize;
+            while end < n && (end == start || chunk + bytes(&self.masters[end]) <= budget) {
+                chunk += bytes(&self.masters[end]);
+                end += 1;
+            }
+            let visit =
+                |host: &[Tensor], offloaded: bool, what: &'static str| -> Result<Vec<Tensor>> {
+                    host.iter()
+                        .map(|t| {
+                            if offloaded {
+                                // A copy even where host and device are one (a CPU test of this path).
+                                t.f_to_device_(device, t.kind(), true, true).ctx(what)
+                            } else {
+                                Ok(t.shallow_clone())
+                            }
+                        })
+                        .collect()
+                };
+            let p = visit(
+                &self.masters[start..end],
+                self.host.params,
+                "master weights to the device",
+            )?;
+            let m = visit(
+                &self.optim.exp_avg[start..end],
+                self.host.optimizer,
+                "optimizer state to the device",
+            )?;
+            let v = visit(
+                &self.optim.exp_avg_sq[start..end],
+                self.host.optimizer,
+                "optimizer state to the device",
+            )?;
+            self.optim
+                .step_tensors(&c, &p, &grads[start..end], &m, &v)?;
             tch::no_grad(|| -> Result<()> {
-                for ((_, p), m) in self.model.named_parameters().iter().zip(&self.masters) {
-                    p.shallow_clone().f_copy_(m).ctx("masters → live model")?;
+                for (k, i) in (start..end).enumerate() {
+                    if self.host.params {
+                        self.masters[i]
+                            .shallow_clone()
+                            .f_copy_(&p[k])
+                            .ctx("master weights to host")?;
+                    }
+                    if self.host.optimizer {
+                        self.optim.exp_avg[i]
+                            .shallow_clone()
+                            .f_copy_(&m[k])
+                            .ctx("optimizer state to host")?;
+                        self.optim.exp_avg_sq[i]
+                            .shallow_clone()
+                            .f_copy_(&v[k])
+                            .ctx("optimizer state to host")?;
+                    }
+                    if self.mixed {
+                        params[i]
+                            .1
+                            .shallow_clone()
+                            .f_copy_(&p[k])
+                            .ctx("masters → live model")?;
+                    }
                 }
                 Ok(())
             })?;
+            start = end;
         }
         Ok(())
     }
@@ -913,5 +1067,245 @@ where
         (Ok(_), None) => Err(FsdpError::Api(verl_plugin_api::Error::failed(
             "the model returned a loss without running the loss function",
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Kind;
+    use verl_nn::{ModelConfig, ModelOptions};
+
+    fn tiny(dtype: Kind, seed: i64) -> Transformer {
+        tch::manual_seed(seed);
+        let cfg = ModelConfig::from_value(
+            serde_json::json!({
+                "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                "vocab_size": 48, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
+                "tie_word_embeddings": false, "initializer_range": 0.2,
+            }),
+            "inline/config.json",
+        )
+        .unwrap();
+        let opts = ModelOptions {
+            dtype,
+            ..ModelOptions::default()
+        };
+        Transformer::new(cfg, &opts).unwrap()
+    }
+
+    fn optim_cfg() -> OptimSection {
+        serde_json::from_value(serde_json::json!({"lr": 1e-2, "weight_decay": 0.01})).unwrap()
+    }
+
+    /// Everything a step leaves behind, as host fp32 copies: live parameters, masters, moments.
+    type State = (Vec<Tensor>, Vec<Tensor>, Vec<Tensor>, Vec<Tensor>);
+
+    fn snapshot(t: &TrainableModel) -> State {
+        let host = |ts: &[Tensor]| -> Vec<Tensor> {
+            ts.iter()
+                .map(|x| x.to_device(Device::Cpu).to_kind(Kind::Float).copy())
+                .collect()
+        };
+        let live: Vec<Tensor> = t
+            .model
+            .named_parameters()
+            .iter()
+            .map(|(_, p)| p.detach())
+            .collect();
+        (
+            host(&live),
+            host(&t.masters),
+            host(&t.optim.exp_avg),
+            host(&t.optim.exp_avg_sq),
+        )
+    }
+
+    /// Three mini-batches of one micro-batch each (two with two micro-batches) on `master` /
+    /// `compute` dtypes with `offload`, on the CPU.
+    fn train(
+        master: Kind,
+        compute: Kind,
+        offload: Offload,
+        chunk: usize,
+    ) -> (State, TrainableModel) {
+        let model = tiny(compute, 7);
+        let mut t = TrainableModel::new_on(
+            model,
+            Precision { master, compute },
+            optim_cfg(),
+            "actor_rollout_ref.actor.optim",
+            1.0,
+            &Dp::single(),
+            Sharding {
+                offload,
+                reshard_after_forward: true,
+            },
+        )
+        .unwrap();
+        t.offload_chunk_bytes = chunk;
+        let dp = Dp::single();
+        tch::manual_seed(11);
+        for step in 0..3u64 {
+            t.zero_grad().unwrap();
+            for _ in 0..(1 + step % 2) {
+                let ids = Tensor::randint(48, [2, 6], (Kind::Int64, Device::Cpu));
+                let _ = t
+                    .forward_backward(&dp, &ids, None, None, |logits| {
+                        Ok(logits.to_kind(Kind::Float).square().mean(Kind::Float))
+                    })
+                    .unwrap();
+                t.after_backward().unwrap();
+            }
+            t.finish_mini_batch(&dp, 1e-2, "actor", step, 0, 0).unwrap();
+        }
+        (snapshot(&t), t)
+    }
+
+    fn assert_same(a: &State, b: &State, what: &str) {
+        for (name, x, y) in [
+            ("live parameters", &a.0, &b.0),
+            ("masters", &a.1, &b.1),
+            ("exp_avg", &a.2, &b.2),
+            ("exp_avg_sq", &a.3, &b.3),
+        ] {
+            assert_eq!(x.len(), y.len(), "{what}: {name} count");
+            for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                assert!(p.equal(q), "{what}: {name}[{i}] differs");
+            }
+        }
+    }
+
+    #[test]
+    fn offloaded_steps_equal_device_steps_bit_for_bit() {
+        let all = Offload {
+            params: true,
+            optimizer: true,
+        };
+        let optimizer_only = Offload {
+            params: false,
+            optimizer: true,
+        };
+        // Mixed precision (bf16 model, fp32 masters): masters and moments offloaded, in one chunk
+        // and in chunks of a few parameters.
+        let (want, plain) = train(
+            Kind::Float,
+            Kind::BFloat16,
+            Offload::default(),
+            OFFLOAD_CHUNK_BYTES,
+        );
+        assert_eq!(plain.host_offload(), Offload::default());
+        for (offload, chunk) in [(all, OFFLOAD_CHUNK_BYTES), (all, 4096), (optimizer_only, 1)] {
+            let (got, t) = train(Kind::Float, Kind::BFloat16, offload, chunk);
+            assert_eq!(t.host_offload(), offload);
+            assert_same(&want, &got, &format!("mixed, {offload:?}, chunk {chunk}"));
+            // The training really moved: the weights are not the initial ones.
+            let init = tiny(Kind::BFloat16, 7);
+            let moved = init
+                .named_parameters()
+                .iter()
+                .zip(&got.0)
+                .any(|((_, p), q)| !p.to_kind(Kind::Float).equal(q));
+            assert!(moved, "the steps changed no weight");
+        }
+        // fp32 throughout: the masters are the live parameters; only the moments can leave.
+        let (want, _) = train(
+            Kind::Float,
+            Kind::Float,
+            Offload::default(),
+            OFFLOAD_CHUNK_BYTES,
+        );
+        let (got, t) = train(Kind::Float, Kind::Float, all, 2048);
+        assert_eq!(
+            t.host_offload(),
+            optimizer_only,
+            "param_offload without mixed precision"
+        );
+        assert_same(&want, &got, "fp32, moments offloaded");
+    }
+
+    #[test]
+    fn offloaded_state_stays_separate_from_the_device_copies() {
+        // On the CPU the "device" copies are still copies: stepping them must write the results
+        // back into the host tensors (a missing copy-back would leave the moments at zero).
+        let all = Offload {
+            params: true,
+            optimizer: true,
+        };
+        let (_, t) = train(Kind::Float, Kind::BFloat16, all, 4096);
+        for m in &t.optim.exp_avg_sq {
+            assert!(m.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+        }
+        // The live bf16 model holds the masters rounded.
+        for ((_, p), m) in t.model.named_parameters().iter().zip(&t.masters) {
+            assert!(p.equal(&m.to_kind(Kind::BFloat16)));
+        }
+    }
+
+    #[test]
+    fn gradient_accumulators_are_held_only_between_backward_and_step() {
+        let (_, mut t) = train(
+            Kind::Float,
+            Kind::BFloat16,
+            Offload::default(),
+            OFFLOAD_CHUNK_BYTES,
+        );
+        assert_eq!(t.memory().grads, 0, "after the step");
+        let ids = Tensor::randint(48, [2, 6], (Kind::Int64, Device::Cpu));
+        t.zero_grad().unwrap();
+        let _ = t
+            .forward_backward(&Dp::single(), &ids, None, None, |logits| {
+                Ok(logits.to_kind(Kind::Float).mean(Kind::Float))
+            })
+            .unwrap();
+        t.after_backward().unwrap();
+        let fp32_bytes: usize = t.masters.iter().map(bytes).sum();
+        assert_eq!(t.memory().grads, fp32_bytes, "after a backward");
+        t.zero_grad().unwrap();
+        assert_eq!(t.memory().grads, 0, "after zero_grad");
+        // A step with no backward since zero_grad takes zero gradients (weight decay only).
+        let before = snapshot(&t);
+        t.finish_mini_batch(&Dp::single(), 1e-2, "actor", 9, 0, 0)
+            .unwrap();
+        let after = snapshot(&t);
+        for (m0, m1) in before.2.iter().zip(&after.2) {
+            // exp_avg decays by beta1 with a zero gradient.
+            assert!(m1.allclose(&(m0 * 0.9), 1e-6, 0.0, false));
+        }
+    }
+
+    #[test]
+    fn one_rank_offload_keeps_what_can_leave_the_device() {
+        let all = Offload {
+            params: true,
+            optimizer: true,
+        };
+        let mixed = Precision {
+            master: Kind::Float,
+            compute: Kind::BFloat16,
+        };
+        let pure = Precision {
+            master: Kind::BFloat16,
+            compute: Kind::BFloat16,
+        };
+        let sec = "actor_rollout_ref.actor.fsdp_config";
+        assert_eq!(one_rank_offload(all, mixed, Device::Cuda(0), sec), all);
+        assert_eq!(
+            one_rank_offload(all, pure, Device::Cuda(0), sec),
+            Offload {
+                params: false,
+                optimizer: true
+            }
+        );
+        assert_eq!(
+            one_rank_offload(all, mixed, Device::Cpu, sec),
+            Offload::default()
+        );
+        assert_eq!(
+            one_rank_offload(Offload::default(), mixed, Device::Cuda(0), sec),
+            Offload::default()
+        );
     }
 }

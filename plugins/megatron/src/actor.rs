@@ -119,6 +119,11 @@ impl MegatronActor {
         let dtype = compute_dtype(&mg, prefix)?;
         let role = if reference { "reference" } else { "actor" };
         let offload = Offload::of(&mg);
+        if device.is_cuda() {
+            // One process: expandable segments, as the FSDP backend (each generate call sizes its
+            // KV cache from memory no tensor holds).
+            verl_fsdp_core::actor::expandable_segments(init.world_size as usize);
+        }
         let par = common::join(init, role, layout, device)?;
         let dp_size = par.dp.size;
         let mut model = common::build_model(

@@ -65,6 +65,11 @@ impl MegatronCritic {
         let layout = common::role_layout(&mg, prefix, init, &model_cfg)?;
         let aux_loss_coeff = common::aux_loss_coeff(&mg, prefix, &model_cfg)?;
         let dtype = compute_dtype(&mg, prefix)?;
+        if device.is_cuda() {
+            // One process: expandable segments, as the FSDP backend (each generate call sizes its
+            // KV cache from memory no tensor holds).
+            verl_fsdp_core::actor::expandable_segments(init.world_size as usize);
+        }
         let par = common::join(init, "critic", layout, device)?;
         let dp_size = par.dp.size;
         let mut model = common::build_model(

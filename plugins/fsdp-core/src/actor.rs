@@ -25,6 +25,7 @@ use crate::data::{
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::forward::{head_chunk_tokens, layout_token_stats, lm_head, per_micro_batch_layout};
+use crate::host_params::HostParams;
 use crate::metrics::MetricAcc;
 use crate::packing::{prompt_group_micro_batches, Padding, PromptGroups, RowLayout};
 use crate::shard::{MemoryStats, Offload};
@@ -67,6 +68,9 @@ pub struct FsdpActor {
     head_chunk: i64,
     /// The generation engine's memory and scheduling keys.
     engine: RolloutEngineSection,
+    /// The reference's parameters in host memory between calls
+    /// (`actor_rollout_ref.ref.fsdp_config.param_offload` on a GPU).
+    host_params: Option<HostParams>,
 }
 
 pub(crate) fn load_model(
@@ -311,6 +315,14 @@ impl FsdpActor {
             )?;
             model.set_requires_grad(false)?;
             let head_chunk = head_chunk_tokens(model.config().vocab_size);
+            // On a GPU the parameters wait in (pinned) host memory and visit the device for each
+            // log-prob call; on the CPU they are in host memory already.
+            // (Unit tests take the GPU's path on the CPU.)
+            let host_params = if fsdp.param_offload && (device.is_cuda() || cfg!(test)) {
+                Some(HostParams::offload(&model, device)?)
+            } else {
+                None
+            };
             return Ok(FsdpActor {
                 role: "reference",
                 weights: Weights::Frozen(Box::new(model)),
@@ -334,6 +346,7 @@ impl FsdpActor {
                 padding,
                 head_chunk,
                 engine,
+                host_params,
             });
         }
         let precision = actor
@@ -437,6 +450,7 @@ impl FsdpActor {
             padding,
             head_chunk,
             engine,
+            host_params: None,
         })
     }
 
@@ -568,6 +582,27 @@ impl FsdpActor {
     }
 
     fn do_log_prob(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {
+        self.with_params_on_device(|s| s.log_prob_on_device(batch, o))
+    }
+
+    /// Runs `f` with an offloaded reference's parameters on the device (see [`HostParams`]);
+    /// they go back to host memory afterwards, also when `f` failed (its error wins).
+    fn with_params_on_device<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let (Some(hp), Weights::Frozen(model)) = (self.host_params.as_mut(), &self.weights) else {
+            return f(self);
+        };
+        hp.load(model)?;
+        let r = f(self);
+        let back = match (self.host_params.as_mut(), &self.weights) {
+            (Some(hp), Weights::Frozen(model)) => hp.unload(model),
+            _ => Ok(()),
+        };
+        let out = r?;
+        back?;
+        Ok(out)
+    }
+
+    fn log_prob_on_device(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {
         let seqs = Sequences::from_batch(batch, "Actor.compute_log_prob", self.device)?;
         let outputs = if o.with_entropy { 2 } else { 1 };
         let (micro, key) = (self.log_prob_micro, self.log_prob_key);
@@ -1324,7 +1359,7 @@ fn i64_vec(t: &Tensor) -> Result<Vec<i64>> {
 impl Actor for FsdpActor {
     fn generate(&mut self, prompts: &Batch, options: &GenerateOptions) -> ApiResult<Batch> {
         let _trace = verl_nn::profile::trace("generate", self.device);
-        let r = self.do_generate(prompts, options);
+        let r = self.with_params_on_device(|s| s.do_generate(prompts, options));
         Ok(self.spmd(r)?)
     }
     fn compute_log_prob(&mut self, batch: &Batch, options: &LogProbOptions) -> ApiResult<Batch> {
@@ -1384,6 +1419,73 @@ impl Actor for FsdpActor {
 #[cfg(test)]
 mod tests {
     use super::{allocator_settings_plan, cublas_workspace_kib, gemm_env_plan, GemmEnvPlan};
+
+    /// A tiny Qwen2 checkpoint (random weights) in a temporary folder.
+    fn tiny_model_dir() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = verl_nn::ModelConfig::from_value(
+            serde_json::json!({
+                "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
+                "tie_word_embeddings": false, "initializer_range": 0.2,
+                "pad_token_id": 0, "eos_token_id": 1,
+            }),
+            "inline/config.json",
+        )
+        .unwrap();
+        let model = verl_nn::Transformer::new(cfg, &verl_nn::ModelOptions::default()).unwrap();
+        model
+            .save_pretrained(dir.path(), &verl_nn::SaveOptions::default())
+            .unwrap();
+        std::fs::write(dir.path().join("tokenizer_config.json"), "{}\n").unwrap();
+        dir
+    }
+
+    #[test]
+    fn an_offloaded_reference_scores_on_loaded_parameters_and_puts_them_back() {
+        use verl_plugin_api::{col, Actor, InitArgs, LogProbOptions, Role};
+        let dir = tiny_model_dir();
+        let reference = |offload: bool| {
+            let cfg = serde_json::json!({
+                "trainer": {"device": "cpu"},
+                "actor_rollout_ref": {
+                    "model": {"path": dir.path().to_str().unwrap()},
+                    "ref": {"log_prob_micro_batch_size_per_gpu": 2,
+                            "fsdp_config": {"param_offload": offload}},
+                },
+            });
+            super::FsdpActor::create(&InitArgs::new(Role::Reference, cfg), true).unwrap()
+        };
+        let mut b = verl_plugin_api::Batch::new();
+        b.insert_tensor(col::PROMPTS, &[2, 3], &[5i64, 6, 7, 0, 8, 9]);
+        b.insert_tensor(col::PROMPT_MASK, &[2, 3], &[1i64, 1, 1, 0, 1, 1]);
+        b.insert_tensor(col::RESPONSES, &[2, 3], &[20i64, 21, 1, 22, 1, 0]);
+        b.insert_tensor(col::RESPONSE_MASK, &[2, 3], &[1i64, 1, 1, 1, 1, 0]);
+        let opts = LogProbOptions::default();
+        let mut plain = reference(false);
+        assert!(plain.host_params.is_none());
+        let want = plain.compute_log_prob(&b, &opts).unwrap();
+        let mut off = reference(true);
+        let host_ptrs = |a: &super::FsdpActor| -> Vec<usize> {
+            a.model()
+                .named_parameters()
+                .iter()
+                .map(|(_, p)| p.data_ptr() as usize)
+                .collect()
+        };
+        let before = host_ptrs(&off);
+        assert!(!off.host_params.as_ref().unwrap().on_device());
+        let got = off.compute_log_prob(&b, &opts).unwrap();
+        assert_eq!(
+            want.tensor::<f32>(col::LOG_PROBS).unwrap(),
+            got.tensor::<f32>(col::LOG_PROBS).unwrap()
+        );
+        // Back on the host views after the call.
+        assert!(!off.host_params.as_ref().unwrap().on_device());
+        assert_eq!(host_ptrs(&off), before);
+    }
 
     /// cuBLASLt with its 1 KiB workspace where it can be selected: the two size keys are set when
     /// absent, a user's own value is kept.

@@ -19,6 +19,7 @@ pub mod data;
 pub mod dp;
 pub mod error;
 pub mod forward;
+pub mod host_params;
 pub mod metrics;
 pub mod optim;
 pub mod packing;

@@ -1,9 +1,8 @@
 //! A frozen model's parameters kept in host memory between calls
 //! (`actor_rollout_ref.ref.fsdp_config.param_offload`, verl's offloaded reference policy).
 //!
-//! The parameters are copied once into one flat host buffer per dtype (page-locked when the
-//! model runs on a GPU: one pinned block per dtype, so libtorch's pinned allocator rounds the
-//! total up once rather than every tensor); every parameter then views its slice of the buffer.
+//! The parameters are copied once into one flat host buffer per dtype ([`host_buffers`], also
+//! used for one rank's offloaded training state); every parameter then views its slice of it.
 //! [`HostParams::load`] gives each parameter a device copy of its slice (`Tensor::set_data`, so the
 //! model's layers, which share the parameter tensors, compute on the device copies), and
 //! [`HostParams::unload`] points the parameters back at the host views and drops the device
@@ -26,57 +25,10 @@ impl HostParams {
     /// between [`HostParams::load`] and [`HostParams::unload`] on a GPU (on the CPU it computes
     /// on the host views as well).
     pub fn offload(model: &Transformer, device: Device) -> Result<HostParams> {
-        let params = model.named_parameters();
-        let mut host: Vec<Option<Tensor>> = (0..params.len()).map(|_| None).collect();
-        let mut kinds: Vec<Kind> = Vec::new();
-        for (_, p) in params {
-            if !kinds.contains(&p.kind()) {
-                kinds.push(p.kind());
-            }
-        }
-        tch::no_grad(|| -> Result<()> {
-            for kind in kinds {
-                let members: Vec<usize> = (0..params.len())
-                    .filter(|&i| params[i].1.kind() == kind)
-                    .collect();
-                let total: i64 = members.iter().map(|&i| params[i].1.numel() as i64).sum();
-                let flat = Tensor::f_empty([total], (kind, Device::Cpu)).ctx("host parameters")?;
-                let mut offset = 0;
-                for &i in &members {
-                    let p = &params[i].1;
-                    let n = p.numel() as i64;
-                    flat.f_narrow(0, offset, n)
-                        .and_then(|s| s.f_view(p.size().as_slice()))
-                        .and_then(|mut s| s.f_copy_(p))
-                        .ctx("parameters to host")?;
-                    offset += n;
-                }
-                // Page-locked for the uploads of every call (fallback: ordinary memory, slower
-                // uploads, same values).
-                let flat = if device.is_cuda() {
-                    flat.f_internal_pin_memory(device).unwrap_or(flat)
-                } else {
-                    flat
-                };
-                let mut offset = 0;
-                for &i in &members {
-                    let p = &params[i].1;
-                    let n = p.numel() as i64;
-                    host[i] = Some(
-                        flat.f_narrow(0, offset, n)
-                            .and_then(|s| s.f_view(p.size().as_slice()))
-                            .ctx("host parameter view")?,
-                    );
-                    offset += n;
-                }
-            }
-            Ok(())
-        })?;
+        let params: Vec<&Tensor> = model.named_parameters().iter().map(|(_, p)| p).collect();
+        let host = host_buffers(&params, None, Fill::Copy, device)?;
         let mut s = HostParams {
-            host: host
-                .into_iter()
-                .map(|t| t.expect("every parameter has a kind"))
-                .collect(),
+            host,
             device,
             on_device: true,
         };
@@ -130,6 +82,82 @@ impl HostParams {
         self.on_device = false;
         Ok(())
     }
+}
+
+/// What [`host_buffers`] puts into the host tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fill {
+    /// The values of the given tensors (cast to the requested dtype).
+    Copy,
+    Zeros,
+}
+
+/// Host tensors shaped like `tensors`, of dtype `kind` (each tensor's own when `None`), holding
+/// their values or zeros: views of one flat buffer per dtype, page-locked when `device` is a GPU
+/// (libtorch's pinned allocator rounds each block up to a power of two, so one block per dtype
+/// rounds once instead of per tensor). Should pinning fail the buffer stays in ordinary memory:
+/// the same values, slower copies.
+pub fn host_buffers(
+    tensors: &[&Tensor],
+    kind: Option<Kind>,
+    fill: Fill,
+    device: Device,
+) -> Result<Vec<Tensor>> {
+    let kind_of = |t: &Tensor| kind.unwrap_or_else(|| t.kind());
+    let mut kinds: Vec<Kind> = Vec::new();
+    for t in tensors {
+        if !kinds.contains(&kind_of(t)) {
+            kinds.push(kind_of(t));
+        }
+    }
+    let mut out: Vec<Option<Tensor>> = (0..tensors.len()).map(|_| None).collect();
+    tch::no_grad(|| -> Result<()> {
+        for k in kinds {
+            let members: Vec<usize> = (0..tensors.len())
+                .filter(|&i| kind_of(tensors[i]) == k)
+                .collect();
+            let total: i64 = members.iter().map(|&i| tensors[i].numel() as i64).sum();
+            let views = |flat: &Tensor| -> Result<Vec<Tensor>> {
+                let mut offset = 0;
+                let mut v = Vec::with_capacity(members.len());
+                for &i in &members {
+                    let n = tensors[i].numel() as i64;
+                    v.push(
+                        flat.f_narrow(0, offset, n)
+                            .and_then(|x| x.f_view(tensors[i].size().as_slice()))
+                            .ctx("host buffer view")?,
+                    );
+                    offset += n;
+                }
+                Ok(v)
+            };
+            let flat = match fill {
+                Fill::Zeros => Tensor::f_zeros([total], (k, Device::Cpu)),
+                Fill::Copy => Tensor::f_empty([total], (k, Device::Cpu)),
+            }
+            .ctx("host buffer")?;
+            if fill == Fill::Copy {
+                for (view, &i) in views(&flat)?.iter().zip(&members) {
+                    view.shallow_clone()
+                        .f_copy_(tensors[i])
+                        .ctx("copy to host")?;
+                }
+            }
+            let flat = if device.is_cuda() {
+                flat.f_internal_pin_memory(device).unwrap_or(flat)
+            } else {
+                flat
+            };
+            for (view, &i) in views(&flat)?.into_iter().zip(&members) {
+                out[i] = Some(view);
+            }
+        }
+        Ok(())
+    })?;
+    Ok(out
+        .into_iter()
+        .map(|t| t.expect("every tensor has a dtype"))
+        .collect())
 }
 
 #[cfg(test)]
@@ -205,5 +233,35 @@ mod tests {
         hp.unload(&m).unwrap();
         assert_eq!(ptrs(&m), host);
         assert!(logits(&m).equal(&want));
+    }
+
+    #[test]
+    fn host_buffers_group_by_dtype_and_cast_or_zero() {
+        let a = Tensor::arange(6, (Kind::BFloat16, Device::Cpu)).reshape([2, 3]);
+        let b = Tensor::ones([4], (Kind::Float, Device::Cpu));
+        let c = Tensor::arange(5, (Kind::BFloat16, Device::Cpu)) * 0.5;
+        // Each tensor's own dtype: two buffers (bf16: a then c, fp32: b).
+        let h = host_buffers(&[&a, &b, &c], None, Fill::Copy, Device::Cpu).unwrap();
+        assert!(h[0].equal(&a) && h[1].equal(&b) && h[2].equal(&c));
+        assert_eq!(
+            h[2].data_ptr() as usize,
+            h[0].data_ptr() as usize + 6 * 2,
+            "a and c share one bf16 buffer"
+        );
+        // Copies, not aliases.
+        assert_ne!(h[0].data_ptr(), a.data_ptr());
+        // Cast to fp32: one buffer, exact widening.
+        let f = host_buffers(&[&a, &b, &c], Some(Kind::Float), Fill::Copy, Device::Cpu).unwrap();
+        for (x, y) in f.iter().zip([&a, &b, &c]) {
+            assert_eq!(x.kind(), Kind::Float);
+            assert!(x.equal(&y.to_kind(Kind::Float)));
+        }
+        assert_eq!(f[1].data_ptr() as usize, f[0].data_ptr() as usize + 6 * 4);
+        assert_eq!(f[2].data_ptr() as usize, f[1].data_ptr() as usize + 4 * 4);
+        let z = host_buffers(&[&a, &b], None, Fill::Zeros, Device::Cpu).unwrap();
+        assert_eq!(z[0].size(), vec![2, 3]);
+        assert_eq!(z[0].kind(), Kind::BFloat16);
+        assert_eq!(z[1].abs().sum(Kind::Float).double_value(&[]), 0.0);
+        assert_eq!(z[0].abs().sum(Kind::Float).double_value(&[]), 0.0);
     }
 }

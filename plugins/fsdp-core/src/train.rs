@@ -25,6 +25,7 @@ use verl_nn::{Checkpoint, NnError, SaveOptions, Transformer};
 use crate::config::{OptimSection, Precision};
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
+use crate::host_params::{host_buffers, Fill};
 use crate::optim::{clip_grad_norm, AdamW, LrSchedule};
 use crate::packing::RowLayout;
 use crate::shard::{
@@ -200,32 +201,38 @@ impl TrainableModel {
             params: sharding.offload.params && mixed,
             optimizer: sharding.offload.optimizer,
         };
-        let masters: Vec<Tensor> = model
-            .named_parameters()
-            .iter()
-            .map(|(_, p)| {
-                if !mixed {
-                    return Ok(p.shallow_clone());
-                }
-                let p = p.f_detach().ctx("master weights")?;
-                // Offloaded: cast on the host, so no fp32 copy of the model passes the device.
-                let p = if host.params {
-                    p.f_to_device(Device::Cpu).ctx("master weights to host")?
-                } else {
-                    p
-                };
-                p.f_to_kind(precision.master).ctx("master weights")
-            })
-            .collect::<Result<_>>()?;
+        let params: Vec<&Tensor> = model.named_parameters().iter().map(|(_, p)| p).collect();
+        let masters: Vec<Tensor> = if host.params {
+            // Cast into (pinned) host buffers: no fp32 copy of the model passes the device.
+            host_buffers(&params, Some(precision.master), Fill::Copy, device)?
+        } else {
+            params
+                .iter()
+                .map(|p| {
+                    if mixed {
+                        p.f_detach()
+                            .and_then(|x| x.f_to_kind(precision.master))
+                            .ctx("master weights")
+                    } else {
+                        Ok(p.shallow_clone())
+                    }
+                })
+                .collect::<Result<_>>()?
+        };
         let mut optim = AdamW::without_state(&optim_cfg, optim_key, device.is_cuda())?;
-        let state_device = if host.optimizer { Device::Cpu } else { device };
-        for m in &masters {
-            for state in [&mut optim.exp_avg, &mut optim.exp_avg_sq] {
-                state.push(
-                    Tensor::f_zeros(m.size(), (m.kind(), state_device)).ctx("optimizer state")?,
-                );
+        let masters_ref: Vec<&Tensor> = masters.iter().collect();
+        let zeros = || -> Result<Vec<Tensor>> {
+            if host.optimizer {
+                host_buffers(&masters_ref, None, Fill::Zeros, device)
+            } else {
+                masters
+                    .iter()
+                    .map(|m| Tensor::f_zeros(m.size(), (m.kind(), device)).ctx("optimizer state"))
+                    .collect()
             }
-        }
+        };
+        optim.exp_avg = zeros()?;
+        optim.exp_avg_sq = zeros()?;
         // Parameters in the master dtype: micro-batch gradients accumulate in `.grad`, so the
         // weight-gradient GEMMs add into it themselves (`VERL_GRAD_ACCUM_FUSION=0`: autograd's
         // separate accumulation kernels).

@@ -4,7 +4,7 @@
 //! backend needs what that wrapper hides: the state tensors (for checkpoints that resume bit-exactly,
 //! and later for sharding them per rank), and the master/compute split of mixed precision.
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::config::OptimSection;
 use crate::error::{FsdpError, Result, TorchContext};
@@ -112,6 +112,80 @@ impl AdamW {
                 self.eps,
             )
         })?;
+        Ok(())
+    }
+
+    /// The step [`AdamW::begin_step`] counted, over parameters whose masters (`params`) and/or
+    /// moments may live in host memory (`host.0`: the masters, `host.1`: the moments): chunks of
+    /// about `chunk_bytes` of masters (at least one tensor each) are copied to `device`, stepped
+    /// with [`AdamW::step_tensors`] and copied back; `after(i, p)` then sees parameter `i`'s new
+    /// value on the device (e.g. to refresh a compute-dtype copy). Tensors not on the host are
+    /// stepped in place. Bit for bit the step taken with everything on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_visiting(
+        &self,
+        c: &StepCoefficients,
+        device: Device,
+        params: &[Tensor],
+        grads: &[Tensor],
+        host: (bool, bool),
+        chunk_bytes: usize,
+        mut after: impl FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let n = params.len();
+        let size = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        let visit = |ts: &[Tensor], on_host: bool, what: &'static str| -> Result<Vec<Tensor>> {
+            ts.iter()
+                .map(|t| {
+                    if on_host {
+                        // A copy even where host and device are one (the CPU tests of this path).
+                        t.f_to_device_(device, t.kind(), true, true).ctx(what)
+                    } else {
+                        Ok(t.shallow_clone())
+                    }
+                })
+                .collect()
+        };
+        let back = |host: &Tensor, dev: &Tensor, what: &'static str| -> Result<()> {
+            host.shallow_clone().f_copy_(dev).ctx(what)?;
+            Ok(())
+        };
+        let mut start = 0;
+        while start < n {
+            let mut end = start;
+            let mut chunk = 0usize;
+            while end < n && (end == start || chunk + size(&params[end]) <= chunk_bytes) {
+                chunk += size(&params[end]);
+                end += 1;
+            }
+            let r = start..end;
+            let p = visit(&params[r.clone()], host.0, "master weights to the device")?;
+            let m = visit(
+                &self.exp_avg[r.clone()],
+                host.1,
+                "optimizer state to the device",
+            )?;
+            let v = visit(
+                &self.exp_avg_sq[r.clone()],
+                host.1,
+                "optimizer state to the device",
+            )?;
+            self.step_tensors(c, &p, &grads[r.clone()], &m, &v)?;
+            tch::no_grad(|| -> Result<()> {
+                for (k, i) in r.enumerate() {
+                    if host.0 {
+                        back(&params[i], &p[k], "master weights to host")?;
+                    }
+                    if host.1 {
+                        back(&self.exp_avg[i], &m[k], "optimizer state to host")?;
+                        back(&self.exp_avg_sq[i], &v[k], "optimizer state to host")?;
+                    }
+                    after(i, &p[k])?;
+                }
+                Ok(())
+            })?;
+            start = end;
+        }
         Ok(())
     }
 

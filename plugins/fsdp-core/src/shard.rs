@@ -440,29 +440,25 @@ impl ShardState {
         Ok(())
     }
 
-    /// One AdamW step on this rank's blocks; offloaded blocks visit the device for it.
+    /// One AdamW step on this rank's blocks (libtorch's fused kernel on a GPU); offloaded blocks
+    /// visit the device for it, about [`crate::train::OFFLOAD_CHUNK_BYTES`] of masters at a time.
     pub fn step(&mut self, optim: &mut AdamW, lr: f64) -> Result<()> {
         let c = optim.begin_step(lr);
-        let dev = self.device;
-        let to_dev = |t: &Tensor| t.f_to_device(dev).ctx("shard to device");
-        for g in 0..self.masters.len() {
-            let p = to_dev(&self.masters[g])?;
-            let m = to_dev(&optim.exp_avg[g])?;
-            let v = to_dev(&optim.exp_avg_sq[g])?;
-            optim.update(&c, &p, &self.accum[g], &m, &v)?;
-            if self.masters[g].device() != dev {
-                self.masters[g].f_copy_(&p).ctx("master shard to host")?;
-            }
-            if optim.exp_avg[g].device() != dev {
-                optim.exp_avg[g]
-                    .f_copy_(&m)
-                    .ctx("optimizer shard to host")?;
-                optim.exp_avg_sq[g]
-                    .f_copy_(&v)
-                    .ctx("optimizer shard to host")?;
-            }
-        }
-        Ok(())
+        let host = (self.offload.params, self.offload.optimizer);
+        let chunk = if host.0 || host.1 {
+            crate::train::OFFLOAD_CHUNK_BYTES
+        } else {
+            usize::MAX
+        };
+        optim.step_visiting(
+            &c,
+            self.device,
+            &self.masters,
+            &self.accum,
+            host,
+            chunk,
+            |_, _| Ok(()),
+        )
     }
 
     /// The device optimizer state should live on.

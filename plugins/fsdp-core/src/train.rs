@@ -29,7 +29,7 @@ use crate::host_params::{host_buffers, Fill};
 use crate::optim::{clip_grad_norm, AdamW, LrSchedule};
 use crate::packing::RowLayout;
 use crate::shard::{
-    bytes, read_named, sum_bytes, Gate, Layout, MemoryStats, Offload, ShardState, Source, What,
+    read_named, sum_bytes, Gate, Layout, MemoryStats, Offload, ShardState, Source, What,
 };
 
 pub const STATE_FILE: &str = "state.json";
@@ -165,10 +165,16 @@ impl TrainableModel {
                 sharding.offload,
                 sharding.reshard_after_forward,
             )?;
-            let mut optim = AdamW::new(&optim_cfg, optim_key, &shard.masters)?;
+            // The fused kernel follows the compute device, wherever the blocks wait between steps.
+            let mut optim = AdamW::without_state(&optim_cfg, optim_key, model.device().is_cuda())?;
             let odev = shard.optimizer_device();
-            for t in optim.exp_avg.iter_mut().chain(optim.exp_avg_sq.iter_mut()) {
-                *t = t.f_to_device(odev).ctx("optimizer state placement")?;
+            for state in [&mut optim.exp_avg, &mut optim.exp_avg_sq] {
+                *state = shard
+                    .masters
+                    .iter()
+                    .map(|m| Tensor::f_zeros(m.size(), (m.kind(), odev)))
+                    .collect::<std::result::Result<_, _>>()
+                    .ctx("optimizer state")?;
             }
             return Ok(TrainableModel {
                 model,
@@ -695,77 +701,25 @@ impl TrainableModel {
         let device = self.model.device();
         let c = self.optim.begin_step(lr);
         let params = self.model.named_parameters();
-        let n = self.masters.len();
-        let budget = self.offload_chunk_bytes;
-        let mut start = 0;
-        while start < n {
-            let mut end = start;
-            let mut chunk = 0usize;
-            while end < n && (end == start || chunk + bytes(&self.masters[end]) <= budget) {
-                chunk += bytes(&self.masters[end]);
-                end += 1;
-            }
-            let visit =
-                |host: &[Tensor], offloaded: bool, what: &'static str| -> Result<Vec<Tensor>> {
-                    host.iter()
-                        .map(|t| {
-                            if offloaded {
-                                // A copy even where host and device are one (a CPU test of this path).
-                                t.f_to_device_(device, t.kind(), true, true).ctx(what)
-                            } else {
-                                Ok(t.shallow_clone())
-                            }
-                        })
-                        .collect()
-                };
-            let p = visit(
-                &self.masters[start..end],
-                self.host.params,
-                "master weights to the device",
-            )?;
-            let m = visit(
-                &self.optim.exp_avg[start..end],
-                self.host.optimizer,
-                "optimizer state to the device",
-            )?;
-            let v = visit(
-                &self.optim.exp_avg_sq[start..end],
-                self.host.optimizer,
-                "optimizer state to the device",
-            )?;
-            self.optim
-                .step_tensors(&c, &p, &grads[start..end], &m, &v)?;
-            tch::no_grad(|| -> Result<()> {
-                for (k, i) in (start..end).enumerate() {
-                    if self.host.params {
-                        self.masters[i]
-                            .shallow_clone()
-                            .f_copy_(&p[k])
-                            .ctx("master weights to host")?;
-                    }
-                    if self.host.optimizer {
-                        self.optim.exp_avg[i]
-                            .shallow_clone()
-                            .f_copy_(&m[k])
-                            .ctx("optimizer state to host")?;
-                        self.optim.exp_avg_sq[i]
-                            .shallow_clone()
-                            .f_copy_(&v[k])
-                            .ctx("optimizer state to host")?;
-                    }
-                    if self.mixed {
-                        params[i]
-                            .1
-                            .shallow_clone()
-                            .f_copy_(&p[k])
-                            .ctx("masters → live model")?;
-                    }
+        let mixed = self.mixed;
+        self.optim.step_visiting(
+            &c,
+            device,
+            &self.masters,
+            grads,
+            (self.host.params, self.host.optimizer),
+            self.offload_chunk_bytes,
+            |i, p| {
+                if mixed {
+                    params[i]
+                        .1
+                        .shallow_clone()
+                        .f_copy_(p)
+                        .ctx("masters → live model")?;
                 }
                 Ok(())
-            })?;
-            start = end;
-        }
-        Ok(())
+            },
+        )
     }
 
     fn state_json(&self, role: &str, extra: serde_json::Value) -> serde_json::Value {
@@ -1080,6 +1034,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shard::bytes;
     use tch::Kind;
     use verl_nn::{ModelConfig, ModelOptions};
 

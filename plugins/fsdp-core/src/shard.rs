@@ -21,6 +21,7 @@ use verl_nn::{Checkpoint, NnError, ParamGate, Transformer, Unit};
 
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
+use crate::host_params::Fill;
 use crate::optim::AdamW;
 
 /// One flat group: the parameters of a unit (those no earlier unit owns), in model order.
@@ -264,6 +265,11 @@ impl ShardState {
             }
             Ok(())
         })?;
+        if offload.params && device.is_cuda() {
+            // Page-locked (one flat buffer) for the copies of every optimizer step.
+            let refs: Vec<&Tensor> = masters.iter().collect();
+            masters = crate::host_params::host_buffers(&refs, None, Fill::Copy, device)?;
+        }
         let empty = Tensor::f_empty([0], (compute, device)).ctx("empty parameter")?;
         let n = layout.groups.len();
         let mut s = ShardState {

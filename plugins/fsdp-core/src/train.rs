@@ -168,13 +168,19 @@ impl TrainableModel {
             // The fused kernel follows the compute device, wherever the blocks wait between steps.
             let mut optim = AdamW::without_state(&optim_cfg, optim_key, model.device().is_cuda())?;
             let odev = shard.optimizer_device();
+            let blocks: Vec<&Tensor> = shard.masters.iter().collect();
             for state in [&mut optim.exp_avg, &mut optim.exp_avg_sq] {
-                *state = shard
-                    .masters
-                    .iter()
-                    .map(|m| Tensor::f_zeros(m.size(), (m.kind(), odev)))
-                    .collect::<std::result::Result<_, _>>()
-                    .ctx("optimizer state")?;
+                *state = if odev == Device::Cpu {
+                    // Page-locked on a GPU (one flat buffer), as one rank's offloaded state.
+                    host_buffers(&blocks, None, Fill::Zeros, model.device())?
+                } else {
+                    shard
+                        .masters
+                        .iter()
+                        .map(|m| Tensor::f_zeros(m.size(), (m.kind(), odev)))
+                        .collect::<std::result::Result<_, _>>()
+                        .ctx("optimizer state")?
+                };
             }
             return Ok(TrainableModel {
                 model,

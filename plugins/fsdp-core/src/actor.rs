@@ -1420,33 +1420,10 @@ impl Actor for FsdpActor {
 mod tests {
     use super::{allocator_settings_plan, cublas_workspace_kib, gemm_env_plan, GemmEnvPlan};
 
-    /// A tiny Qwen2 checkpoint (random weights) in a temporary folder.
-    fn tiny_model_dir() -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = verl_nn::ModelConfig::from_value(
-            serde_json::json!({
-                "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-                "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64,
-                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
-                "tie_word_embeddings": false, "initializer_range": 0.2,
-                "pad_token_id": 0, "eos_token_id": 1,
-            }),
-            "inline/config.json",
-        )
-        .unwrap();
-        let model = verl_nn::Transformer::new(cfg, &verl_nn::ModelOptions::default()).unwrap();
-        model
-            .save_pretrained(dir.path(), &verl_nn::SaveOptions::default())
-            .unwrap();
-        std::fs::write(dir.path().join("tokenizer_config.json"), "{}\n").unwrap();
-        dir
-    }
-
     #[test]
     fn an_offloaded_reference_scores_on_loaded_parameters_and_puts_them_back() {
         use verl_plugin_api::{col, Actor, InitArgs, LogProbOptions, Role};
-        let dir = tiny_model_dir();
+        let dir = crate::test_model::tiny_model_dir();
         let reference = |offload: bool| {
             let cfg = serde_json::json!({
                 "trainer": {"device": "cpu"},

@@ -163,29 +163,9 @@ pub fn host_buffers(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use verl_nn::{ModelConfig, ModelOptions};
 
     fn tiny() -> Transformer {
-        tch::manual_seed(3);
-        let cfg = ModelConfig::from_value(
-            serde_json::json!({
-                "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-                "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64,
-                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
-                "tie_word_embeddings": false, "initializer_range": 0.2,
-            }),
-            "inline/config.json",
-        )
-        .unwrap();
-        Transformer::new(
-            cfg,
-            &ModelOptions {
-                dtype: Kind::BFloat16,
-                ..ModelOptions::default()
-            },
-        )
-        .unwrap()
+        crate::test_model::tiny_transformer(Kind::BFloat16, 3)
     }
 
     fn logits(m: &Transformer) -> Tensor {

@@ -25,6 +25,8 @@ pub mod optim;
 pub mod packing;
 pub mod sft;
 pub mod shard;
+#[cfg(test)]
+mod test_model;
 pub mod train;
 
 use verl_plugin_api::{

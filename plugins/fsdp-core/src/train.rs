@@ -681,41 +681,28 @@ impl TrainableModel {
             // The live parameters are empty; the next gather publishes the new weights.
             return s.step(&mut self.optim, lr);
         }
-        if self.host != Offload::default() {
-            self.offloaded_step(grads, lr)?;
-        } else {
-            self.optim.step(&self.masters, grads, lr)?;
-            if self.mixed() {
-                tch::no_grad(|| -> Result<()> {
-                    for ((_, p), m) in self.model.named_parameters().iter().zip(&self.masters) {
-                        p.shallow_clone().f_copy_(m).ctx("masters → live model")?;
-                    }
-                    Ok(())
-                })?;
-            }
-        }
+        self.one_rank_step(grads, lr)?;
         // The step consumed the accumulated gradients: free them until the next backward.
         self.accum.clear();
         Ok(())
     }
 
-    /// [`TrainableModel::apply`] with state in host memory: chunks of about
-    /// [`OFFLOAD_CHUNK_BYTES`] (at least one parameter each) go to the device, take the step (the
-    /// same kernel as without offloading, so the same bits) and come back; the live model takes
-    /// the new masters from the device copies.
-    fn offloaded_step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+    /// One rank's AdamW step (all parameters in one fused call on a GPU); state in host memory
+    /// visits the device [`OFFLOAD_CHUNK_BYTES`] at a time (see [`AdamW::step_visiting`]); with
+    /// mixed precision the live model takes the new masters from their device copies.
+    fn one_rank_step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
         let device = self.model.device();
         let c = self.optim.begin_step(lr);
         let params = self.model.named_parameters();
         let mixed = self.mixed;
-        self.optim.step_visiting(
-            &c,
-            device,
-            &self.masters,
-            grads,
-            (self.host.params, self.host.optimizer),
-            self.offload_chunk_bytes,
-            |i, p| {
+        let host = (self.host.params, self.host.optimizer);
+        let chunk = if host.0 || host.1 {
+            self.offload_chunk_bytes
+        } else {
+            usize::MAX
+        };
+        self.optim
+            .step_visiting(&c, device, &self.masters, grads, host, chunk, |i, p| {
                 if mixed {
                     params[i]
                         .1
@@ -724,8 +711,7 @@ impl TrainableModel {
                         .ctx("masters → live model")?;
                 }
                 Ok(())
-            },
-        )
+            })
     }
 
     fn state_json(&self, role: &str, extra: serde_json::Value) -> serde_json::Value {
@@ -1042,26 +1028,9 @@ mod tests {
     use super::*;
     use crate::shard::bytes;
     use tch::Kind;
-    use verl_nn::{ModelConfig, ModelOptions};
 
     fn tiny(dtype: Kind, seed: i64) -> Transformer {
-        tch::manual_seed(seed);
-        let cfg = ModelConfig::from_value(
-            serde_json::json!({
-                "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-                "vocab_size": 48, "hidden_size": 32, "intermediate_size": 64,
-                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
-                "tie_word_embeddings": false, "initializer_range": 0.2,
-            }),
-            "inline/config.json",
-        )
-        .unwrap();
-        let opts = ModelOptions {
-            dtype,
-            ..ModelOptions::default()
-        };
-        Transformer::new(cfg, &opts).unwrap()
+        crate::test_model::tiny_transformer(dtype, seed)
     }
 
     fn optim_cfg() -> OptimSection {
@@ -1119,7 +1088,8 @@ mod tests {
         for step in 0..3u64 {
             t.zero_grad().unwrap();
             for _ in 0..(1 + step % 2) {
-                let ids = Tensor::randint(48, [2, 6], (Kind::Int64, Device::Cpu));
+                let ids =
+                    Tensor::randint(crate::test_model::VOCAB, [2, 6], (Kind::Int64, Device::Cpu));
                 let _ = t
                     .forward_backward(&dp, &ids, None, None, |logits| {
                         Ok(logits.to_kind(Kind::Float).square().mean(Kind::Float))
@@ -1221,7 +1191,7 @@ mod tests {
             OFFLOAD_CHUNK_BYTES,
         );
         assert_eq!(t.memory().grads, 0, "after the step");
-        let ids = Tensor::randint(48, [2, 6], (Kind::Int64, Device::Cpu));
+        let ids = Tensor::randint(crate::test_model::VOCAB, [2, 6], (Kind::Int64, Device::Cpu));
         t.zero_grad().unwrap();
         let _ = t
             .forward_backward(&Dp::single(), &ids, None, None, |logits| {

@@ -7,7 +7,8 @@ use verl_plugin_api::{col, Batch};
 use crate::config::MicroBatching;
 use crate::error::{FsdpError, Result, TorchContext};
 
-/// A tensor column of the batch on `device`.
+/// A tensor column of the batch on `device` (uploaded before the call queues any work:
+/// [`verl_torch_ext::upload_slice_blocking`]).
 pub fn column<T: verl_plugin_api::Element + tch::kind::Element>(
     batch: &Batch,
     call: &'static str,
@@ -16,7 +17,7 @@ pub fn column<T: verl_plugin_api::Element + tch::kind::Element>(
 ) -> Result<Tensor> {
     let t = batch.tensor_in::<T>(call, name)?;
     let shape: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
-    verl_torch_ext::upload_slice(&t.data, &shape, device)
+    verl_torch_ext::upload_slice_blocking(&t.data, &shape, device)
         .ctx(&format!("{call}: column `{name}` to {device:?}"))
 }
 

@@ -564,6 +564,43 @@ pub fn upload_slice<T: tch::kind::Element>(
     host.f_to_device_(device, T::KIND, true, false)
 }
 
+/// `data` as a `shape` tensor of its element kind on `device`, copied straight from `data` (no
+/// staging block: a view of the slice, then a copy that returns once it has run, so the host waits
+/// for the work queued before it). For the batch columns an API call uploads before it queues any
+/// work, where [`upload_slice`]'s pinned block saves nothing and its cost depends on the machine:
+/// on one H200 machine each ~1 MB column took ~6 ms of host time in `_pin_memory` (libtorch's
+/// caching host allocator handing out new blocks; an update's trace spent 30 ms so, device idle),
+/// on another 0.03–0.15 ms, where this copy took 0.10–0.13 ms (2 MB: 0.19–0.21 ms; `cargo run
+/// --release -p verl-torch-ext --example upload_bench`). On the CPU, an owned copy of `data`.
+/// `shape` must hold `data.len()` elements. `VERL_PINNED_COLUMNS=1` takes [`upload_slice`]'s
+/// path instead.
+pub fn upload_slice_blocking<T: tch::kind::Element>(
+    data: &[T],
+    shape: &[i64],
+    device: tch::Device,
+) -> std::result::Result<Tensor, tch::TchError> {
+    static PINNED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let numel: i64 = shape.iter().product();
+    let pinned = *PINNED.get_or_init(|| std::env::var("VERL_PINNED_COLUMNS").as_deref() == Ok("1"));
+    if device == tch::Device::Cpu || data.is_empty() || numel != data.len() as i64 || pinned {
+        return upload_slice(data, shape, device);
+    }
+    // SAFETY: `view` reads `data` (alive for this whole call, `numel` elements of `T::KIND`,
+    // contiguous); the blocking copy has read it all before `view` is dropped.
+    let view = unsafe {
+        Tensor::f_from_blob(
+            data.as_ptr() as *const u8,
+            shape,
+            &[],
+            T::KIND,
+            tch::Device::Cpu,
+        )?
+    };
+    let out = view.f_to_device_(device, T::KIND, false, true)?;
+    drop(view);
+    Ok(out)
+}
+
 /// A CPU copy of `data` as a `shape` tensor of its element kind, in page-locked memory from
 /// libtorch's caching host allocator when `device` is a GPU (the source of a copy that does not
 /// synchronise), else in ordinary memory; one copy, nothing zeroed first. Should pinning fail (no

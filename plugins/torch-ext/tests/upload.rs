@@ -2,9 +2,10 @@
 //! result holds the slice's values in its shape and owns them (changing the slice afterwards
 //! changes nothing), on the CPU and, where one is present, on a GPU, for the element kinds the
 //! batch columns use; a shape that does not fit the data is an error, not a read past it.
+//! `upload_slice_blocking` (the batch columns' copy straight from the slice) likewise.
 
 use tch::{Device, Kind, Tensor};
-use verl_torch_ext::upload_slice;
+use verl_torch_ext::{upload_slice, upload_slice_blocking};
 
 fn devices() -> Vec<Device> {
     let mut d = vec![Device::Cpu];
@@ -72,5 +73,35 @@ fn many_uploads_in_flight_keep_their_values() {
             t.to_device(Device::Cpu).equal(&Tensor::from_slice(v)),
             "upload {k} differs"
         );
+    }
+}
+
+#[test]
+fn blocking_upload_values_shape_and_ownership() {
+    for dev in devices() {
+        let mut ids: Vec<i64> = (0..512 * 256).map(|i| i * 5 - 11).collect();
+        let t = upload_slice_blocking(&ids, &[512, 256], dev).unwrap();
+        assert_eq!(
+            (t.size(), t.kind(), t.device()),
+            (vec![512, 256], Kind::Int64, dev)
+        );
+        let want = Tensor::from_slice(&ids).reshape([512, 256]);
+        ids.iter_mut().for_each(|x| *x = 0); // the tensor must not alias the slice
+        drop(ids);
+        assert!(
+            t.to_device(Device::Cpu).equal(&want),
+            "{dev:?}: values differ"
+        );
+
+        let adv: Vec<f32> = (0..6).map(|i| i as f32 - 2.5).collect();
+        let t = upload_slice_blocking(&adv, &[3, 2], dev).unwrap();
+        assert!(t
+            .to_device(Device::Cpu)
+            .equal(&Tensor::from_slice(&adv).reshape([3, 2])));
+
+        let t = upload_slice_blocking::<i64>(&[], &[0, 3], dev).unwrap();
+        assert_eq!(t.size(), vec![0, 3]);
+        let err = upload_slice_blocking(&[1i64, 2, 3], &[2, 2], dev).unwrap_err();
+        assert!(err.to_string().contains("shape"), "{dev:?}: {err}");
     }
 }

@@ -39,7 +39,7 @@ use crate::common::{
     same_micro_batch_count, same_rows_on_every_rank,
 };
 use crate::error::{MegatronError, Result, TorchContext};
-use crate::offload::{move_params, on_device, Need, Offload, Place};
+use crate::offload::{move_params, on_device, HostHomes, Need, Offload, Place};
 use crate::parallel::Parallel;
 use crate::pipeline::MicroInput;
 use crate::rollout::RolloutTp;
@@ -85,6 +85,8 @@ pub struct MegatronActor {
     engine: RolloutEngineSection,
     /// `*.megatron.param_offload` / `grad_offload` / `optimizer_offload` ([`crate::offload`]).
     offload: Offload,
+    /// Host homes of a frozen model's offloaded parameters (a trainer keeps its own).
+    homes: HostHomes,
 }
 
 impl MegatronActor {
@@ -167,6 +169,7 @@ impl MegatronActor {
                 rollout_tp,
                 engine: section(cfg, "actor_rollout_ref.rollout")?,
                 offload,
+                homes: HostHomes::default(),
             }
             .offloaded_at_start();
         }
@@ -233,6 +236,7 @@ impl MegatronActor {
             rollout_tp,
             engine: section(cfg, "actor_rollout_ref.rollout")?,
             offload,
+            homes: HostHomes::default(),
         }
         .offloaded_at_start()
     }
@@ -254,7 +258,7 @@ impl MegatronActor {
     pub fn move_offloaded(&mut self, need: Need, place: Place) -> Result<Vec<String>> {
         let seen = match &mut self.weights {
             Weights::Train(t) => t.move_offloaded(self.offload, need, place)?,
-            Weights::Frozen(m) if self.offload.params => move_params(m, place)?,
+            Weights::Frozen(m) if self.offload.params => move_params(m, place, &mut self.homes)?,
             Weights::Frozen(_) => vec![],
         };
         if place == Place::Host && self.offload.params {

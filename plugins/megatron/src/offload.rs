@@ -11,12 +11,19 @@
 //!   (and for checkpoint save / load).
 //!
 //! Moves replace a tensor's storage in place (`Tensor::set_data`), so every alias of it (the MoE
-//! blocks share their parameters with the model) follows; host copies are pinned where libtorch
-//! can pin them (a CUDA build on a GPU), pageable otherwise. On the CPU the device is the host and
-//! every move is a no-op, but the same code runs. Moves are exact copies: results are
-//! bit-identical with and without offloading.
+//! blocks share their parameters with the model) follows. On a GPU every offloaded tensor has a
+//! home in host memory ([`HostHomes`]) from its first move there: views of one page-locked buffer
+//! per dtype, allocated once, exactly the size of what they hold (libtorch's pinned allocator
+//! would round a block per tensor up to a power of two). Sending a tensor to the host copies it
+//! into its home; bringing it back copies the home to a new device tensor, without waiting for the
+//! device. On the CPU the device is the host and every move is a no-op (in the tests the homes are
+//! used there too, a move to the "device" making a copy: see `homes_apply`). Moves are exact copies:
+//! results are bit-identical with and without offloading.
+
+use std::collections::HashMap;
 
 use tch::{Device, Tensor};
+use verl_fsdp_core::host_params::{host_buffers, Fill};
 
 use crate::error::{Result, TorchContext};
 use crate::layout::MegatronSection;
@@ -116,17 +123,54 @@ pub fn move_tensor(t: &mut Tensor, place: Place, device: Device) -> Result<bool>
     Ok(moved)
 }
 
-/// [`move_tensor`] over `tensors` (labelled); returns the labels of the tensors visited, in order
-/// (the bookkeeping the tests check).
+/// Host homes of a role's offloaded tensors, by label (see the module documentation).
+#[derive(Default)]
+pub struct HostHomes {
+    homes: HashMap<String, Tensor>,
+}
+
+impl HostHomes {
+    /// Bytes of host memory the homes hold.
+    pub fn bytes(&self) -> usize {
+        self.homes
+            .values()
+            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+            .sum()
+    }
+
+    /// The home of the tensor labelled `label`, if it has one.
+    pub fn get(&self, label: &str) -> Option<&Tensor> {
+        self.homes.get(label)
+    }
+}
+
+/// Whether moves go through [`HostHomes`]: on a GPU, and on the CPU in this crate's unit tests or
+/// with `VERL_OFFLOAD_HOMES_ON_CPU=1` (the integration tests: every move then copies, as on a GPU).
+fn homes_apply(device: Device) -> bool {
+    device.is_cuda()
+        || cfg!(test)
+        || std::env::var("VERL_OFFLOAD_HOMES_ON_CPU").as_deref() == Ok("1")
+}
+
+/// [`move_tensor`] over `tensors` (labelled), through `homes` on a GPU; returns the labels of the
+/// tensors visited, in order (the bookkeeping the tests check).
 pub fn move_all<'a>(
     tensors: impl IntoIterator<Item = (String, &'a mut Tensor)>,
     place: Place,
     device: Device,
+    homes: &mut HostHomes,
 ) -> Result<Vec<String>> {
-    let mut seen = Vec::new();
-    for (label, t) in tensors {
-        move_tensor(t, place, device)?;
-        seen.push(label);
+    let mut list: Vec<(String, &'a mut Tensor)> = tensors.into_iter().collect();
+    let seen: Vec<String> = list.iter().map(|(l, _)| l.clone()).collect();
+    if !homes_apply(device) {
+        for (_, t) in list.iter_mut() {
+            move_tensor(t, place, device)?;
+        }
+    } else {
+        match place {
+            Place::Host => to_homes(&mut list, device, homes)?,
+            Place::Device => from_homes(&mut list, device, homes)?,
+        }
     }
     if place == Place::Host && matches!(device, Device::Cuda(_)) && !seen.is_empty() {
         // The freed device blocks go back to the driver, as verl's offload does with
@@ -136,9 +180,73 @@ pub fn move_all<'a>(
     Ok(seen)
 }
 
+/// Copies every tensor into its home (making the homes that are missing, or no longer fit, as
+/// one batch of flat buffers holding their values) and points the tensor at it.
+fn to_homes(
+    list: &mut [(String, &mut Tensor)],
+    device: Device,
+    homes: &mut HostHomes,
+) -> Result<()> {
+    let fits = |home: Option<&Tensor>, t: &Tensor| {
+        home.is_some_and(|h| h.size() == t.size() && h.kind() == t.kind())
+    };
+    let missing: Vec<usize> = (0..list.len())
+        .filter(|&i| !fits(homes.homes.get(&list[i].0), list[i].1))
+        .collect();
+    if !missing.is_empty() {
+        let srcs: Vec<Tensor> = missing
+            .iter()
+            .map(|&i| list[i].1.f_detach())
+            .collect::<std::result::Result<_, _>>()
+            .ctx("offload to host")?;
+        let refs: Vec<&Tensor> = srcs.iter().collect();
+        let made = host_buffers(&refs, None, Fill::Copy, device)?;
+        for (&i, h) in missing.iter().zip(made) {
+            homes.homes.insert(list[i].0.clone(), h);
+        }
+    }
+    tch::no_grad(|| -> Result<()> {
+        for (i, (label, t)) in list.iter_mut().enumerate() {
+            let home = &homes.homes[label.as_str()];
+            if !missing.contains(&i) && t.data_ptr() != home.data_ptr() {
+                home.shallow_clone()
+                    .f_copy_(&t.f_detach().ctx("offload to host")?)
+                    .ctx("offload to host")?;
+            }
+            t.f_set_data(home).ctx("offload: set_data")?;
+        }
+        Ok(())
+    })
+}
+
+/// Gives every tensor living in its home a device copy of it (a copy that does not wait for the
+/// device); any other tensor not on the device goes there as [`move_tensor`] moves it.
+fn from_homes(list: &mut [(String, &mut Tensor)], device: Device, homes: &HostHomes) -> Result<()> {
+    tch::no_grad(|| -> Result<()> {
+        for (label, t) in list.iter_mut() {
+            match homes.homes.get(label.as_str()) {
+                Some(h) if h.data_ptr() == t.data_ptr() => {
+                    let d = h
+                        .f_to_device_(device, h.kind(), true, true)
+                        .ctx("load to device")?;
+                    t.f_set_data(&d).ctx("offload: set_data")?;
+                }
+                _ => {
+                    move_tensor(t, Place::Device, device)?;
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
 /// Moves the model's parameters (this rank's slices, compute dtype) to `place`
 /// (`param_offload`); returns their names.
-pub fn move_params(model: &mut TpModel, place: Place) -> Result<Vec<String>> {
+pub fn move_params(
+    model: &mut TpModel,
+    place: Place,
+    homes: &mut HostHomes,
+) -> Result<Vec<String>> {
     let device = model.device();
     move_all(
         model
@@ -147,6 +255,7 @@ pub fn move_params(model: &mut TpModel, place: Place) -> Result<Vec<String>> {
             .map(|p| (p.name.clone(), &mut p.local)),
         place,
         device,
+        homes,
     )
 }
 
@@ -197,16 +306,85 @@ mod tests {
     fn move_all_reports_every_tensor_and_puts_them_on_the_host() {
         let mut a = Tensor::zeros([3], (Kind::Float, Device::Cpu));
         let mut b = Tensor::ones([2, 2], (Kind::BFloat16, Device::Cpu));
+        let mut homes = HostHomes::default();
         let seen = move_all(
             [("a".to_string(), &mut a), ("b".to_string(), &mut b)],
             Place::Host,
             Device::Cpu,
+            &mut homes,
         )
         .unwrap();
         assert_eq!(seen, vec!["a", "b"]);
         assert_eq!(a.device(), HOST);
         assert_eq!(b.device(), HOST);
         assert_eq!(b.kind(), Kind::BFloat16);
+    }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        Vec::<f32>::try_from(t.detach().to_kind(Kind::Float).reshape([-1])).unwrap()
+    }
+
+    #[test]
+    fn homes_are_allocated_once_and_carry_every_update() {
+        // (In the unit tests the homes apply on the CPU too: a move to the "device" copies.)
+        let mut a = Tensor::arange(6, (Kind::Float, Device::Cpu))
+            .reshape([2, 3])
+            .set_requires_grad(true);
+        let alias = a.shallow_clone();
+        let mut b = Tensor::full([4], 3.5, (Kind::Float, Device::Cpu));
+        let mut c = Tensor::ones([2, 2], (Kind::BFloat16, Device::Cpu));
+        let mut homes = HostHomes::default();
+        fn cycle(
+            homes: &mut HostHomes,
+            (a, b, c): (&mut Tensor, &mut Tensor, &mut Tensor),
+            place: Place,
+        ) {
+            let list = [
+                ("a".to_string(), a),
+                ("b".to_string(), b),
+                ("c".to_string(), c),
+            ];
+            move_all(list, place, Device::Cpu, homes).unwrap();
+        }
+        cycle(&mut homes, (&mut a, &mut b, &mut c), Place::Host);
+        let (pa, pb, pc) = (a.data_ptr(), b.data_ptr(), c.data_ptr());
+        // One flat buffer per dtype: a and b are consecutive slices, c has its own.
+        assert_eq!(pb as usize, pa as usize + 6 * 4);
+        assert_ne!(pc as usize, pb as usize + 4 * 4);
+        for round in 1..=3 {
+            cycle(&mut homes, (&mut a, &mut b, &mut c), Place::Device);
+            assert_ne!(a.data_ptr(), pa, "a device copy, not the home");
+            assert_eq!(alias.data_ptr(), a.data_ptr(), "aliases follow");
+            assert!(a.requires_grad());
+            // What the update does on the device must reach the home.
+            tch::no_grad(|| {
+                let _ = a.shallow_clone().f_add_scalar_(1.0).unwrap();
+                let _ = c.shallow_clone().f_mul_scalar_(2.0).unwrap();
+            });
+            cycle(&mut homes, (&mut a, &mut b, &mut c), Place::Host);
+            assert_eq!(
+                (a.data_ptr(), b.data_ptr(), c.data_ptr()),
+                (pa, pb, pc),
+                "same homes"
+            );
+            let want: Vec<f32> = (0..6).map(|i| i as f32 + round as f32).collect();
+            assert_eq!(values(&alias), want);
+            assert_eq!(values(&b), vec![3.5; 4]);
+            assert_eq!(values(&c), vec![f32::powi(2.0, round); 4]);
+            assert_eq!(c.kind(), Kind::BFloat16);
+        }
+        let bytes = homes.bytes();
+        assert_eq!(bytes, 6 * 4 + 4 * 4 + 4 * 2);
+        // A tensor whose shape changed (a checkpoint of another size) gets a new home.
+        cycle(&mut homes, (&mut a, &mut b, &mut c), Place::Device);
+        b = Tensor::zeros([5], (Kind::Float, Device::Cpu));
+        cycle(&mut homes, (&mut a, &mut b, &mut c), Place::Host);
+        assert_eq!(homes.get("b").unwrap().size(), vec![5]);
+        assert_eq!(values(&b), vec![0.0; 5]);
+        assert_eq!(
+            values(&alias),
+            (0..6).map(|i| i as f32 + 3.0).collect::<Vec<_>>()
+        );
     }
 
     #[test]

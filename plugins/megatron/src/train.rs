@@ -27,7 +27,7 @@ use verl_fsdp_core::config::OptimSection;
 use verl_fsdp_core::optim::{AdamW, LrSchedule};
 
 use crate::error::{MegatronError, Result, TorchContext};
-use crate::offload::{move_all, move_params, Need, Offload, Place};
+use crate::offload::{move_all, move_params, HostHomes, Need, Offload, Place};
 use crate::parallel::{Group, Parallel};
 use crate::pipeline::{gather_stages, train_1f1b, MicroInput};
 use crate::tp::TpModel;
@@ -104,6 +104,8 @@ pub struct TpTrainer {
     /// `update` calls completed (the scheduler's step).
     pub updates: u64,
     pub grad_clip: f64,
+    /// Host homes of the offloaded parameters and state ([`crate::offload`]).
+    homes: HostHomes,
 }
 
 impl TpTrainer {
@@ -204,6 +206,7 @@ impl TpTrainer {
             schedule: None,
             updates: 0,
             grad_clip,
+            homes: HostHomes::default(),
         })
     }
 
@@ -574,6 +577,7 @@ impl TpTrainer {
                 .map(|(fi, t)| (format!("grad/{fi}"), t)),
             place,
             device,
+            &mut self.homes,
         )
     }
 
@@ -604,6 +608,7 @@ impl TpTrainer {
                 ),
             place,
             device,
+            &mut self.homes,
         )
     }
 
@@ -618,7 +623,7 @@ impl TpTrainer {
     ) -> Result<Vec<String>> {
         let mut seen = Vec::new();
         if offload.params {
-            seen.extend(move_params(&mut self.model, place)?);
+            seen.extend(move_params(&mut self.model, place, &mut self.homes)?);
         }
         if offload.grads && need.grads() {
             seen.extend(self.move_grads(place)?);

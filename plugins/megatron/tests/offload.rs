@@ -3,7 +3,8 @@
 //! with offloading exactly as without it (bit-identical log-probs, metrics, generations, exported
 //! weights), and between calls every offloaded tensor sits on the host — exactly the parameters,
 //! gradient buffers and optimizer state (masters, moments) of the rank. Ranks run as threads; on
-//! the CPU the host is the device, so the moves are no-ops, but every offload path runs.
+//! the CPU the host is the device, but with `VERL_OFFLOAD_HOMES_ON_CPU=1` (set by every test here)
+//! the moves go through the host homes and copy, as on a GPU.
 
 mod support;
 
@@ -21,6 +22,11 @@ use verl_plugin_api::{
 };
 
 use support::*;
+
+/// Moves through the host homes on the CPU too (a move to the "device" copies).
+fn homes_on_cpu() {
+    std::env::set_var("VERL_OFFLOAD_HOMES_ON_CPU", "1");
+}
 
 fn all_offload(on: bool) -> Value {
     json!({"param_offload": on, "grad_offload": on, "optimizer_offload": on})
@@ -176,16 +182,19 @@ fn check_actor_on(model: &Path, (tp, pp, world): (u64, u64, usize), megatron: Va
 
 #[test]
 fn actor_tp2_dp2_distributed_optimizer_with_offload_is_bit_identical() {
+    homes_on_cpu();
     check_actor(2, 1, 4);
 }
 
 #[test]
 fn actor_tp2_pp2_with_offload_is_bit_identical() {
+    homes_on_cpu();
     check_actor(2, 2, 4);
 }
 
 #[test]
 fn moe_actor_tp2_ep2_with_offload_is_bit_identical() {
+    homes_on_cpu();
     // The MoE blocks share their parameters with the model: in-place moves keep them in step.
     let dir = tiny_mixtral();
     check_actor_on(
@@ -197,6 +206,7 @@ fn moe_actor_tp2_ep2_with_offload_is_bit_identical() {
 
 #[test]
 fn offload_moves_exactly_the_parameters_gradients_and_optimizer_state() {
+    homes_on_cpu();
     let dir = tiny_model(false, HeadKind::CausalLm);
     let job = std::sync::Arc::new(Job::new(2));
     let cfg = config(dir.path(), 2, true, offload_patch(true));
@@ -288,6 +298,7 @@ fn critic_run(model: &Path, offload: bool) -> Vec<(Vec<Metrics>, Vec<f32>)> {
 
 #[test]
 fn critic_tp2_with_offload_is_bit_identical() {
+    homes_on_cpu();
     let dir = tiny_model(false, HeadKind::Value);
     let plain = critic_run(dir.path(), false);
     let off = critic_run(dir.path(), true);
@@ -317,6 +328,7 @@ fn reference_log_probs(model: &Path, offload: bool) -> Vec<Vec<f32>> {
 
 #[test]
 fn reference_with_param_offload_is_bit_identical() {
+    homes_on_cpu();
     let dir = tiny_model(false, HeadKind::CausalLm);
     assert_eq!(
         reference_log_probs(dir.path(), false),

@@ -585,20 +585,29 @@ pub fn upload_slice_blocking<T: tch::kind::Element>(
     if device == tch::Device::Cpu || data.is_empty() || numel != data.len() as i64 || pinned {
         return upload_slice(data, shape, device);
     }
-    // SAFETY: `view` reads `data` (alive for this whole call, `numel` elements of `T::KIND`,
-    // contiguous); the blocking copy has read it all before `view` is dropped.
-    let view = unsafe {
-        Tensor::f_from_blob(
-            data.as_ptr() as *const u8,
-            shape,
-            &[],
-            T::KIND,
-            tch::Device::Cpu,
-        )?
-    };
+    // SAFETY: `data` outlives `view`, and the blocking copy has read it all before `view` goes.
+    let view = unsafe { slice_view(data, shape)? };
     let out = view.f_to_device_(device, T::KIND, false, true)?;
     drop(view);
     Ok(out)
+}
+
+/// A CPU tensor of shape `shape` viewing `data` in place (no copy).
+///
+/// # Safety
+/// `shape` must hold exactly `data.len()` elements, and the view must not be used (nor a tensor
+/// sharing its storage) after `data` is dropped or changed.
+unsafe fn slice_view<T: tch::kind::Element>(
+    data: &[T],
+    shape: &[i64],
+) -> std::result::Result<Tensor, tch::TchError> {
+    Tensor::f_from_blob(
+        data.as_ptr() as *const u8,
+        shape,
+        &[],
+        T::KIND,
+        tch::Device::Cpu,
+    )
 }
 
 /// A CPU copy of `data` as a `shape` tensor of its element kind, in page-locked memory from
@@ -619,17 +628,9 @@ pub fn pinned_copy<T: tch::kind::Element>(
             _ => host.f_internal_pin_memory(device).unwrap_or(host),
         });
     }
-    // SAFETY: `view` reads `data` (alive for this whole call, `numel` elements of `T::KIND`,
-    // contiguous) and is dropped before returning; what is returned is a copy.
-    let view = unsafe {
-        Tensor::f_from_blob(
-            data.as_ptr() as *const u8,
-            shape,
-            &[],
-            T::KIND,
-            tch::Device::Cpu,
-        )?
-    };
+    // SAFETY: `data` outlives `view`, which is dropped before returning; what is returned is a
+    // copy.
+    let view = unsafe { slice_view(data, shape)? };
     let copy = match view.f_internal_pin_memory(device) {
         Ok(pinned) => pinned,
         Err(_) => {

@@ -121,6 +121,11 @@ impl AdamW {
     /// with [`AdamW::step_tensors`] and copied back; `after(i, p)` then sees parameter `i`'s new
     /// value on the device (e.g. to refresh a compute-dtype copy). Tensors not on the host are
     /// stepped in place. Bit for bit the step taken with everything on the device.
+    ///
+    /// The copies back run on a side stream ([`verl_torch_ext::SideCopies`]) while the next chunk
+    /// comes to the device and steps, so on a GPU the two directions of PCIe overlap; at most one
+    /// chunk's copies back are in flight when the next chunk is brought over (two chunks of device
+    /// memory), and all of them have finished when this returns.
     #[allow(clippy::too_many_arguments)]
     pub fn step_visiting(
         &self,
@@ -146,9 +151,10 @@ impl AdamW {
                 })
                 .collect()
         };
-        let back = |host: &Tensor, dev: &Tensor, what: &'static str| -> Result<()> {
-            host.shallow_clone().f_copy_(dev).ctx(what)?;
-            Ok(())
+        let mut back = if host.0 || host.1 {
+            Some(verl_torch_ext::SideCopies::new(device)?)
+        } else {
+            None
         };
         let mut start = 0;
         while start < n {
@@ -159,6 +165,10 @@ impl AdamW {
                 end += 1;
             }
             let r = start..end;
+            if let Some(b) = back.as_mut() {
+                // The chunk before last has gone back: its device memory can serve this one.
+                b.wait_all_but(1)?;
+            }
             let p = visit(&params[r.clone()], host.0, "master weights to the device")?;
             let m = visit(
                 &self.exp_avg[r.clone()],
@@ -172,19 +182,28 @@ impl AdamW {
             )?;
             self.step_tensors(c, &p, &grads[r.clone()], &m, &v)?;
             tch::no_grad(|| -> Result<()> {
-                for (k, i) in r.enumerate() {
-                    if host.0 {
-                        back(&params[i], &p[k], "master weights to host")?;
-                    }
-                    if host.1 {
-                        back(&self.exp_avg[i], &m[k], "optimizer state to host")?;
-                        back(&self.exp_avg_sq[i], &v[k], "optimizer state to host")?;
-                    }
+                for (k, i) in r.clone().enumerate() {
                     after(i, &p[k])?;
                 }
                 Ok(())
             })?;
+            if let Some(b) = back.as_mut() {
+                b.fence()?;
+                for (k, i) in r.enumerate() {
+                    if host.0 {
+                        b.copy(&params[i], &p[k])?;
+                    }
+                    if host.1 {
+                        b.copy(&self.exp_avg[i], &m[k])?;
+                        b.copy(&self.exp_avg_sq[i], &v[k])?;
+                    }
+                }
+                b.close_batch()?;
+            }
             start = end;
+        }
+        if let Some(mut b) = back {
+            b.finish()?;
         }
         Ok(())
     }
@@ -400,6 +419,118 @@ mod tests {
             v[k] = x.clone();
         }
         serde_json::from_value(v).unwrap()
+    }
+
+    /// Values without the global RNG (the tests run in parallel threads).
+    fn filled(shape: &[i64], salt: f64, device: Device) -> Tensor {
+        let n: i64 = shape.iter().product();
+        (Tensor::arange(n, (Kind::Float, device)) * 0.37 + salt)
+            .sin()
+            .reshape(shape)
+    }
+
+    #[test]
+    fn offloaded_steps_equal_device_steps_bit_for_bit() {
+        // step_visiting with masters and/or moments in host memory (pinned on a GPU, where the
+        // copies back run on a side stream overlapping the next chunk): three steps equal the
+        // steps taken with everything on the device, for chunks of one tensor, a few, and all;
+        // `after` sees each parameter's new value once per step.
+        let mut devices = vec![Device::Cpu];
+        if tch::Cuda::is_available() {
+            devices.push(Device::Cuda(0));
+        }
+        let shapes: [&[i64]; 5] = [&[64, 33], &[7], &[128, 64], &[3, 5, 2], &[1000]];
+        let cfg = optim(serde_json::json!({"lr": 1e-2, "weight_decay": 0.01}));
+        for device in devices {
+            let host_zeros = |shape: &[i64]| {
+                let t = Tensor::zeros(shape, (Kind::Float, Device::Cpu));
+                if device.is_cuda() {
+                    t.pin_memory(device)
+                } else {
+                    t
+                }
+            };
+            let grads = |step: usize| -> Vec<Tensor> {
+                shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| filled(s, (10 * step + i) as f64, device) * 0.1)
+                    .collect()
+            };
+            let run = |host: (bool, bool), chunk: usize| {
+                let params: Vec<Tensor> = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let p = filled(s, i as f64 + 0.5, device);
+                        if host.0 {
+                            let h = host_zeros(s);
+                            h.shallow_clone().copy_(&p);
+                            h
+                        } else {
+                            p
+                        }
+                    })
+                    .collect();
+                let mut opt = AdamW::without_state(&cfg, "t", device.is_cuda()).unwrap();
+                let state = |s: &&[i64]| {
+                    if host.1 {
+                        host_zeros(s)
+                    } else {
+                        Tensor::zeros(*s, (Kind::Float, device))
+                    }
+                };
+                opt.exp_avg = shapes.iter().map(state).collect();
+                opt.exp_avg_sq = shapes.iter().map(state).collect();
+                for step in 0..3 {
+                    let c = opt.begin_step(1e-2);
+                    let mut seen: Vec<Vec<Tensor>> =
+                        (0..shapes.len()).map(|_| Vec::new()).collect();
+                    opt.step_visiting(&c, device, &params, &grads(step), host, chunk, |i, p| {
+                        assert_eq!(p.device(), device);
+                        seen[i].push(p.to_device(Device::Cpu));
+                        Ok(())
+                    })
+                    .unwrap();
+                    for (i, v) in seen.iter().enumerate() {
+                        assert_eq!(v.len(), 1, "{device:?} {host:?} chunk {chunk}: after({i})");
+                        assert!(v[0].equal(&params[i].to_device(Device::Cpu)));
+                    }
+                }
+                let cpu = |ts: &[Tensor]| -> Vec<Tensor> {
+                    ts.iter().map(|t| t.to_device(Device::Cpu)).collect()
+                };
+                assert_eq!(
+                    params[0].device() == Device::Cpu,
+                    host.0 || device == Device::Cpu
+                );
+                (cpu(&params), cpu(&opt.exp_avg), cpu(&opt.exp_avg_sq))
+            };
+            let want = run((false, false), usize::MAX);
+            for (host, chunk) in [
+                ((true, true), 1),
+                ((true, true), 64 * 33 * 4 + 7 * 4),
+                ((true, true), usize::MAX),
+                ((false, true), 1),
+                ((true, false), 4096),
+            ] {
+                let got = run(host, chunk);
+                for (what, a, b) in [
+                    ("params", &want.0, &got.0),
+                    ("exp_avg", &want.1, &got.1),
+                    ("exp_avg_sq", &want.2, &got.2),
+                ] {
+                    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                        assert!(
+                            x.equal(y),
+                            "{device:?} {host:?} chunk {chunk}: {what}[{i}] differs"
+                        );
+                    }
+                }
+            }
+            // The steps moved the parameters.
+            assert!(!want.0[0].equal(&filled(shapes[0], 0.5, Device::Cpu)));
+        }
     }
 
     #[test]

@@ -7,6 +7,10 @@ pub const VOCAB: i64 = 40;
 
 /// Two layers, hidden 32, GQA 4/2 heads, untied head; random weights from `seed`, on the CPU.
 pub fn tiny_transformer(dtype: Kind, seed: i64) -> Transformer {
+    // Seeding and drawing from libtorch's global generator as one step: tests run in parallel
+    // threads, and one drawing in between would change this model's weights.
+    static GLOBAL_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _only_us = GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
     tch::manual_seed(seed);
     let cfg = ModelConfig::from_value(
         serde_json::json!({

@@ -14,9 +14,9 @@
 //! blocks share their parameters with the model) follows. On a GPU every offloaded tensor has a
 //! home in host memory ([`HostHomes`]) from its first move there: views of one page-locked buffer
 //! per dtype, allocated once, exactly the size of what they hold (libtorch's pinned allocator
-//! would round a block per tensor up to a power of two). Sending a tensor to the host copies it
-//! into its home; bringing it back copies the home to a new device tensor, without waiting for the
-//! device. On the CPU the device is the host and every move is a no-op (in the tests the homes are
+//! would round a block per tensor up to a power of two). Sending tensors to the host copies them
+//! into their homes on a side stream and waits once for all of them; bringing one back copies the
+//! home to a new device tensor, without waiting for the device. On the CPU the device is the host and every move is a no-op (in the tests the homes are
 //! used there too, a move to the "device" making a copy: see `homes_apply`). Moves are exact copies:
 //! results are bit-identical with and without offloading.
 
@@ -205,18 +205,22 @@ fn to_homes(
             homes.homes.insert(list[i].0.clone(), h);
         }
     }
+    // One wait for all the copies (on a side stream behind the work that wrote the tensors)
+    // instead of one per tensor; the device memory is not reused before its copy has run.
+    let mut copies = verl_torch_ext::SideCopies::new(device)?;
+    copies.fence()?;
     tch::no_grad(|| -> Result<()> {
         for (i, (label, t)) in list.iter_mut().enumerate() {
             let home = &homes.homes[label.as_str()];
             if !missing.contains(&i) && t.data_ptr() != home.data_ptr() {
-                home.shallow_clone()
-                    .f_copy_(&t.f_detach().ctx("offload to host")?)
-                    .ctx("offload to host")?;
+                copies.copy(home, &t.f_detach().ctx("offload to host")?)?;
             }
             t.f_set_data(home).ctx("offload: set_data")?;
         }
         Ok(())
-    })
+    })?;
+    copies.finish()?;
+    Ok(())
 }
 
 /// Gives every tensor living in its home a device copy of it (a copy that does not wait for the

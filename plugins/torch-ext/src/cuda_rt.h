@@ -52,6 +52,7 @@ struct CudaApi {
   CUresult_t (*cuEventDestroy)(void*);
   CUresult_t (*cuEventElapsedTime)(float*, void*, void*);
   CUresult_t (*cuStreamIsCapturing)(CUstream_t, int*);
+  CUresult_t (*cuStreamWaitEvent)(CUstream_t, void*, unsigned);
   CUresult_t (*cuDeviceGetName)(char*, int, CUdevice_t);
   std::string error;  // non-empty: unusable
 };
@@ -92,6 +93,7 @@ inline const CudaApi& cuda_api() {
     load_sym(lib, "cuEventDestroy_v2", a.cuEventDestroy, err);
     load_sym(lib, "cuEventElapsedTime", a.cuEventElapsedTime, err);
     load_sym(lib, "cuStreamIsCapturing", a.cuStreamIsCapturing, err);
+    load_sym(lib, "cuStreamWaitEvent", a.cuStreamWaitEvent, err);
     load_sym(lib, "cuDeviceGetName", a.cuDeviceGetName, err);
     if (!err.empty()) {
       a.error = "libcuda.so.1: " + err;

@@ -134,6 +134,11 @@ extern "C" {
     fn vt_event_record(index: i32, out: *mut *mut c_void) -> *mut c_char;
     fn vt_event_synchronize(e: *mut c_void) -> *mut c_char;
     fn vt_event_free(e: *mut c_void);
+    fn vt_side_new(index: i32, out: *mut *mut c_void) -> *mut c_char;
+    fn vt_side_fence(side: *mut c_void) -> *mut c_char;
+    fn vt_side_copy(side: *mut c_void, dst: CTensor, src: CTensor) -> *mut c_char;
+    fn vt_side_record(side: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
+    fn vt_side_free(side: *mut c_void);
     fn vt_trace_start(cpu: i32) -> *mut c_char;
     fn vt_trace_stop(path: *const c_char) -> *mut c_char;
 }
@@ -804,6 +809,135 @@ impl Drop for CudaEvent {
     fn drop(&mut self) {
         // SAFETY: ptr came from vt_event_record and is freed exactly once.
         unsafe { vt_event_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// Copies queued behind the current stream's work on a side stream of their own, so they run
+/// while the current stream goes on (on a GPU, device-to-host copies of one chunk of offloaded
+/// state overlap the next chunk's host-to-device copies and its compute: PCIe moves both
+/// directions at once). Each batch of copies is fenced after the work queued before it and closed
+/// with [`SideCopies::close_batch`]; [`SideCopies::wait_all_but`] bounds how many batches are in
+/// flight (their source memory is not reused until they have run) and [`SideCopies::finish`] (also
+/// run on drop) waits for all of them, after which the destinations may be read. Off CUDA every
+/// copy is an ordinary `copy_` and the rest does nothing, so CPU runs take the same path.
+pub struct SideCopies {
+    side: Option<NonNull<c_void>>,
+    pending: std::collections::VecDeque<CudaEvent>,
+}
+
+impl std::fmt::Debug for SideCopies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SideCopies")
+            .field("cuda", &self.side.is_some())
+            .field("pending", &self.pending.len())
+            .finish()
+    }
+}
+
+impl SideCopies {
+    /// A side stream on `device` when it is a CUDA device, plain copies otherwise.
+    pub fn new(device: tch::Device) -> Result<SideCopies> {
+        let side = match device {
+            tch::Device::Cuda(index) => {
+                let mut out: *mut c_void = std::ptr::null_mut();
+                // SAFETY: the shim writes a side-stream handle (freed by Drop) or an error.
+                check("side stream", unsafe {
+                    vt_side_new(index as i32, &mut out)
+                })?;
+                Some(NonNull::new(out).ok_or_else(|| TorchExtError::Torch {
+                    op: "side stream",
+                    message: "no stream returned".into(),
+                })?)
+            }
+            _ => None,
+        };
+        Ok(SideCopies {
+            side,
+            pending: Default::default(),
+        })
+    }
+
+    /// Makes the copies queued from now on wait for the work queued so far on the current stream
+    /// (what wrote their sources).
+    pub fn fence(&mut self) -> Result<()> {
+        match self.side {
+            // SAFETY: a live side stream owned by self.
+            Some(s) => check("side stream fence", unsafe { vt_side_fence(s.as_ptr()) }),
+            None => Ok(()),
+        }
+    }
+
+    /// `dst.copy_(src)`, queued on the side stream (see the type's documentation); `src` may be
+    /// dropped at once.
+    pub fn copy(&mut self, dst: &Tensor, src: &Tensor) -> Result<()> {
+        let side = self.side;
+        // Outside autograd: `dst` may be a leaf that requires grad (a master weight).
+        tch::no_grad(|| match side {
+            // SAFETY: a live side stream owned by self and live tch tensors borrowed for the call.
+            Some(s) => check("side stream copy", unsafe {
+                vt_side_copy(s.as_ptr(), dst.as_ptr(), src.as_ptr())
+            }),
+            None => {
+                dst.shallow_clone()
+                    .f_copy_(src)
+                    .map(|_| ())
+                    .map_err(|e| TorchExtError::Torch {
+                        op: "copy",
+                        message: e.to_string(),
+                    })
+            }
+        })
+    }
+
+    /// Ends a batch: the copies queued so far form one unit for [`SideCopies::wait_all_but`].
+    pub fn close_batch(&mut self) -> Result<()> {
+        if let Some(s) = self.side {
+            let mut out: *mut c_void = std::ptr::null_mut();
+            // SAFETY: a live side stream; the shim writes an event (owned by CudaEvent) or an error.
+            check("side stream record", unsafe {
+                vt_side_record(s.as_ptr(), &mut out)
+            })?;
+            let ptr = NonNull::new(out).ok_or_else(|| TorchExtError::Torch {
+                op: "side stream record",
+                message: "no event returned".into(),
+            })?;
+            self.pending.push_back(CudaEvent { ptr });
+        }
+        Ok(())
+    }
+
+    /// Waits until at most `keep` closed batches are still running.
+    pub fn wait_all_but(&mut self, keep: usize) -> Result<()> {
+        while self.pending.len() > keep {
+            let ev = self.pending.pop_front().expect("a pending batch");
+            ev.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// Closes the open batch and waits for every copy queued.
+    pub fn finish(&mut self) -> Result<()> {
+        if self.side.is_some() {
+            self.close_batch()?;
+        }
+        self.wait_all_but(0)
+    }
+
+    /// Closed batches still running, as far as the host knows (0 off CUDA).
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+impl Drop for SideCopies {
+    fn drop(&mut self) {
+        // Destinations must not be read (nor sources reused by anything but the allocator, which
+        // knows) before the copies ran: wait for them even on an error path.
+        let _ = self.finish();
+        if let Some(s) = self.side.take() {
+            // SAFETY: s came from vt_side_new and is freed exactly once.
+            unsafe { vt_side_free(s.as_ptr()) }
+        }
     }
 }
 

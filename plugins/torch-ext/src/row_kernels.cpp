@@ -37,6 +37,8 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -2777,6 +2779,117 @@ char* vt_event_synchronize(void* ev) {
     no_cuda();
 #endif
   });
+}
+
+// A side stream of device `index` for copies that overlap the current stream's work (e.g.
+// device-to-host copies of one chunk of offloaded state while the next chunk comes to the device:
+// PCIe moves both directions at once). Freed with vt_side_free.
+#ifdef VERL_WITH_CUDA
+struct VtSide {
+  c10::cuda::CUDAStream stream;
+  int index;
+};
+#endif
+
+char* vt_side_new(int index, void** out) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    if (out == nullptr) bad("side_new", "an output slot", "null");
+    c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<int8_t>(index)));
+    *out = new VtSide{c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(index)),
+                      index};
+#else
+    (void)index, (void)out;
+    no_cuda();
+#endif
+  });
+}
+
+// The side stream waits (on the device) for the work queued so far on the current stream.
+char* vt_side_fence(void* side) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    if (side == nullptr) bad("side_fence", "a side stream", "null");
+    const VtSide& s = *static_cast<VtSide*>(side);
+    c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<int8_t>(s.index)));
+    make_current(device_info(s.index));
+    const CudaApi& cu = cuda_checked();
+    void* ev = nullptr;
+    cu_check(cu.cuEventCreate(&ev, 2 /* CU_EVENT_DISABLE_TIMING */), "cuEventCreate");
+    CUresult_t r = cu.cuEventRecord(ev, current_stream(s.index));
+    if (r == 0) r = cu.cuStreamWaitEvent(reinterpret_cast<CUstream_t>(s.stream.stream()), ev, 0);
+    cu.cuEventDestroy(ev);  // released once the wait is done
+    cu_check(r, "side stream fence");
+#else
+    (void)side;
+    no_cuda();
+#endif
+  });
+}
+
+// dst.copy_(src, non_blocking=true) queued on the side stream; the caching allocator is told
+// that the side stream uses src's (and a device dst's) memory, so neither is reused before the
+// copy has run, even if the tensors are freed at once.
+char* vt_side_copy(void* side, at::Tensor* dst, at::Tensor* src) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    if (side == nullptr || dst == nullptr || src == nullptr) {
+      bad("side_copy", "a side stream and two tensors", "null");
+    }
+    const VtSide& s = *static_cast<VtSide*>(side);
+    {
+      // The side stream current for the copy (c10's CUDAStreamGuard would link the CUDA runtime).
+      struct Current {
+        c10::cuda::CUDAStream previous;
+        explicit Current(const c10::cuda::CUDAStream& s)
+            : previous(c10::cuda::getCurrentCUDAStream(s.device_index())) {
+          c10::cuda::setCurrentCUDAStream(s);
+        }
+        ~Current() { c10::cuda::setCurrentCUDAStream(previous); }
+      } current(s.stream);
+      dst->copy_(*src, /*non_blocking=*/true);
+    }
+    for (const at::Tensor* t : {src, dst}) {
+      if (t->is_cuda() && t->storage().data_ptr().get() != nullptr) {
+        c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), s.stream);
+      }
+    }
+#else
+    (void)side, (void)dst, (void)src;
+    no_cuda();
+#endif
+  });
+}
+
+// An event (as vt_event_record's) recorded after the work queued so far on the side stream.
+char* vt_side_record(void* side, void** out) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    if (side == nullptr || out == nullptr) bad("side_record", "a side stream and a slot", "null");
+    const VtSide& s = *static_cast<VtSide*>(side);
+    make_current(device_info(s.index));
+    const CudaApi& cu = cuda_checked();
+    void* ev = nullptr;
+    cu_check(cu.cuEventCreate(&ev, 2 /* CU_EVENT_DISABLE_TIMING */), "cuEventCreate");
+    const CUresult_t r = cu.cuEventRecord(ev, reinterpret_cast<CUstream_t>(s.stream.stream()));
+    if (r != 0) {
+      cu.cuEventDestroy(ev);
+      cu_check(r, "cuEventRecord");
+    }
+    *out = ev;
+#else
+    (void)side, (void)out;
+    no_cuda();
+#endif
+  });
+}
+
+void vt_side_free(void* side) {
+#ifdef VERL_WITH_CUDA
+  delete static_cast<VtSide*>(side);
+#else
+  (void)side;
+#endif
 }
 
 void vt_event_free(void* ev) {

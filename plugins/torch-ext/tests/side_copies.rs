@@ -1,0 +1,84 @@
+//! `SideCopies`: copies queued on a side stream behind the current stream's work. A copy sees its
+//! source as the work queued before the fence left it (not an earlier state), its source may be
+//! dropped and its memory handed out again at once without corrupting the copy, a leaf that
+//! requires grad can be a destination, and after `finish` every destination holds its value. On
+//! the CPU (and CI) the same calls are plain copies.
+
+use tch::{Device, Kind, Tensor};
+use verl_torch_ext::SideCopies;
+
+fn devices() -> Vec<Device> {
+    let mut d = vec![Device::Cpu];
+    if tch::Cuda::is_available() {
+        d.push(Device::Cuda(0));
+    }
+    d
+}
+
+/// A host tensor a device-to-host copy can target without blocking (pinned on a GPU).
+fn host_like(t: &Tensor, device: Device) -> Tensor {
+    let h = Tensor::zeros(t.size(), (t.kind(), Device::Cpu));
+    if device.is_cuda() {
+        h.pin_memory(device)
+    } else {
+        h
+    }
+}
+
+#[test]
+fn copies_see_the_fenced_values_and_outlive_their_sources() {
+    for dev in devices() {
+        let mut side = SideCopies::new(dev).unwrap();
+        let n = 4 << 20; // 16 MB of f32 per source
+        let mut expected = Vec::new();
+        let mut dsts = Vec::new();
+        for round in 0..4 {
+            // Slow work on the current stream writes the source last: a copy that did not wait
+            // for it would read the zeros (or the memory's previous contents).
+            let a = Tensor::randn([1024, 1024], (Kind::Float, dev));
+            let mut x = a.shallow_clone();
+            for _ in 0..8 {
+                x = x.matmul(&a) / 32.0;
+            }
+            let src = Tensor::zeros([n], (Kind::Float, dev));
+            src.narrow(0, 0, 1024 * 1024).copy_(&x.reshape([-1]));
+            let _ = src
+                .narrow(0, 1024 * 1024, n - 1024 * 1024)
+                .fill_(round as f64 + 0.5);
+            let want = src.to_device(Device::Cpu);
+            let dst = host_like(&src, dev);
+            side.fence().unwrap();
+            side.copy(&dst, &src).unwrap();
+            side.close_batch().unwrap();
+            drop(src);
+            // The freed block is handed out again at once and overwritten on the current stream.
+            let reuse = Tensor::full([n], -7.0, (Kind::Float, dev));
+            let _ = reuse.sum(Kind::Float);
+            side.wait_all_but(1).unwrap();
+            assert!(side.pending() <= 1, "{dev:?}");
+            expected.push(want);
+            dsts.push(dst);
+        }
+        side.finish().unwrap();
+        assert_eq!(side.pending(), 0);
+        for (k, (d, w)) in dsts.iter().zip(&expected).enumerate() {
+            assert!(d.equal(w), "{dev:?}: copy {k} differs from its source");
+        }
+    }
+}
+
+#[test]
+fn a_leaf_that_requires_grad_can_receive_a_copy() {
+    for dev in devices() {
+        let mut side = SideCopies::new(dev).unwrap();
+        let src = Tensor::arange(1000, (Kind::Float, dev)) * 0.5;
+        let dst = host_like(&src, dev).set_requires_grad(true);
+        side.fence().unwrap();
+        side.copy(&dst, &src).unwrap();
+        drop(side); // waits for the copies
+        assert!(dst.requires_grad());
+        assert!(dst
+            .detach()
+            .equal(&(Tensor::arange(1000, (Kind::Float, Device::Cpu)) * 0.5)));
+    }
+}

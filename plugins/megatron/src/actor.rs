@@ -258,7 +258,9 @@ impl MegatronActor {
     pub fn move_offloaded(&mut self, need: Need, place: Place) -> Result<Vec<String>> {
         let seen = match &mut self.weights {
             Weights::Train(t) => t.move_offloaded(self.offload, need, place)?,
-            Weights::Frozen(m) if self.offload.params => move_params(m, place, &mut self.homes)?,
+            Weights::Frozen(m) if self.offload.params => {
+                move_params(m, place, &mut self.homes, need.param_contents())?
+            }
             Weights::Frozen(_) => vec![],
         };
         if place == Place::Host && self.offload.params {

@@ -16,11 +16,14 @@
 //! per dtype, allocated once, exactly the size of what they hold (libtorch's pinned allocator
 //! would round a block per tensor up to a power of two). Sending tensors to the host copies them
 //! into their homes on a side stream and waits once for all of them; bringing one back copies the
-//! home to a new device tensor, without waiting for the device. On the CPU the device is the host and every move is a no-op (in the tests the homes are
+//! home to a new device tensor, without waiting for the device. What the caller knows of the
+//! values ([`Contents`]) saves copies: parameters a call only read go back without one, and
+//! gradient buffers that are zero (checked) neither leave nor come back by copy. An update's
+//! optimizer state comes over on a side stream ([`prefetch_all`]) joined before the step. On the CPU the device is the host and every move is a no-op (in the tests the homes are
 //! used there too, a move to the "device" making a copy: see `homes_apply`). Moves are exact copies:
 //! results are bit-identical with and without offloading.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use tch::{Device, Tensor};
 use verl_fsdp_core::host_params::{host_buffers, Fill};
@@ -66,6 +69,16 @@ pub enum Need {
 }
 
 impl Need {
+    /// What a call needing this leaves in the parameters it brought over: generate, log-probs,
+    /// values and export only read them.
+    pub fn param_contents(self) -> Contents {
+        if self == Need::Params {
+            Contents::Unchanged
+        } else {
+            Contents::Changed
+        }
+    }
+
     pub fn grads(self) -> bool {
         self == Need::Train
     }
@@ -89,6 +102,22 @@ impl Place {
             Place::Device => device,
         }
     }
+}
+
+/// What a move may assume about the values of the tensors it moves (through [`HostHomes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Contents {
+    /// Anything: a move to the host copies.
+    #[default]
+    Changed,
+    /// Unchanged since they were brought from their homes (a call that only read them: generate,
+    /// log-probs, values, export): a move to the host points them back at their homes, which
+    /// already hold these values, without copying.
+    Unchanged,
+    /// Usually zeros (the gradient buffers, zeroed at the end of every update): a move to the
+    /// host checks each tensor, and a zero one whose home is known to hold zeros is not copied;
+    /// a move to the device then makes zeros there instead of copying them over.
+    Zeros,
 }
 
 /// A copy of `t` in host memory: pinned when `device` is an accelerator libtorch can pin for,
@@ -127,6 +156,8 @@ pub fn move_tensor(t: &mut Tensor, place: Place, device: Device) -> Result<bool>
 #[derive(Default)]
 pub struct HostHomes {
     homes: HashMap<String, Tensor>,
+    /// Labels whose home is known to hold zeros (see [`Contents::Zeros`]).
+    zero: HashSet<String>,
 }
 
 impl HostHomes {
@@ -152,13 +183,14 @@ fn homes_apply(device: Device) -> bool {
         || std::env::var("VERL_OFFLOAD_HOMES_ON_CPU").as_deref() == Ok("1")
 }
 
-/// [`move_tensor`] over `tensors` (labelled), through `homes` on a GPU; returns the labels of the
-/// tensors visited, in order (the bookkeeping the tests check).
+/// [`move_tensor`] over `tensors` (labelled), through `homes` on a GPU, assuming `contents` of
+/// them; returns the labels of the tensors visited, in order (the bookkeeping the tests check).
 pub fn move_all<'a>(
     tensors: impl IntoIterator<Item = (String, &'a mut Tensor)>,
     place: Place,
     device: Device,
     homes: &mut HostHomes,
+    contents: Contents,
 ) -> Result<Vec<String>> {
     let mut list: Vec<(String, &'a mut Tensor)> = tensors.into_iter().collect();
     let seen: Vec<String> = list.iter().map(|(l, _)| l.clone()).collect();
@@ -168,8 +200,8 @@ pub fn move_all<'a>(
         }
     } else {
         match place {
-            Place::Host => to_homes(&mut list, device, homes)?,
-            Place::Device => from_homes(&mut list, device, homes)?,
+            Place::Host => to_homes(&mut list, device, homes, contents)?,
+            Place::Device => from_homes(&mut list, device, homes, None)?,
         }
     }
     if place == Place::Host && matches!(device, Device::Cuda(_)) && !seen.is_empty() {
@@ -186,12 +218,47 @@ fn to_homes(
     list: &mut [(String, &mut Tensor)],
     device: Device,
     homes: &mut HostHomes,
+    contents: Contents,
 ) -> Result<()> {
     let fits = |home: Option<&Tensor>, t: &Tensor| {
         home.is_some_and(|h| h.size() == t.size() && h.kind() == t.kind())
     };
     let missing: Vec<usize> = (0..list.len())
         .filter(|&i| !fits(homes.homes.get(&list[i].0), list[i].1))
+        .collect();
+    // Tensors not at home now; which of them are zeros (Contents::Zeros only).
+    let away: Vec<bool> = list
+        .iter()
+        .map(|(label, t)| {
+            homes
+                .homes
+                .get(label.as_str())
+                .is_none_or(|h| h.data_ptr() != t.data_ptr())
+        })
+        .collect();
+    let mut zero_now = vec![false; list.len()];
+    if contents == Contents::Zeros {
+        for (i, (_, t)) in list.iter().enumerate() {
+            if away[i] {
+                zero_now[i] = !t
+                    .f_any()
+                    .and_then(|x| x.f_is_nonzero())
+                    .ctx("offload: zero check")?;
+            }
+        }
+    }
+    // Which of the tensors away from an existing home need no copy into it.
+    let same: Vec<bool> = (0..list.len())
+        .map(|i| {
+            let label = list[i].0.as_str();
+            away[i]
+                && !missing.contains(&i)
+                && match contents {
+                    Contents::Changed => false,
+                    Contents::Unchanged => true,
+                    Contents::Zeros => zero_now[i] && homes.zero.contains(label),
+                }
+        })
         .collect();
     if !missing.is_empty() {
         let srcs: Vec<Tensor> = missing
@@ -212,7 +279,7 @@ fn to_homes(
     tch::no_grad(|| -> Result<()> {
         for (i, (label, t)) in list.iter_mut().enumerate() {
             let home = &homes.homes[label.as_str()];
-            if !missing.contains(&i) && t.data_ptr() != home.data_ptr() {
+            if !missing.contains(&i) && !same[i] && t.data_ptr() != home.data_ptr() {
                 copies.copy(home, &t.f_detach().ctx("offload to host")?)?;
             }
             t.f_set_data(home).ctx("offload: set_data")?;
@@ -220,19 +287,46 @@ fn to_homes(
         Ok(())
     })?;
     copies.finish()?;
+    // What the homes hold now: an unchanged tensor's home kept its values; a copied one holds
+    // zeros exactly where the check found zeros.
+    for (i, (label, _)) in list.iter().enumerate() {
+        if away[i] && contents != Contents::Unchanged {
+            if zero_now[i] {
+                homes.zero.insert(label.clone());
+            } else {
+                homes.zero.remove(label.as_str());
+            }
+        }
+    }
     Ok(())
 }
 
 /// Gives every tensor living in its home a device copy of it (a copy that does not wait for the
-/// device); any other tensor not on the device goes there as [`move_tensor`] moves it.
-fn from_homes(list: &mut [(String, &mut Tensor)], device: Device, homes: &HostHomes) -> Result<()> {
+/// device, or zeros made on the device where the home is known to hold zeros); any other tensor
+/// not on the device goes there as [`move_tensor`] moves it. With `side` the copies from the homes
+/// run on its stream, which the caller joins before the tensors are used.
+fn from_homes(
+    list: &mut [(String, &mut Tensor)],
+    device: Device,
+    homes: &HostHomes,
+    mut side: Option<&mut verl_torch_ext::SideCopies>,
+) -> Result<()> {
     tch::no_grad(|| -> Result<()> {
         for (label, t) in list.iter_mut() {
             match homes.homes.get(label.as_str()) {
                 Some(h) if h.data_ptr() == t.data_ptr() => {
-                    let d = h
-                        .f_to_device_(device, h.kind(), true, true)
-                        .ctx("load to device")?;
+                    let d = if homes.zero.contains(label.as_str()) {
+                        Tensor::f_zeros(h.size().as_slice(), (h.kind(), device))
+                            .ctx("load to device")?
+                    } else if let Some(s) = side.as_deref_mut() {
+                        let d = Tensor::f_empty(h.size().as_slice(), (h.kind(), device))
+                            .ctx("load to device")?;
+                        s.copy(&d, h)?;
+                        d
+                    } else {
+                        h.f_to_device_(device, h.kind(), true, true)
+                            .ctx("load to device")?
+                    };
                     t.f_set_data(&d).ctx("offload: set_data")?;
                 }
                 _ => {
@@ -244,12 +338,38 @@ fn from_homes(list: &mut [(String, &mut Tensor)], device: Device, homes: &HostHo
     })
 }
 
+/// [`move_all`] to the device with the copies from the homes queued on a side stream, so they
+/// overlap the work queued next on the current stream; the returned copies must be joined
+/// ([`verl_torch_ext::SideCopies::join`]) before that stream uses the tensors.
+pub fn prefetch_all<'a>(
+    tensors: impl IntoIterator<Item = (String, &'a mut Tensor)>,
+    device: Device,
+    homes: &mut HostHomes,
+) -> Result<(Vec<String>, verl_torch_ext::SideCopies)> {
+    let mut list: Vec<(String, &'a mut Tensor)> = tensors.into_iter().collect();
+    let seen: Vec<String> = list.iter().map(|(l, _)| l.clone()).collect();
+    let mut side = verl_torch_ext::SideCopies::new(device)?;
+    // The device memory the copies write may have served work still queued on the current
+    // stream (the caching allocator orders reuse on that stream only).
+    side.fence()?;
+    if homes_apply(device) {
+        from_homes(&mut list, device, homes, Some(&mut side))?;
+    } else {
+        for (_, t) in list.iter_mut() {
+            move_tensor(t, Place::Device, device)?;
+        }
+    }
+    side.close_batch()?;
+    Ok((seen, side))
+}
+
 /// Moves the model's parameters (this rank's slices, compute dtype) to `place`
 /// (`param_offload`); returns their names.
 pub fn move_params(
     model: &mut TpModel,
     place: Place,
     homes: &mut HostHomes,
+    contents: Contents,
 ) -> Result<Vec<String>> {
     let device = model.device();
     move_all(
@@ -260,6 +380,7 @@ pub fn move_params(
         place,
         device,
         homes,
+        contents,
     )
 }
 
@@ -316,6 +437,7 @@ mod tests {
             Place::Host,
             Device::Cpu,
             &mut homes,
+            Contents::Changed,
         )
         .unwrap();
         assert_eq!(seen, vec!["a", "b"]);
@@ -348,7 +470,7 @@ mod tests {
                 ("b".to_string(), b),
                 ("c".to_string(), c),
             ];
-            move_all(list, place, Device::Cpu, homes).unwrap();
+            move_all(list, place, Device::Cpu, homes, Contents::Changed).unwrap();
         }
         cycle(&mut homes, (&mut a, &mut b, &mut c), Place::Host);
         let (pa, pb, pc) = (a.data_ptr(), b.data_ptr(), c.data_ptr());
@@ -389,6 +511,97 @@ mod tests {
             values(&alias),
             (0..6).map(|i| i as f32 + 3.0).collect::<Vec<_>>()
         );
+    }
+
+    #[test]
+    fn unchanged_tensors_go_back_to_their_homes_without_a_copy() {
+        let mut a = Tensor::arange(4, (Kind::Float, Device::Cpu));
+        let mut homes = HostHomes::default();
+        let mv = |a: &mut Tensor, homes: &mut HostHomes, place, contents| {
+            move_all([("a".to_string(), a)], place, Device::Cpu, homes, contents).unwrap();
+        };
+        mv(&mut a, &mut homes, Place::Host, Contents::Changed);
+        let home = a.data_ptr();
+        mv(&mut a, &mut homes, Place::Device, Contents::Changed);
+        assert_ne!(a.data_ptr(), home);
+        // A write the caller declares away (Unchanged) does not reach the home: no copy ran.
+        let _ = a.f_add_scalar_(10.0).unwrap();
+        mv(&mut a, &mut homes, Place::Host, Contents::Unchanged);
+        assert_eq!(a.data_ptr(), home);
+        assert_eq!(values(&a), vec![0.0, 1.0, 2.0, 3.0]);
+        // Changed: it does.
+        mv(&mut a, &mut homes, Place::Device, Contents::Changed);
+        let _ = a.f_add_scalar_(10.0).unwrap();
+        mv(&mut a, &mut homes, Place::Host, Contents::Changed);
+        assert_eq!(a.data_ptr(), home);
+        assert_eq!(values(&a), vec![10.0, 11.0, 12.0, 13.0]);
+    }
+
+    #[test]
+    fn zero_tensors_are_not_copied_and_come_back_as_zeros() {
+        let mut g = Tensor::zeros([5], (Kind::Float, Device::Cpu));
+        let mut homes = HostHomes::default();
+        let mv = |g: &mut Tensor, homes: &mut HostHomes, place| {
+            move_all(
+                [("g".to_string(), g)],
+                place,
+                Device::Cpu,
+                homes,
+                Contents::Zeros,
+            )
+            .unwrap();
+        };
+        mv(&mut g, &mut homes, Place::Host);
+        let home = homes.get("g").unwrap().shallow_clone();
+        assert!(homes.zero.contains("g"));
+        // Poison the home: a move that copies from it would bring the poison back.
+        mv(&mut g, &mut homes, Place::Device);
+        let _ = home.shallow_clone().fill_(7.0);
+        assert_eq!(values(&g), vec![0.0; 5], "zeros made on the device");
+        // Still zero when it goes back: no copy (the poison stays in the home).
+        mv(&mut g, &mut homes, Place::Host);
+        assert_eq!(values(&g), vec![7.0; 5]);
+        let _ = home.shallow_clone().fill_(0.0);
+        // Not zero: copied, and the home is no longer known to be zeros.
+        mv(&mut g, &mut homes, Place::Device);
+        let _ = g.f_add_scalar_(2.5).unwrap();
+        mv(&mut g, &mut homes, Place::Host);
+        assert!(!homes.zero.contains("g"));
+        assert_eq!(values(&g), vec![2.5; 5]);
+        mv(&mut g, &mut homes, Place::Device);
+        assert_eq!(values(&g), vec![2.5; 5], "copied from the home");
+        // Zero again: copied once (the home held 2.5), then known zero.
+        let _ = g.f_zero_().unwrap();
+        mv(&mut g, &mut homes, Place::Host);
+        assert!(homes.zero.contains("g"));
+        assert_eq!(values(&g), vec![0.0; 5]);
+    }
+
+    #[test]
+    fn prefetched_tensors_hold_their_homes_values() {
+        let mut a = Tensor::arange(6, (Kind::Float, Device::Cpu));
+        let mut b = Tensor::full([3], -1.5, (Kind::Float, Device::Cpu));
+        let mut homes = HostHomes::default();
+        move_all(
+            [("a".to_string(), &mut a), ("b".to_string(), &mut b)],
+            Place::Host,
+            Device::Cpu,
+            &mut homes,
+            Contents::Changed,
+        )
+        .unwrap();
+        let (pa, pb) = (a.data_ptr(), b.data_ptr());
+        let (seen, mut up) = prefetch_all(
+            [("a".to_string(), &mut a), ("b".to_string(), &mut b)],
+            Device::Cpu,
+            &mut homes,
+        )
+        .unwrap();
+        up.join().unwrap();
+        assert_eq!(seen, vec!["a", "b"]);
+        assert!(a.data_ptr() != pa && b.data_ptr() != pb, "device copies");
+        assert_eq!(values(&a), (0..6).map(|i| i as f32).collect::<Vec<_>>());
+        assert_eq!(values(&b), vec![-1.5; 3]);
     }
 
     #[test]

@@ -27,7 +27,9 @@ use verl_fsdp_core::config::OptimSection;
 use verl_fsdp_core::optim::{AdamW, LrSchedule};
 
 use crate::error::{MegatronError, Result, TorchContext};
-use crate::offload::{move_all, move_params, HostHomes, Need, Offload, Place};
+use crate::offload::{
+    move_all, move_params, prefetch_all, Contents, HostHomes, Need, Offload, Place,
+};
 use crate::parallel::{Group, Parallel};
 use crate::pipeline::{gather_stages, train_1f1b, MicroInput};
 use crate::tp::TpModel;
@@ -106,6 +108,9 @@ pub struct TpTrainer {
     pub grad_clip: f64,
     /// Host homes of the offloaded parameters and state ([`crate::offload`]).
     homes: HostHomes,
+    /// Optimizer state on its way to the device for an update (`optimizer_offload`): joined
+    /// before the step (or before it goes back), so the copies overlap the forward and backward.
+    uploads: Option<verl_torch_ext::SideCopies>,
 }
 
 impl TpTrainer {
@@ -207,6 +212,7 @@ impl TpTrainer {
             updates: 0,
             grad_clip,
             homes: HostHomes::default(),
+            uploads: None,
         })
     }
 
@@ -391,6 +397,7 @@ impl TpTrainer {
                 }
             }
         }
+        self.join_uploads()?;
         self.optim.step(&self.masters, &reduced, lr)?;
         self.publish(par)?;
         Ok(norm)
@@ -578,6 +585,8 @@ impl TpTrainer {
             place,
             device,
             &mut self.homes,
+            // Zeroed at the end of every update: nothing to carry between calls.
+            Contents::Zeros,
         )
     }
 
@@ -585,31 +594,50 @@ impl TpTrainer {
     /// optimizer) to `place` (`optimizer_offload`); returns their labels (`master/<flat>`,
     /// `exp_avg/<flat>`, `exp_avg_sq/<flat>`).
     pub fn move_optimizer(&mut self, place: Place) -> Result<Vec<String>> {
+        self.move_optimizer_as(place, false)
+    }
+
+    /// [`TpTrainer::move_optimizer`]; with `prefetch` (to the device) the copies run on a side
+    /// stream, joined by the step ([`TpTrainer::join_uploads`]).
+    fn move_optimizer_as(&mut self, place: Place, prefetch: bool) -> Result<Vec<String>> {
+        // Copies still on their way in must land before anything reads or moves these tensors.
+        self.join_uploads()?;
         let device = self.model.device();
         let label = |what: &'static str| move |(fi, t)| (format!("{what}/{fi}"), t);
-        move_all(
-            self.masters
-                .iter_mut()
-                .enumerate()
-                .map(label("master"))
-                .chain(
-                    self.optim
-                        .exp_avg
-                        .iter_mut()
-                        .enumerate()
-                        .map(label("exp_avg")),
-                )
-                .chain(
-                    self.optim
-                        .exp_avg_sq
-                        .iter_mut()
-                        .enumerate()
-                        .map(label("exp_avg_sq")),
-                ),
-            place,
-            device,
-            &mut self.homes,
-        )
+        let tensors = self
+            .masters
+            .iter_mut()
+            .enumerate()
+            .map(label("master"))
+            .chain(
+                self.optim
+                    .exp_avg
+                    .iter_mut()
+                    .enumerate()
+                    .map(label("exp_avg")),
+            )
+            .chain(
+                self.optim
+                    .exp_avg_sq
+                    .iter_mut()
+                    .enumerate()
+                    .map(label("exp_avg_sq")),
+            );
+        if prefetch && place == Place::Device {
+            let (seen, copies) = prefetch_all(tensors, device, &mut self.homes)?;
+            self.uploads = Some(copies);
+            return Ok(seen);
+        }
+        move_all(tensors, place, device, &mut self.homes, Contents::Changed)
+    }
+
+    /// Makes the current stream wait for the optimizer state [`TpTrainer::move_offloaded`] sent
+    /// to the device for an update (a no-op when nothing is on its way).
+    pub fn join_uploads(&mut self) -> Result<()> {
+        if let Some(mut up) = self.uploads.take() {
+            up.join()?;
+        }
+        Ok(())
     }
 
     /// Moves what `offload` offloads of what a call needing `need` uses to `place`: the
@@ -623,13 +651,19 @@ impl TpTrainer {
     ) -> Result<Vec<String>> {
         let mut seen = Vec::new();
         if offload.params {
-            seen.extend(move_params(&mut self.model, place, &mut self.homes)?);
+            seen.extend(move_params(
+                &mut self.model,
+                place,
+                &mut self.homes,
+                need.param_contents(),
+            )?);
         }
         if offload.grads && need.grads() {
             seen.extend(self.move_grads(place)?);
         }
         if offload.optimizer && need.optimizer() {
-            seen.extend(self.move_optimizer(place)?);
+            // An update reads the state only at its step: the copies overlap the micro-batches.
+            seen.extend(self.move_optimizer_as(place, need == Need::Train)?);
         }
         Ok(seen)
     }

@@ -136,6 +136,7 @@ extern "C" {
     fn vt_event_free(e: *mut c_void);
     fn vt_side_new(index: i32, out: *mut *mut c_void) -> *mut c_char;
     fn vt_side_fence(side: *mut c_void) -> *mut c_char;
+    fn vt_side_join(side: *mut c_void) -> *mut c_char;
     fn vt_side_copy(side: *mut c_void, dst: CTensor, src: CTensor) -> *mut c_char;
     fn vt_side_record(side: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
     fn vt_side_free(side: *mut c_void);
@@ -867,8 +868,19 @@ impl SideCopies {
         }
     }
 
+    /// Makes the work queued from now on on the current stream wait for the copies queued so far
+    /// (e.g. uploads it is about to read); the host does not wait.
+    pub fn join(&mut self) -> Result<()> {
+        match self.side {
+            // SAFETY: a live side stream owned by self.
+            Some(s) => check("side stream join", unsafe { vt_side_join(s.as_ptr()) }),
+            None => Ok(()),
+        }
+    }
+
     /// `dst.copy_(src)`, queued on the side stream (see the type's documentation); `src` may be
-    /// dropped at once.
+    /// dropped at once. Fence first when `dst` (or `src`) was allocated on, or last used by, the
+    /// current stream: the side stream is ordered after that work only by a fence.
     pub fn copy(&mut self, dst: &Tensor, src: &Tensor) -> Result<()> {
         let side = self.side;
         // Outside autograd: `dst` may be a leaf that requires grad (a master weight).
@@ -928,6 +940,10 @@ impl SideCopies {
         self.pending.len()
     }
 }
+
+// SAFETY: the handle names a CUDA stream (and the events, CUDA events), which any thread may use;
+// the methods take `&mut self`, so one thread uses it at a time.
+unsafe impl Send for SideCopies {}
 
 impl Drop for SideCopies {
     fn drop(&mut self) {

@@ -2481,6 +2481,20 @@ void rope_store(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v,
   launch_blocks(kern.rope_store, blocks, index, p, "cuLaunchKernel(vt_rope_store)");
 }
 
+// A new event (driver API, no timing) recorded on `stream` of device `index`; the caller owns it.
+void* record_event(int index, CUstream_t stream) {
+  make_current(device_info(index));
+  const CudaApi& cu = cuda_checked();
+  void* ev = nullptr;
+  cu_check(cu.cuEventCreate(&ev, 2 /* CU_EVENT_DISABLE_TIMING */), "cuEventCreate");
+  const CUresult_t r = cu.cuEventRecord(ev, stream);
+  if (r != 0) {
+    cu.cuEventDestroy(ev);
+    cu_check(r, "cuEventRecord");
+  }
+  return ev;
+}
+
 #endif  // VERL_WITH_CUDA
 
 [[noreturn]] void no_cuda() {
@@ -2753,16 +2767,7 @@ char* vt_event_record(int index, void** out) {
 #ifdef VERL_WITH_CUDA
     if (out == nullptr) bad("event_record", "an output slot", "null");
     c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<int8_t>(index)));
-    make_current(device_info(index));
-    const CudaApi& cu = cuda_checked();
-    void* ev = nullptr;
-    cu_check(cu.cuEventCreate(&ev, 2 /* CU_EVENT_DISABLE_TIMING */), "cuEventCreate");
-    const CUresult_t r = cu.cuEventRecord(ev, current_stream(index));
-    if (r != 0) {
-      cu.cuEventDestroy(ev);
-      cu_check(r, "cuEventRecord");
-    }
-    *out = ev;
+    *out = record_event(index, current_stream(index));
 #else
     (void)index, (void)out;
     no_cuda();
@@ -2812,14 +2817,31 @@ char* vt_side_fence(void* side) {
     if (side == nullptr) bad("side_fence", "a side stream", "null");
     const VtSide& s = *static_cast<VtSide*>(side);
     c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<int8_t>(s.index)));
-    make_current(device_info(s.index));
+    void* ev = record_event(s.index, current_stream(s.index));
     const CudaApi& cu = cuda_checked();
-    void* ev = nullptr;
-    cu_check(cu.cuEventCreate(&ev, 2 /* CU_EVENT_DISABLE_TIMING */), "cuEventCreate");
-    CUresult_t r = cu.cuEventRecord(ev, current_stream(s.index));
-    if (r == 0) r = cu.cuStreamWaitEvent(reinterpret_cast<CUstream_t>(s.stream.stream()), ev, 0);
+    const CUresult_t r =
+        cu.cuStreamWaitEvent(reinterpret_cast<CUstream_t>(s.stream.stream()), ev, 0);
     cu.cuEventDestroy(ev);  // released once the wait is done
-    cu_check(r, "side stream fence");
+    cu_check(r, "cuStreamWaitEvent");
+#else
+    (void)side;
+    no_cuda();
+#endif
+  });
+}
+
+// The current stream waits (on the device) for the work queued so far on the side stream.
+char* vt_side_join(void* side) {
+  return vt_util::guarded([&] {
+#ifdef VERL_WITH_CUDA
+    if (side == nullptr) bad("side_join", "a side stream", "null");
+    const VtSide& s = *static_cast<VtSide*>(side);
+    c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<int8_t>(s.index)));
+    void* ev = record_event(s.index, reinterpret_cast<CUstream_t>(s.stream.stream()));
+    const CudaApi& cu = cuda_checked();
+    const CUresult_t r = cu.cuStreamWaitEvent(current_stream(s.index), ev, 0);
+    cu.cuEventDestroy(ev);  // released once the wait is done
+    cu_check(r, "cuStreamWaitEvent");
 #else
     (void)side;
     no_cuda();
@@ -2867,16 +2889,7 @@ char* vt_side_record(void* side, void** out) {
 #ifdef VERL_WITH_CUDA
     if (side == nullptr || out == nullptr) bad("side_record", "a side stream and a slot", "null");
     const VtSide& s = *static_cast<VtSide*>(side);
-    make_current(device_info(s.index));
-    const CudaApi& cu = cuda_checked();
-    void* ev = nullptr;
-    cu_check(cu.cuEventCreate(&ev, 2 /* CU_EVENT_DISABLE_TIMING */), "cuEventCreate");
-    const CUresult_t r = cu.cuEventRecord(ev, reinterpret_cast<CUstream_t>(s.stream.stream()));
-    if (r != 0) {
-      cu.cuEventDestroy(ev);
-      cu_check(r, "cuEventRecord");
-    }
-    *out = ev;
+    *out = record_event(s.index, reinterpret_cast<CUstream_t>(s.stream.stream()));
 #else
     (void)side, (void)out;
     no_cuda();

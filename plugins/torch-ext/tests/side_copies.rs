@@ -82,3 +82,31 @@ fn a_leaf_that_requires_grad_can_receive_a_copy() {
             .equal(&(Tensor::arange(1000, (Kind::Float, Device::Cpu)) * 0.5)));
     }
 }
+
+#[test]
+fn joined_uploads_are_what_the_current_stream_reads() {
+    // Uploads queued on the side stream, then joined: the current stream's next kernels (a sum,
+    // a copy back) see the whole upload, although the host never waited for it.
+    for dev in devices() {
+        let mut side = SideCopies::new(dev).unwrap();
+        let n = 32 << 20; // 128 MB of f32: long enough that an unjoined read would race
+        let host = Tensor::arange(n, (Kind::Float, Device::Cpu)).remainder(1000.0);
+        let host = if dev.is_cuda() {
+            host.pin_memory(dev)
+        } else {
+            host
+        };
+        let want = host.sum(Kind::Double).double_value(&[]);
+        for _ in 0..3 {
+            let d = Tensor::zeros([n], (Kind::Float, dev));
+            side.fence().unwrap(); // after the zeros (and any earlier use of the memory)
+            side.copy(&d, &host).unwrap();
+            side.join().unwrap();
+            let got = d.sum(Kind::Double).double_value(&[]);
+            assert_eq!(
+                got, want,
+                "{dev:?}: the current stream read a partial upload"
+            );
+        }
+    }
+}

@@ -2495,6 +2495,15 @@ void* record_event(int index, CUstream_t stream) {
   return ev;
 }
 
+// Stream `waiter` of device `index` waits (on the device) for the work queued so far on `source`.
+void stream_waits_for(int index, CUstream_t waiter, CUstream_t source) {
+  void* ev = record_event(index, source);
+  const CudaApi& cu = cuda_checked();
+  const CUresult_t r = cu.cuStreamWaitEvent(waiter, ev, 0);
+  cu.cuEventDestroy(ev);  // released once the wait is done
+  cu_check(r, "cuStreamWaitEvent");
+}
+
 #endif  // VERL_WITH_CUDA
 
 [[noreturn]] void no_cuda() {
@@ -2817,12 +2826,8 @@ char* vt_side_fence(void* side) {
     if (side == nullptr) bad("side_fence", "a side stream", "null");
     const VtSide& s = *static_cast<VtSide*>(side);
     c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<int8_t>(s.index)));
-    void* ev = record_event(s.index, current_stream(s.index));
-    const CudaApi& cu = cuda_checked();
-    const CUresult_t r =
-        cu.cuStreamWaitEvent(reinterpret_cast<CUstream_t>(s.stream.stream()), ev, 0);
-    cu.cuEventDestroy(ev);  // released once the wait is done
-    cu_check(r, "cuStreamWaitEvent");
+    stream_waits_for(s.index, reinterpret_cast<CUstream_t>(s.stream.stream()),
+                     current_stream(s.index));
 #else
     (void)side;
     no_cuda();
@@ -2837,11 +2842,8 @@ char* vt_side_join(void* side) {
     if (side == nullptr) bad("side_join", "a side stream", "null");
     const VtSide& s = *static_cast<VtSide*>(side);
     c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<int8_t>(s.index)));
-    void* ev = record_event(s.index, reinterpret_cast<CUstream_t>(s.stream.stream()));
-    const CudaApi& cu = cuda_checked();
-    const CUresult_t r = cu.cuStreamWaitEvent(current_stream(s.index), ev, 0);
-    cu.cuEventDestroy(ev);  // released once the wait is done
-    cu_check(r, "cuStreamWaitEvent");
+    stream_waits_for(s.index, current_stream(s.index),
+                     reinterpret_cast<CUstream_t>(s.stream.stream()));
 #else
     (void)side;
     no_cuda();

@@ -566,6 +566,11 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     let (pad, eos) = ((s.vocab - 1) as i64, (s.vocab - 1) as i64);
     let mut per_step = Vec::new();
     let mut exactness: Option<(f64, f64)> = None;
+    // FNV-1a over the warm-up step's sampled response tokens: two builds (or settings) that
+    // should sample the same tokens from the same seed print the same digest. Later steps sample
+    // from weights an update changed, and a GPU update is not bit-reproducible (atomic adds in
+    // backward kernels), so they are left out.
+    let mut digest: u64 = 0xcbf2_9ce4_8422_2325;
     for step in 0..a.steps {
         let t_step = Instant::now();
         let mut other = 0.0;
@@ -601,6 +606,13 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
         let gen = actor.generate(&batch, &opts)?;
         let mut mem = vec![("gen", probe(&mut actor)?)];
         let t_gen = t.elapsed().as_secs_f64();
+        if step == 0 {
+            for &tok in &gen.tensor::<i64>(col::RESPONSES)?.data {
+                for byte in tok.to_le_bytes() {
+                    digest = (digest ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+                }
+            }
+        }
 
         let lp_opts = LogProbOptions {
             temperature: 1.0,
@@ -743,6 +755,11 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             "peak memory held by tensors {p:.2} GiB (the caching allocator's max_memory_allocated, any phase)\n"
         ));
     }
+    out["responses_digest"] = json!(format!("{digest:016x}"));
+    table.push_str(&format!(
+        "responses digest {digest:016x} (FNV-1a of the warm-up step's sampled tokens; equal \
+         digests: the same tokens)\n"
+    ));
     if let Some((mean, max)) = exactness {
         out["rollout_logprob_abs_diff_mean"] = json!(mean);
         out["rollout_logprob_abs_diff_max"] = json!(max);

@@ -99,6 +99,25 @@ fn bench_grpo_tiny_on_cpu_prints_one_json_line() {
     assert!(err.contains("decode") || err.contains("HBM roof"), "{err}");
 }
 
+/// The digest of the warm-up step's sampled tokens names them: the same seed samples the same
+/// tokens (so two builds or settings can be checked for it), another seed others.
+#[test]
+fn bench_grpo_digest_follows_the_sampled_tokens() {
+    let verl = verl_bin();
+    let fsdp = plugin("libverl_fsdp.so");
+    let digest = |extra: &[&str]| {
+        let o = run(&verl, &tiny_bench_args(fsdp.to_str().unwrap(), extra));
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v = one_json_line(&o);
+        let d = v["responses_digest"].as_str().expect("digest").to_string();
+        assert_eq!(d.len(), 16, "{v}");
+        d
+    };
+    let a = digest(&[]);
+    assert_eq!(a, digest(&[]), "same seed, same tokens");
+    assert_ne!(a, digest(&["--seed", "1"]), "another seed samples other tokens");
+}
+
 /// The same workload through the Megatron backend (users A/B backends on one job): it answers
 /// the bench's `calibrate` and `memory` calls, and the JSON names it.
 #[test]

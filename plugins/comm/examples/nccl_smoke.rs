@@ -5,6 +5,8 @@
 //! ```text
 //! nccl_smoke                      # NCCL, one rank per visible GPU
 //! nccl_smoke --backend cpu --world 4 --mib 16
+//! nccl_smoke --own-stream         # collectives on the communicator's own stream, plus the
+//!                                 # `_async` collectives overlapping queued compute
 //! ```
 //! Run the binary with torch's libraries on `LD_LIBRARY_PATH` (see TECH_NOTES).
 
@@ -17,6 +19,7 @@ struct Args {
     backend: Backend,
     world: Option<usize>,
     mib: usize,
+    own_stream: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -24,6 +27,7 @@ fn parse_args() -> Result<Args, String> {
         backend: Backend::Nccl,
         world: None,
         mib: 256,
+        own_stream: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -38,6 +42,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--world" => a.world = Some(value()?.parse().map_err(|e| format!("--world: {e}"))?),
             "--mib" => a.mib = value()?.parse().map_err(|e| format!("--mib: {e}"))?,
+            "--own-stream" => a.own_stream = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -163,6 +168,50 @@ fn rank_main(args: &Args) -> i32 {
             acc + values(j, n, kind, device)
         })
     };
+
+    if args.own_stream {
+        // Only NCCL has a stream of its own; the CPU backend's async calls complete at once.
+        check("use_own_stream", &mut || {
+            c.use_own_stream()
+                .map(|own| own == (args.backend == Backend::Nccl))
+        });
+        check("async collectives after queued compute", &mut || {
+            // Inputs written by the default stream behind ~50 ms of matmuls: the collectives
+            // must wait for them (and for nothing else to be read early).
+            let m = if device.is_cuda() { 8192 } else { 128 };
+            let a = Tensor::randn([m, m], (Kind::BFloat16, device)) / (m as f64).sqrt();
+            let n = 1 << 20;
+            let x = Tensor::empty([n], (Kind::BFloat16, device));
+            let g = Tensor::empty([256 * w as i64], (Kind::Float, device));
+            let mut b = a.shallow_clone();
+            for _ in 0..20 {
+                b = b.mm(&a);
+            }
+            let zero = b
+                .sum(Kind::Float)
+                .g_mul_scalar(0.0)
+                .nan_to_num(0.0, 0.0, 0.0);
+            x.shallow_clone()
+                .copy_(&(values(r, n, Kind::BFloat16, device) + &zero));
+            g.shallow_clone()
+                .copy_(&(values(r, 256 * w as i64, Kind::Float, device) + &zero));
+            let full = Tensor::empty([w as i64 * n], (Kind::BFloat16, device));
+            let out = Tensor::empty([256], (Kind::Float, device));
+            let p1 = c.all_gather_into_async(&full, &x)?;
+            let p2 = c.reduce_scatter_async(&out, &g, ReduceOp::Sum)?;
+            // The collectives keep their inputs alive.
+            drop((x, g));
+            // Compute queued meanwhile on the default stream may overlap them.
+            let busy = a.mm(&a);
+            p1.wait()?;
+            p2.wait()?;
+            let parts = full.chunk(w as i64, 0);
+            let gathered = (0..w).all(|j| parts[j].equal(&values(j, n, Kind::BFloat16, device)));
+            let reduced =
+                out.equal(&sum_all(256 * w as i64, Kind::Float).narrow(0, 256 * r as i64, 256));
+            Ok(gathered && reduced && busy.size() == [m, m])
+        });
+    }
 
     for kind in [
         Kind::Float,

@@ -9,6 +9,7 @@
 mod cpu;
 mod error;
 pub mod nccl;
+mod pending;
 mod tensor;
 mod watch;
 
@@ -18,6 +19,7 @@ use std::time::Duration;
 pub use cpu::{CpuCommunicator, CpuOptions};
 pub use error::CommError;
 pub use nccl::{NcclCommunicator, NcclLibrary, NcclOptions};
+pub use pending::Pending;
 pub use verl_store::{DistEnv, StoreClient, StoreError, StoreServer, EXTERNAL_STORE_VAR};
 
 use tch::Tensor;
@@ -95,6 +97,34 @@ pub trait Communicator: Send + Sync {
         input: &Tensor,
         op: ReduceOp,
     ) -> Result<(), CommError>;
+
+    /// Routes this communicator's collectives through a device stream of its own, from now on,
+    /// so that the `_async` collectives can run while compute queued on the default stream does
+    /// (every collective is still ordered after the default-stream work queued before it, and the
+    /// blocking ones before the work queued after them). Returns whether it did; backends without
+    /// device streams return `false` and their `_async` collectives complete before returning.
+    fn use_own_stream(&self) -> Result<bool, CommError> {
+        Ok(false)
+    }
+
+    /// [`Communicator::all_gather_into`] that may still be running when it returns: `output`
+    /// must not be read, nor `input` written, before the [`Pending`] is waited for (see there).
+    fn all_gather_into_async(&self, output: &Tensor, input: &Tensor) -> Result<Pending, CommError> {
+        self.all_gather_into(&mut output.shallow_clone(), input)?;
+        Ok(Pending::done())
+    }
+
+    /// [`Communicator::reduce_scatter`] that may still be running when it returns, as
+    /// [`Communicator::all_gather_into_async`].
+    fn reduce_scatter_async(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Pending, CommError> {
+        self.reduce_scatter(&mut output.shallow_clone(), input, op)?;
+        Ok(Pending::done())
+    }
 
     /// Copies `root`'s `tensor` into `tensor` on every rank.
     fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CommError>;

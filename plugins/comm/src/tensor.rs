@@ -29,6 +29,11 @@ impl Staged {
         Ok(Staged { t, copied: true })
     }
 
+    /// Whether staging made a copy (results must be written back with [`Staged::finish`]).
+    pub fn copied(&self) -> bool {
+        self.copied
+    }
+
     /// Copies the staged data back into `dst` if staging made a copy.
     pub fn finish(self, dst: &mut Tensor, op: &'static str) -> Result<(), CommError> {
         if self.copied {

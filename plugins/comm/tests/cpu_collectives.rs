@@ -181,6 +181,42 @@ fn reduce_scatter_gives_each_rank_its_reduced_block() {
     }
 }
 
+/// The CPU backend has no stream of its own: its `_async` collectives are the blocking ones,
+/// complete when they return, with the same results.
+#[test]
+fn async_collectives_on_the_cpu_complete_at_once() {
+    let world = 3;
+    let got = with_ranks(world, |c| {
+        assert!(!c.use_own_stream().unwrap());
+        let x = input(c.rank(), &[5], Kind::Float);
+        let full = Tensor::zeros([world as i64 * 5], (Kind::Float, tch::Device::Cpu));
+        let p = c.all_gather_into_async(&full, &x).unwrap();
+        assert!(!p.is_running());
+        p.wait().unwrap();
+        let g = input(c.rank(), &[world as i64 * 4], Kind::Float);
+        let out = Tensor::zeros([4], (Kind::Float, tch::Device::Cpu));
+        c.reduce_scatter_async(&out, &g, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap();
+        (full, out)
+    });
+    let xs: Vec<Tensor> = (0..world).map(|r| input(r, &[5], Kind::Float)).collect();
+    let gs: Vec<Tensor> = (0..world)
+        .map(|r| input(r, &[world as i64 * 4], Kind::Float))
+        .collect();
+    let summed = reference(ReduceOp::Sum, &gs);
+    for (rank, (full, out)) in got.iter().enumerate() {
+        assert_bits_equal(
+            full,
+            &Tensor::cat(&xs, 0),
+            &format!("all_gather rank {rank}"),
+        );
+        let want = summed.narrow(0, rank as i64 * 4, 4);
+        assert_bits_equal(out, &want, &format!("reduce_scatter rank {rank}"));
+    }
+}
+
 #[test]
 fn broadcast_copies_the_roots_tensor_everywhere() {
     let got = with_ranks(4, |c| {

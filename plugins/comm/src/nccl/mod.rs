@@ -2,8 +2,12 @@
 //!
 //! Raw `data_ptr()`s go straight to NCCL on the legacy default (null) stream, which orders them
 //! with libtorch's default-stream work on the same device: no extra synchronisation is needed
-//! between a libtorch op and a collective, in either direction. The NCCL unique id travels from
-//! group rank 0 through the store.
+//! between a libtorch op and a collective, in either direction. After
+//! [`Communicator::use_own_stream`] they go to a non-blocking stream of the communicator's own
+//! instead, ordered after the default stream's queued work by an event; the blocking calls then
+//! make the default stream wait for them, and the `_async` ones leave that to their [`Pending`].
+//! Every collective of a communicator stays on one stream, in issue order (NCCL needs the same
+//! order on every rank). The NCCL unique id travels from group rank 0 through the store.
 //!
 //! Failure: when any rank posts a failure, the watcher aborts the NCCL communicator
 //! (`ncclCommAbort`, which NCCL documents as the way to release kernels stuck on a dead peer),
@@ -18,8 +22,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cudarc::driver::result as dresult;
+use cudarc::driver::sys as dsys;
 use cudarc::driver::CudaContext;
-use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 use tch::{Device, Kind, Tensor};
 use verl_store::StoreClient;
 
@@ -27,7 +33,7 @@ pub use library::{NcclLibrary, NCCL_LIBRARY_VAR};
 
 use crate::tensor::{self, Staged};
 use crate::watch::Watch;
-use crate::{Backend, CommError, Communicator, ReduceOp};
+use crate::{Backend, CommError, Communicator, Pending, ReduceOp};
 
 const BACKEND: &str = "nccl";
 
@@ -98,6 +104,8 @@ pub struct NcclCommunicator {
     timeout: Duration,
     group_counts: Mutex<HashMap<Vec<usize>, usize>>,
     aborted: Mutex<Option<String>>,
+    /// The stream collectives run on once [`Communicator::use_own_stream`] was called.
+    own: std::sync::OnceLock<OwnStream>,
 }
 
 /// Checks that the NVIDIA driver can be loaded and `device` exists, without letting cudarc panic.
@@ -237,6 +245,7 @@ impl NcclCommunicator {
             timeout,
             group_counts: Mutex::new(HashMap::new()),
             aborted: Mutex::new(None),
+            own: std::sync::OnceLock::new(),
         })
     }
 
@@ -258,7 +267,7 @@ impl NcclCommunicator {
             .map_err(|e| CommError::CudaUnavailable {
                 reason: format!("synchronize device {}: {e:?}", self.device),
             })?;
-        self.enqueue("ncclCommGetAsyncError", |api, comm| {
+        self.enqueue("ncclCommGetAsyncError", |api, comm, _| {
             let mut async_err: c_int = 0;
             // SAFETY: valid out-pointer, live comm.
             let code = unsafe { (api.comm_get_async_error)(comm, &mut async_err) };
@@ -282,12 +291,26 @@ impl NcclCommunicator {
     }
 
     /// Runs NCCL calls for one operation: refuses on a broken group, makes the device current,
-    /// serialises with other calls on this communicator, and posts a failure on error.
+    /// serialises with other calls on this communicator, and posts a failure on error. `f` gets
+    /// the stream to queue on: the legacy default stream, or the communicator's own stream
+    /// ([`Communicator::use_own_stream`]), which first waits for the default stream's queued
+    /// work; the default stream then waits for the call.
     fn enqueue(
         &self,
         op: &'static str,
-        f: impl FnOnce(&library::Api, ncclComm_t) -> c_int,
+        f: impl FnOnce(&library::Api, ncclComm_t, cudaStream_t) -> c_int,
     ) -> Result<(), CommError> {
+        self.enqueue_on(op, f, false).map(|_| ())
+    }
+
+    /// [`NcclCommunicator::enqueue`]; with `keep_running` and the own stream, the default stream
+    /// does not wait: an event recorded after the call is returned instead.
+    fn enqueue_on(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&library::Api, ncclComm_t, cudaStream_t) -> c_int,
+        keep_running: bool,
+    ) -> Result<Option<dsys::CUevent>, CommError> {
         if let Some(message) = self
             .aborted
             .lock()
@@ -312,13 +335,126 @@ impl NcclCommunicator {
             .map_err(|e| CommError::CudaUnavailable {
                 reason: format!("cannot make device {} current: {e:?}", self.device),
             })?;
-        let code = f(&self.handle.lib.api, self.handle.comm);
+        let own = self.own.get().map(|s| s.stream);
+        if let Some(s) = own {
+            order_after(s, dresult::stream::null())?;
+        }
+        let stream = own.unwrap_or(dresult::stream::null()) as cudaStream_t;
+        let code = f(&self.handle.lib.api, self.handle.comm, stream);
         let res = self.handle.lib.check(op, code);
         if let Err(e) = &res {
             let me = self.global[self.rank];
             let _ = self.store.set_error(me, &format!("{op} on rank {me}: {e}"));
         }
-        res
+        res?;
+        match own {
+            None => Ok(None),
+            Some(s) if keep_running => {
+                let ev = dresult::event::create(dsys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|e| cuda_error("cuEventCreate", e))?;
+                // SAFETY: a live event and the communicator's live stream.
+                if let Err(e) = unsafe { dresult::event::record(ev, s) } {
+                    // SAFETY: created above, destroyed once.
+                    let _ = unsafe { dresult::event::destroy(ev) };
+                    return Err(cuda_error("cuEventRecord", e));
+                }
+                Ok(Some(ev))
+            }
+            Some(s) => {
+                order_after(dresult::stream::null(), s)?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Checks and queues an all-gather (see [`Communicator::all_gather_into`]).
+    fn all_gather_staged(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        keep_running: bool,
+    ) -> Result<(Staged, Staged, Option<dsys::CUevent>), CommError> {
+        let name = "ncclAllGather";
+        let dt = dtype(name, input.kind(), false)?;
+        tensor::check_same_kind(name, "output", input.kind(), output.kind())?;
+        let n = input.numel();
+        if output.numel() != n * self.world {
+            return Err(CommError::Shape {
+                op: name,
+                what: "output element count".into(),
+                expected: format!("{} (world size {} x input {n})", n * self.world, self.world),
+                found: format!("{} (shape {:?})", output.numel(), output.size()),
+            });
+        }
+        let inp = self.stage(name, input)?;
+        let out = self.stage(name, output)?;
+        let (src, dst) = (ptr(&inp.t), ptr(&out.t));
+        let keep_running = keep_running && !out.copied();
+        let ev = self.enqueue_on(
+            name,
+            |api, comm, stream| unsafe {
+                // SAFETY: sizes checked above; both tensors live and contiguous on this device.
+                (api.all_gather)(src, dst, n, dt, comm, stream)
+            },
+            keep_running,
+        )?;
+        Ok((inp, out, ev))
+    }
+
+    /// Checks and queues a reduce-scatter (see [`Communicator::reduce_scatter`]).
+    fn reduce_scatter_staged(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+        keep_running: bool,
+    ) -> Result<(Staged, Staged, Option<dsys::CUevent>), CommError> {
+        let name = "ncclReduceScatter";
+        let dt = dtype(name, input.kind(), true)?;
+        tensor::check_same_kind(name, "output", input.kind(), output.kind())?;
+        let n = output.numel();
+        if input.numel() != n * self.world {
+            return Err(CommError::Shape {
+                op: name,
+                what: "input element count".into(),
+                expected: format!(
+                    "{} (world size {} x output {n})",
+                    n * self.world,
+                    self.world
+                ),
+                found: format!("{} (shape {:?})", input.numel(), input.size()),
+            });
+        }
+        let inp = self.stage(name, input)?;
+        let out = self.stage(name, output)?;
+        let (src, dst) = (ptr(&inp.t), ptr(&out.t));
+        let keep_running = keep_running && !out.copied();
+        let ev = self.enqueue_on(
+            name,
+            |api, comm, stream| unsafe {
+                // SAFETY: sizes checked above.
+                (api.reduce_scatter)(src, dst, n, dt, red_op(op), comm, stream)
+            },
+            keep_running,
+        )?;
+        Ok((inp, out, ev))
+    }
+
+    /// The `_async` collectives' result: a [`Pending`] holding the event and both tensors, or a
+    /// completed one where the call ran on the default stream (or staged its output).
+    fn pending(
+        &self,
+        name: &'static str,
+        (inp, out, ev): (Staged, Staged, Option<dsys::CUevent>),
+        output: &Tensor,
+    ) -> Result<Pending, CommError> {
+        match ev {
+            Some(ev) => Ok(Pending::on_device(ev, self.ctx.clone(), vec![inp.t, out.t])),
+            None => {
+                out.finish(&mut output.shallow_clone(), name)?;
+                Ok(Pending::done())
+            }
+        }
     }
 
     fn check_rank(&self, op: &'static str, rank: usize) -> Result<(), CommError> {
@@ -377,7 +513,52 @@ fn offset(t: &Tensor, elements: usize) -> *mut c_void {
     unsafe { (t.data_ptr() as *mut u8).add(elements * t.kind().elt_size_in_bytes()) as *mut c_void }
 }
 
-const NULL_STREAM: cudarc::nccl::sys::cudaStream_t = std::ptr::null_mut();
+/// Makes `waiter` wait (on the device) for the work queued so far on `source`.
+fn order_after(waiter: dsys::CUstream, source: dsys::CUstream) -> Result<(), CommError> {
+    let ev = dresult::event::create(dsys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        .map_err(|e| cuda_error("cuEventCreate", e))?;
+    // SAFETY: a live event and live streams; the event is destroyed once, after the wait was
+    // queued (the driver keeps it until the wait is done).
+    let res = unsafe {
+        dresult::event::record(ev, source)
+            .and_then(|()| {
+                dresult::stream::wait_event(
+                    waiter,
+                    ev,
+                    dsys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            })
+            .map_err(|e| cuda_error("cuEventRecord / cuStreamWaitEvent", e))
+    };
+    // SAFETY: see above.
+    let _ = unsafe { dresult::event::destroy(ev) };
+    res
+}
+
+fn cuda_error(what: &str, e: dresult::DriverError) -> CommError {
+    CommError::CudaUnavailable {
+        reason: format!("{what}: {e:?}"),
+    }
+}
+
+/// A communicator's own stream ([`Communicator::use_own_stream`]), destroyed with it.
+struct OwnStream {
+    stream: dsys::CUstream,
+}
+
+// SAFETY: a CUDA stream handle may be used from any thread.
+unsafe impl Send for OwnStream {}
+unsafe impl Sync for OwnStream {}
+
+impl Drop for OwnStream {
+    fn drop(&mut self) {
+        // SAFETY: the communicator's stream, destroyed once, after its work.
+        unsafe {
+            let _ = dresult::stream::synchronize(self.stream);
+            let _ = dresult::stream::destroy(self.stream);
+        }
+    }
+}
 
 impl Communicator for NcclCommunicator {
     fn rank(&self) -> usize {
@@ -401,34 +582,16 @@ impl Communicator for NcclCommunicator {
         let dt = dtype(name, t.kind(), true)?;
         let st = self.stage(name, t)?;
         let p = ptr(&st.t);
-        self.enqueue(name, |api, comm| unsafe {
+        self.enqueue(name, |api, comm, stream| unsafe {
             // SAFETY: `p` addresses `numel` elements of a live contiguous CUDA tensor.
-            (api.all_reduce)(p, p, st.t.numel(), dt, red_op(op), comm, NULL_STREAM)
+            (api.all_reduce)(p, p, st.t.numel(), dt, red_op(op), comm, stream)
         })?;
         st.finish(t, name)
     }
 
     fn all_gather_into(&self, output: &mut Tensor, input: &Tensor) -> Result<(), CommError> {
-        let name = "ncclAllGather";
-        let dt = dtype(name, input.kind(), false)?;
-        tensor::check_same_kind(name, "output", input.kind(), output.kind())?;
-        let n = input.numel();
-        if output.numel() != n * self.world {
-            return Err(CommError::Shape {
-                op: name,
-                what: "output element count".into(),
-                expected: format!("{} (world size {} x input {n})", n * self.world, self.world),
-                found: format!("{} (shape {:?})", output.numel(), output.size()),
-            });
-        }
-        let inp = self.stage(name, input)?;
-        let out = self.stage(name, output)?;
-        let (src, dst) = (ptr(&inp.t), ptr(&out.t));
-        self.enqueue(name, |api, comm| unsafe {
-            // SAFETY: sizes checked above; both tensors live and contiguous on this device.
-            (api.all_gather)(src, dst, n, dt, comm, NULL_STREAM)
-        })?;
-        out.finish(output, name)
+        let (_inp, out, _) = self.all_gather_staged(output, input, false)?;
+        out.finish(output, "ncclAllGather")
     }
 
     fn reduce_scatter(
@@ -437,30 +600,39 @@ impl Communicator for NcclCommunicator {
         input: &Tensor,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let name = "ncclReduceScatter";
-        let dt = dtype(name, input.kind(), true)?;
-        tensor::check_same_kind(name, "output", input.kind(), output.kind())?;
-        let n = output.numel();
-        if input.numel() != n * self.world {
-            return Err(CommError::Shape {
-                op: name,
-                what: "input element count".into(),
-                expected: format!(
-                    "{} (world size {} x output {n})",
-                    n * self.world,
-                    self.world
-                ),
-                found: format!("{} (shape {:?})", input.numel(), input.size()),
-            });
+        let (_inp, out, _) = self.reduce_scatter_staged(output, input, op, false)?;
+        out.finish(output, "ncclReduceScatter")
+    }
+
+    fn use_own_stream(&self) -> Result<bool, CommError> {
+        let _guard = self.op_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if self.own.get().is_some() {
+            return Ok(true);
         }
-        let inp = self.stage(name, input)?;
-        let out = self.stage(name, output)?;
-        let (src, dst) = (ptr(&inp.t), ptr(&out.t));
-        self.enqueue(name, |api, comm| unsafe {
-            // SAFETY: sizes checked above.
-            (api.reduce_scatter)(src, dst, n, dt, red_op(op), comm, NULL_STREAM)
-        })?;
-        out.finish(output, name)
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_error("make the device current", e))?;
+        // Non-blocking: no implicit synchronisation with the legacy default stream (libtorch's),
+        // only the events `enqueue_on` records.
+        let stream = dresult::stream::create(dresult::stream::StreamKind::NonBlocking)
+            .map_err(|e| cuda_error("cuStreamCreate", e))?;
+        let _ = self.own.set(OwnStream { stream });
+        Ok(true)
+    }
+
+    fn all_gather_into_async(&self, output: &Tensor, input: &Tensor) -> Result<Pending, CommError> {
+        let staged = self.all_gather_staged(output, input, true)?;
+        self.pending("ncclAllGather", staged, output)
+    }
+
+    fn reduce_scatter_async(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Pending, CommError> {
+        let staged = self.reduce_scatter_staged(output, input, op, true)?;
+        self.pending("ncclReduceScatter", staged, output)
     }
 
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
@@ -469,9 +641,9 @@ impl Communicator for NcclCommunicator {
         let dt = dtype(name, t.kind(), false)?;
         let st = self.stage(name, t)?;
         let p = ptr(&st.t);
-        self.enqueue(name, |api, comm| unsafe {
+        self.enqueue(name, |api, comm, stream| unsafe {
             // SAFETY: in-place broadcast over a live contiguous tensor.
-            (api.broadcast)(p, p, st.t.numel(), dt, root as c_int, comm, NULL_STREAM)
+            (api.broadcast)(p, p, st.t.numel(), dt, root as c_int, comm, stream)
         })?;
         st.finish(t, name)
     }
@@ -482,9 +654,9 @@ impl Communicator for NcclCommunicator {
         let dt = dtype(name, t.kind(), false)?;
         let st = self.stage(name, t)?;
         let p = ptr(&st.t);
-        self.enqueue(name, |api, comm| unsafe {
+        self.enqueue(name, |api, comm, stream| unsafe {
             // SAFETY: live contiguous tensor.
-            (api.send)(p, st.t.numel(), dt, dst as c_int, comm, NULL_STREAM)
+            (api.send)(p, st.t.numel(), dt, dst as c_int, comm, stream)
         })
     }
 
@@ -494,9 +666,9 @@ impl Communicator for NcclCommunicator {
         let dt = dtype(name, t.kind(), false)?;
         let st = self.stage(name, t)?;
         let p = ptr(&st.t);
-        self.enqueue(name, |api, comm| unsafe {
+        self.enqueue(name, |api, comm, stream| unsafe {
             // SAFETY: live contiguous tensor.
-            (api.recv)(p, st.t.numel(), dt, src as c_int, comm, NULL_STREAM)
+            (api.recv)(p, st.t.numel(), dt, src as c_int, comm, stream)
         })?;
         st.finish(t, name)
     }
@@ -517,12 +689,12 @@ impl Communicator for NcclCommunicator {
         let inn = self.stage(name, recv)?;
         let (sp, rp) = (ptr(&out.t), ptr(&inn.t));
         let (sn, rn) = (out.t.numel(), inn.t.numel());
-        self.enqueue(name, |api, comm| unsafe {
+        self.enqueue(name, |api, comm, stream| unsafe {
             // SAFETY: live contiguous tensors; the group makes the pair one fused operation.
             let mut code = (api.group_start)();
             if code == 0 {
-                code = (api.send)(sp, sn, sdt, dst as c_int, comm, NULL_STREAM);
-                let c2 = (api.recv)(rp, rn, rdt, src as c_int, comm, NULL_STREAM);
+                code = (api.send)(sp, sn, sdt, dst as c_int, comm, stream);
+                let c2 = (api.recv)(rp, rn, rdt, src as c_int, comm, stream);
                 let c3 = (api.group_end)();
                 code = [code, c2, c3].into_iter().find(|c| *c != 0).unwrap_or(0);
             }
@@ -577,7 +749,7 @@ impl Communicator for NcclCommunicator {
                 .collect()
         };
         let (in_off, out_off) = (offsets(input_splits), offsets(output_splits));
-        self.enqueue(name, |api, comm| unsafe {
+        self.enqueue(name, |api, comm, stream| unsafe {
             // SAFETY: offsets and counts come from splits validated against the shapes.
             let mut code = (api.group_start)();
             if code != 0 {
@@ -590,7 +762,7 @@ impl Communicator for NcclCommunicator {
                     dt,
                     j as c_int,
                     comm,
-                    NULL_STREAM,
+                    stream,
                 );
                 let d = (api.recv)(
                     offset(&out.t, out_off[j] * row),
@@ -598,7 +770,7 @@ impl Communicator for NcclCommunicator {
                     dt,
                     j as c_int,
                     comm,
-                    NULL_STREAM,
+                    stream,
                 );
                 if code == 0 {
                     code = if c != 0 { c } else { d };

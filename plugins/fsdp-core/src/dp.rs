@@ -12,12 +12,20 @@ use std::time::Duration;
 
 use tch::{Device, Tensor};
 use verl_comm::{
-    CommError, Communicator, CpuCommunicator, CpuOptions, NcclCommunicator, NcclOptions, ReduceOp,
-    StoreClient,
+    CommError, Communicator, CpuCommunicator, CpuOptions, NcclCommunicator, NcclOptions, Pending,
+    ReduceOp, StoreClient,
 };
 use verl_plugin_api::InitArgs;
 
 use crate::error::{FsdpError, Result, TorchContext};
+
+/// `VERL_FSDP_OVERLAP=0` keeps a multi-rank GPU job's collectives on the default stream, each
+/// one waited for where it is issued (no overlap with compute); anything else, or unset, overlaps.
+pub const OVERLAP_VAR: &str = "VERL_FSDP_OVERLAP";
+
+fn overlap_wanted(value: Option<&str>) -> bool {
+    !matches!(value.map(str::trim), Some("0" | "false" | "off"))
+}
 
 pub struct Dp {
     pub rank: usize,
@@ -138,6 +146,12 @@ impl Dp {
                 ))
             }
         };
+        if overlap_wanted(std::env::var(OVERLAP_VAR).ok().as_deref()) {
+            // Collectives on a stream of their own: parameter gathers prefetched one unit ahead
+            // and gradient reduce-scatters run while the default stream computes.
+            comm.use_own_stream()
+                .map_err(comm_err("communicator stream"))?;
+        }
         Ok(Dp {
             rank,
             size: world,
@@ -212,6 +226,44 @@ impl Dp {
         }
     }
 
+    /// [`Dp::all_gather_into`] that may still be running (see [`Pending`]); one rank: a copy.
+    pub fn all_gather_into_async(&self, output: &Tensor, input: &Tensor) -> Result<Pending> {
+        match self.comm() {
+            Some(c) => c
+                .all_gather_into_async(output, input)
+                .map_err(|source| FsdpError::Comm {
+                    op: "all_gather (parameters)",
+                    source,
+                }),
+            None => {
+                output
+                    .shallow_clone()
+                    .f_copy_(input)
+                    .ctx("gather (one rank)")?;
+                Ok(Pending::done())
+            }
+        }
+    }
+
+    /// [`Dp::reduce_scatter_sum`] that may still be running (see [`Pending`]); one rank: a copy.
+    pub fn reduce_scatter_sum_async(&self, output: &Tensor, input: &Tensor) -> Result<Pending> {
+        match self.comm() {
+            Some(c) => c
+                .reduce_scatter_async(output, input, ReduceOp::Sum)
+                .map_err(|source| FsdpError::Comm {
+                    op: "reduce_scatter (gradients)",
+                    source,
+                }),
+            None => {
+                output
+                    .shallow_clone()
+                    .f_copy_(input)
+                    .ctx("reduce-scatter (one rank)")?;
+                Ok(Pending::done())
+            }
+        }
+    }
+
     /// Copies rank `root`'s `tensor` into `tensor` on every rank.
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
         match self.comm() {
@@ -248,5 +300,38 @@ impl Dp {
             }
         }
         error
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_is_on_unless_turned_off() {
+        for on in [None, Some("1"), Some(""), Some("yes")] {
+            assert!(overlap_wanted(on), "{on:?}");
+        }
+        for off in ["0", "false", "off", " 0 "] {
+            assert!(!overlap_wanted(Some(off)), "{off}");
+        }
+    }
+
+    /// One rank: the async collectives are copies, complete when they return.
+    #[test]
+    fn one_rank_async_collectives_copy() {
+        let dp = Dp::single();
+        let x = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
+        let out = Tensor::zeros([3], (tch::Kind::Float, Device::Cpu));
+        let p = dp.all_gather_into_async(&out, &x).unwrap();
+        assert!(!p.is_running());
+        p.wait().unwrap();
+        assert!(out.equal(&x));
+        let out2 = Tensor::zeros([3], (tch::Kind::Float, Device::Cpu));
+        dp.reduce_scatter_sum_async(&out2, &x)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(out2.equal(&x));
     }
 }

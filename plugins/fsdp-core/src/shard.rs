@@ -23,6 +23,7 @@ use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::host_params::Fill;
 use crate::optim::AdamW;
+use verl_comm::Pending;
 
 /// One flat group: the parameters of a unit (those no earlier unit owns), in model order.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,6 +65,14 @@ fn group_name(unit: Unit) -> String {
 }
 
 impl Layout {
+    /// Decoder layers (units `Layer(0..n)`).
+    pub fn layers(&self) -> usize {
+        self.slots
+            .keys()
+            .filter(|u| matches!(u, Unit::Layer(_)))
+            .count()
+    }
+
     pub fn of(model: &Transformer) -> Layout {
         let named = model.named_parameters();
         let mut owner: Vec<Option<(usize, usize)>> = vec![None; named.len()];
@@ -215,6 +224,12 @@ pub struct ShardState {
     reshard_after_forward: bool,
     gathered_bytes: usize,
     peak_gathered: usize,
+    /// Per group, a gather started ahead of its acquire ([`ShardState::prefetch`]): the full
+    /// buffer and the collective filling it.
+    prefetched: Vec<Option<(Tensor, Pending)>>,
+    /// Reduce-scatters that may still be running: (group, this rank's summed block, the
+    /// collective); added into the accumulators in order (see [`ShardState::reduce_gradients`]).
+    reductions: Vec<(usize, Tensor, Pending)>,
 }
 
 impl ShardState {
@@ -289,6 +304,8 @@ impl ShardState {
             reshard_after_forward,
             gathered_bytes: 0,
             peak_gathered: 0,
+            prefetched: (0..n).map(|_| None).collect(),
+            reductions: Vec::new(),
         };
         s.gathered_bytes = s.live.iter().map(bytes).sum();
         for g in 0..n {
@@ -302,20 +319,44 @@ impl ShardState {
         self.world
     }
 
+    /// Starts the all-gather of group `g`'s master blocks (in the compute dtype) into a new full
+    /// buffer; the collective may still be running when this returns.
+    fn start_gather(&self, dp: &Dp, g: usize) -> Result<(Tensor, Pending)> {
+        let group = &self.layout.groups[g];
+        let shard = group.shard_len(self.world);
+        let input = self.masters[g]
+            .f_to_device(self.device)
+            .and_then(|m| m.f_to_kind(self.compute))
+            .ctx("master shard to compute dtype")?;
+        let full = Tensor::f_empty([(shard * self.world) as i64], (self.compute, self.device))
+            .ctx("gather buffer")?;
+        let pending = dp.all_gather_into_async(&full, &input)?;
+        Ok((full, pending))
+    }
+
+    /// Starts gathering group `g` ahead of its [`ShardState::acquire`] (a no-op where it is
+    /// gathered or already on its way), so that the collective runs while the device computes
+    /// what was queued before it. Costs one group's full parameters until it is acquired.
+    pub fn prefetch(&mut self, dp: &Dp, g: usize) -> Result<()> {
+        if self.state[g] == GroupState::Freed && self.prefetched[g].is_none() {
+            self.prefetched[g] = Some(self.start_gather(dp, g)?);
+        }
+        Ok(())
+    }
+
     /// Makes group `g`'s parameters hold their full values (all-gather of the master blocks in
-    /// the compute dtype), counting references.
+    /// the compute dtype, or the one [`ShardState::prefetch`] started), counting references.
     pub fn acquire(&mut self, dp: &Dp, g: usize) -> Result<()> {
         if self.state[g] == GroupState::Freed {
+            let (full, pending) = match self.prefetched[g].take() {
+                Some(started) => started,
+                None => self.start_gather(dp, g)?,
+            };
+            pending.wait().map_err(|source| FsdpError::Comm {
+                op: "all_gather (parameters)",
+                source,
+            })?;
             let group = &self.layout.groups[g];
-            let shard = group.shard_len(self.world);
-            let input = self.masters[g]
-                .f_to_device(self.device)
-                .and_then(|m| m.f_to_kind(self.compute))
-                .ctx("master shard to compute dtype")?;
-            let mut full =
-                Tensor::f_empty([(shard * self.world) as i64], (self.compute, self.device))
-                    .ctx("gather buffer")?;
-            dp.all_gather_into(&mut full, &input)?;
             for (k, &i) in group.params.iter().enumerate() {
                 let view = full
                     .f_narrow(0, group.offsets[k] as i64, group.numels[k] as i64)
@@ -372,8 +413,14 @@ impl ShardState {
         Ok(())
     }
 
-    /// Frees every group, whatever its reference count.
+    /// Frees every group, whatever its reference count, after the gradient reductions still
+    /// running were added up; gathers started ahead and never acquired are dropped.
     pub fn release_all(&mut self) -> Result<()> {
+        let reduced = self.finish_reductions();
+        for p in &mut self.prefetched {
+            *p = None;
+        }
+        reduced?;
         for g in 0..self.layout.groups.len() {
             self.refs[g] = 0;
             self.free(g)?;
@@ -384,12 +431,19 @@ impl ShardState {
     /// Reduce-scatters (sum) the gradients of one backward through `unit` into the accumulators.
     /// Every rank calls this for the same units in the same order; a parameter without gradient
     /// contributes zeros, so the collectives match even when ranks route tokens differently.
+    ///
+    /// The reduce-scatters may still be running when this returns (the communicator's own
+    /// stream): the previous unit's are added into the accumulators here, after this unit's are
+    /// queued, so each unit's reduction overlaps the next unit's backward; the rest are added by
+    /// [`ShardState::finish_reductions`] (every reader of the accumulators calls it). The adds
+    /// happen in the order the reductions were issued, as without overlap.
     pub fn reduce_gradients(
         &mut self,
         dp: &Dp,
         unit: Unit,
         grads: Vec<Option<Tensor>>,
     ) -> Result<()> {
+        let earlier = std::mem::take(&mut self.reductions);
         let slots = self.layout.slots.get(&unit).cloned().unwrap_or_default();
         for g in self.layout.unit_groups(unit) {
             let group = &self.layout.groups[g];
@@ -406,19 +460,36 @@ impl ShardState {
                         .ctx("flatten gradient")?;
                 }
             }
-            let mut out = Tensor::f_zeros([shard as i64], (Kind::Float, self.device))
+            let out = Tensor::f_zeros([shard as i64], (Kind::Float, self.device))
                 .ctx("gradient shard")?;
-            dp.reduce_scatter_sum(&mut out, &flat)?;
-            drop(flat);
+            // The collective keeps `flat` alive until it has run.
+            let pending = dp.reduce_scatter_sum_async(&out, &flat)?;
+            self.reductions.push((g, out, pending));
+            self.grads_seen[g] = true;
+        }
+        let queued = std::mem::replace(&mut self.reductions, earlier);
+        let done = self.finish_reductions();
+        self.reductions = queued;
+        done
+    }
+
+    /// Adds every reduce-scatter still pending into its accumulator (the default stream waits
+    /// for each collective on the device; the host does not).
+    pub fn finish_reductions(&mut self) -> Result<()> {
+        for (g, out, pending) in std::mem::take(&mut self.reductions) {
+            pending.wait().map_err(|source| FsdpError::Comm {
+                op: "reduce_scatter (gradients)",
+                source,
+            })?;
             let _ = self.accum[g]
                 .f_add_(&out)
                 .ctx("accumulate gradient shard")?;
-            self.grads_seen[g] = true;
         }
         Ok(())
     }
 
     pub fn zero_grad(&mut self) -> Result<()> {
+        self.finish_reductions()?;
         for a in &mut self.accum {
             let _ = a.f_zero_().ctx("zero gradient shards")?;
         }
@@ -426,7 +497,8 @@ impl ShardState {
     }
 
     /// Σ of the squared gradient-shard elements on this rank (fp64).
-    pub fn local_grad_sq(&self) -> Result<f64> {
+    pub fn local_grad_sq(&mut self) -> Result<f64> {
+        self.finish_reductions()?;
         let mut sq = 0.0;
         for a in &self.accum {
             sq += a
@@ -440,6 +512,7 @@ impl ShardState {
     }
 
     pub fn scale_grads(&mut self, coef: f64) -> Result<()> {
+        self.finish_reductions()?;
         for a in &mut self.accum {
             let _ = a.f_mul_scalar_(coef).ctx("clip gradient shards")?;
         }
@@ -449,6 +522,7 @@ impl ShardState {
     /// One AdamW step on this rank's blocks (libtorch's fused kernel on a GPU); offloaded blocks
     /// visit the device for it, about [`crate::train::OFFLOAD_CHUNK_BYTES`] of masters at a time.
     pub fn step(&mut self, optim: &mut AdamW, lr: f64) -> Result<()> {
+        self.finish_reductions()?;
         let c = optim.begin_step(lr);
         let host = (self.offload.params, self.offload.optimizer);
         let chunk = if host.0 || host.1 {
@@ -774,6 +848,39 @@ pub struct Gate<'a> {
     pub state: &'a mut ShardState,
     pub dp: &'a Dp,
     pub error: Option<FsdpError>,
+    /// Past the head: units are entered in reverse from here on.
+    backward: bool,
+}
+
+/// The unit [`Transformer::forward_backward_gated`] enters after `unit` (`backward`: past the
+/// head), if any.
+fn next_unit(unit: Unit, backward: bool, layers: usize) -> Option<Unit> {
+    let last_layer = || layers.checked_sub(1).map(Unit::Layer);
+    match (unit, backward) {
+        (Unit::Embedding, false) => Some(if layers > 0 {
+            Unit::Layer(0)
+        } else {
+            Unit::Head
+        }),
+        (Unit::Layer(i), false) if i + 1 < layers => Some(Unit::Layer(i + 1)),
+        (Unit::Layer(_), false) => Some(Unit::Head),
+        (Unit::Head, _) => last_layer().or(Some(Unit::Embedding)),
+        (Unit::Layer(0), true) => Some(Unit::Embedding),
+        (Unit::Layer(i), true) => Some(Unit::Layer(i - 1)),
+        (Unit::Embedding, true) => None,
+    }
+}
+
+impl<'a> Gate<'a> {
+    /// The gate of one forward-backward through the units of `state`.
+    pub fn new(state: &'a mut ShardState, dp: &'a Dp) -> Gate<'a> {
+        Gate {
+            state,
+            dp,
+            error: None,
+            backward: false,
+        }
+    }
 }
 
 impl Gate<'_> {
@@ -794,6 +901,19 @@ impl ParamGate for Gate<'_> {
         for g in self.state.layout.unit_groups(unit) {
             if let Err(e) = self.state.acquire(self.dp, g) {
                 return Err(self.keep(unit, e));
+            }
+        }
+        // The unit entered next (forward: embedding, layers, head; then backward: layers in
+        // reverse, embedding) starts gathering now, behind this unit's compute.
+        if unit == Unit::Head {
+            self.backward = true;
+        }
+        let layers = self.state.layout.layers();
+        if let Some(next) = next_unit(unit, self.backward, layers) {
+            for g in self.state.layout.unit_groups(next) {
+                if let Err(e) = self.state.prefetch(self.dp, g) {
+                    return Err(self.keep(next, e));
+                }
             }
         }
         Ok(())
@@ -817,4 +937,39 @@ impl ParamGate for Gate<'_> {
 /// Bytes of tensors, for the one-rank [`MemoryStats`].
 pub(crate) fn sum_bytes<'a>(ts: impl IntoIterator<Item = &'a Tensor>) -> usize {
     ts.into_iter().map(bytes).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The units `forward_backward_gated` enters, in order, for `layers` layers.
+    fn visiting_order(layers: usize) -> Vec<Unit> {
+        let mut v = vec![Unit::Embedding];
+        v.extend((0..layers).map(Unit::Layer));
+        v.push(Unit::Head);
+        v.extend((0..layers).rev().map(Unit::Layer));
+        v.push(Unit::Embedding);
+        v
+    }
+
+    /// The gate prefetches exactly the unit entered next, in both directions, and nothing after
+    /// the last one.
+    #[test]
+    fn the_next_unit_is_the_one_entered_next() {
+        for layers in [0, 1, 2, 5] {
+            let order = visiting_order(layers);
+            let mut backward = false;
+            for (k, &unit) in order.iter().enumerate() {
+                if unit == Unit::Head {
+                    backward = true;
+                }
+                assert_eq!(
+                    next_unit(unit, backward, layers),
+                    order.get(k + 1).copied(),
+                    "{layers} layers, after {unit} (entry {k})"
+                );
+            }
+        }
+    }
 }

@@ -359,11 +359,7 @@ impl TrainableModel {
                     .model
                     .forward_backward_hidden_rows(ids, pos, rows, loss_fn)?);
             };
-            let mut gate = Gate {
-                state: shard,
-                dp,
-                error: None,
-            };
+            let mut gate = Gate::new(shard, dp);
             let res = self
                 .model
                 .forward_backward_gated_hidden_rows(ids, pos, rows, &mut gate, loss_fn);
@@ -394,11 +390,7 @@ impl TrainableModel {
                 }
             });
         };
-        let mut gate = Gate {
-            state: shard,
-            dp,
-            error: None,
-        };
+        let mut gate = Gate::new(shard, dp);
         let res = match input {
             LossInput::Head => self.model.forward_backward_gated(
                 input_ids,

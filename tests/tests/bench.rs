@@ -115,7 +115,11 @@ fn bench_grpo_digest_follows_the_sampled_tokens() {
     };
     let a = digest(&[]);
     assert_eq!(a, digest(&[]), "same seed, same tokens");
-    assert_ne!(a, digest(&["--seed", "1"]), "another seed samples other tokens");
+    assert_ne!(
+        a,
+        digest(&["--seed", "1"]),
+        "another seed samples other tokens"
+    );
 }
 
 /// The same workload through the Megatron backend (users A/B backends on one job): it answers

@@ -138,7 +138,11 @@ pub fn trace(name: &str, device: Device) -> Option<Trace> {
     }
     Some(Trace {
         device,
-        path: dir.join(format!("{name}-{n}.json")),
+        // Ranks of a multi-process job share the environment: each names its own files.
+        path: dir.join(match std::env::var("RANK") {
+            Ok(r) if !r.is_empty() => format!("{name}-rank{r}-{n}.json"),
+            _ => format!("{name}-{n}.json"),
+        }),
     })
 }
 

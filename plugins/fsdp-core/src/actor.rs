@@ -413,6 +413,9 @@ impl FsdpActor {
             Sharding {
                 offload,
                 reshard_after_forward: actor.fsdp_config.reshard_after_forward,
+                reduce: actor
+                    .fsdp_config
+                    .reduce_dtype("actor_rollout_ref.actor.fsdp_config")?,
             },
         )?;
         Ok(FsdpActor {

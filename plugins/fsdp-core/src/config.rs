@@ -92,6 +92,27 @@ impl FsdpSection {
         };
         Ok(Precision { master, compute })
     }
+
+    /// The dtype a sharded model's gradients are reduce-scattered in: verl's
+    /// `mixed_precision.reduce_dtype` (fp32 unless set; `bf16` halves the traffic, and each
+    /// rank's contribution is rounded to bf16 before the sum).
+    pub fn reduce_dtype(&self, prefix: &str) -> Result<Kind> {
+        match self
+            .mixed_precision
+            .as_ref()
+            .and_then(|m| m.get("reduce_dtype"))
+        {
+            None | Some(Value::Null) => Ok(Kind::Float),
+            Some(Value::String(d)) => {
+                parse_dtype(&format!("{prefix}.mixed_precision.reduce_dtype"), d)
+            }
+            Some(other) => Err(FsdpError::config(
+                format!("{prefix}.mixed_precision.reduce_dtype"),
+                "one of fp32, bf16, fp16",
+                other.to_string(),
+            )),
+        }
+    }
 }
 
 pub fn parse_dtype(key: &str, s: &str) -> Result<Kind> {
@@ -400,5 +421,38 @@ pub fn micro_batching(
         (Some(n), _) if n > 0 => MicroBatching::Rows(n as usize),
         (_, Some(n)) if n > 0 => MicroBatching::Rows(((n as usize) / dp_size).max(1)),
         _ => MicroBatching::Rows(usize::MAX),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reduce_dtype_is_fp32_unless_mixed_precision_says_otherwise() {
+        let key = "actor_rollout_ref.actor.fsdp_config";
+        let with = |mp: Option<Value>| FsdpSection {
+            mixed_precision: mp,
+            ..FsdpSection::default()
+        };
+        assert_eq!(with(None).reduce_dtype(key).unwrap(), Kind::Float);
+        let mp = serde_json::json!({"param_dtype": "bf16"});
+        assert_eq!(with(Some(mp)).reduce_dtype(key).unwrap(), Kind::Float);
+        let mp = serde_json::json!({"reduce_dtype": null});
+        assert_eq!(with(Some(mp)).reduce_dtype(key).unwrap(), Kind::Float);
+        let mp = serde_json::json!({"reduce_dtype": "bf16"});
+        assert_eq!(with(Some(mp)).reduce_dtype(key).unwrap(), Kind::BFloat16);
+        let mp = serde_json::json!({"reduce_dtype": "float32"});
+        assert_eq!(with(Some(mp)).reduce_dtype(key).unwrap(), Kind::Float);
+        for bad in [
+            serde_json::json!({"reduce_dtype": "int8"}),
+            serde_json::json!({"reduce_dtype": 16}),
+        ] {
+            let e = with(Some(bad)).reduce_dtype(key).unwrap_err().to_string();
+            assert!(
+                e.contains("actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype"),
+                "{e}"
+            );
+        }
     }
 }

@@ -99,6 +99,7 @@ impl FsdpCritic {
             Sharding {
                 offload,
                 reshard_after_forward: fsdp.reshard_after_forward,
+                reduce: fsdp.reduce_dtype("critic.model.fsdp_config")?,
             },
         )?;
         Ok(FsdpCritic {

@@ -222,6 +222,8 @@ pub struct ShardState {
     grads_seen: Vec<bool>,
     pub offload: Offload,
     reshard_after_forward: bool,
+    /// The dtype gradients are reduce-scattered in (added into the fp32 accumulators).
+    reduce: Kind,
     gathered_bytes: usize,
     peak_gathered: usize,
     /// Per group, a gather started ahead of its acquire ([`ShardState::prefetch`]): the full
@@ -241,6 +243,7 @@ impl ShardState {
         master: Kind,
         offload: Offload,
         reshard_after_forward: bool,
+        reduce: Kind,
     ) -> Result<ShardState> {
         let layout = Layout::of(model);
         let device = model.device();
@@ -302,6 +305,7 @@ impl ShardState {
             grads_seen: vec![false; n],
             offload,
             reshard_after_forward,
+            reduce,
             gathered_bytes: 0,
             peak_gathered: 0,
             prefetched: (0..n).map(|_| None).collect(),
@@ -448,7 +452,7 @@ impl ShardState {
         for g in self.layout.unit_groups(unit) {
             let group = &self.layout.groups[g];
             let shard = group.shard_len(self.world);
-            let flat = Tensor::f_zeros([(shard * self.world) as i64], (Kind::Float, self.device))
+            let flat = Tensor::f_zeros([(shard * self.world) as i64], (self.reduce, self.device))
                 .ctx("gradient buffer")?;
             for ((gg, k), grad) in slots.iter().zip(&grads) {
                 if *gg != g {
@@ -460,7 +464,7 @@ impl ShardState {
                         .ctx("flatten gradient")?;
                 }
             }
-            let out = Tensor::f_zeros([shard as i64], (Kind::Float, self.device))
+            let out = Tensor::f_zeros([shard as i64], (self.reduce, self.device))
                 .ctx("gradient shard")?;
             // The collective keeps `flat` alive until it has run.
             let pending = dp.reduce_scatter_sum_async(&out, &flat)?;

@@ -19,7 +19,7 @@
 
 use std::path::Path;
 
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 use verl_nn::{Checkpoint, NnError, SaveOptions, Transformer};
 
 use crate::config::{OptimSection, Precision};
@@ -79,6 +79,8 @@ enum LossInput {
 pub struct Sharding {
     pub offload: Offload,
     pub reshard_after_forward: bool,
+    /// The dtype gradients are reduce-scattered in (`mixed_precision.reduce_dtype`).
+    pub reduce: Kind,
 }
 
 impl Default for Sharding {
@@ -86,6 +88,7 @@ impl Default for Sharding {
         Sharding {
             offload: Offload::default(),
             reshard_after_forward: true,
+            reduce: Kind::Float,
         }
     }
 }
@@ -164,6 +167,7 @@ impl TrainableModel {
                 precision.master,
                 sharding.offload,
                 sharding.reshard_after_forward,
+                sharding.reduce,
             )?;
             // The fused kernel follows the compute device, wherever the blocks wait between steps.
             let mut optim = AdamW::without_state(&optim_cfg, optim_key, model.device().is_cuda())?;
@@ -1070,7 +1074,7 @@ mod tests {
             &Dp::single(),
             Sharding {
                 offload,
-                reshard_after_forward: true,
+                ..Sharding::default()
             },
         )
         .unwrap();

@@ -377,6 +377,36 @@ fn actor_updates_at_world_2_and_4_equal_one_rank() {
     check_actor_parity(false, json!({}));
 }
 
+/// `mixed_precision.reduce_dtype: bf16` reduce-scatters the gradients in bf16: the first
+/// update's gradient norm is within bf16 rounding of the fp32 reduction's but not equal to it
+/// (the key takes effect), and so are the weights after it.
+#[test]
+fn bf16_gradient_reduction_follows_reduce_dtype() {
+    let dir = tiny_model(false, HeadKind::CausalLm);
+    let patch = |reduce: &str| {
+        json!({"actor_rollout_ref": {"actor": {"ppo_epochs": 1, "fsdp_config": {
+            "dtype": "fp32", "mixed_precision": {"reduce_dtype": reduce},
+        }}}})
+    };
+    let one = actor_steps(1, dir.path(), patch("fp32"), 1).remove(0);
+    let fp32 = actor_steps(2, dir.path(), patch("fp32"), 1).remove(0);
+    let bf16 = actor_steps(2, dir.path(), patch("bf16"), 1).remove(0);
+    let norm = |r: &ActorRun| r.0[0]["actor/grad_norm"];
+    let (g1, g32, g16) = (norm(&one), norm(&fp32), norm(&bf16));
+    assert!(
+        (g1 - g32).abs() <= TOL * g1,
+        "fp32 reduction: {g32} vs one rank {g1}"
+    );
+    assert!(
+        g16 != g32 && (g16 - g32).abs() <= 1e-2 * g32,
+        "bf16 reduction: {g16} vs fp32 {g32}"
+    );
+    let w1 = one.1.as_ref().unwrap();
+    let d32 = max_weight_diff(w1, fp32.1.as_ref().unwrap());
+    let d16 = max_weight_diff(w1, bf16.1.as_ref().unwrap());
+    assert!(d32 < TOL && d16 > d32, "weights: fp32 {d32}, bf16 {d16}");
+}
+
 #[test]
 fn tied_embeddings_and_kept_forward_params_equal_one_rank() {
     check_actor_parity(

@@ -471,16 +471,19 @@ impl ShardState {
             self.reductions.push((g, out, pending));
             self.grads_seen[g] = true;
         }
-        let queued = std::mem::replace(&mut self.reductions, earlier);
-        let done = self.finish_reductions();
-        self.reductions = queued;
-        done
+        self.add_reductions(earlier)
     }
 
     /// Adds every reduce-scatter still pending into its accumulator (the default stream waits
     /// for each collective on the device; the host does not).
     pub fn finish_reductions(&mut self) -> Result<()> {
-        for (g, out, pending) in std::mem::take(&mut self.reductions) {
+        let pending = std::mem::take(&mut self.reductions);
+        self.add_reductions(pending)
+    }
+
+    /// Adds `reductions` into their accumulators, in order, once each collective has run.
+    fn add_reductions(&mut self, reductions: Vec<(usize, Tensor, Pending)>) -> Result<()> {
+        for (g, out, pending) in reductions {
             pending.wait().map_err(|source| FsdpError::Comm {
                 op: "reduce_scatter (gradients)",
                 source,

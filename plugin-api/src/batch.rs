@@ -317,6 +317,189 @@ impl Batch {
         }
     }
 
+    /// The rows `rows` (in that order, repeats allowed) of every column. Panics on an index out of
+    /// range: the caller's bug, not bad input.
+    pub fn select_rows(&self, rows: &[usize]) -> Batch {
+        let columns = self
+            .columns
+            .iter()
+            .map(|c| {
+                let mut shape: Vec<u64> = c.shape.iter().copied().collect();
+                if let Some(first) = shape.first_mut() {
+                    *first = rows.len() as u64;
+                }
+                let (bytes, strings) = if c.kind == KIND_TENSOR {
+                    let n = c.rows().max(1) as usize;
+                    let width = c.bytes.len() / n;
+                    let mut out = Vec::with_capacity(width * rows.len());
+                    for &r in rows {
+                        out.extend_from_slice(&c.bytes[r * width..(r + 1) * width]);
+                    }
+                    (out.into(), RVec::new())
+                } else {
+                    (
+                        RVec::new(),
+                        rows.iter().map(|&r| c.strings[r].clone()).collect(),
+                    )
+                };
+                Column {
+                    name: c.name.clone(),
+                    kind: c.kind,
+                    dtype: c.dtype,
+                    shape: shape.into(),
+                    bytes,
+                    strings,
+                }
+            })
+            .collect();
+        Batch {
+            columns,
+            meta: self.meta.clone(),
+        }
+    }
+
+    /// The rows of `parts` one after the other. Every part must have the same columns with the
+    /// same kinds, dtypes and trailing dimensions; the meta is the first part's.
+    pub fn concat(parts: &[Batch]) -> Result<Batch> {
+        let Some(first) = parts.first() else {
+            return Ok(Batch::new());
+        };
+        let mut columns = Vec::with_capacity(first.columns.len());
+        for c in first.columns.iter() {
+            let mut rows = 0u64;
+            let mut bytes = Vec::new();
+            let mut strings = RVec::new();
+            for (i, part) in parts.iter().enumerate() {
+                let p = part.column(c.name()).ok_or_else(|| {
+                    Error::invalid_input(format!(
+                        "Batch::concat: part {i} has no column `{}`",
+                        c.name()
+                    ))
+                })?;
+                if p.kind != c.kind || p.dtype != c.dtype || p.shape.get(1..) != c.shape.get(1..) {
+                    return Err(Error::invalid_input(format!(
+                        "Batch::concat: column `{}` of part {i} has shape {:?}, part 0 {:?} (or another type)",
+                        c.name(),
+                        p.shape.as_slice(),
+                        c.shape.as_slice()
+                    )));
+                }
+                rows += p.rows();
+                bytes.extend_from_slice(&p.bytes);
+                strings.extend(p.strings.iter().cloned());
+            }
+            let mut shape: Vec<u64> = c.shape.iter().copied().collect();
+            if let Some(first) = shape.first_mut() {
+                *first = rows;
+            }
+            columns.push(Column {
+                name: c.name.clone(),
+                kind: c.kind,
+                dtype: c.dtype,
+                shape: shape.into(),
+                bytes: bytes.into(),
+                strings,
+            });
+        }
+        Ok(Batch {
+            columns: columns.into(),
+            meta: first.meta.clone(),
+        })
+    }
+
+    /// The batch as bytes (for moving it between processes, e.g. over the host's store), read
+    /// back by [`Batch::from_bytes`] in a process of the same build and byte order.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+            out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+            out.extend_from_slice(b);
+        }
+        let mut out = Vec::new();
+        out.extend_from_slice(&(self.columns.len() as u64).to_le_bytes());
+        for c in self.columns.iter() {
+            put_bytes(&mut out, c.name.as_bytes());
+            out.push(c.kind);
+            out.push(c.dtype);
+            out.extend_from_slice(&(c.shape.len() as u64).to_le_bytes());
+            for d in c.shape.iter() {
+                out.extend_from_slice(&d.to_le_bytes());
+            }
+            put_bytes(&mut out, &c.bytes);
+            out.extend_from_slice(&(c.strings.len() as u64).to_le_bytes());
+            for s in c.strings.iter() {
+                put_bytes(&mut out, s.as_bytes());
+            }
+        }
+        put_bytes(&mut out, self.meta.as_bytes());
+        out
+    }
+
+    /// Reads [`Batch::to_bytes`]'s output back, checked like any crossing.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Batch> {
+        struct Reader<'a>(&'a [u8]);
+        impl<'a> Reader<'a> {
+            fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+                if self.0.len() < n {
+                    return Err(Error::invalid_input(
+                        "Batch::from_bytes: the bytes end early",
+                    ));
+                }
+                let (head, rest) = self.0.split_at(n);
+                self.0 = rest;
+                Ok(head)
+            }
+            fn u64(&mut self) -> Result<u64> {
+                Ok(u64::from_le_bytes(
+                    self.take(8)?.try_into().expect("8 bytes"),
+                ))
+            }
+            fn u8(&mut self) -> Result<u8> {
+                Ok(self.take(1)?[0])
+            }
+            fn bytes(&mut self) -> Result<&'a [u8]> {
+                let n = self.u64()? as usize;
+                self.take(n)
+            }
+            fn text(&mut self) -> Result<RString> {
+                let b = self.bytes()?;
+                std::str::from_utf8(b)
+                    .map(RString::from)
+                    .map_err(|_| Error::invalid_input("Batch::from_bytes: a text is not UTF-8"))
+            }
+        }
+        let mut r = Reader(bytes);
+        let n = r.u64()? as usize;
+        let mut columns = RVec::with_capacity(n.min(1 << 16));
+        for _ in 0..n {
+            let name = r.text()?;
+            let kind = r.u8()?;
+            let dtype = r.u8()?;
+            let dims = r.u64()? as usize;
+            let mut shape = RVec::new();
+            for _ in 0..dims {
+                shape.push(r.u64()?);
+            }
+            let data: RVec<u8> = r.bytes()?.to_vec().into();
+            let count = r.u64()? as usize;
+            let mut strings = RVec::new();
+            for _ in 0..count {
+                strings.push(r.text()?);
+            }
+            columns.push(Column {
+                name,
+                kind,
+                dtype,
+                shape,
+                bytes: data,
+                strings,
+            });
+        }
+        let meta = r.text()?;
+        let batch = Batch { columns, meta };
+        batch.validate("Batch::from_bytes")?;
+        Ok(batch)
+    }
+
     fn missing(&self, call: &str, name: &str) -> Error {
         Error::MissingColumn {
             call: call.to_string(),
@@ -694,6 +877,45 @@ pub const ROWS: Dim = Dim::Named("rows");
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn rows_are_selected_concatenated_and_moved_as_bytes_unchanged() {
+        let mut b = Batch::new();
+        b.insert_tensor("ids", &[3, 2], &[1i64, 2, 3, 4, 5, 6]);
+        b.insert_tensor("lp", &[3], &[0.5f32, 1.5, 2.5]);
+        b.insert_strings("text", &["a", "b", "c"]);
+        b.insert_json(
+            "extra",
+            &[
+                serde_json::json!({"i": 0}),
+                serde_json::Value::Null,
+                serde_json::json!(2),
+            ],
+        );
+        let picked = b.select_rows(&[2, 0, 2]);
+        assert_eq!(picked.rows(), 3);
+        assert_eq!(
+            picked.tensor::<i64>("ids").unwrap().data,
+            vec![5, 6, 1, 2, 5, 6]
+        );
+        assert_eq!(
+            picked.tensor::<f32>("lp").unwrap().data,
+            vec![2.5, 0.5, 2.5]
+        );
+        assert_eq!(picked.strings("text").unwrap(), vec!["c", "a", "c"]);
+        assert_eq!(
+            picked.json("extra").unwrap()[1],
+            serde_json::json!({"i": 0})
+        );
+        let both = Batch::concat(&[b.select_rows(&[0]), b.select_rows(&[1, 2])]).unwrap();
+        assert_eq!(both, b);
+        let moved = Batch::from_bytes(&b.to_bytes()).unwrap();
+        assert_eq!(moved, b);
+        assert!(Batch::from_bytes(&b.to_bytes()[..10]).is_err());
+        let mut other = Batch::new();
+        other.insert_tensor("ids", &[1, 3], &[1i64, 2, 3]);
+        assert!(Batch::concat(&[b.clone(), other]).is_err());
+    }
+
     use super::*;
 
     const SPECS: &[ColumnSpec] = &[

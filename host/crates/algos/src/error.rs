@@ -95,6 +95,48 @@ pub enum AlgoError {
         expected: &'static str,
     },
 
+    // ---- partitioning (sequence-length balancing) ---------------------------------------------------
+    /// Too few items (values, rows, uid groups) for the requested number of partitions.
+    #[error("{op}: {found} {what} for {k} partitions, expected at least {needed}")]
+    TooFewItems {
+        op: &'static str,
+        what: &'static str,
+        found: usize,
+        needed: usize,
+        k: usize,
+    },
+
+    /// Equal-size partitioning asked of a count the number of partitions does not divide.
+    #[error("{op}: {found} {what} do not split into {k} partitions of equal size ({hint})")]
+    NotDivisible {
+        op: &'static str,
+        what: &'static str,
+        found: usize,
+        k: usize,
+        hint: &'static str,
+    },
+
+    /// The partitioning left a partition with no item (only negative values can cause this).
+    #[error("{op}: partition {index} of {k} is empty (are some values negative?)")]
+    EmptyPartition {
+        op: &'static str,
+        index: usize,
+        k: usize,
+    },
+
+    /// A partition names an item the input does not have.
+    #[error("{op}: `{input}` names index {index}, but there are only {len} items")]
+    IndexOutOfRange {
+        op: &'static str,
+        input: &'static str,
+        index: usize,
+        len: usize,
+    },
+
+    /// An integer sum that verl computes exactly (Python ints) does not fit the `i64` it is kept in.
+    #[error("{op}: {what} overflows i64")]
+    Overflow { op: &'static str, what: String },
+
     // ---- multi-rank ---------------------------------------------------------------------------------
     /// The caller's cross-rank reduction failed or returned the wrong number of values.
     #[error("{op}: cross-rank reduction failed: {message}")]

@@ -8,7 +8,8 @@
 //! [`compute_advantage`], reading names and numbers from config through [`AdvantageEstimator`],
 //! [`AdvantageParams`], [`KlPenalty`] and [`KlCtrlConfig`]. Batch-wide statistics take a [`CrossRankSum`] in
 //! the `*_across` variants so a data-parallel shard sees the statistics of the whole batch, as verl's driver
-//! does.
+//! does. With `trainer.balance_batch`, [`balance_batch`] decides which rows each data-parallel rank gets
+//! (verl's sequence-length balancing, partition for partition).
 //!
 //! ```
 //! use verl_algos::{
@@ -37,6 +38,7 @@
 #![warn(missing_docs)]
 
 mod advantage;
+mod balance;
 mod error;
 mod grid;
 mod groups;
@@ -51,6 +53,11 @@ pub use advantage::{
     compute_reinforce_plus_plus_outcome_advantage, compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage, AdvantageEstimator, AdvantageInputs, AdvantageParams,
     Advantages,
+};
+pub use balance::{
+    balance_batch, calculate_workload, get_group_balanced_partitions,
+    get_seqlen_balanced_partitions, karmarkar_karp, log_seqlen_unbalance, BalancedBatch,
+    GLOBAL_SEQLEN_PREFIX,
 };
 pub use error::{AlgoError, Result};
 pub use grid::Grid;

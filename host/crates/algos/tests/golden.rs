@@ -3,14 +3,19 @@
 //!
 //! The file lives in the shared reference directory (`$VERL_SHARED_DIR`, else `<workspace>/../shared`); when it
 //! is absent the test prints why and passes, since the repository must build without it.
+//!
+//! `golden/seqlen_balancing.json` (in this crate, written by `golden/gen_seqlen_balancing.py` from verl's own
+//! `seqlen_balancing.py`) holds the sequence-length balancing cases; those compare exactly: partitions index
+//! for index, metrics bit for bit, and verl's assertion failures as errors.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use verl_algos::{
-    compute_advantage, kl_penalty, masked_whiten, AdvantageEstimator, AdvantageInputs,
-    AdvantageParams, Grid, Groups, KlPenalty,
+    balance_batch, calculate_workload, compute_advantage, get_group_balanced_partitions,
+    get_seqlen_balanced_partitions, karmarkar_karp, kl_penalty, log_seqlen_unbalance,
+    masked_whiten, AdvantageEstimator, AdvantageInputs, AdvantageParams, Grid, Groups, KlPenalty,
 };
 
 /// The `fn` values of the golden file this crate is responsible for. The others (policy/value losses, loss
@@ -363,6 +368,246 @@ fn every_owned_golden_case_matches_verl() {
             expected_per_fn.contains_key(fn_name),
             "{}: no case for `{fn_name}`",
             path.display()
+        );
+    }
+}
+
+// ---- sequence-length balancing ----------------------------------------------------------------------
+
+const SEQLEN_BALANCING: &str = include_str!("golden/seqlen_balancing.json");
+
+/// The verl functions `seqlen_balancing.json` exercises (`balance_batch` is `RayPPOTrainer._balance_batch`).
+const BALANCING_FNS: &[&str] = &[
+    "calculate_workload",
+    "karmarkar_karp",
+    "get_seqlen_balanced_partitions",
+    "get_group_balanced_partitions",
+    "log_seqlen_unbalance",
+    "balance_batch",
+];
+
+/// What one balancing case produces; a field is `None` when the function does not produce it.
+#[derive(Debug, Default, PartialEq)]
+struct Balanced {
+    workloads: Option<Vec<i64>>,
+    partitions: Option<Vec<Vec<usize>>>,
+    metrics: Option<Vec<(String, f64)>>,
+}
+
+fn ints<T: TryFrom<i64>>(value: &Value, what: &str) -> Result<Vec<T>, String> {
+    value
+        .as_array()
+        .ok_or_else(|| format!("`{what}` is not an array"))?
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            x.as_i64().and_then(|x| T::try_from(x).ok()).ok_or_else(|| {
+                format!("`{what}[{i}]` is not an integer of the expected range: {x}")
+            })
+        })
+        .collect()
+}
+
+fn index_lists(value: &Value, what: &str) -> Result<Vec<Vec<usize>>, String> {
+    value
+        .as_array()
+        .ok_or_else(|| format!("`{what}` is not an array"))?
+        .iter()
+        .enumerate()
+        .map(|(i, p)| ints(p, &format!("{what}[{i}]")))
+        .collect()
+}
+
+fn strings(value: &Value, what: &str) -> Result<Vec<String>, String> {
+    value
+        .as_array()
+        .ok_or_else(|| format!("`{what}` is not an array"))?
+        .iter()
+        .map(|x| x.as_str().map(str::to_owned))
+        .collect::<Option<_>>()
+        .ok_or_else(|| format!("`{what}` is not an array of strings"))
+}
+
+/// `[[name, value], …]` with each value the text Python printed, parsed by Rust's correctly rounded parser.
+fn named_metrics(value: &Value) -> Result<Vec<(String, f64)>, String> {
+    value
+        .as_array()
+        .ok_or("`metrics` is not an array")?
+        .iter()
+        .map(|pair| match pair.as_array().map(Vec::as_slice) {
+            Some([Value::String(name), Value::String(text)]) => text
+                .parse()
+                .map(|v| (name.clone(), v))
+                .map_err(|e| format!("metric `{name}`: `{text}`: {e}")),
+            _ => Err(format!("metric {pair} is not a [name, value-text] pair")),
+        })
+        .collect()
+}
+
+struct BalancingCase<'a> {
+    fn_name: &'a str,
+    params: &'a Value,
+    inputs: &'a Value,
+}
+
+impl BalancingCase<'_> {
+    fn usize_param(&self, key: &str) -> Result<usize, String> {
+        self.params[key]
+            .as_u64()
+            .and_then(|v| usize::try_from(v).ok())
+            .ok_or_else(|| format!("missing integer param `{key}`"))
+    }
+
+    fn bool_param(&self, key: &str) -> Result<bool, String> {
+        self.params[key]
+            .as_bool()
+            .ok_or_else(|| format!("missing bool param `{key}`"))
+    }
+
+    /// The outer error is a malformed case; the inner one is the function's own answer.
+    fn run(&self) -> Result<Result<Balanced, verl_algos::AlgoError>, String> {
+        let input = |key: &str| &self.inputs[key];
+        Ok(match self.fn_name {
+            "calculate_workload" => {
+                let seqlens: Vec<i64> = ints(input("seqlens"), "seqlens")?;
+                Ok(Balanced {
+                    workloads: Some(seqlens.into_iter().map(calculate_workload).collect()),
+                    ..Balanced::default()
+                })
+            }
+            "karmarkar_karp" | "get_seqlen_balanced_partitions" => {
+                let values: Vec<i64> = ints(input("values"), "values")?;
+                let (k, equal_size) = (self.usize_param("k")?, self.bool_param("equal_size")?);
+                let partition = if self.fn_name == "karmarkar_karp" {
+                    karmarkar_karp
+                } else {
+                    get_seqlen_balanced_partitions
+                };
+                partition(&values, k, equal_size).map(|p| Balanced {
+                    partitions: Some(p),
+                    ..Balanced::default()
+                })
+            }
+            "get_group_balanced_partitions" => {
+                let seqlens: Vec<i64> = ints(input("seqlens"), "seqlens")?;
+                let uids = strings(input("uids"), "uids")?;
+                get_group_balanced_partitions(&seqlens, &uids, self.usize_param("k")?).map(|p| {
+                    Balanced {
+                        partitions: Some(p),
+                        ..Balanced::default()
+                    }
+                })
+            }
+            "log_seqlen_unbalance" => {
+                let seqlens: Vec<i64> = ints(input("seqlens"), "seqlens")?;
+                let partitions = index_lists(input("partitions"), "partitions")?;
+                let prefix = self.params["prefix"].as_str().ok_or("missing `prefix`")?;
+                log_seqlen_unbalance(&seqlens, &partitions, prefix).map(|m| Balanced {
+                    metrics: Some(m),
+                    ..Balanced::default()
+                })
+            }
+            "balance_batch" => {
+                let seqlens: Vec<i64> = ints(input("seqlens"), "seqlens")?;
+                let groups = match self.inputs.get("uids") {
+                    Some(uids) => Some(Groups::from_keys(&strings(uids, "uids")?)),
+                    None => None,
+                };
+                balance_batch(&seqlens, self.usize_param("dp_size")?, groups.as_ref()).map(|b| {
+                    Balanced {
+                        partitions: Some(b.ranks),
+                        metrics: Some(b.metrics),
+                        ..Balanced::default()
+                    }
+                })
+            }
+            other => return Err(format!("unknown fn `{other}`")),
+        })
+    }
+}
+
+fn expected_balanced(outputs: &Value) -> Result<Balanced, String> {
+    let outputs = outputs.as_object().ok_or("`outputs` is not an object")?;
+    if let Some(key) = outputs
+        .keys()
+        .find(|k| !["workloads", "partitions", "metrics"].contains(&k.as_str()))
+    {
+        return Err(format!("output `{key}` is not compared by this test"));
+    }
+    Ok(Balanced {
+        workloads: outputs
+            .get("workloads")
+            .map(|w| ints(w, "workloads"))
+            .transpose()?,
+        partitions: outputs
+            .get("partitions")
+            .map(|p| index_lists(p, "partitions"))
+            .transpose()?,
+        metrics: outputs.get("metrics").map(named_metrics).transpose()?,
+    })
+}
+
+#[test]
+fn seqlen_balanced_partitions_match_verl() {
+    let doc: Value = serde_json::from_str(SEQLEN_BALANCING)
+        .unwrap_or_else(|e| panic!("golden/seqlen_balancing.json: invalid JSON: {e}"));
+    let cases = doc["cases"]
+        .as_array()
+        .expect("golden/seqlen_balancing.json: no `cases` array");
+
+    let mut ran: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut failures = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let fn_name = case["fn"]
+            .as_str()
+            .unwrap_or_else(|| panic!("case {i}: no `fn` string"));
+        let label = format!("seqlen_balancing case {i} ({fn_name} {})", case["params"]);
+        let got = match (BalancingCase {
+            fn_name,
+            params: &case["params"],
+            inputs: &case["inputs"],
+        })
+        .run()
+        {
+            Ok(got) => got,
+            Err(e) => {
+                failures.push(format!("{label}: could not run: {e}"));
+                continue;
+            }
+        };
+        *ran.entry(fn_name).or_default() += 1;
+        match (case.get("raises"), got) {
+            (Some(raised), Ok(out)) => {
+                failures.push(format!("{label}: verl raised {raised}, got {out:?}"))
+            }
+            (Some(_), Err(_)) => {}
+            (None, Err(e)) => failures.push(format!("{label}: verl succeeded, got error: {e}")),
+            (None, Ok(out)) => match expected_balanced(&case["outputs"]) {
+                // Metric values are compared with `==`: they come from the same integer sums and divisions.
+                Ok(expected) if expected == out => {}
+                Ok(expected) => failures.push(format!(
+                    "{label}:\n  got      {out:?}\n  expected {expected:?}"
+                )),
+                Err(e) => failures.push(format!("{label}: {e}")),
+            },
+        }
+    }
+
+    println!(
+        "seqlen_balancing golden: ran {} cases: {ran:?}",
+        cases.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases differ from verl:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+    for fn_name in BALANCING_FNS {
+        assert!(
+            ran.contains_key(fn_name),
+            "golden/seqlen_balancing.json: no case for `{fn_name}`"
         );
     }
 }

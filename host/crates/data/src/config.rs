@@ -96,6 +96,13 @@ pub enum Split {
 pub struct DataConfig {
     /// Column holding the chat messages (or a plain string prompt).
     pub prompt_key: String,
+    /// Column whose value routes a row to its reward (verl's `data.reward_fn_key`); read into
+    /// [`crate::Sample::data_source`].
+    pub reward_fn_key: String,
+    /// `(config key, column)` of the multimodal columns (`data.image_key`, `data.video_key`,
+    /// `data.audio_key`): a row with media in one of them is refused, as verl-rs trains
+    /// text-only models.
+    pub media_columns: Vec<(String, String)>,
     /// Token budget of a prompt after the chat template.
     pub max_prompt_length: usize,
     /// Drop prompts longer than `max_prompt_length` at load time.
@@ -120,6 +127,12 @@ impl Default for DataConfig {
     fn default() -> Self {
         Self {
             prompt_key: "prompt".into(),
+            reward_fn_key: "data_source".into(),
+            media_columns: vec![
+                ("data.image_key".into(), "images".into()),
+                ("data.video_key".into(), "videos".into()),
+                ("data.audio_key".into(), "audios".into()),
+            ],
             max_prompt_length: 512,
             filter_overlong_prompts: false,
             truncation: Truncation::Error,

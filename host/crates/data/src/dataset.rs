@@ -32,6 +32,35 @@ pub struct Dataset {
     files: Vec<PathBuf>,
 }
 
+/// verl-rs trains text-only models: a row carrying images, videos or audio would be trained on
+/// its text alone, so it is refused by name instead.
+fn refuse_media(
+    row: &serde_json::Map<String, serde_json::Value>,
+    cfg: &DataConfig,
+    path: &Path,
+    row_index: usize,
+) -> Result<()> {
+    use serde_json::Value;
+    for (key, column) in &cfg.media_columns {
+        let carries = match row.get(column) {
+            None | Some(Value::Null) => false,
+            Some(Value::Array(a)) => !a.is_empty(),
+            Some(Value::Object(o)) => !o.is_empty(),
+            Some(Value::String(s)) => !s.is_empty(),
+            Some(_) => true,
+        };
+        if carries {
+            return Err(DataError::MultimodalRow {
+                path: path.to_path_buf(),
+                row: row_index,
+                column: column.clone(),
+                key: key.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
 impl Dataset {
     /// Reads and concatenates `paths` (parquet, Arrow IPC or JSONL, mixed freely).
     /// No row selection or filtering: see [`Dataset::prepare`] for verl's full pipeline.
@@ -47,7 +76,11 @@ impl Dataset {
             let shared = Arc::new(path.to_path_buf());
             // Checking the schema once gives one clear error instead of one per row.
             if let Some(columns) = &table.columns {
-                for required in [cfg.prompt_key.as_str(), "data_source", "reward_model"] {
+                for required in [
+                    cfg.prompt_key.as_str(),
+                    cfg.reward_fn_key.as_str(),
+                    "reward_model",
+                ] {
                     if !columns.iter().any(|c| c == required) {
                         return Err(DataError::MissingColumn {
                             path: path.to_path_buf(),
@@ -60,7 +93,14 @@ impl Dataset {
             }
             samples.reserve(table.rows.len());
             for (row_index, row) in table.rows.into_iter().enumerate() {
-                samples.push(Sample::from_row(row, &cfg.prompt_key, &shared, row_index)?);
+                refuse_media(&row, cfg, path, row_index)?;
+                samples.push(Sample::from_row(
+                    row,
+                    &cfg.prompt_key,
+                    &cfg.reward_fn_key,
+                    &shared,
+                    row_index,
+                )?);
             }
             files.push(path.to_path_buf());
         }

@@ -89,6 +89,14 @@ pub enum DataError {
         reason: String,
     },
 
+    #[error("`{path}` row {row} carries media in column `{column}` ({key}): verl-rs trains text-only models, and training on the text alone would not be the job you asked for; drop the column, or point {key} at a column the data does not have")]
+    MultimodalRow {
+        path: PathBuf,
+        row: usize,
+        column: String,
+        key: String,
+    },
+
     #[error("dataset from [{}] has no rows", paths.iter().map(|p| format!("`{}`", p.display())).collect::<Vec<_>>().join(", "))]
     EmptyDataset { paths: Vec<PathBuf> },
 
@@ -148,6 +156,25 @@ pub enum DataError {
         path: PathBuf,
         line: usize,
         message: String,
+    },
+
+    #[error("`{dir}`: no `{split}` split: expected {expected}")]
+    MissingSplit {
+        dir: PathBuf,
+        split: String,
+        /// The file layouts that were looked for.
+        expected: String,
+    },
+
+    #[error(
+        "`{path}` row {row}, column `{column}`: expected a final `\\boxed{{...}}` or \
+         `\\boxed ...` answer (verl's last_boxed_only_string + remove_boxed), found {reason}"
+    )]
+    NoBoxedAnswer {
+        path: PathBuf,
+        row: usize,
+        column: String,
+        reason: crate::math::Unboxed,
     },
 }
 

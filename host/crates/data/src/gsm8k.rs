@@ -7,11 +7,11 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use arrow_array::{ArrayRef, Int64Array, ListArray, RecordBatch, StringArray, StructArray};
-use arrow_buffer::OffsetBuffer;
+use arrow_array::{Int64Array, RecordBatch, StructArray};
 use arrow_schema::{DataType, Field, Fields, Schema};
 use serde_json::Value;
 
+use crate::columns::{prompt_field, reward_field, rule_rewards, strings, user_prompts, utf8};
 use crate::error::{DataError, Result};
 use crate::write::write_parquet;
 
@@ -111,18 +111,6 @@ pub fn read_raw(path: &Path, split: &str) -> Result<Vec<Gsm8kRow>> {
     Ok(rows)
 }
 
-fn utf8(name: &str) -> Field {
-    Field::new(name, DataType::Utf8, true)
-}
-
-fn message_fields() -> Fields {
-    Fields::from(vec![utf8("role"), utf8("content")])
-}
-
-fn reward_fields() -> Fields {
-    Fields::from(vec![utf8("style"), utf8("ground_truth")])
-}
-
 fn extra_fields() -> Fields {
     Fields::from(vec![
         utf8("split"),
@@ -132,22 +120,13 @@ fn extra_fields() -> Fields {
     ])
 }
 
-/// Name of the list item field. pyarrow writes parquet lists with the spec's `element` and
-/// reads them back under that name.
-const LIST_ITEM: &str = "element";
-
 /// The Arrow schema of verl's GSM8K parquet (column order and nested field names included).
 pub fn gsm8k_schema() -> Schema {
-    let prompt_item = Arc::new(Field::new(
-        LIST_ITEM,
-        DataType::Struct(message_fields()),
-        true,
-    ));
     Schema::new(vec![
         utf8("data_source"),
-        Field::new("prompt", DataType::List(prompt_item), true),
+        prompt_field(),
         utf8("ability"),
-        Field::new("reward_model", DataType::Struct(reward_fields()), true),
+        reward_field(),
         Field::new("extra_info", DataType::Struct(extra_fields()), true),
     ])
     .with_metadata(HashMap::from([(
@@ -159,53 +138,23 @@ pub fn gsm8k_schema() -> Schema {
 /// Builds the record batch of `rows` in verl's schema.
 pub fn gsm8k_record_batch(rows: &[Gsm8kRow]) -> Result<RecordBatch> {
     let n = rows.len();
-    let strings = |f: &dyn Fn(&Gsm8kRow) -> String| -> ArrayRef {
-        Arc::new(StringArray::from_iter_values(rows.iter().map(f)))
-    };
-    let messages = StructArray::new(
-        message_fields(),
-        vec![
-            strings(&|_| "user".to_string()),
-            strings(&|r| r.prompt_content()),
-        ],
-        None,
-    );
-    let prompt_item = Arc::new(Field::new(
-        LIST_ITEM,
-        DataType::Struct(message_fields()),
-        true,
-    ));
-    let prompt = ListArray::new(
-        prompt_item,
-        OffsetBuffer::from_lengths(std::iter::repeat_n(1, n)),
-        Arc::new(messages),
-        None,
-    );
-    let reward = StructArray::new(
-        reward_fields(),
-        vec![
-            strings(&|_| "rule".to_string()),
-            strings(&|r| r.solution.clone()),
-        ],
-        None,
-    );
     let extra = StructArray::new(
         extra_fields(),
         vec![
-            strings(&|r| r.split.clone()),
+            strings(rows.iter().map(|r| r.split.as_str())),
             Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.index))),
-            strings(&|r| r.answer.clone()),
-            strings(&|r| r.question.clone()),
+            strings(rows.iter().map(|r| r.answer.as_str())),
+            strings(rows.iter().map(|r| r.question.as_str())),
         ],
         None,
     );
     RecordBatch::try_new(
         Arc::new(gsm8k_schema()),
         vec![
-            strings(&|_| GSM8K_DATA_SOURCE.to_string()),
-            Arc::new(prompt),
-            strings(&|_| "math".to_string()),
-            Arc::new(reward),
+            strings(std::iter::repeat_n(GSM8K_DATA_SOURCE, n)),
+            user_prompts(rows.iter().map(Gsm8kRow::prompt_content).collect()),
+            strings(std::iter::repeat_n("math", n)),
+            rule_rewards(rows.iter().map(|r| r.solution.as_str())),
             Arc::new(extra),
         ],
     )

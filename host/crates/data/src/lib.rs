@@ -1,18 +1,21 @@
 //! verl-format RL datasets for the host: reading parquet / Arrow IPC / JSONL files into
 //! [`Sample`]s, verl's `data.*` row selection and overlong-prompt filtering, prompt
-//! truncation, a resumable batch loader, the GSM8K preprocessing verl ships, the quickstart's
-//! self-generated arithmetic task and SFT (prompt, response) pairs.
+//! truncation, a resumable batch loader, the GSM8K and MATH preprocessing verl ships, the
+//! quickstart's self-generated arithmetic task and SFT (prompt, response) pairs.
 //!
 //! This crate must not tokenize or render chat templates (the host passes a prompt-length
 //! function built from the chat crate), must not link libtorch, and must not know about
 //! training: it hands out prompts and the state needed to resume.
 
 pub mod arith;
+mod columns;
 mod config;
 mod dataset;
 mod error;
 pub mod gsm8k;
 mod loader;
+pub mod math;
+mod py_json;
 mod read;
 mod sample;
 mod sft;
@@ -25,6 +28,7 @@ pub use dataset::{BoxError, Dataset, FilterReport, PromptLenFn};
 pub use error::{DataError, Result};
 pub use gsm8k::{extract_solution, gsm8k_preprocess, Gsm8kOutput};
 pub use loader::{Batch, DataLoader, DataLoaderState, LoaderOptions};
+pub use math::{extract_boxed_answer, math_preprocess, MathOutput, Unboxed};
 pub use read::{array_to_json, batch_to_rows, Format};
 pub use sample::{Message, Origin, RewardModel, Sample};
 pub use sft::{read_sft_pairs, text_corpus, SftKeys, SftPair};

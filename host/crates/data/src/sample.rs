@@ -81,6 +81,7 @@ impl Sample {
     pub(crate) fn from_row(
         row: Map<String, Value>,
         prompt_key: &str,
+        reward_fn_key: &str,
         path: &Arc<PathBuf>,
         row_index: usize,
     ) -> Result<Self> {
@@ -103,11 +104,11 @@ impl Sample {
             .map_err(|found| wrong(prompt_key, PROMPT_EXPECTED, found))?;
 
         let data_source = match row
-            .get("data_source")
-            .ok_or_else(|| missing("data_source"))?
+            .get(reward_fn_key)
+            .ok_or_else(|| missing(reward_fn_key))?
         {
             Value::String(s) => s.clone(),
-            other => return Err(wrong("data_source", "string", describe(other))),
+            other => return Err(wrong(reward_fn_key, "string", describe(other))),
         };
 
         let ability = match row.get("ability") {
@@ -284,6 +285,7 @@ mod tests {
         let s = Sample::from_row(
             row(json!({"prompt": "hi", "data_source": "d", "reward_model": {"ground_truth": 3}})),
             "prompt",
+            "data_source",
             &path(),
             0,
         )
@@ -314,6 +316,7 @@ mod tests {
         let err = Sample::from_row(
             row(json!({"prompt": ["hello"], "data_source": "d", "reward_model": {"ground_truth": "1"}})),
             "prompt",
+            "data_source",
             &path(),
             7,
         )
@@ -334,6 +337,7 @@ mod tests {
         let err = Sample::from_row(
             row(json!({"q": [{"role": "user", "text": "x"}], "data_source": "d", "reward_model": {"ground_truth": "1"}})),
             "q",
+            "data_source",
             &path(),
             0,
         )
@@ -348,6 +352,7 @@ mod tests {
         let err = Sample::from_row(
             row(json!({"question": "x", "data_source": "d"})),
             "prompt",
+            "data_source",
             &path(),
             2,
         )

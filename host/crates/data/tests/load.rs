@@ -163,6 +163,76 @@ fn plain_string_prompt_column_and_custom_prompt_key() {
 }
 
 #[test]
+fn reward_fn_key_names_the_column_that_routes_rewards() {
+    let t = tmp();
+    let p = t.path().join("rows.jsonl");
+    std::fs::write(
+        &p,
+        r#"{"prompt": "a", "source": "lighteval/MATH", "data_source": "ignored", "reward_model": {"ground_truth": "1"}}"#,
+    )
+    .unwrap();
+    let opts = DataConfig {
+        reward_fn_key: "source".into(),
+        ..cfg()
+    };
+    let ds = Dataset::load(&[&p], &opts).unwrap();
+    assert_eq!(ds[0].data_source, "lighteval/MATH");
+    // Without the column, the error names it.
+    let opts = DataConfig {
+        reward_fn_key: "task".into(),
+        ..cfg()
+    };
+    let (_, s) = err_text(Dataset::load(&[&p], &opts));
+    assert!(s.contains("`task`"), "{s}");
+}
+
+#[test]
+fn rows_with_images_videos_or_audio_are_refused_by_name() {
+    let t = tmp();
+    let p = t.path().join("vl.jsonl");
+    let text_only = r#"{"prompt": "a", "data_source": "x", "reward_model": {"ground_truth": "1"}, "images": [], "videos": null}"#;
+    let with_image = r#"{"prompt": "b", "data_source": "x", "reward_model": {"ground_truth": "2"}, "images": [{"bytes": "AAAA"}]}"#;
+    std::fs::write(&p, format!("{text_only}\n{with_image}\n")).unwrap();
+    let (e, s) = err_text(Dataset::load(&[&p], &cfg()));
+    assert!(
+        matches!(e, DataError::MultimodalRow { row: 1, .. }),
+        "{e:?}"
+    );
+    assert!(
+        s.contains("vl.jsonl") && s.contains("`images`") && s.contains("data.image_key"),
+        "{s}"
+    );
+    // The keys name the columns: a video column under another name is found too.
+    let v = t.path().join("video.jsonl");
+    std::fs::write(
+        &v,
+        r#"{"prompt": "c", "data_source": "x", "reward_model": {"ground_truth": "3"}, "clip": "v.mp4"}"#,
+    )
+    .unwrap();
+    let opts = DataConfig {
+        media_columns: vec![("data.video_key".into(), "clip".into())],
+        ..cfg()
+    };
+    let (_, s) = err_text(Dataset::load(&[&v], &opts));
+    assert!(s.contains("`clip`") && s.contains("data.video_key"), "{s}");
+    // And audio under verl's default column name (data.audio_key).
+    let a = t.path().join("audio.jsonl");
+    std::fs::write(
+        &a,
+        r#"{"prompt": "d", "data_source": "x", "reward_model": {"ground_truth": "4"}, "audios": ["a.wav"]}"#,
+    )
+    .unwrap();
+    let (_, s) = err_text(Dataset::load(&[&a], &cfg()));
+    assert!(
+        s.contains("`audios`") && s.contains("data.audio_key"),
+        "{s}"
+    );
+    // Text-only rows load.
+    std::fs::write(&p, format!("{text_only}\n")).unwrap();
+    assert_eq!(Dataset::load(&[&p], &cfg()).unwrap().len(), 1);
+}
+
+#[test]
 fn json_array_file_loads() {
     let t = tmp();
     let p = t.path().join("rows.json");

@@ -1,8 +1,12 @@
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::fs::File;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use arrow_array::RecordBatch;
+use arrow_select::concat::concat_batches;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use verl_data::{Message, Origin, RewardModel, Sample};
 
 /// `$VERL_SHARED_DIR`, else `<workspace>/../shared`; `None` (after saying so) when absent.
@@ -24,6 +28,42 @@ pub fn shared_dir() -> Option<PathBuf> {
 
 pub fn gsm8k_dir() -> Option<PathBuf> {
     shared_dir().map(|d| d.join("data/gsm8k"))
+}
+
+pub fn read_parquet(path: &Path) -> RecordBatch {
+    let builder = ParquetRecordBatchReaderBuilder::try_new(File::open(path).unwrap()).unwrap();
+    let schema = builder.schema().clone();
+    let batches: Vec<RecordBatch> = builder.build().unwrap().map(|b| b.unwrap()).collect();
+    concat_batches(&schema, &batches).unwrap()
+}
+
+/// Compares our file with verl's: same columns in the same order, same nested types and
+/// field names, same values row by row, same `datasets` feature metadata.
+pub fn assert_same_table(ours: &Path, verl: &Path) {
+    let (a, b) = (read_parquet(ours), read_parquet(verl));
+    let (sa, sb) = (a.schema(), b.schema());
+    assert_eq!(sa.fields(), sb.fields(), "schema differs");
+    assert_eq!(
+        sa.metadata().get("huggingface"),
+        sb.metadata().get("huggingface"),
+        "datasets feature metadata differs"
+    );
+    assert_eq!(a.num_rows(), b.num_rows());
+    for (i, field) in sa.fields().iter().enumerate() {
+        let (ca, cb) = (a.column(i), b.column(i));
+        if ca != cb {
+            // Point at the first differing row for a readable failure.
+            let ra = verl_data::array_to_json(ca.as_ref()).unwrap();
+            let rb = verl_data::array_to_json(cb.as_ref()).unwrap();
+            let row = ra.iter().zip(&rb).position(|(x, y)| x != y);
+            panic!(
+                "column `{}` differs at row {row:?}: ours {:?} verl {:?}",
+                field.name(),
+                row.map(|r| &ra[r]),
+                row.map(|r| &rb[r])
+            );
+        }
+    }
 }
 
 /// `n` synthetic samples whose prompt content is `"q{i}"` repeated `i % 7 + 1` times.

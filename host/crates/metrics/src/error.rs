@@ -51,6 +51,75 @@ pub enum MetricsError {
     #[error("trainer.logger: unknown logger `{found}`; expected one of {expected}")]
     UnknownBackend { found: String, expected: String },
 
+    /// `trainer.logger` names a verl logger that verl-rs does not provide.
+    #[error(
+        "trainer.logger: `{found}` is a verl logger that verl-rs does not provide; available: {available}"
+    )]
+    UnsupportedBackend { found: String, available: String },
+
+    // ---- Python-client loggers (wandb, mlflow, swanlab) ----------------------------------------------------
+    /// The interpreter meant to run a logger's sidecar cannot be started.
+    #[error(
+        "trainer.logger: `{logger}` runs its Python client with `{}` ($VERL_PYTHON, else python3 on PATH), which \
+         cannot be started: {source}; point VERL_PYTHON at a Python with `{logger}` installed, or set \
+         trainer.logger=[console]",
+        python.display()
+    )]
+    PythonSpawn {
+        logger: String,
+        python: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The logger's Python package does not import.
+    #[error(
+        "trainer.logger: `{logger}` needs the Python package `{package}`, which `{}` cannot import \
+         ({import_error}); install it (`{} -m pip install {package}`) or set trainer.logger=[console]",
+        python.display(),
+        python.display()
+    )]
+    MissingPackage {
+        logger: String,
+        python: PathBuf,
+        package: String,
+        import_error: String,
+    },
+
+    /// The client raised: starting the run (bad tracking URI, unreachable server, no credentials), logging a
+    /// step or finishing.
+    #[error("trainer.logger: `{logger}`: {op} failed: {message}{hint}")]
+    SidecarFailed {
+        logger: String,
+        op: String,
+        message: String,
+        hint: &'static str,
+    },
+
+    /// The sidecar process is gone.
+    #[error(
+        "trainer.logger: the `{logger}` sidecar (`{}`, pid {pid}) {status} {during}; its last stderr lines: \
+         {stderr_tail}",
+        python.display()
+    )]
+    SidecarDied {
+        logger: String,
+        python: PathBuf,
+        pid: u32,
+        status: String,
+        during: String,
+        stderr_tail: String,
+    },
+
+    /// The sidecar did not answer in time and was killed.
+    #[error("trainer.logger: the `{logger}` sidecar (pid {pid}) did not answer {during} within {secs} s and was killed")]
+    SidecarTimeout {
+        logger: String,
+        pid: u32,
+        during: String,
+        secs: u64,
+    },
+
     // ---- files ------------------------------------------------------------------------------------------
     /// A filesystem operation failed.
     #[error("metrics: cannot {op} `{}`: {source}", path.display())]

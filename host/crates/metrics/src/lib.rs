@@ -1,10 +1,12 @@
 //! `verl-metrics`: verl's training metrics as users know them — the names and arithmetic of `metric_utils.py`
 //! (`critic/score/mean`, `response_length/clip_ratio`, `timing_s/gen`, `perf/throughput`, `val-core/...`),
-//! `reduce_metrics`, the loggers of `tracking.py` that verl-rs provides (console table, JSONL file, native
-//! TensorBoard event files) and `verl plot` charts of a finished run.
+//! `reduce_metrics`, the loggers of `tracking.py` (console table, JSONL file, native TensorBoard event files, and
+//! wandb/mlflow/swanlab through their own Python clients in a sidecar process), the validation samples verl logs
+//! to them (`trainer.log_val_generations`) and `verl plot` charts of a finished run.
 //!
 //! It computes on plain Rust slices and writes files only through the sinks and plots it is asked for; it must
-//! not know tensors, plugins or the training loop, and never links libtorch.
+//! not know tensors, plugins or the training loop, and never links libtorch or Python (the Python clients run
+//! in child processes fed over a pipe).
 //!
 //! ```
 //! use verl_metrics::{compute_data_metrics, StepData};
@@ -37,9 +39,12 @@
 
 mod compute;
 mod error;
+mod generations;
 mod logger;
+pub mod numpy_random;
 pub mod plot;
 pub mod tfevents;
+mod tracking;
 mod validation;
 
 pub use compute::{
@@ -47,11 +52,15 @@ pub use compute::{
     MetricLists, Metrics, StepData, StepSummary, Timings, TokenCounts,
 };
 pub use error::{MetricsError, Result};
+pub use generations::{
+    select_val_generations, ValGeneration, VAL_GENERATIONS_KEY, VAL_GENERATIONS_SEED,
+};
 pub use logger::{
-    default_columns, jsonl_line, Column, ConsoleSink, JsonlSink, LoggerOptions, MetricsLogger,
-    Sink, TensorboardSink,
+    check_loggers, default_columns, jsonl_line, Column, ConsoleSink, JsonlSink, LoggerOptions,
+    MetricsLogger, Sink, TensorboardSink,
 };
 pub use plot::{plot_run, RunHistory};
+pub use tracking::{check_tracking, TrackingOptions, TrackingSink, SIDECAR_LOGGERS};
 pub use validation::{
     process_validation_metrics, validation_metrics, InfoColumn, ValidationTable, BOOTSTRAP_SEED,
 };

@@ -1,4 +1,6 @@
-//! `MetricsLogger`: verl's `Tracking` for the backends verl-rs has (console, JSONL file, TensorBoard).
+//! `MetricsLogger`: verl's `Tracking` (and its `ValidationGenerationsLogger`) — console, JSONL file and
+//! TensorBoard sinks written here, and wandb, mlflow and swanlab through their Python clients in sidecar
+//! processes ([`crate::tracking`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -7,31 +9,81 @@ use std::path::{Path, PathBuf};
 use serde_json::{Number, Value};
 
 use crate::error::{io, MetricsError, Result};
+use crate::generations::{tensorboard_text, ValGeneration, VAL_GENERATIONS_KEY};
 use crate::tfevents::EventWriter;
+use crate::tracking::{check_tracking, TrackingOptions, TrackingSink};
 
 /// A destination for per-step metrics.
 pub trait Sink: Send {
-    /// verl's backend name (`console`, `file`, `tensorboard`) or the caller's own.
+    /// verl's backend name (`console`, `file`, `tensorboard`, `wandb`, ...) or the caller's own.
     fn name(&self) -> &str;
-    /// Record `metrics` at `step`; durable (flushed) before returning.
+    /// Record `metrics` at `step`; durable (flushed) before returning, except for the Python-client loggers,
+    /// which are durable after `finish`.
     fn log(&mut self, step: u64, metrics: &[(String, f64)]) -> Result<()>;
+    /// Record the validation samples of `step` (`trainer.log_val_generations`), as verl's backend of the same
+    /// name does; backends verl logs none to (console, file) keep the default, which does nothing.
+    fn log_generations(&mut self, step: u64, samples: &[ValGeneration]) -> Result<()> {
+        let _ = (step, samples);
+        Ok(())
+    }
     /// Flush and close what is open.
     fn finish(&mut self) -> Result<()> {
         Ok(())
     }
 }
 
-/// verl backends that verl-rs does not ship: selecting one is a warning, not an error.
-const UNAVAILABLE: [&str; 7] = [
-    "wandb",
-    "tracking",
-    "mlflow",
-    "swanlab",
-    "vemlp_wandb",
-    "clearml",
-    "trackio",
-];
-const AVAILABLE: [&str; 4] = ["console", "tensorboard", "file", "jsonl"];
+/// verl loggers that verl-rs does not provide: selecting one is an error.
+const UNSUPPORTED: [&str; 4] = ["vemlp_wandb", "clearml", "trackio", "rl_insight"];
+const AVAILABLE: &str =
+    "console, file (alias jsonl), tensorboard, wandb (alias tracking), mlflow, swanlab";
+
+/// A `trainer.logger` value, resolved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Backend {
+    Console,
+    File,
+    Tensorboard,
+    /// wandb, mlflow or swanlab.
+    Python(&'static str),
+}
+
+/// The backends `names` select, each once, in order; the deprecated `tracking` alias adds a warning.
+fn resolve(names: &[String], warnings: &mut Vec<String>) -> Result<Vec<Backend>> {
+    let mut out: Vec<Backend> = Vec::new();
+    for name in names {
+        let backend = match name.as_str() {
+            "console" => Backend::Console,
+            "file" | "jsonl" => Backend::File,
+            "tensorboard" => Backend::Tensorboard,
+            "wandb" => Backend::Python("wandb"),
+            "tracking" => {
+                warnings.push(
+                    "trainer.logger: `tracking` is deprecated (as in verl); use `wandb`"
+                        .to_string(),
+                );
+                Backend::Python("wandb")
+            }
+            "mlflow" => Backend::Python("mlflow"),
+            "swanlab" => Backend::Python("swanlab"),
+            other if UNSUPPORTED.contains(&other) => {
+                return Err(MetricsError::UnsupportedBackend {
+                    found: other.to_string(),
+                    available: AVAILABLE.to_string(),
+                })
+            }
+            other => {
+                return Err(MetricsError::UnknownBackend {
+                    found: other.to_string(),
+                    expected: AVAILABLE.to_string(),
+                })
+            }
+        };
+        if !out.contains(&backend) {
+            out.push(backend);
+        }
+    }
+    Ok(out)
+}
 
 /// Where and how the sinks selected by `trainer.logger` write.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,12 +96,15 @@ pub struct LoggerOptions {
     pub jsonl_path: PathBuf,
     /// The `tensorboard` sink's folder.
     pub tensorboard_dir: PathBuf,
+    /// What wandb, mlflow and swanlab are given.
+    pub tracking: TrackingOptions,
 }
 
 impl LoggerOptions {
     /// verl's defaults for `trainer.project_name`/`experiment_name`: the JSONL file is
     /// `$VERL_FILE_LOGGER_PATH`, else `${VERL_FILE_LOGGER_ROOT:-.}/<project>/<experiment>.jsonl`; TensorBoard
-    /// writes to `$TENSORBOARD_DIR`, else `tensorboard_log/<project>/<experiment>`.
+    /// writes to `$TENSORBOARD_DIR`, else `tensorboard_log/<project>/<experiment>`. wandb, mlflow and swanlab
+    /// run with `$VERL_PYTHON`, else `python3`, and get no config until [`with_run_config`](Self::with_run_config).
     pub fn from_verl(project_name: &str, experiment_name: &str, backends: &[String]) -> Self {
         let env = |k: &str| {
             std::env::var_os(k)
@@ -72,7 +127,14 @@ impl LoggerOptions {
             console_full: false,
             jsonl_path,
             tensorboard_dir,
+            tracking: TrackingOptions::new(project_name, experiment_name),
         }
+    }
+
+    /// Give the Python-client loggers the resolved job config (wandb's run config, MLflow's params).
+    pub fn with_run_config(mut self, config: Value) -> Self {
+        self.tracking.config = config;
+        self
     }
 }
 
@@ -99,44 +161,35 @@ impl std::fmt::Debug for MetricsLogger {
 }
 
 impl MetricsLogger {
-    /// Open the sinks `options.backends` names. verl backends that verl-rs lacks (wandb, mlflow, swanlab,
-    /// vemlp_wandb, clearml, trackio) are skipped with a warning (see [`warnings`](Self::warnings)); names verl
-    /// does not know either are an error.
+    /// Open the sinks `options.backends` names. The Python-client loggers start side by side and each must
+    /// have its run before this returns: a missing package, a bad tracking URI or an unreachable server is an
+    /// error here, before training. verl loggers that verl-rs lacks, and names verl does not know, are errors.
     pub fn new(options: &LoggerOptions) -> Result<Self> {
         let mut logger = MetricsLogger::with_sinks(Vec::new());
-        let mut seen: Vec<&str> = Vec::new();
-        for name in &options.backends {
-            let name = name.as_str();
-            // `file` and `jsonl` are one sink.
-            let canonical = if name == "jsonl" { "file" } else { name };
-            if seen.contains(&canonical) {
-                continue;
-            }
-            seen.push(canonical);
-            match canonical {
-                "console" => logger.add_sink(Box::new(if options.console_full {
+        let backends = resolve(&options.backends, &mut logger.warnings)?;
+        let mut python = Vec::new();
+        for backend in backends {
+            match backend {
+                Backend::Console => logger.add_sink(Box::new(if options.console_full {
                     ConsoleSink::full(Box::new(std::io::stdout()))
                 } else {
                     ConsoleSink::table(Box::new(std::io::stdout()))
                 })),
-                "file" => logger.add_sink(Box::new(JsonlSink::open(&options.jsonl_path)?)),
-                "tensorboard" => logger.add_sink(Box::new(TensorboardSink::create(&options.tensorboard_dir)?)),
-                other if UNAVAILABLE.contains(&other) => logger.warnings.push(format!(
-                    "trainer.logger: `{other}` is a verl logger that verl-rs does not provide; its metrics are not \
-                     sent anywhere (available: console, tensorboard, file/jsonl)"
-                )),
-                other => {
-                    return Err(MetricsError::UnknownBackend {
-                        found: other.to_string(),
-                        expected: AVAILABLE
-                            .iter()
-                            .chain(UNAVAILABLE.iter())
-                            .map(|s| format!("`{s}`"))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                    })
+                Backend::File => logger.add_sink(Box::new(JsonlSink::open(&options.jsonl_path)?)),
+                Backend::Tensorboard => {
+                    logger.add_sink(Box::new(TensorboardSink::create(&options.tensorboard_dir)?))
                 }
+                Backend::Python(name) => python.push(name),
             }
+        }
+        // Started last, once the local sinks are open, so that their errors leave no run behind.
+        let starting = python
+            .into_iter()
+            .map(|name| TrackingSink::spawn(name, &options.tracking))
+            .collect::<Result<Vec<_>>>()?;
+        for mut sink in starting {
+            sink.wait_ready()?;
+            logger.add_sink(Box::new(sink));
         }
         Ok(logger)
     }
@@ -159,7 +212,7 @@ impl MetricsLogger {
         self.sinks.iter().map(|s| s.name()).collect()
     }
 
-    /// Warnings from opening the sinks, for the host to print.
+    /// Warnings from opening the sinks (the deprecated `tracking` alias), for the host to print.
     pub fn warnings(&self) -> &[String] {
         &self.warnings
     }
@@ -169,6 +222,24 @@ impl MetricsLogger {
         let mut first = None;
         for sink in &mut self.sinks {
             if let Err(e) = sink.log(step, metrics) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Send the validation samples of `step` (chosen with
+    /// [`select_val_generations`](crate::select_val_generations)) to every sink: wandb re-logs its table of
+    /// every validation so far, MLflow gets a `val_step<step>.json` artifact, swanlab a table, TensorBoard a
+    /// text; console and file log nothing. No samples (`trainer.log_val_generations=0`) logs nothing. Every sink
+    /// is tried; the first error is returned.
+    pub fn log_generations(&mut self, step: u64, samples: &[ValGeneration]) -> Result<()> {
+        if samples.is_empty() {
+            return Ok(());
+        }
+        let mut first = None;
+        for sink in &mut self.sinks {
+            if let Err(e) = sink.log_generations(step, samples) {
                 first.get_or_insert(e);
             }
         }
@@ -185,6 +256,65 @@ impl MetricsLogger {
         }
         first.map_or(Ok(()), Err)
     }
+}
+
+/// What `--dry-run` can verify cheaply: every `trainer.logger` value is known and provided, and each
+/// Python-client logger can start (its package imports with `options.tracking.python`; MLflow's tracking server
+/// answers, or its local store's folder is writable). No run is created and nothing is written. Returns one line
+/// per logger on what was found.
+pub fn check_loggers(options: &LoggerOptions) -> Result<Vec<String>> {
+    let mut warnings = Vec::new();
+    let backends = resolve(&options.backends, &mut warnings)?;
+    // The checks run side by side: each pays a Python start and an import.
+    let checks: Vec<_> = backends
+        .iter()
+        .filter_map(|b| match *b {
+            Backend::Python(name) => {
+                let tracking = options.tracking.clone();
+                Some((
+                    name,
+                    std::thread::spawn(move || check_tracking(name, &tracking)),
+                ))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut lines = warnings;
+    for backend in &backends {
+        match backend {
+            Backend::Console => lines.push("console: ok".to_string()),
+            Backend::File => lines.push(format!("file: {}", options.jsonl_path.display())),
+            Backend::Tensorboard => lines.push(format!(
+                "tensorboard: {}",
+                options.tensorboard_dir.display()
+            )),
+            Backend::Python(_) => {}
+        }
+    }
+    let mut first = None;
+    for (name, handle) in checks {
+        let checked = handle.join().unwrap_or_else(|_| {
+            Err(MetricsError::SidecarFailed {
+                logger: name.to_string(),
+                op: format!("{name} check"),
+                message: "the checking thread panicked".into(),
+                hint: "",
+            })
+        });
+        match checked {
+            Ok(detail) => lines.push(format!(
+                "{name}: {detail} (python `{}`)",
+                options.tracking.python.display()
+            )),
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first {
+        return Err(e);
+    }
+    Ok(lines)
 }
 
 // ---- console ------------------------------------------------------------------------------------------------
@@ -413,7 +543,7 @@ impl Sink for JsonlSink {
 
 // ---- TensorBoard --------------------------------------------------------------------------------------------
 
-/// verl's `tensorboard` logger: scalars into a native tfevents file.
+/// verl's `tensorboard` logger: scalars, and validation samples as Markdown text, into a native tfevents file.
 pub struct TensorboardSink {
     writer: EventWriter,
 }
@@ -439,6 +569,14 @@ impl Sink for TensorboardSink {
 
     fn log(&mut self, step: u64, metrics: &[(String, f64)]) -> Result<()> {
         self.writer.add_scalars(step as i64, metrics)?;
+        self.writer.flush()
+    }
+
+    /// One Markdown text per validation under `val/generations/text_summary`, in verl's layout.
+    fn log_generations(&mut self, step: u64, samples: &[ValGeneration]) -> Result<()> {
+        let text = tensorboard_text(step, samples);
+        self.writer
+            .add_text(step as i64, VAL_GENERATIONS_KEY, &text)?;
         self.writer.flush()
     }
 

@@ -2,7 +2,8 @@
 //!
 //! A file is a sequence of records: `u64` payload length (little endian), masked CRC-32C of those 8 bytes, the
 //! payload, masked CRC-32C of the payload. Each payload is an `Event` protobuf; the first carries
-//! `file_version: "brain.Event:2"`, the others `wall_time`, `step` and a `Summary` of `simple_value` scalars.
+//! `file_version: "brain.Event:2"`, the others `wall_time`, `step` and a `Summary` of `simple_value` scalars,
+//! or of one text (a string tensor of the `text` plugin, as PyTorch's `SummaryWriter.add_text` writes it).
 //! Only those few protobuf fields are hand-encoded; the reader skips any field it does not know.
 
 use std::fs::File;
@@ -93,13 +94,53 @@ fn encode_event(wall_time: f64, step: i64, what: &EventPayload<'_>) -> Vec<u8> {
             }
             put_bytes(&mut ev, 5, &summary); // Event.summary
         }
+        EventPayload::Text { tag, text } => {
+            let mut val = Vec::new();
+            put_bytes(&mut val, 1, tag.as_bytes()); // Summary.Value.tag
+            put_bytes(&mut val, 8, &string_tensor(text)); // Summary.Value.tensor
+            put_bytes(&mut val, 9, &plugin_metadata(TEXT_PLUGIN)); // Summary.Value.metadata
+            let mut summary = Vec::new();
+            put_bytes(&mut summary, 1, &val); // Summary.value
+            put_bytes(&mut ev, 5, &summary); // Event.summary
+        }
     }
     ev
 }
 
+/// A `TensorProto` of dtype `DT_STRING` and shape `[1]` holding `text`.
+fn string_tensor(text: &str) -> Vec<u8> {
+    let mut dim = Vec::new();
+    put_key(&mut dim, 1, 0); // TensorShapeProto.Dim.size
+    put_varint(&mut dim, 1);
+    let mut shape = Vec::new();
+    put_bytes(&mut shape, 2, &dim); // TensorShapeProto.dim
+    let mut tensor = Vec::new();
+    put_key(&mut tensor, 1, 0); // TensorProto.dtype
+    put_varint(&mut tensor, DT_STRING);
+    put_bytes(&mut tensor, 2, &shape); // TensorProto.tensor_shape
+    put_bytes(&mut tensor, 8, text.as_bytes()); // TensorProto.string_val
+    tensor
+}
+
+/// A `SummaryMetadata` naming the plugin that shows the value. The text plugin's own data (`TextPluginData`,
+/// version 0) encodes to nothing, so `PluginData.content` is left out, as protobuf leaves out empty fields.
+fn plugin_metadata(plugin: &str) -> Vec<u8> {
+    let mut plugin_data = Vec::new();
+    put_bytes(&mut plugin_data, 1, plugin.as_bytes()); // PluginData.plugin_name
+    let mut metadata = Vec::new();
+    put_bytes(&mut metadata, 1, &plugin_data); // SummaryMetadata.plugin_data
+    metadata
+}
+
+/// `tensorflow.DataType.DT_STRING`.
+const DT_STRING: u64 = 7;
+/// The TensorBoard plugin that renders string tensors as Markdown.
+const TEXT_PLUGIN: &str = "text";
+
 enum EventPayload<'a> {
     FileVersion(&'a str),
     Scalars(&'a [(String, f64)]),
+    Text { tag: &'a str, text: &'a str },
 }
 
 fn frame_record(payload: &[u8]) -> Vec<u8> {
@@ -171,6 +212,13 @@ impl EventWriter {
         self.write_event(now(), step, &EventPayload::Scalars(scalars))
     }
 
+    /// Append one event holding `text` (Markdown) under `<tag>/text_summary`, as PyTorch's
+    /// `SummaryWriter.add_text(tag, text, step)` does: TensorBoard's Text tab shows it.
+    pub fn add_text(&mut self, step: i64, tag: &str, text: &str) -> Result<()> {
+        let tag = format!("{tag}/text_summary");
+        self.write_event(now(), step, &EventPayload::Text { tag: &tag, text })
+    }
+
     /// Push buffered records to the file.
     pub fn flush(&mut self) -> Result<()> {
         self.out.flush().map_err(io("write", &self.path))
@@ -201,6 +249,8 @@ pub struct Event {
     pub file_version: Option<String>,
     /// `(tag, simple_value)` of the event's summary.
     pub scalars: Vec<(String, f32)>,
+    /// `(tag, text)` of the summary's values that the `text` plugin shows (a string tensor's first string).
+    pub texts: Vec<(String, String)>,
 }
 
 struct Cursor<'a> {
@@ -251,17 +301,66 @@ impl<'a> Cursor<'a> {
     }
 }
 
-fn decode_value(buf: &[u8]) -> Option<Option<(String, f32)>> {
+/// What one `Summary.Value` holds, of what this reader knows.
+enum SummaryValue {
+    Scalar(String, f32),
+    Text(String, String),
+    Other,
+}
+
+fn decode_value(buf: &[u8]) -> Option<SummaryValue> {
     let mut c = Cursor { buf, pos: 0 };
-    let (mut tag, mut value) = (None, None);
+    let (mut tag, mut scalar, mut strings, mut plugin) = (None, None, None, None);
     while !c.done() {
         match c.field()? {
             (1, 2, b) => tag = Some(String::from_utf8(b).ok()?),
-            (2, 5, b) => value = Some(f32::from_le_bytes(b.try_into().ok()?)),
+            (2, 5, b) => scalar = Some(f32::from_le_bytes(b.try_into().ok()?)),
+            (8, 2, b) => strings = Some(decode_strings(&b)?),
+            (9, 2, b) => plugin = decode_plugin_name(&b)?,
             _ => {}
         }
     }
-    Some(tag.zip(value))
+    Some(match (tag, scalar, strings) {
+        (Some(tag), Some(v), _) => SummaryValue::Scalar(tag, v),
+        (Some(tag), None, Some(mut strings))
+            if plugin.as_deref() == Some(TEXT_PLUGIN) && !strings.is_empty() =>
+        {
+            SummaryValue::Text(tag, strings.swap_remove(0))
+        }
+        _ => SummaryValue::Other,
+    })
+}
+
+/// The `string_val`s of a `TensorProto`.
+fn decode_strings(buf: &[u8]) -> Option<Vec<String>> {
+    let mut c = Cursor { buf, pos: 0 };
+    let mut strings = Vec::new();
+    while !c.done() {
+        if let (8, 2, b) = c.field()? {
+            strings.push(String::from_utf8_lossy(&b).into_owned());
+        }
+    }
+    Some(strings)
+}
+
+/// `SummaryMetadata.plugin_data.plugin_name`, if set.
+fn decode_plugin_name(buf: &[u8]) -> Option<Option<String>> {
+    let mut c = Cursor { buf, pos: 0 };
+    let mut name = None;
+    while !c.done() {
+        if let (1, 2, plugin_data) = c.field()? {
+            let mut p = Cursor {
+                buf: &plugin_data,
+                pos: 0,
+            };
+            while !p.done() {
+                if let (1, 2, b) = p.field()? {
+                    name = Some(String::from_utf8(b).ok()?);
+                }
+            }
+        }
+    }
+    Some(name)
 }
 
 fn decode_event(buf: &[u8]) -> Option<Event> {
@@ -276,8 +375,10 @@ fn decode_event(buf: &[u8]) -> Option<Event> {
                 let mut s = Cursor { buf: &b, pos: 0 };
                 while !s.done() {
                     if let (1, 2, v) = s.field()? {
-                        if let Some(scalar) = decode_value(&v)? {
-                            ev.scalars.push(scalar);
+                        match decode_value(&v)? {
+                            SummaryValue::Scalar(tag, x) => ev.scalars.push((tag, x)),
+                            SummaryValue::Text(tag, text) => ev.texts.push((tag, text)),
+                            SummaryValue::Other => {}
                         }
                     }
                 }

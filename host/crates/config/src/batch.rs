@@ -41,8 +41,7 @@ impl Layout {
     }
 
     /// The layout verl would build: `trainer.nnodes × trainer.n_gpus_per_node` ranks, divided
-    /// per role by the Ulysses sequence-parallel size (fsdp) or by tensor × pipeline × context
-    /// parallel sizes (megatron).
+    /// per role by tensor × pipeline × context parallel sizes (megatron).
     pub fn from_config(cfg: &Config) -> Result<Layout> {
         let world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node;
         if world == 0 {
@@ -55,73 +54,46 @@ impl Layout {
             });
         }
         let arr = &cfg.actor_rollout_ref;
-        let actor_sp = arr
-            .actor
-            .ulysses_sequence_parallel_size
-            .max(arr.actor.fsdp_config.ulysses_sequence_parallel_size);
-        let ref_sp = arr
-            .reference
-            .ulysses_sequence_parallel_size
-            .max(arr.reference.fsdp_config.ulysses_sequence_parallel_size);
-        let critic_sp = cfg
-            .critic
-            .ulysses_sequence_parallel_size
-            .max(cfg.critic.model.fsdp_config.ulysses_sequence_parallel_size);
         Ok(Layout {
             world_size: world,
             dp_size_actor: role_dp(
                 world,
                 "actor_rollout_ref.actor",
                 &arr.actor.strategy,
-                actor_sp,
                 &arr.actor.megatron,
             )?,
             dp_size_ref: role_dp(
                 world,
                 "actor_rollout_ref.ref",
                 &arr.reference.strategy,
-                ref_sp,
                 &arr.reference.megatron,
             )?,
-            dp_size_critic: role_dp(
-                world,
-                "critic",
-                &cfg.critic.strategy,
-                critic_sp,
-                &cfg.critic.megatron,
-            )?,
+            dp_size_critic: role_dp(world, "critic", &cfg.critic.strategy, &cfg.critic.megatron)?,
         })
     }
 }
 
-fn role_dp(world: u64, prefix: &str, strategy: &str, sp: u64, mg: &MegatronConfig) -> Result<u64> {
-    if strategy == "megatron" {
-        let (tp, pp, cp) = (
-            mg.tensor_model_parallel_size,
-            mg.pipeline_model_parallel_size,
-            mg.context_parallel_size,
-        );
-        let mp = tp * pp * cp;
-        if mp == 0 || world % mp != 0 {
-            return Err(ConfigError::Layout {
-                key: format!("{prefix}.megatron.tensor_model_parallel_size"),
-                message: format!(
-                    "{world} GPUs cannot be split into model-parallel groups of tensor_model_parallel_size={tp} × pipeline_model_parallel_size={pp} × context_parallel_size={cp} = {mp}"
-                ),
-            });
-        }
-        Ok(world / mp)
-    } else {
-        if sp == 0 || world % sp != 0 {
-            return Err(ConfigError::Layout {
-                key: format!("{prefix}.ulysses_sequence_parallel_size"),
-                message: format!(
-                    "{world} GPUs cannot be split into sequence-parallel groups of ulysses_sequence_parallel_size={sp}"
-                ),
-            });
-        }
-        Ok(world / sp)
+/// A role's data-parallel size: every rank with FSDP, the ranks over tensor × pipeline ×
+/// context groups with Megatron.
+fn role_dp(world: u64, prefix: &str, strategy: &str, mg: &MegatronConfig) -> Result<u64> {
+    if strategy != "megatron" {
+        return Ok(world);
     }
+    let (tp, pp, cp) = (
+        mg.tensor_model_parallel_size,
+        mg.pipeline_model_parallel_size,
+        mg.context_parallel_size,
+    );
+    let mp = tp * pp * cp;
+    if mp == 0 || world % mp != 0 {
+        return Err(ConfigError::Layout {
+            key: format!("{prefix}.megatron.tensor_model_parallel_size"),
+            message: format!(
+                "{world} GPUs cannot be split into model-parallel groups of tensor_model_parallel_size={tp} × pipeline_model_parallel_size={pp} × context_parallel_size={cp} = {mp}"
+            ),
+        });
+    }
+    Ok(world / mp)
 }
 
 /// The derived numbers of one training step.
@@ -400,9 +372,6 @@ pub fn validate_batches(cfg: &Config, layout: Layout) -> Result<BatchPlan> {
             dynamic: actor.use_dynamic_bsz,
             max_tokens: actor.ppo_max_token_len_per_gpu,
             max_tokens_key: "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-            sp: actor
-                .ulysses_sequence_parallel_size
-                .max(actor.fsdp_config.ulysses_sequence_parallel_size),
             epochs: actor.ppo_epochs,
         },
         cfg,
@@ -424,9 +393,6 @@ pub fn validate_batches(cfg: &Config, layout: Layout) -> Result<BatchPlan> {
             dynamic: arr.rollout.log_prob_use_dynamic_bsz,
             max_tokens: arr.rollout.log_prob_max_token_len_per_gpu,
             max_tokens_key: "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-            sp: actor
-                .ulysses_sequence_parallel_size
-                .max(actor.fsdp_config.ulysses_sequence_parallel_size),
         },
         tbs,
         n,
@@ -448,9 +414,6 @@ pub fn validate_batches(cfg: &Config, layout: Layout) -> Result<BatchPlan> {
                 dynamic: r.log_prob_use_dynamic_bsz,
                 max_tokens: r.log_prob_max_token_len_per_gpu,
                 max_tokens_key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                sp: r
-                    .ulysses_sequence_parallel_size
-                    .max(r.fsdp_config.ulysses_sequence_parallel_size),
             },
             tbs,
             n,
@@ -464,9 +427,6 @@ pub fn validate_batches(cfg: &Config, layout: Layout) -> Result<BatchPlan> {
     // 4. Critic.
     let (critic_plan, critic_values) = if use_critic {
         let c = &cfg.critic;
-        let sp = c
-            .ulysses_sequence_parallel_size
-            .max(c.model.fsdp_config.ulysses_sequence_parallel_size);
         let plan = update_plan(
             Role {
                 prefix: "critic",
@@ -481,7 +441,6 @@ pub fn validate_batches(cfg: &Config, layout: Layout) -> Result<BatchPlan> {
                 dynamic: c.use_dynamic_bsz,
                 max_tokens: c.ppo_max_token_len_per_gpu,
                 max_tokens_key: "critic.ppo_max_token_len_per_gpu",
-                sp,
                 epochs: c.ppo_epochs,
             },
             cfg,
@@ -504,7 +463,6 @@ pub fn validate_batches(cfg: &Config, layout: Layout) -> Result<BatchPlan> {
                 dynamic: c.use_dynamic_bsz,
                 max_tokens: c.forward_max_token_len_per_gpu,
                 max_tokens_key: "critic.forward_max_token_len_per_gpu",
-                sp,
             },
             tbs,
             n,
@@ -614,7 +572,6 @@ struct Role<'a> {
     dynamic: bool,
     max_tokens: u64,
     max_tokens_key: &'a str,
-    sp: u64,
     epochs: u64,
 }
 
@@ -668,7 +625,7 @@ fn update_plan(r: Role<'_>, cfg: &Config, dp: u64) -> Result<UpdatePlan> {
     let mini_batches = tbs / mini;
 
     let (micro, micro_batches) = if r.dynamic {
-        check_token_budget(r.max_tokens_key, r.max_tokens, r.sp, cfg)?;
+        check_token_budget(r.max_tokens_key, r.max_tokens, cfg)?;
         (None, None)
     } else {
         let Some((micro, key)) = r.micro.resolve(dp, r.name)? else {
@@ -728,7 +685,6 @@ struct ForwardRole<'a> {
     dynamic: bool,
     max_tokens: u64,
     max_tokens_key: &'a str,
-    sp: u64,
 }
 
 fn forward_plan(
@@ -752,17 +708,15 @@ fn forward_plan(
     }
     let per_rank = total / dp;
     if r.dynamic {
-        if r.max_tokens * r.sp.max(1) < seq_len {
+        if r.max_tokens < seq_len {
             return Err(err(
                 r.max_tokens_key,
                 r.max_tokens,
                 format!(
-                    "{}={} tokens{} cannot hold one full sequence of rollout.prompt_length + rollout.response_length = {seq_len} tokens (dynamic batching packs whole sequences)",
-                    r.max_tokens_key,
-                    r.max_tokens,
-                    if r.sp > 1 { format!(" × sequence-parallel size {}", r.sp) } else { String::new() },
+                    "{}={} tokens cannot hold one full sequence of rollout.prompt_length + rollout.response_length = {seq_len} tokens (dynamic batching packs whole sequences)",
+                    r.max_tokens_key, r.max_tokens,
                 ),
-                Some(seq_len.div_ceil(r.sp.max(1))),
+                Some(seq_len),
             ));
         }
         return Ok(ForwardPlan {
@@ -810,20 +764,19 @@ fn forward_plan(
     })
 }
 
-fn check_token_budget(key: &str, max_tokens: u64, sp: u64, cfg: &Config) -> Result<()> {
+fn check_token_budget(key: &str, max_tokens: u64, cfg: &Config) -> Result<()> {
     let r = &cfg.actor_rollout_ref.rollout;
     let seq_len = r.prompt_length + r.response_length;
-    if max_tokens * sp.max(1) < seq_len {
+    if max_tokens < seq_len {
         return Err(err(
             key,
             max_tokens,
             format!(
-                "{key}={max_tokens} tokens{} cannot hold one full sequence of rollout.prompt_length={} + rollout.response_length={} = {seq_len} tokens (dynamic batching packs whole sequences)",
-                if sp > 1 { format!(" × sequence-parallel size {sp}") } else { String::new() },
+                "{key}={max_tokens} tokens cannot hold one full sequence of rollout.prompt_length={} + rollout.response_length={} = {seq_len} tokens (dynamic batching packs whole sequences)",
                 r.prompt_length,
                 r.response_length
             ),
-            Some(seq_len.div_ceil(sp.max(1))),
+            Some(seq_len),
         ));
     }
     Ok(())

@@ -55,6 +55,21 @@ pub enum ConfigError {
         suggestion: Option<String>,
         origin: String,
     },
+    #[error("`{a}={a_value}` ({a_origin}) and `{b}={b_value}` ({b_origin}) name one setting (in verl's newer and older layouts) but have different values: give one of them")]
+    Conflict {
+        a: String,
+        a_value: String,
+        a_origin: String,
+        b: String,
+        b_value: String,
+        b_origin: String,
+    },
+    #[error("{origin}: {message}")]
+    Refused {
+        key: String,
+        origin: String,
+        message: String,
+    },
     #[error("`{key}` is mandatory (`???`) and has no value: set it in the job file or with the override `{key}=...`")]
     MissingMandatory { key: String },
 
@@ -132,6 +147,15 @@ impl ConfigError {
             0 => Ok(()),
             1 => Err(errors.remove(0)),
             _ => Err(ConfigError::Many(errors)),
+        }
+    }
+
+    /// A non-empty list of errors as one: the error itself when there is exactly one.
+    pub(crate) fn from_errors(mut errors: Vec<ConfigError>) -> ConfigError {
+        if errors.len() == 1 {
+            errors.remove(0)
+        } else {
+            ConfigError::Many(errors)
         }
     }
 

@@ -22,6 +22,22 @@ pub(crate) fn resolve_tree(root: &Value, schema: &Value) -> Result<Value> {
     r.resolve_node(&[], root)
 }
 
+/// Resolves one value as if it stood at `path` of `root` (e.g. a key's default interpolation,
+/// evaluated against the user's tree).
+pub(crate) fn resolve_at(
+    root: &Value,
+    schema: &Value,
+    path: &[String],
+    node: &Value,
+) -> Result<Value> {
+    let mut r = Resolver {
+        root,
+        schema,
+        stack: Vec::new(),
+    };
+    r.resolve_node(path, node)
+}
+
 struct Resolver<'a> {
     root: &'a Value,
     schema: &'a Value,

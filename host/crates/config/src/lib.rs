@@ -13,15 +13,21 @@
 //! # Ok::<(), verl_config::ConfigError>(())
 //! ```
 
+mod aliases;
 mod batch;
+mod compose;
 mod error;
 mod interp;
 mod load;
 mod overrides;
+mod rules;
 mod schema;
+pub mod surface;
 mod tree;
 
+pub use aliases::{canonical, ALIASES};
 pub use batch::{validate_batches, BatchPlan, ForwardPlan, Layout, UpdatePlan, ValidationPlan};
+pub use compose::engine_of_config_name;
 pub use error::{ConfigError, Result};
 pub use load::{defaults_tree, ADV_ESTIMATORS};
 pub use overrides::{parse_value, Override, OverrideKind};

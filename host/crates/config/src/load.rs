@@ -212,8 +212,31 @@ fn build<S: AsRef<str>>(user: Option<(Value, &str)>, overrides: &[S]) -> Result<
     let mut origins = Origins::default();
     let mut errors = Vec::new();
     let mut tree = defaults.clone();
+    let mut notes = Vec::new();
 
     if let Some((mut user, origin)) = user {
+        // Hydra's composition list and its own runtime settings, before they are dropped.
+        if let Some(m) = user.as_mapping_mut() {
+            if let Some(list) = m.get("defaults") {
+                if let Some(engine) = crate::compose::read_defaults(list, origin)? {
+                    // The list's choice of engine is a default the file's own keys may override.
+                    let sets_engine = m.contains_key("model_engine")
+                        || get_path(&user, &split_key("actor_rollout_ref.actor.strategy"))
+                            .is_some();
+                    if !sets_engine {
+                        let m = user.as_mapping_mut().expect("checked above");
+                        m.insert("model_engine".into(), engine.into());
+                    }
+                }
+            }
+            if let Some(h) = user.as_mapping().and_then(|m| m.get("hydra")) {
+                if !h.is_null() {
+                    notes.push(format!(
+                        "{origin}: the `hydra:` section is ignored: it configures Hydra's output folders and logging, which verl-rs does not use"
+                    ));
+                }
+            }
+        }
         strip_markers(&mut user, true);
         check_keys(
             &user,
@@ -236,6 +259,7 @@ fn build<S: AsRef<str>>(user: Option<(Value, &str)>, overrides: &[S]) -> Result<
         }
     }
     ConfigError::from_list(errors)?;
+    ConfigError::from_list(crate::aliases::unify(&mut tree, defaults, &origins))?;
 
     // Before resolution, so a `???` copied by interpolations is reported once, where it is set.
     let mut errors = Vec::new();
@@ -254,9 +278,14 @@ fn build<S: AsRef<str>>(user: Option<(Value, &str)>, overrides: &[S]) -> Result<
     );
     ConfigError::from_list(errors)?;
 
-    let config: Config =
-        serde_path_to_error::deserialize(resolved).map_err(|e| serde_error(e, &origins))?;
+    let mut config: Config =
+        serde_path_to_error::deserialize(resolved.clone()).map_err(|e| serde_error(e, &origins))?;
     ConfigError::from_list(check_choices(&config, &origins))?;
+    notes.extend(
+        crate::surface::check(&config, &resolved, &tree, defaults, &origins)
+            .map_err(ConfigError::from_errors)?,
+    );
+    config.warnings = notes;
     Ok(config)
 }
 

@@ -37,12 +37,20 @@ impl OneOrMany {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// verl 0.8-0.10's engine switch (`dp` or `megatron`); kept equal to the strategies.
+    pub model_engine: String,
     pub data: DataConfig,
     pub actor_rollout_ref: ActorRolloutRefConfig,
     pub critic: CriticConfig,
     pub reward_model: RewardModelConfig,
     pub reward_manager: RewardManagerConfig,
     pub custom_reward_function: CustomRewardFunctionConfig,
+    /// The pre-0.8 top-level sandbox settings verl 0.8-0.10 still accept.
+    pub sandbox_fusion: SandboxFusionConfig,
+    /// verl 0.8-0.10's reward layout (one setting with the pre-0.8 keys).
+    pub reward: RewardConfig,
+    pub distillation: Any,
+    pub skip: Any,
     pub algorithm: AlgorithmConfig,
     pub trainer: TrainerConfig,
     pub global_profiler: Any,
@@ -50,6 +58,10 @@ pub struct Config {
     pub ray_kwargs: Any,
     /// verl-rs extension: plugin discovery and role → plugin routing.
     pub plugins: PluginsConfig,
+    /// Keys the job set that mean nothing here (engine knobs of vLLM/SGLang, profilers, ...),
+    /// one line each, for the command line to show once. Not part of the config.
+    #[serde(skip)]
+    pub warnings: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -89,6 +101,11 @@ pub struct DataConfig {
     pub sampler: SamplerRef,
     pub datagen: ClassRef,
     pub apply_chat_template_kwargs: Map,
+    pub gen_batch_size: Option<u64>,
+    pub function_tool_path: Option<String>,
+    pub audio_key: String,
+    pub mm_processor_kwargs: Map,
+    pub continuous_token: Any,
 }
 
 /// A user class or function given by file path and name.
@@ -173,8 +190,9 @@ pub struct ActorConfig {
     pub use_dynamic_bsz: bool,
     pub ppo_max_token_len_per_gpu: u64,
     pub clip_ratio: f64,
-    pub clip_ratio_low: f64,
-    pub clip_ratio_high: f64,
+    /// null: `clip_ratio` (verl's fallback).
+    pub clip_ratio_low: Option<f64>,
+    pub clip_ratio_high: Option<f64>,
     pub tau_pos: f64,
     pub tau_neg: f64,
     pub freeze_vision_tower: bool,
@@ -197,8 +215,11 @@ pub struct ActorConfig {
     pub grad_clip: f64,
     pub ulysses_sequence_parallel_size: u64,
     pub entropy_from_logits_with_chunking: bool,
+    pub entropy_from_logits_chunk_size: u64,
     pub entropy_checkpointing: bool,
+    pub pad_to_length: bool,
     pub use_remove_padding: bool,
+    pub qat: Any,
     pub calculate_sum_pi_squared: bool,
     pub sum_pi_squared_checkpointing: bool,
     pub load_weight: bool,
@@ -218,6 +239,7 @@ pub struct PolicyLossConfig {
     pub clip_cov_ub: f64,
     pub kl_cov_ratio: f64,
     pub ppo_kl_coef: f64,
+    pub dro_beta: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -226,6 +248,8 @@ pub struct CheckpointConfig {
     pub save_contents: Vec<String>,
     pub load_contents: Vec<String>,
     pub async_save: bool,
+    pub strict: bool,
+    pub mbridge_config: Map,
 }
 
 /// Optimizer settings: the FSDP keys and the Megatron (mcore) keys in one section, as a user
@@ -255,6 +279,23 @@ pub struct OptimConfig {
     pub lr_wsd_decay_style: String,
     pub lr_wsd_decay_steps: Option<u64>,
     pub use_checkpoint_opt_param_scheduler: bool,
+    pub zero_indexed_step: bool,
+    pub use_precision_aware_optimizer: bool,
+    pub main_grads_dtype: String,
+    pub exp_avg_dtype: String,
+    pub exp_avg_sq_dtype: String,
+    pub use_layer_wise_distributed_optimizer: bool,
+    pub muon_momentum: f64,
+    pub muon_nesterov: bool,
+    pub muon_split_qkv: bool,
+    pub muon_scale_mode: String,
+    pub muon_coefficient_type: String,
+    pub muon_num_ns_steps: u64,
+    pub muon_tp_mode: String,
+    pub muon_fp32_matmul_prec: String,
+    pub muon_extra_scale_factor: f64,
+    pub muon_scalar_optimizer: String,
+    pub muon_match_adamw_update_rms: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -274,11 +315,16 @@ pub struct FsdpConfig {
     pub full_determinism: bool,
     pub ulysses_sequence_parallel_size: u64,
     pub entropy_from_logits_with_chunking: bool,
+    pub entropy_from_logits_chunk_size: u64,
     pub use_torch_compile: bool,
     pub entropy_checkpointing: bool,
+    pub pad_to_length: bool,
+    pub pad_to_length_bucket: u64,
     pub forward_only: bool,
     pub strategy: String,
     pub dtype: String,
+    pub qat: Any,
+    pub turbo_config: Any,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -307,6 +353,18 @@ pub struct MegatronConfig {
     pub use_remove_padding: bool,
     pub forward_only: bool,
     pub dtype: String,
+    pub dynamic_context_parallel: bool,
+    pub max_seqlen_per_dp_cp_rank: Option<u64>,
+    pub dist_ckpt_optim_fully_reshardable: bool,
+    pub distrib_optim_fully_reshardable_mem_efficient: bool,
+    pub entropy_from_logits_with_chunking: bool,
+    pub entropy_from_logits_chunk_size: u64,
+    pub pad_bshd_to_minibatch_max: bool,
+    pub pad_to_length: bool,
+    pub pad_to_length_bucket: u64,
+    pub use_megatron_fsdp: bool,
+    pub router_replay: RouterReplayConfig,
+    pub qat: Any,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -329,7 +387,9 @@ pub struct RefConfig {
     pub log_prob_max_token_len_per_gpu: u64,
     pub ulysses_sequence_parallel_size: u64,
     pub entropy_from_logits_with_chunking: bool,
+    pub entropy_from_logits_chunk_size: u64,
     pub entropy_checkpointing: bool,
+    pub pad_to_length: bool,
     pub load_weight: bool,
     pub fsdp_config: FsdpConfig,
     pub megatron: MegatronConfig,
@@ -343,9 +403,13 @@ pub struct RolloutConfig {
     /// verl's inference engine name (vllm, sglang, hf, ...); informational in verl-rs.
     pub name: Option<String>,
     pub mode: String,
+    pub nnodes: u64,
+    pub n_gpus_per_node: u64,
     pub temperature: f64,
     pub top_k: i64,
     pub top_p: f64,
+    pub full_determinism: bool,
+    pub seed: u64,
     pub prompt_length: u64,
     pub response_length: u64,
     pub dtype: String,
@@ -388,14 +452,18 @@ pub struct RolloutConfig {
     pub trace: Any,
     pub skip_rollout: bool,
     pub skip_dump_dir: String,
+    pub skip: Any,
     pub skip_tokenizer_init: bool,
     pub enable_rollout_routing_replay: bool,
+    pub moe_load_balance_metrics_interval: u64,
     pub profiler: Any,
     pub prometheus: Any,
     pub quantization: Any,
     pub quantization_config_file: Option<String>,
+    pub qat: Any,
     pub mtp: Any,
     pub layered_summon: bool,
+    pub disaggregation: Any,
     pub layer_name_map: Any,
 }
 
@@ -428,6 +496,7 @@ pub struct CriticConfig {
     pub data_loader_seed: Option<u64>,
     pub cliprange_value: f64,
     pub loss_agg_mode: String,
+    pub loss_scale_factor: Option<f64>,
     pub forward_micro_batch_size: Option<u64>,
     pub forward_micro_batch_size_per_gpu: Option<u64>,
     pub ulysses_sequence_parallel_size: u64,
@@ -436,6 +505,9 @@ pub struct CriticConfig {
     pub load_weight: bool,
     pub checkpoint: CheckpointConfig,
     pub optim: OptimConfig,
+    /// verl 0.8-0.10's place for the critic's FSDP settings (one setting with
+    /// `critic.model.fsdp_config`).
+    pub fsdp: FsdpConfig,
     pub model: CriticModelConfig,
     pub megatron: MegatronConfig,
     pub profiler: Any,
@@ -456,7 +528,15 @@ pub struct CriticModelConfig {
     pub lora_rank: u64,
     pub lora_alpha: f64,
     pub target_modules: OneOrMany,
+    pub exclude_modules: Option<OneOrMany>,
+    pub lora_adapter_path: Option<String>,
+    pub hf_config_path: Option<String>,
+    pub custom_chat_template: Option<String>,
+    pub use_liger: bool,
+    pub use_fused_kernels: bool,
+    pub fused_kernel_options: FusedKernelOptions,
     pub tiled_mlp: TiledMlp,
+    pub mtp: Any,
     pub fsdp_config: FsdpConfig,
     pub lora: Any,
 }
@@ -497,7 +577,7 @@ pub struct RewardModelConfig {
 #[serde(deny_unknown_fields)]
 pub struct RewardModelModelConfig {
     pub input_tokenizer: Option<String>,
-    pub path: String,
+    pub path: Option<String>,
     pub external_lib: Option<String>,
     pub trust_remote_code: bool,
     pub override_config: Map,
@@ -523,6 +603,30 @@ pub struct RewardManagerConfig {
     pub module: ClassRef,
 }
 
+/// verl 0.8-0.10's `reward` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardConfig {
+    pub num_workers: u64,
+    pub custom_reward_function: CustomRewardFunctionConfig,
+    pub reward_manager: RewardManagerConfig,
+    pub reward_model: RewardModelSection,
+    pub sandbox_fusion: SandboxFusionConfig,
+    pub reward_kwargs: Map,
+}
+
+/// `reward.reward_model`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardModelSection {
+    pub enable: bool,
+    pub enable_resource_pool: bool,
+    pub n_gpus_per_node: u64,
+    pub nnodes: u64,
+    pub model_path: Option<String>,
+    pub rollout: Any,
+}
+
 /// verl's `custom_reward_function`: a Python file and function. verl-rs cannot call Python; the
 /// section is accepted so verl configs load, and reward plugins may read it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -540,6 +644,7 @@ pub struct AlgorithmConfig {
     pub lam: f64,
     pub adv_estimator: String,
     pub norm_adv_by_std_in_grpo: bool,
+    pub filter_groups: FilterGroupsConfig,
     pub use_kl_in_reward: bool,
     pub kl_penalty: String,
     pub kl_ctrl: KlControlConfig,
@@ -591,6 +696,16 @@ pub struct RolloutCorrectionConfig {
     pub loss_type: String,
 }
 
+/// DAPO's dynamic sampling (`algorithm.filter_groups`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterGroupsConfig {
+    pub enable: bool,
+    pub metric: Option<String>,
+    pub max_num_gen_batches: u64,
+    pub max_inflight_gen_batches: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KlControlConfig {
@@ -640,6 +755,8 @@ pub struct TrainerConfig {
     pub ray_wait_register_center_timeout: u64,
     pub device: String,
     pub use_legacy_worker_impl: String,
+    pub use_v1: bool,
+    pub v1: Any,
     /// verl-rs extension (verl seeds per component): the host's seed.
     pub seed: u64,
     /// verl-rs extension: skip the old-log-prob pass on on-policy steps (one mini-batch, one

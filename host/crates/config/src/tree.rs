@@ -25,6 +25,9 @@ pub(crate) const FREE_FORM: &[&str] = &[
     "ray_init",
     "global_tool_config",
     "kw_args",
+    "mm_processor_kwargs",
+    "mbridge_config",
+    "sampler_kwargs",
 ];
 
 /// Keys verl accepts either as one string or as a list of strings.
@@ -164,6 +167,20 @@ pub(crate) struct Origins {
 impl Origins {
     pub(crate) fn record(&mut self, path: &[String], origin: &str) {
         self.map.insert(join(path), origin.to_string());
+    }
+
+    /// Whether the user set `key` itself or a key below it (not merely a section above it).
+    pub(crate) fn set_at_or_below(&self, key: &str) -> bool {
+        self.map.keys().any(|k| {
+            k == key
+                || k.strip_prefix(key)
+                    .is_some_and(|rest| rest.starts_with('.'))
+        })
+    }
+
+    /// Every key the user set (sections as well as leaves).
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &str> {
+        self.map.keys().map(String::as_str)
     }
 
     /// The origin of the nearest user-set ancestor of `key` (or of `key` itself).

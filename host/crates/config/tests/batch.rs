@@ -385,15 +385,17 @@ fn dynamic_batches_need_room_for_one_sequence() {
         "{msg}"
     );
     assert_eq!(s, Some(5120));
-    // With Ulysses sequence parallelism the budget is per shard.
+    // Ulysses sequence parallelism is refused by name, not planned around.
     let sp = with(
         &base,
         &["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
     );
-    let c = cfg(&sp);
-    let layout = Layout::from_config(&c).unwrap();
-    assert_eq!(layout.dp_size_actor, 4);
-    validate_batches(&c, layout).unwrap();
+    let e = Config::from_overrides(&sp).unwrap_err().to_string();
+    assert!(
+        e.contains("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
+            && e.contains("Ulysses"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -234,7 +234,14 @@ fn megatron_job_maps_to_the_megatron_plugin() {
         arr.reference.megatron.override_transformer_config["recompute_granularity"],
         Value::from("full")
     );
-    assert_eq!(arr.model.lora["rank"], Value::from(16));
+    assert_eq!(
+        c.model_engine, "megatron",
+        "the strategy sets verl 0.10's engine switch"
+    );
+    assert_eq!(
+        c.critic.strategy, "megatron",
+        "the critic follows the engine"
+    );
     let fsdp2 = Config::from_overrides(&["actor_rollout_ref.actor.strategy=fsdp2"]).unwrap();
     assert_eq!(fsdp2.backend_plugin(), "fsdp");
     let custom = Config::from_overrides(&["plugins.backend=./libmy_backend.so"]).unwrap();
@@ -250,6 +257,23 @@ fn verl_printed_configs_with_targets_and_hydra_defaults_load() {
     assert_eq!(c.algorithm.kl_ctrl.kind, "adaptive");
     assert_eq!(c.trainer.default_local_dir, "/ckpt/verl_examples/gsm8k");
     assert!(!c.to_yaml().unwrap().contains("_target_"));
+    // The defaults list is read (ppo_trainer: the FSDP engine); Hydra's own settings are not
+    // used, and the job is told so.
+    assert_eq!(c.model_engine, "dp");
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.contains("`hydra:` section is ignored")),
+        "{:?}",
+        c.warnings
+    );
+    let meg = Config::from_yaml_str(
+        "defaults: [ppo_megatron_trainer, _self_]\n",
+        "meg.yaml",
+        &[] as &[&str],
+    )
+    .unwrap();
+    assert_eq!(meg.actor_rollout_ref.actor.strategy, "megatron");
 }
 
 #[test]
@@ -593,12 +617,13 @@ fn closed_choices_are_checked_with_suggestions() {
             .unwrap_or_else(|| panic!("{ov}: {err}"));
         assert_eq!(found.as_deref(), want, "{ov}");
     }
-    // `k3+` is verl's straight-through variant.
-    Config::from_overrides(&[
-        "algorithm.kl_penalty=low_var_kl+",
-        "actor_rollout_ref.actor.kl_loss_type=k3+",
-    ])
-    .unwrap();
+    // `k3+` is verl's straight-through variant, for the KL loss; the in-reward penalty takes no
+    // gradient, so there it is refused by name.
+    Config::from_overrides(&["actor_rollout_ref.actor.kl_loss_type=k3+"]).unwrap();
+    let e = Config::from_overrides(&["algorithm.kl_penalty=low_var_kl+"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("algorithm.kl_penalty=low_var_kl+"), "{e}");
     // With an explicit backend plugin, the strategy name is the plugin's business.
     Config::from_overrides(&[
         "actor_rollout_ref.actor.strategy=my_strategy",

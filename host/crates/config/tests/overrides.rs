@@ -196,10 +196,7 @@ fn override_with_a_wrong_type_names_the_override() {
 fn plus_adds_keys_only_inside_free_form_maps() {
     let c = Config::from_overrides(&[
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
-        "+actor_rollout_ref.model.override_config.attention_dropout=0.0",
-        // The default of override_optimizer_config is null: adding turns it into a map.
-        "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=true",
-        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=512",
+        "+custom_reward_function.reward_kwargs.method=flexible",
         "+data.apply_chat_template_kwargs.enable_thinking=false",
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
         // `+` on a key the schema has is accepted as a plain set (verl's scripts do this).
@@ -212,16 +209,13 @@ fn plus_adds_keys_only_inside_free_form_maps() {
         Value::from(4)
     );
     assert_eq!(
-        arr.model.override_config["attention_dropout"],
-        Value::from(0.0)
+        c.custom_reward_function.reward_kwargs["method"],
+        Value::from("flexible")
     );
     assert_eq!(
-        arr.actor.optim.override_optimizer_config["optimizer_cpu_offload"],
-        Value::Bool(true)
-    );
-    assert_eq!(
-        c.reward_model.reward_kwargs["overlong_buffer_cfg"]["len"],
-        Value::from(512)
+        c.reward.custom_reward_function.reward_kwargs["method"],
+        Value::from("flexible"),
+        "verl 0.10's name of the setting carries it too"
     );
     assert_eq!(
         c.data.apply_chat_template_kwargs["enable_thinking"],
@@ -293,4 +287,21 @@ fn every_bad_override_is_reported() {
     let err = Config::from_overrides(&["trainer.totl_epochs=1", "data.train_bach_size=2", "bad"])
         .unwrap_err();
     assert_eq!(err.errors().len(), 3, "{err}");
+}
+
+#[test]
+fn plus_turns_a_null_free_form_default_into_a_map() {
+    // override_optimizer_config defaults to null; `+` makes it a map, which verl-rs then refuses
+    // by name (Megatron-LM optimizer overrides).
+    let e = Config::from_overrides(&[
+        "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=true",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(
+            "actor_rollout_ref.actor.optim.override_optimizer_config={\"optimizer_cpu_offload\":true}"
+        ),
+        "{e}"
+    );
 }

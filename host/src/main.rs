@@ -39,15 +39,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a job: `verl run JOB.yaml [key=value ...]` (Hydra-style overrides, `+key=v`, `~key`).
-    Run {
-        job: PathBuf,
-        /// Overrides like `actor_rollout_ref.actor.optim.lr=1e-6`, `trainer.logger=[console]`.
-        overrides: Vec<String>,
-        /// Validate the config, load and handshake the plugins, check the batch arithmetic; train nothing.
-        #[arg(long)]
-        dry_run: bool,
-    },
+    /// Run a job: `verl run [JOB.yaml] [key=value ...]` (verl's defaults when no job file is
+    /// given; Hydra-style overrides, `+key=v`, `~key`).
+    Run(RunArgs),
+    /// The config: `verl config keys` (what verl-rs does with every key), `verl config show`.
+    #[command(subcommand)]
+    Config(ConfigCmd),
     /// Plugin tools.
     #[command(subcommand)]
     Plugin(PluginCmd),
@@ -85,6 +82,103 @@ enum Command {
     /// Benchmarks: `verl bench grpo --arch qwen2.5-0.5b --ignore-eos --json`.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCmd),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// A job file (verl YAML) and/or overrides like `actor_rollout_ref.actor.optim.lr=1e-6`,
+    /// `trainer.logger=[console]`, as `python3 -m verl.trainer.main_ppo` takes them.
+    #[arg(value_name = "[JOB.yaml] [KEY=VALUE]")]
+    args: Vec<String>,
+    /// Hydra's `--config-name`: `ppo_trainer` (default), `ppo_megatron_trainer` (the Megatron
+    /// engine), or the name of a job YAML in `--config-path`.
+    #[arg(long, value_name = "NAME")]
+    config_name: Option<String>,
+    /// Hydra's `--config-path`: the folder of `--config-name`'s YAML.
+    #[arg(long, value_name = "DIR")]
+    config_path: Option<PathBuf>,
+    /// Check everything a run needs (config, plugins, batch arithmetic and parallel layout, data
+    /// files, model folder, loggers) and train nothing. Checks that need the job's GPUs are
+    /// listed as not made when this machine lacks them.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+impl RunArgs {
+    /// The job file and the overrides, however the job was given.
+    fn job(&self) -> anyhow::Result<(Option<PathBuf>, Vec<String>)> {
+        let is_override = |a: &str| {
+            a.contains('=') || a.starts_with('+') || (a.starts_with('~') && !a.starts_with("~/"))
+        };
+        let (mut job, rest) = match self.args.split_first() {
+            Some((first, rest)) if !is_override(first) => (Some(PathBuf::from(first)), rest),
+            _ => (None, &self.args[..]),
+        };
+        if let Some(bad) = rest.iter().find(|a| !is_override(a)) {
+            bail!("`{bad}` is neither a job file (it must come first) nor an override `key=value`");
+        }
+        let mut overrides = Vec::new();
+        match self.config_name.as_deref() {
+            None => {}
+            Some(name) => match verl_config::engine_of_config_name(name) {
+                // verl's own trainer configs: their engine, as the first (weakest) override.
+                Some(engine) => overrides.push(format!("model_engine={engine}")),
+                None => {
+                    let dir = self
+                        .config_path
+                        .clone()
+                        .unwrap_or_else(|| PathBuf::from("."));
+                    let file = [name.to_string(), format!("{name}.yaml")]
+                        .into_iter()
+                        .map(|n| dir.join(n))
+                        .find(|p| p.is_file())
+                        .with_context(|| {
+                            format!(
+                                "--config-name {name}: no {name}.yaml in {} (verl's own configs are ppo_trainer and ppo_megatron_trainer)",
+                                dir.display()
+                            )
+                        })?;
+                    if let Some(j) = &job {
+                        bail!(
+                            "the job is given twice: {} and --config-name {name} ({})",
+                            j.display(),
+                            file.display()
+                        );
+                    }
+                    job = Some(file);
+                }
+            },
+        }
+        overrides.extend(rest.iter().cloned());
+        Ok((job, overrides))
+    }
+
+    fn load(&self) -> anyhow::Result<(Config, String)> {
+        let (job, overrides) = self.job()?;
+        let n = overrides.len();
+        Ok(match job {
+            Some(path) => (
+                Config::load(&path, &overrides)?,
+                format!("{} ({n} override(s))", path.display()),
+            ),
+            None => (
+                Config::from_overrides(&overrides)?,
+                format!("verl's defaults ({n} override(s))"),
+            ),
+        })
+    }
+}
+
+#[derive(Subcommand)]
+enum ConfigCmd {
+    /// What verl-rs does with every key of verl's config: acts, harmless or refused.
+    Keys {
+        /// Print the Markdown page (docs/config-keys.md) instead of one line per key.
+        #[arg(long)]
+        markdown: bool,
+    },
+    /// Print a job's fully resolved config as YAML: `verl config show [JOB.yaml] [key=value ...]`.
+    Show(RunArgs),
 }
 
 #[derive(Subcommand)]
@@ -144,6 +238,10 @@ enum DataCmd {
     /// Turn GSM8K's raw `train.jsonl`/`test.jsonl` into verl-format parquet (the rows verl's
     /// `examples/data_preprocess/gsm8k.py` writes).
     Gsm8k { raw_dir: PathBuf, out_dir: PathBuf },
+    /// Turn a raw copy of DigitalLearningGmbH/MATH-lighteval (`data/{train,test}-*.parquet`, as
+    /// `huggingface-cli download` leaves it, or `train.jsonl`/`test.jsonl`) into the verl-format
+    /// parquet and `*_example.json` that verl's `examples/data_preprocess/math_dataset.py` writes.
+    Math { raw_dir: PathBuf, out_dir: PathBuf },
     /// Generate seeded arithmetic word problems as verl GSM8K-format parquet (train.parquet,
     /// val.parquet; data_source openai/gsm8k) plus SFT pairs (sft_train/sft_val.parquet).
     Arith {
@@ -253,11 +351,32 @@ fn init_tracing(verbose: u8) {
 
 fn dispatch(cli: &Cli) -> anyhow::Result<ExitCode> {
     match &cli.command {
-        Command::Run {
-            job,
-            overrides,
-            dry_run,
-        } => run(cli, job, overrides, *dry_run),
+        Command::Run(args) => run(cli, args),
+        Command::Config(ConfigCmd::Keys { markdown }) => {
+            let defaults = verl_config::defaults_tree();
+            if *markdown {
+                print!("{}", verl_config::surface::markdown(defaults));
+            } else {
+                for key in verl_config::surface::surface_keys(defaults) {
+                    let class = verl_config::surface::rule_for(&key)
+                        .map(|r| match r.backend {
+                            Some(b) => format!("{} ({b})", r.class.name()),
+                            None => r.class.name().to_string(),
+                        })
+                        .unwrap_or_else(|| "unclassified".into());
+                    println!("{key}\t{class}");
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Config(ConfigCmd::Show(args)) => {
+            let (cfg, _) = args.load()?;
+            for w in &cfg.warnings {
+                eprintln!("warning: {w}");
+            }
+            print!("{}", cfg.to_yaml()?);
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Plugin(PluginCmd::Inspect { plugin }) => inspect(plugin),
         Command::Plugin(PluginCmd::List) => list(),
         Command::Doctor => Ok(doctor_cmd()),
@@ -270,6 +389,12 @@ fn dispatch(cli: &Cli) -> anyhow::Result<ExitCode> {
         Command::Generate(args) => generate(cli, args),
         Command::Data(DataCmd::Gsm8k { raw_dir, out_dir }) => {
             let out = verl_data::gsm8k_preprocess(raw_dir, out_dir)?;
+            println!("{} ({} rows)", out.train.display(), out.train_rows);
+            println!("{} ({} rows)", out.test.display(), out.test_rows);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Data(DataCmd::Math { raw_dir, out_dir }) => {
+            let out = verl_data::math_preprocess(raw_dir, out_dir)?;
             println!("{} ({} rows)", out.train.display(), out.train_rows);
             println!("{} ({} rows)", out.test.display(), out.test_rows);
             Ok(ExitCode::SUCCESS)
@@ -528,22 +653,33 @@ fn load_job_plugins(loader: &mut Loader, cli: &Cli, cfg: &Config) -> anyhow::Res
     Ok(JobPlugins { backend, rewards })
 }
 
-fn run(
-    cli: &Cli,
-    job: &std::path::Path,
-    overrides: &[String],
-    dry_run: bool,
-) -> anyhow::Result<ExitCode> {
-    let cfg = Config::load(job, overrides)?;
+fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
+    let dry_run = args.dry_run;
+    let (cfg, described) = args.load()?;
     let layout = Layout::from_config(&cfg)?;
-    let mode = launch::detect(
+    // What a dry run cannot check on this machine (the job's GPUs, its nodes), said at the end.
+    let mut not_checked: Vec<String> = Vec::new();
+    let mode = match launch::detect(
         |k| std::env::var(k).ok(),
         cfg.trainer.nnodes,
         cfg.trainer.n_gpus_per_node,
-    )?;
+    ) {
+        Ok(mode) => mode,
+        Err(e @ launch::LaunchError::MultiNode { .. }) if dry_run => {
+            not_checked.push(format!("launch: {e}"));
+            LaunchMode::Launcher {
+                world: layout.world_size as usize,
+            }
+        }
+        Err(e) => return Err(e.into()),
+    };
     if matches!(mode, LaunchMode::Launcher { .. }) && cfg.trainer.device.starts_with("cuda") {
         // One GPU per local rank, checked before anything is loaded or spawned.
-        launch::check_gpus(cfg.trainer.n_gpus_per_node)?;
+        match launch::check_gpus(cfg.trainer.n_gpus_per_node) {
+            Ok(()) => {}
+            Err(e) if dry_run => not_checked.push(format!("GPUs: {e}")),
+            Err(e) => return Err(e.into()),
+        }
     }
     // Under our launcher the launcher reports; under torchrun/SLURM rank 0 does.
     let quiet = matches!(&mode, LaunchMode::Rank { env, source } if env.rank != 0 || *source == EnvSource::Verl);
@@ -555,17 +691,15 @@ fn run(
         }};
     }
     let plan = validate_batches(&cfg, layout)?;
-    verl_host::trainer::refuse_unimplemented(&cfg)?;
     let correction = verl_host::trainer::rollout_correction(&cfg)?;
     let search: Vec<PathBuf> = cfg.plugins.search_path.iter().map(PathBuf::from).collect();
     let mut loader = Loader::new(&search);
     let plugins = load_job_plugins(&mut loader, cli, &cfg)?;
 
-    outln!(
-        "config        {} ({} override(s)) ✓",
-        job.display(),
-        overrides.len()
-    );
+    outln!("config        {described} ✓");
+    for w in &cfg.warnings {
+        outln!("  ignored     {w}");
+    }
     let b = &plugins.backend.header;
     outln!(
         "backend       {} {} ({}) ✓",
@@ -703,16 +837,45 @@ fn run(
         out.clear();
     }
     if dry_run {
-        if missing.is_empty() {
-            outln!("dry run       ok: nothing trained");
-        } else {
+        if !missing.is_empty() {
             let roles: Vec<&str> = missing.iter().map(|r| r.as_str()).collect();
-            outln!(
-                "dry run       ok, but a real run would stop: {} does not implement {} yet",
+            bail!(
+                "backend `{}` does not implement the {} role(s) this job needs (see `verl plugin inspect {}`)",
                 b.name,
-                roles.join(", ")
+                roles.join(", "),
+                plugins.backend.path.display()
             );
         }
+        // What a real run would read first: the data, the model folders, the loggers.
+        for (name, split) in [
+            ("train", verl_data::Split::Train),
+            ("val", verl_data::Split::Val),
+        ] {
+            let line = verl_host::checks::check_data(&cfg, split)?;
+            outln!("data          {name}: {line} ✓");
+        }
+        outln!(
+            "model         {} ✓",
+            verl_host::checks::check_policy_model(&cfg)?
+        );
+        if cfg.need_critic() {
+            let line =
+                verl_host::checks::check_model("critic.model.path", &cfg.critic.model.path, None)?;
+            outln!("critic model  {line} ✓");
+        }
+        let t = &cfg.trainer;
+        let loggers = verl_metrics::LoggerOptions::from_verl(
+            &t.project_name,
+            &t.experiment_name,
+            &t.logger.to_vec(),
+        );
+        for line in verl_metrics::check_loggers(&loggers)? {
+            outln!("logger        {line} ✓");
+        }
+        for line in &not_checked {
+            outln!("not checked   {line} (this machine cannot; a real run checks it first)");
+        }
+        outln!("dry run       ok: nothing trained");
         if !quiet {
             print!("{out}");
         }

@@ -74,6 +74,9 @@ pub struct SftConfig {
     pub model: ModelSection,
     pub optim: OptimSection,
     pub trainer: TrainerSection,
+    /// The whole resolved tree (defaults, job file, overrides), for the loggers' run config.
+    #[serde(skip)]
+    pub resolved: serde_json::Value,
 }
 
 #[derive(Debug, Deserialize)]
@@ -234,8 +237,11 @@ impl SftConfig {
         for o in overrides {
             apply_override(&mut tree, &Override::parse(o)?)?;
         }
-        let cfg: SftConfig = serde_yaml::from_value(tree)
+        let resolved = serde_json::to_value(&tree)
+            .with_context(|| format!("{}: SFT config as JSON", job.display()))?;
+        let mut cfg: SftConfig = serde_yaml::from_value(tree)
             .with_context(|| format!("{}: SFT config", job.display()))?;
+        cfg.resolved = resolved;
         if cfg.data.micro_batch_size_per_gpu == 0 || cfg.data.train_batch_size == 0 {
             bail!(
                 "data.train_batch_size ({}) and data.micro_batch_size_per_gpu ({}) must be at least 1",
@@ -500,7 +506,8 @@ pub fn run_sft(backend: &LoadedPlugin, cfg: &SftConfig) -> anyhow::Result<SftSum
         &cfg.trainer.project_name,
         &cfg.trainer.experiment_name,
         &cfg.trainer.logger,
-    );
+    )
+    .with_run_config(cfg.resolved.clone());
     logger_opts.console_full = true;
     let mut logger = MetricsLogger::new(&logger_opts)?;
     for w in logger.warnings() {

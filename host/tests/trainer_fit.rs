@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use verl_config::Config;
 use verl_host::trainer::{fit, FitOptions, FitSummary, InProcessReward, JobPlugins};
 use verl_host::{LoadedPlugin, Loader};
-use verl_metrics::LoggerOptions;
+use verl_metrics::{LoggerOptions, TrackingOptions};
 use verl_plugin_api::{
     col, Batch, BuildInfo, Capability, InitArgs, PluginInfo, Reward, RewardPlugin, Role,
     ScoreOptions,
@@ -147,6 +147,7 @@ fn options(jsonl: &Path) -> FitOptions {
             console_full: false,
             jsonl_path: jsonl.to_path_buf(),
             tensorboard_dir: jsonl.with_extension("tb"),
+            tracking: TrackingOptions::new("proj", "exp"),
         }),
         progress: false,
         ..FitOptions::default()
@@ -474,4 +475,292 @@ fn a_bad_reward_fails_the_step_naming_the_plugin() {
         .root
         .join("ckpt/latest_checkpointed_iteration.txt")
         .exists());
+}
+
+#[test]
+fn val_only_validates_once_and_trains_nothing() {
+    let job = Job::new();
+    let (summary, lines) = run(&job, &["trainer.val_only=true"], "v.jsonl");
+    assert_eq!(summary.global_step, 0);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0].0, 0);
+    assert!(lines[0]
+        .1
+        .contains_key("val-core/openai/gsm8k/reward/mean@2"));
+    assert!(!lines[0].1.contains_key("actor/pg_loss"));
+    assert!(summary.checkpoints.is_empty());
+    assert!(!job.root.join("ckpt").exists());
+}
+
+#[test]
+fn critic_warmup_holds_the_actor_until_its_step() {
+    let job = Job::new();
+    let (summary, lines) = run(
+        &job,
+        &[
+            "algorithm.adv_estimator=gae",
+            "trainer.critic_warmup=2",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+        ],
+        "w.jsonl",
+    );
+    assert_eq!(summary.global_step, 3);
+    let at = |step: u64| &lines.iter().find(|(s, _)| *s == step).unwrap().1;
+    // verl: the actor updates once global_step >= critic_warmup; the critic from the start.
+    assert!(at(1).contains_key("critic/vf_loss"));
+    assert!(!at(1).contains_key("actor/pg_loss"), "{:?}", at(1).keys());
+    assert!(!at(1).contains_key("timing_s/update_actor"));
+    for step in [2, 3] {
+        assert!(at(step).contains_key("actor/pg_loss"), "step {step}");
+        assert!(at(step).contains_key("critic/vf_loss"), "step {step}");
+    }
+}
+
+#[test]
+fn total_epochs_bound_the_run_when_no_step_count_is_set() {
+    let job = Job::new();
+    // 8 training rows, 4 prompts per step: one epoch is two steps.
+    let (summary, lines) = run(
+        &job,
+        &[
+            "trainer.total_training_steps=null",
+            "trainer.total_epochs=1",
+            "trainer.val_before_train=false",
+        ],
+        "e.jsonl",
+    );
+    assert_eq!((summary.global_step, summary.total_training_steps), (2, 2));
+    assert_eq!(
+        lines.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+    let (summary, _) = run(
+        &Job::new(),
+        &[
+            "trainer.total_training_steps=null",
+            "trainer.total_epochs=2",
+            "trainer.val_before_train=false",
+        ],
+        "e.jsonl",
+    );
+    assert_eq!(summary.global_step, 4);
+}
+
+#[test]
+fn checkpoints_are_kept_and_resumed_as_the_trainer_keys_say() {
+    let job = Job::new();
+    let gae = [
+        "algorithm.adv_estimator=gae",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=1",
+        "trainer.max_actor_ckpt_to_keep=2",
+        "trainer.max_critic_ckpt_to_keep=1",
+    ];
+    let (summary, _) = run(&job, &gae, "k.jsonl");
+    assert_eq!(summary.checkpoints, vec![1, 2, 3]);
+    let ckpt = |step: u64, role: &str| {
+        job.root
+            .join(format!("ckpt/global_step_{step}/{role}"))
+            .is_dir()
+    };
+    // The newest two actors and the newest critic stay; an emptied step folder goes.
+    assert!(!job.root.join("ckpt/global_step_1").exists());
+    assert!(ckpt(2, "actor") && !ckpt(2, "critic"));
+    assert!(ckpt(3, "actor") && ckpt(3, "critic"));
+
+    // resume_mode=resume_path starts from the named step, not the latest.
+    let mut resume: Vec<&str> = gae.to_vec();
+    resume.push("trainer.max_critic_ckpt_to_keep=null");
+    resume.push("trainer.resume_mode=resume_path");
+    let from = job.root.join("ckpt/global_step_3");
+    let from = format!("trainer.resume_from_path={}", from.display());
+    resume.push(&from);
+    resume.push("trainer.total_training_steps=4");
+    let (summary, lines) = run(&job, &resume, "r.jsonl");
+    assert_eq!(summary.resumed_from, Some(3));
+    assert_eq!(lines.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![4]);
+}
+
+#[test]
+fn generations_are_dumped_where_the_job_says() {
+    let job = Job::new();
+    let rollouts = job.root.join("rollouts");
+    let vals = job.root.join("vals");
+    let a = format!("trainer.rollout_data_dir={}", rollouts.display());
+    let b = format!("trainer.validation_data_dir={}", vals.display());
+    run(&job, &[&a, &b, "trainer.total_training_steps=2"], "d.jsonl");
+    for step in [1, 2] {
+        let text = std::fs::read_to_string(rollouts.join(format!("{step}.jsonl"))).unwrap();
+        // 4 prompts x rollout.n=2 responses, one line each, with verl's fields.
+        assert_eq!(text.lines().count(), 8, "{text}");
+        let row: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        for field in ["input", "output", "gts", "score", "step"] {
+            assert!(row.get(field).is_some(), "{field} missing in {row}");
+        }
+    }
+    // Validation at step 0 (val_before_train) and at step 2 (test_freq).
+    for step in [0, 2] {
+        assert!(vals.join(format!("{step}.jsonl")).is_file(), "step {step}");
+    }
+}
+
+#[test]
+fn hf_model_in_save_contents_exports_the_policy_with_each_checkpoint() {
+    let job = Job::new();
+    let (summary, _) = run(
+        &job,
+        &[
+            "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+            "trainer.val_before_train=false",
+        ],
+        "h.jsonl",
+    );
+    assert_eq!(summary.checkpoints, vec![2, 3]);
+    for step in [2, 3] {
+        let actor = job.root.join(format!("ckpt/global_step_{step}/actor"));
+        // verl's place for the HF export: the actor's folder, `huggingface/`.
+        assert!(
+            actor.join("huggingface/config.json").is_file(),
+            "step {step}"
+        );
+        assert_eq!(
+            std::fs::read(actor.join("huggingface/toy_actor.json")).unwrap(),
+            std::fs::read(actor.join("toy_actor.json")).unwrap(),
+            "the export is the checkpointed policy"
+        );
+    }
+    // Without hf_model there is no export.
+    let plain = Job::new();
+    run(&plain, &["trainer.val_before_train=false"], "p.jsonl");
+    assert!(!plain
+        .root
+        .join("ckpt/global_step_3/actor/huggingface")
+        .exists());
+}
+
+#[test]
+fn balance_batch_reorders_the_batch_like_verl() {
+    // The same job with and without verl's balancing: the same responses (sampling is keyed by
+    // prompt and sample, not by row), in another order, and verl's global_seqlen metrics.
+    let dumps = |balance: &str| {
+        let job = Job::new();
+        let dir = job.root.join("rollouts");
+        let d = format!("trainer.rollout_data_dir={}", dir.display());
+        let (_, lines) = run(
+            &job,
+            &[
+                &d,
+                balance,
+                "trainer.total_training_steps=1",
+                "trainer.val_before_train=false",
+            ],
+            "b.jsonl",
+        );
+        let rows: Vec<String> = std::fs::read_to_string(dir.join("1.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: Value = serde_json::from_str(l).unwrap();
+                format!("{}|{}", v["input"], v["output"])
+            })
+            .collect();
+        (rows, lines[0].1.clone())
+    };
+    let (plain, off) = dumps("trainer.balance_batch=false");
+    let (balanced, on) = dumps("trainer.balance_batch=true");
+    assert_ne!(plain, balanced, "balancing reorders the rows");
+    let sorted = |mut v: Vec<String>| {
+        v.sort();
+        v
+    };
+    assert_eq!(sorted(plain), sorted(balanced), "and keeps every response");
+    assert!(!off.contains_key("global_seqlen/mean"));
+    for key in [
+        "global_seqlen/min",
+        "global_seqlen/max",
+        "global_seqlen/minmax_diff",
+        "global_seqlen/balanced_min",
+        "global_seqlen/balanced_max",
+        "global_seqlen/mean",
+    ] {
+        assert!(on.contains_key(key), "missing {key}");
+    }
+    // One rank: one partition holding every token of the step.
+    assert_eq!(on["global_seqlen/mean"], on["global_seqlen/balanced_max"]);
+    assert_eq!(on["global_seqlen/minmax_diff"].as_f64(), Some(0.0));
+}
+
+#[test]
+fn validation_generations_are_logged_like_verl() {
+    // verl logs `trainer.log_val_generations` samples to the trackers (TensorBoard here: a text
+    // summary per validation), chosen by its fixed-seed selection from the validation rows.
+    let job = Job::new();
+    let tb = job.root.join("tb");
+    let cfg = job.config(&[
+        "trainer.log_val_generations=2".to_string(),
+        "trainer.total_training_steps=2".to_string(),
+    ]);
+    let options = FitOptions {
+        logger: Some(LoggerOptions {
+            backends: vec!["tensorboard".into()],
+            console_full: false,
+            jsonl_path: job.root.join("unused.jsonl"),
+            tensorboard_dir: tb.clone(),
+            tracking: TrackingOptions::new("proj", "exp"),
+        }),
+        progress: false,
+        ..FitOptions::default()
+    };
+    fit(&cfg, &plugins(), &options).unwrap();
+    let file = std::fs::read_dir(&tb)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("tfevents"))
+        .unwrap();
+    let texts: Vec<(i64, String)> = verl_metrics::tfevents::read_events(&file)
+        .unwrap()
+        .into_iter()
+        .flat_map(|e| e.texts.into_iter().map(move |(_, t)| (e.step, t)))
+        .collect();
+    // Validation before training (step 0) and at step 2 (test_freq, last step).
+    let steps: Vec<i64> = texts.iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, vec![0, 2], "{texts:?}");
+    for (step, text) in &texts {
+        assert!(
+            text.contains(&format!("Generation Results - Step {step}")),
+            "{text}"
+        );
+        assert_eq!(text.matches("### Sample").count(), 2, "{text}");
+        assert!(
+            text.contains("Natalia sold"),
+            "the prompts are logged: {text}"
+        );
+    }
+    // Without the key, nothing of the kind.
+    let plain = Job::new();
+    let cfg = plain.config(&["trainer.total_training_steps=1".to_string()]);
+    let options = FitOptions {
+        logger: Some(LoggerOptions {
+            backends: vec!["tensorboard".into()],
+            console_full: false,
+            jsonl_path: plain.root.join("unused.jsonl"),
+            tensorboard_dir: plain.root.join("tb"),
+            tracking: TrackingOptions::new("proj", "exp"),
+        }),
+        progress: false,
+        ..FitOptions::default()
+    };
+    fit(&cfg, &plugins(), &options).unwrap();
+    let file = std::fs::read_dir(plain.root.join("tb"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("tfevents"))
+        .unwrap();
+    assert!(verl_metrics::tfevents::read_events(&file)
+        .unwrap()
+        .iter()
+        .all(|e| e.texts.is_empty()));
 }

@@ -84,3 +84,91 @@ pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     std::fs::write(&p, text).expect("write file");
     p
 }
+
+/// Inputs of a tiny job, made once per test binary with the real `verl data arith` and
+/// `verl init-model`: verl-format train/val parquet and an HF model folder (tokenizer with a
+/// chat template, config, weights).
+pub struct TinyInputs {
+    _dir: tempfile::TempDir,
+    pub train: PathBuf,
+    pub val: PathBuf,
+    pub model: PathBuf,
+}
+
+impl TinyInputs {
+    /// Overrides pointing a job at these inputs.
+    pub fn overrides(&self) -> Vec<String> {
+        vec![
+            format!("data.train_files={}", self.train.display()),
+            format!("data.val_files={}", self.val.display()),
+            format!("actor_rollout_ref.model.path={}", self.model.display()),
+            format!("critic.model.path={}", self.model.display()),
+        ]
+    }
+
+    /// A copy of the model folder's tokenizer next to `config` (a config.json of another shape,
+    /// for layout checks that need no weights).
+    pub fn model_with_config(&self, dir: &Path, config: &serde_json::Value) -> PathBuf {
+        std::fs::create_dir_all(dir).expect("model dir");
+        for entry in std::fs::read_dir(&self.model).expect("read model dir") {
+            let path = entry.expect("dir entry").path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if name.starts_with("tokenizer") || name == "special_tokens_map.json" {
+                std::fs::copy(&path, dir.join(&name)).expect("copy tokenizer file");
+            }
+        }
+        write(dir, "config.json", &config.to_string());
+        dir.to_path_buf()
+    }
+}
+
+/// The shared [`TinyInputs`] of this test binary.
+pub fn tiny_inputs() -> &'static TinyInputs {
+    static INPUTS: std::sync::OnceLock<TinyInputs> = std::sync::OnceLock::new();
+    INPUTS.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let data = dir.path().join("data");
+        let model = dir.path().join("model");
+        let step = |args: &[&str]| {
+            let o = run(&verl_bin(), args);
+            assert!(o.status.success(), "verl {args:?}: {}", stderr(&o));
+        };
+        step(&[
+            "data",
+            "arith",
+            "--out",
+            data.to_str().unwrap(),
+            "--train",
+            "64",
+            "--val",
+            "16",
+            "--seed",
+            "1",
+        ]);
+        step(&[
+            "init-model",
+            "--out",
+            model.to_str().unwrap(),
+            "--data",
+            data.join("train.parquet").to_str().unwrap(),
+            "--vocab",
+            "300",
+            "--hidden",
+            "32",
+            "--intermediate",
+            "64",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+        ]);
+        TinyInputs {
+            train: data.join("train.parquet"),
+            val: data.join("val.parquet"),
+            model,
+            _dir: dir,
+        }
+    })
+}

@@ -12,6 +12,19 @@ fn repo() -> PathBuf {
         .to_path_buf()
 }
 
+/// `run <quickstart job> <its inputs> extra...` (the tiny data and model of `tiny_inputs`).
+fn quickstart_args(extra: &[&str]) -> Vec<String> {
+    let mut args = vec!["run".to_string(), quickstart_job()];
+    args.extend(tiny_inputs().overrides());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn run_args(bin: &Path, args: &[String]) -> std::process::Output {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run(bin, &args)
+}
+
 fn quickstart_job() -> String {
     repo()
         .join("examples/quickstart/job.yaml")
@@ -114,10 +127,7 @@ fn doctor_marks_an_incompatible_plugin_with_a_fix() {
 #[test]
 fn dry_run_of_the_quickstart_checks_config_plugins_and_batches() {
     let inst = install(&["libverl_rewards.so", "libverl_fsdp.so"]);
-    let o = run(
-        &inst.path().join("verl"),
-        &["run", &quickstart_job(), "--dry-run"],
-    );
+    let o = run_args(&inst.path().join("verl"), &quickstart_args(&["--dry-run"]));
     let out = stdout(&o);
     assert!(o.status.success(), "{out}\n{}", stderr(&o));
     assert!(out.contains("backend       fsdp 0.1.0"), "{out}");
@@ -133,6 +143,14 @@ fn dry_run_of_the_quickstart_checks_config_plugins_and_batches() {
         out.contains("1 mini-batch(es) × 1 epoch(s) = 1 optimizer step(s) per step"),
         "{out}"
     );
+    // What a run reads first: the data files (rows, data sources), the model and tokenizer.
+    assert!(
+        out.contains("data          train: 64 rows in 1 file(s), data sources: openai/gsm8k ✓"),
+        "{out}"
+    );
+    assert!(out.contains("data          val: 16 rows"), "{out}");
+    assert!(out.contains("(Qwen2ForCausalLM), tokenizer"), "{out}");
+    assert!(out.contains("logger        console: ok ✓"), "{out}");
     assert!(out.contains("dry run       ok"), "{out}");
     // The fsdp backend has no layout check of its own: nothing more is printed.
     assert!(!out.contains("layout "), "{out}");
@@ -141,15 +159,13 @@ fn dry_run_of_the_quickstart_checks_config_plugins_and_batches() {
 #[test]
 fn overrides_change_the_dry_run_arithmetic() {
     let inst = install(&["libverl_rewards.so", "libverl_fsdp.so"]);
-    let o = run(
+    let o = run_args(
         &inst.path().join("verl"),
-        &[
-            "run",
-            &quickstart_job(),
+        &quickstart_args(&[
             "data.train_batch_size=32",
             "actor_rollout_ref.rollout.n=16",
             "--dry-run",
-        ],
+        ]),
     );
     let out = stdout(&o);
     assert!(o.status.success(), "{out}\n{}", stderr(&o));
@@ -440,6 +456,43 @@ fn data_gsm8k_writes_verl_format_parquet() {
 }
 
 #[test]
+fn data_math_writes_verl_format_parquet_and_examples() {
+    let raw = repo().join("host/crates/data/tests/fixtures/math/raw");
+    let out = tempfile::tempdir().unwrap();
+    let o = run(
+        &verl_bin(),
+        &[
+            "data",
+            "math",
+            raw.to_str().unwrap(),
+            out.path().to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("train.parquet (41 rows)"), "{text}");
+    assert!(text.contains("test.parquet (38 rows)"), "{text}");
+    assert!(out.path().join("test_example.json").is_file());
+
+    // A bad row is one line naming the file, row and column, and a non-zero exit.
+    let bad = tempfile::tempdir().unwrap();
+    let row = r#"{"problem": "p", "level": "L", "solution": "It is 5.", "type": "x"}"#;
+    for split in ["train", "test"] {
+        std::fs::write(bad.path().join(format!("{split}.jsonl")), row).unwrap();
+    }
+    let o = run(
+        &verl_bin(),
+        &[
+            "data",
+            "math",
+            bad.path().to_str().unwrap(),
+            out.path().to_str().unwrap(),
+        ],
+    );
+    assert_one_line_error(&o, &["train.jsonl", "row 0, column `solution`"]);
+}
+
+#[test]
 fn plot_draws_chosen_metrics_from_a_metrics_file() {
     let dir = tempfile::tempdir().unwrap();
     let mut lines = String::new();
@@ -476,12 +529,13 @@ fn plot_draws_chosen_metrics_from_a_metrics_file() {
     assert_one_line_error(&missing, &["no/such/metric"]);
 }
 
-/// A model folder holding only a config.json (no weights, no tokenizer): the dry run's layout
-/// check needs nothing else.
+/// A model folder holding a config.json of this shape and a tokenizer, no weights: the dry run's
+/// layout and model checks need nothing else.
 fn config_only_model(dir: &Path, config: serde_json::Value) -> String {
-    std::fs::create_dir_all(dir).unwrap();
-    write(dir, "config.json", &config.to_string());
-    dir.display().to_string()
+    tiny_inputs()
+        .model_with_config(dir, &config)
+        .display()
+        .to_string()
 }
 
 fn tiny_qwen2(heads: i64, kv_heads: i64, layers: i64) -> serde_json::Value {
@@ -510,9 +564,12 @@ fn megatron_dry_run(model: &str, world: u32, extra: &[&str]) -> std::process::Ou
     let job = quickstart_job();
     let path = format!("actor_rollout_ref.model.path={model}");
     let gpus = format!("trainer.n_gpus_per_node={world}");
+    let data: Vec<String> = tiny_inputs().overrides()[..2].to_vec();
     let mut args = vec![
         "run",
         job.as_str(),
+        data[0].as_str(),
+        data[1].as_str(),
         "actor_rollout_ref.actor.strategy=megatron",
         path.as_str(),
         gpus.as_str(),

@@ -28,8 +28,8 @@ use verl_config::{validate_batches, BatchPlan, Config, Layout};
 use verl_data::{DataLoader, DataLoaderState, Dataset, LoaderOptions, Sample, Split};
 use verl_metrics::{
     compute_throughput_metrics, compute_timing_metrics, process_validation_metrics,
-    validation_metrics, InfoColumn, LoggerOptions, MetricsLogger, StepData, Timings,
-    BOOTSTRAP_SEED,
+    select_val_generations, validation_metrics, InfoColumn, LoggerOptions, MetricsLogger, StepData,
+    Timings, ValGeneration, BOOTSTRAP_SEED,
 };
 use verl_plugin_api::client::{ActorClient, CriticClient};
 use verl_plugin_api::{
@@ -128,10 +128,17 @@ const SALT_TRAIN: u64 = 1;
 const SALT_GREEDY: u64 = 2;
 const SALT_VAL: u64 = 3;
 
-fn data_config(cfg: &Config) -> anyhow::Result<verl_data::DataConfig> {
+/// `data.*` as the data crate takes it.
+pub fn data_config(cfg: &Config) -> anyhow::Result<verl_data::DataConfig> {
     let d = &cfg.data;
     Ok(verl_data::DataConfig {
         prompt_key: d.prompt_key.clone(),
+        reward_fn_key: d.reward_fn_key.clone(),
+        media_columns: vec![
+            ("data.image_key".into(), d.image_key.clone()),
+            ("data.video_key".into(), d.video_key.clone()),
+            ("data.audio_key".into(), d.audio_key.clone()),
+        ],
         max_prompt_length: d.max_prompt_length as usize,
         filter_overlong_prompts: d.filter_overlong_prompts,
         truncation: d.truncation.parse()?,
@@ -209,6 +216,101 @@ fn to_f32(v: &[f64]) -> Vec<f32> {
     v.iter().map(|&x| x as f32).collect()
 }
 
+/// A step's generation after [`balance_rollout`]: this rank's rows, and the step's prompts they
+/// answer (positions in the step's batch; the batch's `prompt_index` points into this list).
+struct Balanced {
+    batch: Batch,
+    prompts: Vec<usize>,
+    metrics: Vec<(String, f64)>,
+}
+
+/// verl's `trainer.balance_batch`: reorder the step's responses so data-parallel ranks get equal
+/// work (verl's `_balance_batch`, by `calculate_workload` of prompt + response lengths). One rank
+/// keeps its rows in verl's order (sorted by workload, then zigzagged, which decides the
+/// mini-batches); several ranks trade whole prompt groups (verl's PrefixGrouper rule), so each
+/// rank's advantages still see whole groups. Reports verl's `global_seqlen/*` metrics.
+fn balance_rollout(
+    cfg: &Config,
+    batch: Batch,
+    slice: std::ops::Range<usize>,
+    dp: &DataLayout,
+    group: Option<&HostGroup>,
+) -> anyhow::Result<Balanced> {
+    let call = "balance_batch";
+    let lengths = |b: &Batch| -> anyhow::Result<Vec<i64>> {
+        let pm = b.tensor_in::<i64>(call, col::PROMPT_MASK)?;
+        let rm = b.tensor_in::<i64>(call, col::RESPONSE_MASK)?;
+        Ok((0..pm.rows())
+            .map(|r| {
+                let ones = |row: &[i64]| row.iter().filter(|&&m| m != 0).count() as i64;
+                ones(pm.row(r)) + ones(rm.row(r))
+            })
+            .collect())
+    };
+    // Rows answer prompts by their position in the step's whole batch from here on.
+    let mut batch = batch;
+    let global: Vec<i64> = batch
+        .tensor_in::<i64>(call, col::PROMPT_INDEX)?
+        .data
+        .iter()
+        .map(|&i| i + slice.start as i64)
+        .collect();
+    batch.insert_tensor(col::PROMPT_INDEX, &[global.len()], &global);
+    let (all, mine) = match group.filter(|_| dp.dp_size > 1) {
+        None => {
+            let groups = cfg
+                .actor_rollout_ref
+                .actor
+                .use_prefix_grouper
+                .then(|| Groups::from_keys(&global));
+            let balanced = verl_algos::balance_batch(&lengths(&batch)?, 1, groups.as_ref())?;
+            (balanced, batch)
+        }
+        Some(g) => {
+            // Every rank gathers every replica's rows (a few MB) and keeps its own share; the
+            // partition is computed identically everywhere.
+            let parts = g.all_gather_bytes(&batch.to_bytes())?;
+            let replicas: Vec<Batch> = dp
+                .data_ranks()
+                .iter()
+                .map(|&r| Batch::from_bytes(&parts[r]))
+                .collect::<Result<_, _>>()?;
+            let whole = Batch::concat(&replicas)?;
+            let ids: Vec<i64> = whole.tensor_in::<i64>(call, col::PROMPT_INDEX)?.data;
+            let groups = Groups::from_keys(&ids);
+            let balanced =
+                verl_algos::balance_batch(&lengths(&whole)?, dp.dp_size as usize, Some(&groups))?;
+            (balanced, whole)
+        }
+    };
+    let rank = if dp.dp_size > 1 {
+        dp.dp_rank as usize
+    } else {
+        0
+    };
+    let mut mine = mine.select_rows(&all.ranks[rank]);
+    // The prompts these rows answer, in first-seen order, and each row's place in that list.
+    let ids = mine.tensor_in::<i64>(call, col::PROMPT_INDEX)?.data;
+    let mut prompts: Vec<usize> = Vec::new();
+    let local: Vec<i64> = ids
+        .iter()
+        .map(|&p| {
+            let p = p as usize;
+            let at = prompts.iter().position(|&q| q == p).unwrap_or_else(|| {
+                prompts.push(p);
+                prompts.len() - 1
+            });
+            at as i64
+        })
+        .collect();
+    mine.insert_tensor(col::PROMPT_INDEX, &[local.len()], &local);
+    Ok(Balanced {
+        batch: mine,
+        prompts,
+        metrics: all.metrics,
+    })
+}
+
 /// Everything one generation needs to be scored: texts and sample metadata per response row.
 struct Rollout {
     responses: Tensor<i64>,
@@ -265,23 +367,64 @@ fn generate_and_score(
     score_rollout(cfg, roles, enc, samples, &batch)
 }
 
-fn generate_options(cfg: &Config, enc: &PromptEncoder, seed: u64) -> GenerateOptions {
+/// A training step's generation: `rollout.*` sampling, `rollout.response_length` tokens.
+fn generate_options(cfg: &Config, eos: &[i64], pad: i64, seed: u64) -> GenerateOptions {
     let r = &cfg.actor_rollout_ref.rollout;
     GenerateOptions {
         n: r.n as u32,
-        max_new_tokens: cfg.data.max_response_length as u32,
+        max_new_tokens: r.response_length as u32,
         temperature: r.temperature,
         top_p: r.top_p,
         top_k: r.top_k,
         do_sample: r.do_sample,
         seed: Some(seed),
         row_offset: 0,
-        eos_token_ids: enc.eos_ids.clone(),
-        pad_token_id: enc.pad_id,
+        eos_token_ids: eos.to_vec(),
+        pad_token_id: pad,
         ignore_eos: r.ignore_eos,
         return_log_probs: true,
         validate: false,
     }
+}
+
+/// A validation generation: `rollout.val_kwargs` sampling, otherwise as training.
+fn validation_options(cfg: &Config, eos: &[i64], pad: i64, seed: u64) -> GenerateOptions {
+    let vk = &cfg.actor_rollout_ref.rollout.val_kwargs;
+    GenerateOptions {
+        n: vk.n as u32,
+        temperature: vk.temperature,
+        top_p: vk.top_p,
+        top_k: vk.top_k,
+        do_sample: vk.do_sample,
+        validate: true,
+        ..generate_options(cfg, eos, pad, seed)
+    }
+}
+
+/// `algorithm.*`: the advantage estimator's parameters and the in-reward KL penalty.
+fn algorithm_settings(cfg: &Config) -> anyhow::Result<(AdvantageParams, KlPenalty, KlController)> {
+    let a = &cfg.algorithm;
+    let params = AdvantageParams {
+        gamma: a.gamma,
+        lam: a.lam,
+        norm_adv_by_std_in_grpo: a.norm_adv_by_std_in_grpo,
+        ..AdvantageParams::default()
+    };
+    let kl_penalty: KlPenalty = a.kl_penalty.parse()?;
+    let kc = &a.kl_ctrl;
+    let kl_ctrl = match kc.kind.as_str() {
+        "adaptive" => KlController::adaptive(kc.kl_coef, kc.target_kl, kc.horizon as i64)?,
+        "fixed" => KlController::fixed(kc.kl_coef),
+        other => {
+            return Err(TrainerError::Config {
+                key: "algorithm.kl_ctrl.type",
+                value: other.into(),
+                message: "expected fixed or adaptive".into(),
+            }
+            .into())
+        }
+    };
+    Ok((params, kl_penalty, kl_ctrl))
 }
 
 /// Runs the PPO/GRPO loop the config describes and returns when `trainer.total_training_steps`
@@ -338,29 +481,9 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         }
         .into());
     }
-    let adv_params = AdvantageParams {
-        gamma: cfg.algorithm.gamma,
-        lam: cfg.algorithm.lam,
-        norm_adv_by_std_in_grpo: cfg.algorithm.norm_adv_by_std_in_grpo,
-        ..AdvantageParams::default()
-    };
-    let kl_penalty: KlPenalty = cfg.algorithm.kl_penalty.parse()?;
-    super::refuse_unimplemented(cfg)?;
+    let (adv_params, kl_penalty, mut kl_ctrl) = algorithm_settings(cfg)?;
     let correction = super::rollout_corr::rollout_correction(cfg)?;
     let bypass = correction.as_ref().is_some_and(|c| c.bypass_mode);
-    let kc = &cfg.algorithm.kl_ctrl;
-    let mut kl_ctrl = match kc.kind.as_str() {
-        "adaptive" => KlController::adaptive(kc.kl_coef, kc.target_kl, kc.horizon as i64)?,
-        "fixed" => KlController::fixed(kc.kl_coef),
-        other => {
-            return Err(TrainerError::Config {
-                key: "algorithm.kl_ctrl.type",
-                value: other.into(),
-                message: "expected fixed or adaptive".into(),
-            }
-            .into())
-        }
-    };
 
     let enc = PromptEncoder::new(cfg, &tokenizer_dir(cfg))?;
     let dcfg = data_config(cfg)?;
@@ -502,9 +625,13 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         .total_training_steps
         .unwrap_or_else(|| loader.total_steps(t.total_epochs));
 
-    let logger_opts = opts.logger.clone().unwrap_or_else(|| {
+    let mut logger_opts = opts.logger.clone().unwrap_or_else(|| {
         LoggerOptions::from_verl(&t.project_name, &t.experiment_name, &t.logger.to_vec())
     });
+    if logger_opts.tracking.config.is_null() {
+        // verl gives wandb/mlflow/swanlab the whole resolved config.
+        logger_opts.tracking.config = serde_json::to_value(cfg)?;
+    }
     let mut logger = if rank == 0 {
         let l = MetricsLogger::new(&logger_opts)?;
         for w in l.warnings() {
@@ -527,9 +654,13 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         plan: Some(plan.clone()),
         ..FitSummary::default()
     };
-    let mut log = |step: u64, m: &[(String, f64)]| -> anyhow::Result<()> {
+    // A step's metrics, and the validation samples `trainer.log_val_generations` selected.
+    let mut log = |step: u64, m: &[(String, f64)], gens: &[ValGeneration]| -> anyhow::Result<()> {
         if let Some(l) = logger.as_mut() {
             l.log(step, m)?;
+            if !gens.is_empty() {
+                l.log_generations(step, gens)?;
+            }
         }
         Ok(())
     };
@@ -543,9 +674,9 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
     };
     if let Some(ds) = &val_ds {
         if t.val_before_train || t.val_only {
-            let m = validate(&ctx, &mut roles, ds, &dcfg, global_step)?;
-            log(global_step, &m)?;
-            summary.last_validation = Some(m);
+            let v = validate(&ctx, &mut roles, ds, &dcfg, global_step)?;
+            log(global_step, &v.metrics, &v.generations)?;
+            summary.last_validation = Some(v.metrics);
             if t.val_only {
                 finish(logger.as_mut())?;
                 return Ok(summary);
@@ -561,19 +692,31 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         let step_start = Instant::now();
         let mut timings = Timings::new();
         let slice = rank_slice(data.samples.len(), dp.dp_rank, dp.dp_size)?;
-        let samples: Vec<&Sample> = data.samples[slice.clone()].iter().collect();
-        let indices = &data.indices[slice.clone()];
+        let mut samples: Vec<&Sample> = data.samples[slice.clone()].iter().collect();
+        let mut indices: Vec<usize> = data.indices[slice.clone()].to_vec();
         let mut metrics: Vec<(String, f64)> = Vec::new();
 
         // Rollout + reward.
         let gen = GenerateOptions {
             row_offset: slice.start as u64,
-            ..generate_options(cfg, &enc, call_seed(t.seed, global_step, SALT_TRAIN))
+            ..generate_options(
+                cfg,
+                &enc.eos_ids,
+                enc.pad_id,
+                call_seed(t.seed, global_step, SALT_TRAIN),
+            )
         };
         let t0 = Instant::now();
-        let prompts = enc.encode(&samples, indices)?;
+        let prompts = enc.encode(&samples, &indices)?;
         let mut batch = roles.actor.generate(&prompts, &gen)?;
         timings.add("gen", t0.elapsed().as_secs_f64());
+        if t.balance_batch {
+            let balanced = balance_rollout(cfg, batch, slice.clone(), &dp, group)?;
+            batch = balanced.batch;
+            samples = balanced.prompts.iter().map(|&p| &data.samples[p]).collect();
+            indices = balanced.prompts.iter().map(|&p| data.indices[p]).collect();
+            metrics.extend(balanced.metrics);
+        }
         // What the rollout engine reports about itself (KV budget, pool use, preemptions).
         let rollout_meta: Vec<(String, f64)> = batch
             .meta()
@@ -591,7 +734,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
                 seed: Some(call_seed(t.seed, global_step, SALT_GREEDY)),
                 ..gen.clone()
             };
-            let base = generate_and_score(cfg, &mut roles, &enc, &samples, indices, &greedy)?;
+            let base = generate_and_score(cfg, &mut roles, &enc, &samples, &indices, &greedy)?;
             timings.add("gen_max", t0.elapsed().as_secs_f64());
             let mut per_prompt = vec![0.0; samples.len()];
             for (r, &p) in base.prompt_index.iter().enumerate() {
@@ -792,13 +935,15 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         }
 
         let is_last = global_step >= total_steps;
+        let mut val_generations = Vec::new();
         if let Some(ds) = &val_ds {
             if t.test_freq > 0 && (is_last || global_step.is_multiple_of(t.test_freq as u64)) {
                 let t0 = Instant::now();
-                let m = validate(&ctx, &mut roles, ds, &dcfg, global_step)?;
+                let v = validate(&ctx, &mut roles, ds, &dcfg, global_step)?;
                 timings.add("testing", t0.elapsed().as_secs_f64());
-                metrics.extend(m.iter().cloned());
-                summary.last_validation = Some(m);
+                metrics.extend(v.metrics.iter().cloned());
+                val_generations = v.generations;
+                summary.last_validation = Some(v.metrics);
             }
         }
         if t.save_freq > 0 && (is_last || global_step.is_multiple_of(t.save_freq as u64)) {
@@ -809,8 +954,17 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
                 kl_coef: kl_ctrl.value(),
                 kl_coef_bits: kl_ctrl.value().to_bits(),
             };
+            let hf = cfg
+                .actor_rollout_ref
+                .actor
+                .checkpoint
+                .save_contents
+                .iter()
+                .any(|c| c == "hf_model");
             match group {
-                None => save_checkpoint(&ckpt, &mut roles, global_step, &loader.state(), &state)?,
+                None => {
+                    save_checkpoint(&ckpt, &mut roles, global_step, &loader.state(), &state, hf)?
+                }
                 Some(g) => save_checkpoint_spmd(
                     &ckpt,
                     &mut roles,
@@ -818,6 +972,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
                     &loader.state(),
                     &state,
                     g,
+                    hf,
                 )?,
             }
             timings.add("save_checkpoint", t0.elapsed().as_secs_f64());
@@ -882,7 +1037,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
             &mut all,
             compute_throughput_metrics(&timings, tokens, world as usize)?,
         );
-        log(global_step, &all)?;
+        log(global_step, &all, &val_generations)?;
         if opts.progress && rank == 0 {
             let get = |k: &str| all.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
             eprintln!(
@@ -1183,12 +1338,22 @@ impl DataLayout {
             holds_data,
         })
     }
+
+    /// The ranks holding each replica's data, in data-parallel order (a replica's first rank).
+    fn data_ranks(&self) -> Vec<usize> {
+        (0..self.holds_data.len())
+            .filter(|&r| self.holds_data[r])
+            .collect()
+    }
 }
 
 /// One validation batch's scored rows on one rank, as sent to the others (floats as bits, so
 /// the gathered table is exactly the one a single rank would build).
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct ValRows {
+    /// Prompt and response texts, for `trainer.log_val_generations` (empty when it is 0).
+    inputs: Vec<String>,
+    outputs: Vec<String>,
     sources: Vec<String>,
     uids: Vec<String>,
     scores: Vec<u64>,
@@ -1203,13 +1368,13 @@ fn validate(
     ds: &Arc<Dataset>,
     dcfg: &verl_data::DataConfig,
     global_step: u64,
-) -> anyhow::Result<Vec<(String, f64)>> {
+) -> anyhow::Result<Validation> {
     let cfg = ctx.cfg;
-    let vk = &cfg.actor_rollout_ref.rollout.val_kwargs;
     let world = ctx.dp.dp_size.max(1) as usize;
     let mut loader =
         DataLoader::with_options(ds.clone(), LoaderOptions::validation(dcfg, ds.len()), None)?;
     let (mut sources, mut uids, mut scores) = (Vec::new(), Vec::new(), Vec::new());
+    let mut generations = Vec::new();
     let mut extra: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let mut batch_no = 0u64;
     let mut dump = DumpRows::default();
@@ -1223,16 +1388,11 @@ fn validate(
         let slice = rank_slice(padded, ctx.dp.dp_rank, ctx.dp.dp_size)?;
         let samples = &all[slice.clone()];
         let gen = GenerateOptions {
-            n: vk.n as u32,
-            temperature: vk.temperature,
-            top_p: vk.top_p,
-            top_k: vk.top_k,
-            do_sample: vk.do_sample,
-            validate: true,
             row_offset: slice.start as u64,
-            ..generate_options(
+            ..validation_options(
                 cfg,
-                ctx.enc,
+                &ctx.enc.eos_ids,
+                ctx.enc.pad_id,
                 call_seed(cfg.trainer.seed, batch_no, SALT_VAL),
             )
         };
@@ -1247,7 +1407,16 @@ fn validate(
         let keep: Vec<usize> = (0..r.prompt_index.len())
             .filter(|&row| slice.start + r.prompt_index[row] < real)
             .collect();
+        let texts = |t: &[String]| -> Vec<String> {
+            if cfg.trainer.log_val_generations > 0 {
+                keep.iter().map(|&row| t[row].clone()).collect()
+            } else {
+                Vec::new()
+            }
+        };
         let mine = ValRows {
+            inputs: texts(&r.prompt_text),
+            outputs: texts(&r.response_text),
             sources: keep
                 .iter()
                 .map(|&row| samples[r.prompt_index[row]].data_source.clone())
@@ -1291,6 +1460,11 @@ fn validate(
         };
         for part in parts {
             let before = scores.len();
+            for ((input, output), &score) in
+                part.inputs.into_iter().zip(part.outputs).zip(&part.scores)
+            {
+                generations.push(ValGeneration::new(input, output, f64::from_bits(score)));
+            }
             sources.extend(part.sources);
             uids.extend(part.uids);
             scores.extend(part.scores.into_iter().map(f64::from_bits));
@@ -1316,8 +1490,34 @@ fn validate(
         }
     }
     let table = process_validation_metrics(&sources, &uids, &infos, BOOTSTRAP_SEED)?;
-    Ok(validation_metrics(&table, None))
+    let n = cfg.trainer.log_val_generations as usize;
+    Ok(Validation {
+        metrics: validation_metrics(&table, None),
+        generations: select_val_generations(generations, n),
+    })
 }
+
+/// One validation: verl's `val-core/...` metrics, and the samples `trainer.log_val_generations`
+/// asks to log (verl's selection; empty when it is 0).
+struct Validation {
+    metrics: Vec<(String, f64)>,
+    generations: Vec<ValGeneration>,
+}
+
+/// The actor's part of a checkpoint: its state, and with `hf` (verl's `hf_model` in
+/// `checkpoint.save_contents`) an HF export of the policy in `huggingface/` beside it.
+fn save_actor(actor: &mut ActorClient, dir: &Path, hf: bool) -> Result<(), WriterError> {
+    actor.save(dir).map_err(|e| Box::new(e) as WriterError)?;
+    if hf {
+        actor
+            .export_hf(&dir.join(HF_EXPORT_DIR))
+            .map_err(|e| Box::new(e) as WriterError)?;
+    }
+    Ok(())
+}
+
+/// Where an `hf_model` checkpoint puts the policy's HF export, inside the actor's folder (as verl).
+const HF_EXPORT_DIR: &str = "huggingface";
 
 /// verl's `_save_checkpoint`: the roles fill `actor/` and `critic/`, then the loader position and
 /// the loop state, then the tracker file (atomically, by the checkpoint crate).
@@ -1327,11 +1527,12 @@ fn save_checkpoint(
     step: u64,
     loader: &DataLoaderState,
     state: &TrainerState,
+    hf: bool,
 ) -> anyhow::Result<()> {
     let actor = &mut roles.actor;
     let mut writers: Vec<(CkptRole, RoleWriter<'_>)> = vec![(
         CkptRole::Actor,
-        Box::new(move |dir: &Path| actor.save(dir).map_err(|e| Box::new(e) as WriterError)),
+        Box::new(move |dir: &Path| save_actor(actor, dir, hf)),
     )];
     if let Some(critic) = roles.critic.as_mut() {
         writers.push((
@@ -1359,6 +1560,7 @@ fn save_checkpoint_spmd(
     loader: &DataLoaderState,
     state: &TrainerState,
     group: &HostGroup,
+    hf: bool,
 ) -> anyhow::Result<()> {
     let context = || format!("saving the checkpoint of step {step}");
     let mut role_dirs = vec![CkptRole::Actor];
@@ -1374,9 +1576,7 @@ fn save_checkpoint_spmd(
         group.barrier("checkpoint-begin")?;
         let actor = &mut roles.actor;
         pending
-            .write_role(CkptRole::Actor, |dir: &Path| {
-                actor.save(dir).map_err(|e| Box::new(e) as WriterError)
-            })
+            .write_role(CkptRole::Actor, |dir: &Path| save_actor(actor, dir, hf))
             .with_context(context)?;
         if let Some(critic) = roles.critic.as_mut() {
             pending
@@ -1399,9 +1599,8 @@ fn save_checkpoint_spmd(
         group.barrier("checkpoint-begin")?;
         let tmp = ckpt.temp_dir(step);
         let dir = tmp.join(CkptRole::Actor.dir_name());
-        roles
-            .actor
-            .save(&dir)
+        save_actor(&mut roles.actor, &dir, hf)
+            .map_err(|e| anyhow::anyhow!("{e}"))
             .with_context(|| format!("saving the actor's shard into {}", dir.display()))?;
         if let Some(critic) = roles.critic.as_mut() {
             let dir = tmp.join(CkptRole::Critic.dir_name());
@@ -1445,6 +1644,234 @@ mod tests {
                 assert_ne!(all[i], all[j], "{i} vs {j}");
             }
         }
+    }
+
+    fn job(overrides: &[&str]) -> Config {
+        Config::from_overrides(overrides).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn data_keys_reach_the_data_loader() {
+        let d = data_config(&job(&[
+            "data.prompt_key=question",
+            "data.reward_fn_key=source",
+            "data.max_prompt_length=77",
+            "data.filter_overlong_prompts=true",
+            "data.truncation=middle",
+            "data.train_max_samples=100",
+            "data.val_max_samples=20",
+            "data.shuffle=false",
+            "data.seed=9",
+            "data.train_batch_size=12",
+            "data.val_batch_size=5",
+            "data.validation_shuffle=true",
+            "data.image_key=pictures",
+            "data.video_key=clips",
+            "data.audio_key=sounds",
+        ]))
+        .unwrap();
+        assert_eq!(d.prompt_key, "question");
+        assert_eq!(d.reward_fn_key, "source");
+        assert_eq!(d.max_prompt_length, 77);
+        assert!(d.filter_overlong_prompts);
+        assert_eq!(d.truncation, verl_data::Truncation::Middle);
+        assert_eq!((d.train_max_samples, d.val_max_samples), (100, 20));
+        assert!(!d.shuffle && d.validation_shuffle);
+        assert_eq!(d.seed, Some(9));
+        assert_eq!((d.train_batch_size, d.val_batch_size), (12, Some(5)));
+        let columns: Vec<&str> = d.media_columns.iter().map(|(_, c)| c.as_str()).collect();
+        assert_eq!(columns, ["pictures", "clips", "sounds"]);
+        // verl seeds the sampler with data.seed; unset, verl-rs uses its own trainer.seed.
+        let d = data_config(&job(&["trainer.seed=5"])).unwrap();
+        assert_eq!(d.seed, Some(5));
+    }
+
+    #[test]
+    fn rollout_keys_reach_generation() {
+        let cfg = job(&[
+            "actor_rollout_ref.rollout.n=3",
+            "actor_rollout_ref.rollout.temperature=0.7",
+            "actor_rollout_ref.rollout.top_p=0.9",
+            "actor_rollout_ref.rollout.top_k=20",
+            "actor_rollout_ref.rollout.do_sample=false",
+            "actor_rollout_ref.rollout.ignore_eos=true",
+            "data.max_response_length=64",
+            "actor_rollout_ref.rollout.val_kwargs.n=4",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=0.5",
+            "actor_rollout_ref.rollout.val_kwargs.top_p=0.8",
+            "actor_rollout_ref.rollout.val_kwargs.top_k=5",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        ]);
+        let g = generate_options(&cfg, &[7, 8], 0, 11);
+        assert_eq!((g.n, g.max_new_tokens), (3, 64));
+        assert_eq!((g.temperature, g.top_p, g.top_k), (0.7, 0.9, 20));
+        assert!(!g.do_sample && g.ignore_eos && !g.validate);
+        assert_eq!((g.eos_token_ids.clone(), g.seed), (vec![7, 8], Some(11)));
+        let v = validation_options(&cfg, &[7], 0, 12);
+        assert_eq!((v.n, v.max_new_tokens), (4, 64));
+        assert_eq!((v.temperature, v.top_p, v.top_k), (0.5, 0.8, 5));
+        assert!(v.do_sample && v.validate);
+        // rollout.response_length follows data.max_response_length unless set itself.
+        let cfg = job(&["actor_rollout_ref.rollout.response_length=32"]);
+        assert_eq!(generate_options(&cfg, &[1], 0, 1).max_new_tokens, 32);
+    }
+
+    #[test]
+    fn algorithm_keys_reach_the_advantage_and_kl_settings() {
+        let (p, penalty, ctrl) = algorithm_settings(&job(&[
+            "algorithm.gamma=0.9",
+            "algorithm.lam=0.8",
+            "algorithm.norm_adv_by_std_in_grpo=false",
+            "algorithm.kl_penalty=low_var_kl",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.kl_coef=0.2",
+            "algorithm.kl_ctrl.target_kl=0.05",
+            "algorithm.kl_ctrl.horizon=500",
+        ]))
+        .unwrap();
+        assert_eq!(
+            (p.gamma, p.lam, p.norm_adv_by_std_in_grpo),
+            (0.9, 0.8, false)
+        );
+        assert_eq!(penalty, KlPenalty::LowVarKl);
+        assert_eq!(
+            ctrl,
+            KlController::Adaptive {
+                value: 0.2,
+                target: 0.05,
+                horizon: 500.0
+            }
+        );
+        let (_, penalty, ctrl) = algorithm_settings(&job(&[
+            "algorithm.kl_penalty=mse",
+            "algorithm.kl_ctrl.kl_coef=0.3",
+        ]))
+        .unwrap();
+        assert_eq!(penalty, KlPenalty::Mse);
+        assert_eq!(ctrl, KlController::fixed(0.3));
+    }
+
+    /// A generation output of `n = 2` samples per prompt with these prompt / response lengths.
+    fn generated(lengths: &[(usize, usize)], first_prompt: usize) -> Batch {
+        let (pw, rw) = (12, 12);
+        let rows = lengths.len();
+        let mut pm = vec![0i64; rows * pw];
+        let mut rm = vec![0i64; rows * rw];
+        for (r, &(p, q)) in lengths.iter().enumerate() {
+            pm[r * pw + pw - p..(r + 1) * pw].fill(1);
+            rm[r * rw..r * rw + q].fill(1);
+        }
+        let mut b = Batch::new();
+        b.insert_tensor(col::PROMPT_MASK, &[rows, pw], &pm);
+        b.insert_tensor(col::RESPONSE_MASK, &[rows, rw], &rm);
+        let ids: Vec<i64> = (0..rows).map(|r| (r / 2) as i64).collect();
+        b.insert_tensor(col::PROMPT_INDEX, &[rows], &ids);
+        // The row's global number, to see where it went.
+        let tag: Vec<i64> = (0..rows).map(|r| (first_prompt * 2 + r) as i64).collect();
+        b.insert_tensor("tag", &[rows], &tag);
+        b
+    }
+
+    const LENGTHS: [(usize, usize); 8] = [
+        (6, 4),
+        (2, 1),
+        (4, 3),
+        (3, 2),
+        (5, 4),
+        (1, 1),
+        (5, 3),
+        (2, 2),
+    ];
+
+    #[test]
+    fn one_rank_keeps_its_rows_in_verls_balanced_order() {
+        let cfg = job(&[]);
+        let dp = DataLayout::new(&cfg, 0, 1).unwrap();
+        let b = balance_rollout(&cfg, generated(&LENGTHS, 0), 0..4, &dp, None).unwrap();
+        // Sequence lengths 10 3 7 5 9 2 8 4: sorted by workload 5 1 7 3 2 6 4 0, then verl's
+        // zigzag (even positions, then the odd ones reversed).
+        assert_eq!(
+            b.batch.tensor::<i64>("tag").unwrap().data,
+            vec![5, 7, 2, 4, 0, 6, 3, 1]
+        );
+        // The rows answer prompts 2 3 1 2 0 3 1 0, listed in first-seen order.
+        assert_eq!(b.prompts, vec![2, 3, 1, 0]);
+        assert_eq!(
+            b.batch.tensor::<i64>(col::PROMPT_INDEX).unwrap().data,
+            vec![0, 1, 2, 0, 3, 1, 2, 3]
+        );
+        let m: std::collections::BTreeMap<_, _> = b.metrics.into_iter().collect();
+        assert_eq!(m["global_seqlen/min"], 48.0);
+        assert_eq!(m["global_seqlen/balanced_max"], 48.0);
+        assert_eq!(m["global_seqlen/mean"], 48.0);
+    }
+
+    #[test]
+    fn ranks_trade_whole_prompt_groups_until_their_work_is_equal() {
+        use verl_store::{StoreClient, StoreServer};
+        let cfg = job(&["trainer.n_gpus_per_node=2"]);
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let addr = server.connect_addr();
+        let outs: Vec<Balanced> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2usize)
+                .map(|r| {
+                    let cfg = &cfg;
+                    s.spawn(move || {
+                        let c = StoreClient::connect_as(addr, r, std::time::Duration::from_secs(5))
+                            .unwrap();
+                        let g =
+                            HostGroup::new(Arc::new(c), r, 2, std::time::Duration::from_secs(10));
+                        let dp = DataLayout::new(cfg, r as u32, 2).unwrap();
+                        let mine = &LENGTHS[r * 4..(r + 1) * 4];
+                        let slice = r * 2..(r + 1) * 2;
+                        balance_rollout(cfg, generated(mine, r * 2), slice, &dp, Some(&g)).unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // Group sizes 13 12 11 12 tokens: before, ranks hold 25 and 23; after, 24 and 24.
+        let tokens = |b: &Balanced| -> usize {
+            b.batch
+                .tensor::<i64>("tag")
+                .unwrap()
+                .data
+                .iter()
+                .map(|&t| LENGTHS[t as usize].0 + LENGTHS[t as usize].1)
+                .sum()
+        };
+        assert_eq!((tokens(&outs[0]), tokens(&outs[1])), (24, 24));
+        let mut all: Vec<i64> = outs
+            .iter()
+            .flat_map(|b| b.batch.tensor::<i64>("tag").unwrap().data)
+            .collect();
+        all.sort();
+        assert_eq!(
+            all,
+            (0..8).collect::<Vec<i64>>(),
+            "every row on exactly one rank"
+        );
+        for b in &outs {
+            // Whole groups: each prompt's two samples on the same rank.
+            assert_eq!(b.prompts.len(), 2);
+            let tags = b.batch.tensor::<i64>("tag").unwrap().data;
+            for p in &b.prompts {
+                assert_eq!(tags.iter().filter(|&&t| t as usize / 2 == *p).count(), 2);
+            }
+        }
+        assert_eq!(outs[0].metrics, outs[1].metrics);
+        let m: std::collections::BTreeMap<_, _> = outs[0].metrics.iter().cloned().collect();
+        assert_eq!(
+            (m["global_seqlen/min"], m["global_seqlen/max"]),
+            (23.0, 25.0)
+        );
+        assert_eq!(
+            (
+                m["global_seqlen/balanced_min"],
+                m["global_seqlen/balanced_max"]
+            ),
+            (24.0, 24.0)
+        );
     }
 
     #[test]

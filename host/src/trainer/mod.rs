@@ -17,25 +17,10 @@ mod reward;
 mod rollout_corr;
 
 pub use error::TrainerError;
-pub use fit::{fit, FitOptions, FitSummary};
+pub use fit::{data_config, fit, FitOptions, FitSummary};
 pub use plugins::{BackendFactory, InProcessBackend, InProcessReward, JobPlugins, RewardFactory};
+pub use prompts::tokenizer_dir;
 pub use rollout_corr::rollout_correction;
-
-/// verl settings that verl-rs accepts (so verl configs load) but does not implement: refused
-/// when switched on, naming the key, instead of silently training without them.
-pub fn refuse_unimplemented(cfg: &verl_config::Config) -> Result<(), TrainerError> {
-    if cfg.algorithm.use_pf_ppo {
-        return Err(TrainerError::Config {
-            key: "algorithm.use_pf_ppo",
-            value: "true".into(),
-            message:
-                "PF-PPO's reward-weighted resampling of the batch is not implemented in verl-rs; \
-                      set it to false"
-                    .into(),
-        });
-    }
-    Ok(())
-}
 
 /// The reward plugin names the job routes to: `plugins.reward.default`, then each distinct
 /// target of `plugins.reward.routes`. The CLI loads each and passes it as `(name, plugin)` in
@@ -53,15 +38,6 @@ pub fn reward_plugin_names(cfg: &verl_config::Config) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn pf_ppo_is_refused_by_name() {
-        let on = verl_config::Config::from_overrides(&["algorithm.use_pf_ppo=true"]).unwrap();
-        let e = super::refuse_unimplemented(&on).unwrap_err().to_string();
-        assert!(e.contains("algorithm.use_pf_ppo"), "{e}");
-        let off = verl_config::Config::from_overrides::<&str>(&[]).unwrap();
-        assert!(super::refuse_unimplemented(&off).is_ok());
-    }
-
     #[test]
     fn reward_plugin_names_lists_default_then_distinct_routes() {
         let cfg = verl_config::Config::from_overrides(&[

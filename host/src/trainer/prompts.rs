@@ -11,7 +11,7 @@ use verl_plugin_api::{col, Batch, Tensor};
 
 /// The tokenizer folder of the job: `data.tokenizer`, else `model.tokenizer_path`, else the
 /// model folder (verl's order).
-pub(crate) fn tokenizer_dir(cfg: &Config) -> PathBuf {
+pub fn tokenizer_dir(cfg: &Config) -> PathBuf {
     let m = &cfg.actor_rollout_ref.model;
     let dir = cfg
         .data
@@ -33,8 +33,13 @@ pub(crate) struct PromptEncoder {
 
 impl PromptEncoder {
     pub fn new(cfg: &Config, dir: &Path) -> anyhow::Result<Self> {
-        let tokenizer = Tokenizer::from_dir(dir)
+        let mut tokenizer = Tokenizer::from_dir(dir)
             .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+        if let Some(t) = &cfg.actor_rollout_ref.model.custom_chat_template {
+            tokenizer = tokenizer
+                .with_chat_template(t)
+                .context("actor_rollout_ref.model.custom_chat_template")?;
+        }
         let mut chat = ChatOptions::with_generation_prompt();
         let kwargs = serde_json::to_value(&cfg.data.apply_chat_template_kwargs)
             .context("data.apply_chat_template_kwargs is not a JSON object")?;
@@ -183,5 +188,51 @@ mod tests {
         let enc = PromptEncoder::new(&strict, dir.path()).unwrap();
         let err = format!("{:#}", enc.encode(&[&long], &[5]).unwrap_err());
         assert!(err.contains('5') && err.contains("12"), "{err}");
+    }
+
+    #[test]
+    fn prompt_keys_choose_the_tokenizer_and_the_template() {
+        // verl's order: data.tokenizer, then model.tokenizer_path, then model.path.
+        let pick = |o: &[&str]| tokenizer_dir(&Config::from_overrides(o).unwrap());
+        assert_eq!(
+            pick(&["actor_rollout_ref.model.path=/m"]),
+            PathBuf::from("/m")
+        );
+        assert_eq!(
+            pick(&[
+                "actor_rollout_ref.model.path=/m",
+                "actor_rollout_ref.model.tokenizer_path=/t"
+            ]),
+            PathBuf::from("/t")
+        );
+        assert_eq!(
+            pick(&[
+                "actor_rollout_ref.model.path=/m",
+                "actor_rollout_ref.model.tokenizer_path=/t",
+                "data.tokenizer=/d"
+            ]),
+            PathBuf::from("/d")
+        );
+
+        let dir = folder();
+        let text = |o: &[&str]| {
+            let cfg = Config::from_overrides(o).unwrap();
+            let enc = PromptEncoder::new(&cfg, dir.path()).unwrap();
+            enc.tokenizer
+                .apply_chat_template(&sample("one").prompt, &enc.chat)
+                .unwrap()
+        };
+        assert_eq!(
+            text(&[]),
+            "<|im_start|>user\none<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // A custom template replaces the folder's; template kwargs reach it as variables.
+        let custom = "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}{% if greeting %}{{ greeting }}{% endif %}";
+        let o = format!("actor_rollout_ref.model.custom_chat_template='{custom}'");
+        assert_eq!(text(&[&o]), "[user|one]");
+        assert_eq!(
+            text(&[&o, "+data.apply_chat_template_kwargs.greeting=hello"]),
+            "[user|one]hello"
+        );
     }
 }

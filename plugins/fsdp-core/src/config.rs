@@ -428,6 +428,145 @@ pub fn micro_batching(
 mod tests {
     use super::*;
 
+    /// Each section of verl's config this backend reads, with every key it names set away from its
+    /// default, deserialized the way the roles read it: the values arrive, under verl's names.
+    #[test]
+    fn sections_read_the_verl_keys_they_name() {
+        let cfg = serde_json::json!({
+            "actor_rollout_ref": {
+                "model": {
+                    "path": "/m", "tokenizer_path": "/t", "enable_gradient_checkpointing": false,
+                    "use_remove_padding": false
+                },
+                "actor": {
+                    "ppo_mini_batch_size": 7, "ppo_micro_batch_size": 6,
+                    "ppo_micro_batch_size_per_gpu": 3, "use_dynamic_bsz": true,
+                    "ppo_max_token_len_per_gpu": 999, "ppo_epochs": 4, "grad_clip": 0.25,
+                    "calculate_entropy": true, "use_prefix_grouper": true, "rollout_n": 5,
+                    "optim": {
+                        "optimizer": "AdamW", "lr": 3e-5, "betas": [0.8, 0.95],
+                        "weight_decay": 0.1, "lr_warmup_steps": 9, "lr_warmup_steps_ratio": 0.3,
+                        "total_training_steps": 77, "min_lr_ratio": 0.05, "num_cycles": 1.5,
+                        "lr_scheduler_type": "cosine", "warmup_style": "constant"
+                    },
+                    "fsdp_config": {
+                        "model_dtype": "bf16", "dtype": "float16", "seed": 7,
+                        "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "bf16"},
+                        "param_offload": true, "optimizer_offload": true,
+                        "reshard_after_forward": false
+                    }
+                },
+                "rollout": {
+                    "gpu_memory_utilization": 0.8, "max_num_seqs": 33,
+                    "max_num_batched_tokens": 4097, "enforce_eager": true,
+                    "cudagraph_capture_sizes": [1, 3], "consistent_attention": true,
+                    "log_prob_micro_batch_size": 12, "log_prob_micro_batch_size_per_gpu": 2,
+                    "log_prob_use_dynamic_bsz": true, "log_prob_max_token_len_per_gpu": 555
+                }
+            },
+            "critic": {
+                "rollout_n": 5, "ppo_mini_batch_size": 9, "ppo_micro_batch_size": 8,
+                "ppo_micro_batch_size_per_gpu": 4, "use_dynamic_bsz": true,
+                "ppo_max_token_len_per_gpu": 1111, "forward_max_token_len_per_gpu": 2222,
+                "forward_micro_batch_size": 10, "forward_micro_batch_size_per_gpu": 5,
+                "ppo_epochs": 3, "grad_clip": 0.5,
+                "optim": {"lr": 2e-6},
+                "model": {"path": "/c", "enable_gradient_checkpointing": false, "use_remove_padding": true}
+            }
+        });
+        let model: ModelSection = section(&cfg, "actor_rollout_ref.model").unwrap();
+        assert_eq!(model.path, "/m");
+        assert_eq!(model.tokenizer_path.as_deref(), Some("/t"));
+        assert!(!model.enable_gradient_checkpointing);
+        assert_eq!(model.use_remove_padding, Some(false));
+
+        let a: ActorSection = section(&cfg, "actor_rollout_ref.actor").unwrap();
+        assert_eq!(
+            (
+                a.ppo_mini_batch_size,
+                a.ppo_micro_batch_size,
+                a.ppo_micro_batch_size_per_gpu
+            ),
+            (7, Some(6), Some(3))
+        );
+        assert!(a.use_dynamic_bsz && a.calculate_entropy && a.use_prefix_grouper);
+        assert_eq!((a.ppo_max_token_len_per_gpu, a.ppo_epochs), (999, 4));
+        assert_eq!((a.grad_clip, a.rollout_n), (0.25, Some(5)));
+        let o = &a.optim;
+        assert_eq!(
+            (o.lr, o.betas.clone(), o.weight_decay),
+            (3e-5, vec![0.8, 0.95], 0.1)
+        );
+        assert_eq!((o.lr_warmup_steps, o.lr_warmup_steps_ratio), (9, 0.3));
+        assert_eq!(
+            (o.total_training_steps, o.min_lr_ratio, o.num_cycles),
+            (77, 0.05, 1.5)
+        );
+        assert_eq!(o.lr_scheduler_type, "cosine");
+        assert_eq!(o.warmup_style.as_deref(), Some("constant"));
+        let f = &a.fsdp_config;
+        let key = "actor_rollout_ref.actor.fsdp_config";
+        assert_eq!(f.model_dtype, "bf16");
+        assert_eq!(f.dtype.as_deref(), Some("float16"));
+        assert_eq!(f.seed, 7);
+        assert!(f.param_offload && f.optimizer_offload && !f.reshard_after_forward);
+        // mixed_precision.param_dtype wins over dtype, as in verl.
+        assert_eq!(
+            f.precision(key).unwrap(),
+            Precision {
+                master: Kind::BFloat16,
+                compute: Kind::BFloat16
+            }
+        );
+        assert_eq!(f.reduce_dtype(key).unwrap(), Kind::BFloat16);
+
+        let e: RolloutEngineSection = section(&cfg, "actor_rollout_ref.rollout").unwrap();
+        assert_eq!(e.gpu_memory_utilization, 0.8);
+        assert_eq!(
+            (e.max_num_seqs, e.max_num_batched_tokens),
+            (Some(33), Some(4097))
+        );
+        assert!(e.enforce_eager && e.consistent_attention);
+        assert_eq!(e.cudagraph_capture_sizes, Some(vec![1, 3]));
+        let lp: LogProbSection = section(&cfg, "actor_rollout_ref.rollout").unwrap();
+        assert_eq!(
+            (
+                lp.log_prob_micro_batch_size,
+                lp.log_prob_micro_batch_size_per_gpu
+            ),
+            (Some(12), Some(2))
+        );
+        assert!(lp.log_prob_use_dynamic_bsz);
+        assert_eq!(lp.log_prob_max_token_len_per_gpu, 555);
+
+        let c: CriticSection = section(&cfg, "critic").unwrap();
+        assert_eq!(c.rollout_n, Some(5));
+        assert_eq!(
+            (
+                c.ppo_mini_batch_size,
+                c.ppo_micro_batch_size,
+                c.ppo_micro_batch_size_per_gpu
+            ),
+            (9, Some(8), Some(4))
+        );
+        assert!(c.use_dynamic_bsz);
+        assert_eq!(
+            (c.ppo_max_token_len_per_gpu, c.forward_max_token_len_per_gpu),
+            (1111, 2222)
+        );
+        assert_eq!(
+            (
+                c.forward_micro_batch_size,
+                c.forward_micro_batch_size_per_gpu
+            ),
+            (Some(10), Some(5))
+        );
+        assert_eq!((c.ppo_epochs, c.grad_clip, c.optim.lr), (3, 0.5, 2e-6));
+        assert_eq!(c.model.path, "/c");
+        assert!(!c.model.enable_gradient_checkpointing);
+        assert_eq!(c.model.use_remove_padding, Some(true));
+    }
+
     #[test]
     fn reduce_dtype_is_fp32_unless_mixed_precision_says_otherwise() {
         let key = "actor_rollout_ref.actor.fsdp_config";

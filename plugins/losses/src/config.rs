@@ -248,3 +248,78 @@ impl ActorLoss {
         Ok((loss, metrics))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kl::KlEstimator;
+
+    /// The actor's and critic's loss keys, each set away from its default, arrive in the losses
+    /// the backends build (under verl's names, with verl's clip-range fallback).
+    #[test]
+    fn loss_configs_read_the_verl_keys_they_name() {
+        let actor: ActorLossConfig = serde_json::from_value(serde_json::json!({
+            "policy_loss": {"loss_mode": "vanilla"},
+            "clip_ratio": 0.3, "clip_ratio_low": 0.1, "clip_ratio_high": 0.28, "clip_ratio_c": 4.0,
+            "loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 512.0,
+            "entropy_coeff": 0.01, "use_kl_loss": true, "kl_loss_coef": 0.05,
+            "kl_loss_type": "k3+", "tau_pos": 1.5, "tau_neg": 2.0
+        }))
+        .unwrap();
+        let loss = ActorLoss::from_config(&actor).unwrap();
+        assert_eq!(
+            loss.policy,
+            PolicyLoss::Vanilla {
+                clip_ratio_low: 0.1,
+                clip_ratio_high: 0.28,
+                clip_ratio_c: 4.0
+            }
+        );
+        assert_eq!(loss.agg.mode, LossAggMode::SeqMeanTokenSumNorm);
+        assert_eq!(loss.agg.loss_scale_factor, Some(512.0));
+        assert_eq!(loss.entropy_coeff, 0.01);
+        let (kl, coef) = loss.kl.unwrap();
+        assert_eq!(
+            (kl.estimator, kl.k2_gradient, coef),
+            (KlEstimator::K3, true, 0.05)
+        );
+
+        // Null clip_ratio_low/high fall back to clip_ratio; SAPO reads tau_pos/tau_neg.
+        let mut v = serde_json::json!({
+            "policy_loss": {"loss_mode": "vanilla"}, "clip_ratio": 0.3,
+            "clip_ratio_low": null, "clip_ratio_high": null, "use_kl_loss": false
+        });
+        let fallback: ActorLossConfig = serde_json::from_value(v.clone()).unwrap();
+        let loss = ActorLoss::from_config(&fallback).unwrap();
+        assert_eq!(
+            loss.policy,
+            PolicyLoss::Vanilla {
+                clip_ratio_low: 0.3,
+                clip_ratio_high: 0.3,
+                clip_ratio_c: 3.0
+            }
+        );
+        assert!(loss.kl.is_none());
+        v["policy_loss"]["loss_mode"] = "sapo".into();
+        v["tau_pos"] = 1.5.into();
+        v["tau_neg"] = 2.0.into();
+        let sapo: ActorLossConfig = serde_json::from_value(v).unwrap();
+        assert_eq!(
+            ActorLoss::from_config(&sapo).unwrap().policy,
+            PolicyLoss::Sapo {
+                tau_pos: 1.5,
+                tau_neg: 2.0
+            }
+        );
+
+        let critic: CriticLossConfig = serde_json::from_value(serde_json::json!({
+            "cliprange_value": 0.2, "loss_agg_mode": "seq-mean-token-mean",
+            "loss_scale_factor": 64.0
+        }))
+        .unwrap();
+        let c = CriticLoss::from_config(&critic).unwrap();
+        assert_eq!(c.cliprange_value, 0.2);
+        assert_eq!(c.agg.mode, LossAggMode::SeqMeanTokenMean);
+        assert_eq!(c.agg.loss_scale_factor, Some(64.0));
+    }
+}

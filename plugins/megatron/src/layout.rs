@@ -539,6 +539,50 @@ mod tests {
         }
     }
 
+    /// A role's `megatron` block with every key this backend reads set away from its default
+    /// arrives as written; the reference falls back to the actor's block when it has none.
+    #[test]
+    fn megatron_section_reads_the_verl_keys_it_names() {
+        let block = serde_json::json!({
+            "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4,
+            "virtual_pipeline_model_parallel_size": 2, "expert_model_parallel_size": 8,
+            "expert_tensor_parallel_size": 1, "context_parallel_size": 1,
+            "sequence_parallel": false, "use_distributed_optimizer": false,
+            "param_offload": true, "grad_offload": true, "optimizer_offload": true,
+            "seed": 7, "dtype": "float16",
+            "override_transformer_config": {"recompute_granularity": "full", "moe_aux_loss_coeff": 0.01}
+        });
+        let cfg = serde_json::json!({"actor_rollout_ref": {"actor": {"megatron": block}}});
+        for (prefix, fallback) in [
+            ("actor_rollout_ref.actor.megatron", None),
+            (
+                "actor_rollout_ref.ref.megatron",
+                Some("actor_rollout_ref.actor.megatron"),
+            ),
+        ] {
+            let m = crate::common::megatron_section(&cfg, prefix, fallback).unwrap();
+            assert_eq!(
+                (
+                    m.tensor_model_parallel_size,
+                    m.pipeline_model_parallel_size,
+                    m.virtual_pipeline_model_parallel_size,
+                    m.expert_model_parallel_size,
+                    m.expert_tensor_parallel_size,
+                ),
+                (2, 4, Some(2), 8, Some(1)),
+                "{prefix}"
+            );
+            assert!(!m.sequence_parallel && !m.use_distributed_optimizer);
+            assert!(m.param_offload && m.grad_offload && m.optimizer_offload);
+            assert_eq!((m.seed, m.dtype.as_str()), (7, "float16"));
+            assert_eq!(
+                m.override_transformer_config["recompute_granularity"],
+                "full"
+            );
+            assert_eq!(m.override_transformer_config["moe_aux_loss_coeff"], 0.01);
+        }
+    }
+
     const P: &str = "actor_rollout_ref.actor.megatron";
 
     #[test]

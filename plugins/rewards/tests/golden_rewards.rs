@@ -117,3 +117,29 @@ fn golden_rewards_match_verl() {
         rows.len()
     );
 }
+
+/// verl passes `custom_reward_function.reward_kwargs` to the score function: GSM8K's flexible
+/// extraction finds an answer the strict one (`#### N` only) does not.
+#[test]
+fn reward_kwargs_reach_the_rule_rewards() {
+    use verl_plugin_api::{col, Batch, InitArgs, RewardPlugin, Role, ScoreOptions as Call};
+    let score = |reward_kwargs: Value| -> f32 {
+        let config =
+            serde_json::json!({"custom_reward_function": {"reward_kwargs": reward_kwargs}});
+        let mut reward =
+            verl_rewards::RulesRewardPlugin::create_reward(&InitArgs::new(Role::Reward, config))
+                .unwrap();
+        let mut b = Batch::new();
+        b.insert_strings(
+            col::RESPONSE_TEXT,
+            &["She sold 72 clips, so the answer is 72."],
+        );
+        b.insert_strings(col::DATA_SOURCE, &["openai/gsm8k"]);
+        b.insert_json(col::GROUND_TRUTH, &[Value::from("72")]);
+        b.insert_json(col::EXTRA_INFO, &[Value::Null]);
+        let out = reward.score(&b, &Call::default()).unwrap();
+        out.tensor::<f32>(col::SCORES).unwrap().data[0]
+    };
+    assert_eq!(score(serde_json::json!({})), 0.0, "strict needs `#### 72`");
+    assert_eq!(score(serde_json::json!({"method": "flexible"})), 1.0);
+}

@@ -681,6 +681,16 @@ impl Tokenizer {
         &self.templates
     }
 
+    /// This tokenizer with `source` as its one chat template, replacing the folder's (HF's
+    /// `tokenizer.chat_template = source`, which verl's `model.custom_chat_template` does).
+    pub fn with_chat_template(mut self, source: &str) -> Result<Self> {
+        let template = ChatTemplate::new("default", source)?;
+        self.templates = ChatTemplates {
+            templates: BTreeMap::from([("default".to_string(), template)]),
+        };
+        Ok(self)
+    }
+
     /// Renders `messages` with this folder's chat template, special tokens as variables (HF's
     /// `apply_chat_template(..., tokenize=False)`).
     pub fn apply_chat_template<M: Serialize>(

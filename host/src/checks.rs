@@ -1,0 +1,145 @@
+//! What `verl run --dry-run` checks beyond the config and the batch arithmetic: that the data
+//! files exist and parse as verl-format rows, and that the model folders hold a config and a
+//! tokenizer the job can use. Each check returns one line for the report, or an error naming
+//! the key and the file.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use verl_config::Config;
+use verl_data::{Dataset, Split};
+
+/// `~/` at the start of a path, as verl's defaults write model and data paths.
+fn expand(path: &str) -> PathBuf {
+    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => PathBuf::from(path),
+    }
+}
+
+/// One split's files: every file exists and every row is a verl-format row (prompt column,
+/// `data.reward_fn_key`, `reward_model.ground_truth`; no media). Returns the report line.
+pub fn check_data(cfg: &Config, split: Split) -> anyhow::Result<String> {
+    let (key, files) = match split {
+        Split::Train => ("data.train_files", cfg.data.train_files.to_vec()),
+        Split::Val => ("data.val_files", cfg.data.val_files.to_vec()),
+    };
+    if files.is_empty() {
+        bail!("{key}: no files given");
+    }
+    let paths: Vec<PathBuf> = files.iter().map(|f| expand(f)).collect();
+    for p in &paths {
+        if !p.is_file() {
+            bail!("{key}: {} does not exist (or is not a file)", p.display());
+        }
+    }
+    let dcfg = crate::trainer::data_config(cfg)?;
+    let ds = Dataset::load(&paths, &dcfg).with_context(|| format!("{key}"))?;
+    let sources: std::collections::BTreeSet<&str> =
+        ds.iter().map(|s| s.data_source.as_str()).collect();
+    Ok(format!(
+        "{} rows in {} file(s), data sources: {}",
+        ds.len(),
+        paths.len(),
+        sources.into_iter().collect::<Vec<_>>().join(", ")
+    ))
+}
+
+/// A model folder: `config.json` parses and names an architecture, and (for the policy, whose
+/// tokenizer encodes the prompts) the tokenizer loads with a chat template. Returns the report
+/// line.
+pub fn check_model(key: &str, path: &str, tokenizer: Option<&Path>) -> anyhow::Result<String> {
+    let dir = expand(path);
+    if !dir.is_dir() {
+        bail!("{key}: {} is not a folder", dir.display());
+    }
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("{key}: reading {}", config_path.display()))?;
+    let config: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{key}: {} is not JSON", config_path.display()))?;
+    let arch = config
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(|a| a.as_str())
+        .or_else(|| config.get("model_type").and_then(|t| t.as_str()))
+        .with_context(|| {
+            format!(
+                "{key}: {} names neither `architectures` nor `model_type`",
+                config_path.display()
+            )
+        })?
+        .to_string();
+    let mut line = format!("{} ({arch})", dir.display());
+    if let Some(tok_dir) = tokenizer {
+        let tok = verl_chat::Tokenizer::from_dir(tok_dir)
+            .with_context(|| format!("loading the tokenizer of {}", tok_dir.display()))?;
+        if tok.chat_templates().is_empty() {
+            bail!(
+                "{}: the tokenizer has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); set actor_rollout_ref.model.custom_chat_template",
+                tok_dir.display()
+            );
+        }
+        line.push_str(&format!(
+            ", tokenizer {} ({} tokens, chat template)",
+            tok_dir.display(),
+            tok.inner().get_vocab_size(true)
+        ));
+    }
+    Ok(line)
+}
+
+/// The policy's model folder and the folder of its prompt tokenizer.
+pub fn check_policy_model(cfg: &Config) -> anyhow::Result<String> {
+    let tok = expand(&crate::trainer::tokenizer_dir(cfg).to_string_lossy());
+    check_model(
+        "actor_rollout_ref.model.path",
+        &cfg.actor_rollout_ref.model.path,
+        Some(&tok),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_data_and_model_folders_are_named() {
+        let cfg = Config::from_overrides(&[
+            "data.train_files=/nonexistent/train.parquet",
+            "actor_rollout_ref.model.path=/nonexistent/model",
+        ])
+        .unwrap();
+        let e = format!("{:#}", check_data(&cfg, Split::Train).unwrap_err());
+        assert!(
+            e.contains("data.train_files") && e.contains("/nonexistent/train.parquet"),
+            "{e}"
+        );
+        let e = format!("{:#}", check_policy_model(&cfg).unwrap_err());
+        assert!(
+            e.contains("actor_rollout_ref.model.path") && e.contains("/nonexistent/model"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_file_that_is_not_parquet_or_a_folder_without_config_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let bad = dir.path().join("train.parquet");
+        std::fs::write(&bad, "not parquet").unwrap();
+        let cfg = Config::from_overrides(&[format!("data.train_files={}", bad.display())]).unwrap();
+        let e = format!("{:#}", check_data(&cfg, Split::Train).unwrap_err());
+        assert!(
+            e.contains("data.train_files") && e.contains("train.parquet"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            check_model("critic.model.path", &dir.path().to_string_lossy(), None).unwrap_err()
+        );
+        assert!(
+            e.contains("critic.model.path") && e.contains("config.json"),
+            "{e}"
+        );
+    }
+}

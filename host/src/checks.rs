@@ -9,13 +9,7 @@ use anyhow::{bail, Context};
 use verl_config::Config;
 use verl_data::{Dataset, Split};
 
-/// `~/` at the start of a path, as verl's defaults write model and data paths.
-fn expand(path: &str) -> PathBuf {
-    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
-        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
-        _ => PathBuf::from(path),
-    }
-}
+use crate::paths::expand_home as expand;
 
 /// One split's files: every file exists and every row is a verl-format row (prompt column,
 /// `data.reward_fn_key`, `reward_model.ground_truth`; no media). Returns the report line.
@@ -91,7 +85,7 @@ pub fn check_model(key: &str, path: &str, tokenizer: Option<&Path>) -> anyhow::R
 
 /// The policy's model folder and the folder of its prompt tokenizer.
 pub fn check_policy_model(cfg: &Config) -> anyhow::Result<String> {
-    let tok = expand(&crate::trainer::tokenizer_dir(cfg).to_string_lossy());
+    let tok = crate::trainer::tokenizer_dir(cfg);
     check_model(
         "actor_rollout_ref.model.path",
         &cfg.actor_rollout_ref.model.path,

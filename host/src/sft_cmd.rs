@@ -17,6 +17,7 @@ use serde::Deserialize;
 use serde_yaml::Value;
 use verl_chat::{ChatOptions, Tokenizer};
 use verl_config::{Override, OverrideKind};
+use verl_host::paths::expand_home;
 use verl_metrics::{LoggerOptions, MetricsLogger};
 use verl_plugin_api::{client::ActorClient, col, Batch, InitArgs, Role};
 
@@ -141,13 +142,6 @@ pub struct TrainerSection {
     pub n_gpus_per_node: usize,
     pub nnodes: usize,
     pub device: String,
-}
-
-fn expand_home(s: &str) -> PathBuf {
-    match (s.strip_prefix("~/"), std::env::var_os("HOME")) {
-        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
-        _ => PathBuf::from(s),
-    }
 }
 
 fn merge(base: &mut Value, patch: Value) {

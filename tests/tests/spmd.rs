@@ -42,7 +42,7 @@ fn write_toy_model(dir: &Path) {
     let vocab = tok.get_vocab_size(true);
     std::fs::write(
         dir.join("config.json"),
-        json!({"vocab_size": vocab}).to_string(),
+        json!({"model_type": "toy_bigram", "vocab_size": vocab}).to_string(),
     )
     .unwrap();
 }
@@ -557,10 +557,33 @@ fn layouts_the_launcher_cannot_serve_are_explained() {
     let fx = Fixture::toy();
     let cwd = fx.run_dir("multinode");
     let o = fx
-        .command(&cwd, 2, &["trainer.nnodes=2", "--dry-run"])
+        .command(&cwd, 2, &["trainer.nnodes=2"])
         .output()
         .unwrap();
     assert_one_line_error(&o, &["trainer.nnodes=2", "torchrun", "srun"]);
+    // A dry run checks the rest and says how the launch would have to happen.
+    let o = fx
+        .command(
+            &cwd,
+            2,
+            &[
+                "trainer.nnodes=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+                "critic.ppo_micro_batch_size_per_gpu=1",
+                "critic.forward_micro_batch_size_per_gpu=1",
+                "--dry-run",
+            ],
+        )
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(
+        out.contains("not checked   launch:") && out.contains("torchrun") && out.contains("srun"),
+        "{out}"
+    );
 
     // torchrun says 2 ranks, the config 4.
     let o = fx

@@ -165,7 +165,8 @@ fn load_split(
             .map(|ids| ids.len())
             .map_err(|e| format!("{e:#}").into())
     };
-    let (ds, report) = Dataset::prepare(files, dcfg, split, Some(&len_fn))
+    let paths: Vec<PathBuf> = files.iter().map(|f| crate::paths::expand_home(f)).collect();
+    let (ds, report) = Dataset::prepare(&paths, dcfg, split, Some(&len_fn))
         .with_context(|| format!("loading {split:?} data from {}", files.join(", ")))?;
     if let Some(r) = report {
         if r.removed > 0 {
@@ -267,13 +268,13 @@ fn balance_rollout(
             (balanced, batch)
         }
         Some(g) => {
-            // Every rank gathers every replica's rows (a few MB) and keeps its own share; the
-            // partition is computed identically everywhere.
+            // Every rank gathers every replica's rows (a few MB; the gather returns one part per
+            // replica, in data-parallel order) and keeps its own share; the partition is
+            // computed identically everywhere.
             let parts = g.all_gather_bytes(&batch.to_bytes())?;
-            let replicas: Vec<Batch> = dp
-                .data_ranks()
+            let replicas: Vec<Batch> = parts
                 .iter()
-                .map(|&r| Batch::from_bytes(&parts[r]))
+                .map(|p| Batch::from_bytes(p))
                 .collect::<Result<_, _>>()?;
             let whole = Batch::concat(&replicas)?;
             let ids: Vec<i64> = whole.tensor_in::<i64>(call, col::PROMPT_INDEX)?.data;
@@ -1339,12 +1340,6 @@ impl DataLayout {
         })
     }
 
-    /// The ranks holding each replica's data, in data-parallel order (a replica's first rank).
-    fn data_ranks(&self) -> Vec<usize> {
-        (0..self.holds_data.len())
-            .filter(|&r| self.holds_data[r])
-            .collect()
-    }
 }
 
 /// One validation batch's scored rows on one rank, as sent to the others (floats as bits, so

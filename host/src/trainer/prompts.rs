@@ -19,7 +19,7 @@ pub fn tokenizer_dir(cfg: &Config) -> PathBuf {
         .as_deref()
         .or(m.tokenizer_path.as_deref())
         .unwrap_or(&m.path);
-    PathBuf::from(dir)
+    crate::paths::expand_home(dir)
 }
 
 pub(crate) struct PromptEncoder {

@@ -765,6 +765,14 @@ fn transformer_overrides(v: &Value, _: &Config) -> Verdict {
     let Some(map) = v.as_mapping() else {
         return Verdict::Refused("a mapping is expected".into());
     };
+    // The block's defaults (verl's recompute_modules / attention_backend) are no request.
+    let defaults = crate::tree::get_path(
+        crate::load::defaults_tree(),
+        &crate::tree::split_key("actor_rollout_ref.actor.megatron.override_transformer_config"),
+    )
+    .and_then(Value::as_mapping)
+    .cloned()
+    .unwrap_or_default();
     let mut ignored = Vec::new();
     let mut refused = Vec::new();
     for (k, val) in map {
@@ -776,7 +784,7 @@ fn transformer_overrides(v: &Value, _: &Config) -> Verdict {
                 );
             }
         } else if HARMLESS.contains(&k.as_str()) {
-            if !val.is_null() {
+            if !val.is_null() && defaults.get(k.as_str()) != Some(val) {
                 ignored.push(k);
             }
         } else {

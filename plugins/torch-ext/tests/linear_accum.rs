@@ -222,6 +222,31 @@ fn embedding_gradient_goes_into_grad_rows() {
     assert!(err.contains("padding_idx 4"), "{err}");
 }
 
+/// On the CPU with several intra-op threads, the gradient rows of many repeated ids sum in the
+/// same order every time: ten backwards give the same bits (an accumulating `index_put_` races
+/// between threads and differed in 9 of 10 repeats of this case).
+#[test]
+fn embedding_gradient_is_deterministic_on_cpu_threads() {
+    use verl_torch_ext::embedding_accumulating;
+    tch::set_num_threads(2);
+    tch::manual_seed(3);
+    let opts = (Kind::Float, Device::Cpu);
+    let ids = Tensor::randint(50, [20_000], (Kind::Int64, Device::Cpu));
+    let g = Tensor::randn([20_000, 128], opts);
+    let grads: Vec<Tensor> = (0..10)
+        .map(|_| {
+            let w = Tensor::zeros([50, 128], opts).set_requires_grad(true);
+            (embedding_accumulating(&w, &ids, None).unwrap() * &g)
+                .sum(Kind::Float)
+                .backward();
+            w.grad().copy()
+        })
+        .collect();
+    for (i, gr) in grads.iter().enumerate() {
+        assert!(gr.equal(&grads[0]), "backward {i} differs from backward 0");
+    }
+}
+
 /// In bf16, on the CPU and on a GPU: adding a micro-batch's weight gradient into `.grad` rounds
 /// once (the product accumulated in fp32, added to `.grad` in fp32, one rounding), nearer the
 /// exact sum than rounding the product to bf16 first and adding (what autograd's separate

@@ -130,6 +130,44 @@ pub(crate) fn read_defaults(
     Ok(engine)
 }
 
+/// A config-group choice given on the command line (`actor@actor_rollout_ref.actor=megatron_actor`).
+/// verl's stock choices are accepted (a `megatron_*` / `dp_*` choice selects that engine, as in
+/// a `defaults:` list); anything else would load a config file verl-rs does not have (usually
+/// from a package on `hydra.searchpath`, such as a third-party engine) and is refused by name.
+/// Returns the engine the choice selects, if any.
+pub(crate) fn group_choice(
+    group: &str,
+    value: &str,
+    text: &str,
+) -> Result<Option<&'static str>, ConfigError> {
+    let known = GROUPS.iter().find(|(g, _)| *g == group);
+    match known {
+        Some((_, choices)) if choices.contains(&value) => Ok(if value.starts_with("megatron_") {
+            Some("megatron")
+        } else if value.starts_with("dp_") {
+            Some("dp")
+        } else {
+            None
+        }),
+        Some((_, choices)) => Err(ConfigError::Refused {
+            key: group.to_string(),
+            origin: format!("override `{text}`"),
+            message: format!(
+                "`{group}={value}` selects the config file `{value}`, which is not one of verl's stock choices for this group ({}); verl-rs composes verl's own config (a file from another package on `hydra.searchpath`, such as a third-party engine's, cannot be loaded): use model_engine=dp or model_engine=megatron and set the keys directly",
+                choices.join(", ")
+            ),
+        }),
+        None => Err(ConfigError::Refused {
+            key: group.to_string(),
+            origin: format!("override `{text}`"),
+            message: format!(
+                "`{group}` is not one of verl's config groups ({}); verl-rs composes verl's own config: set the keys directly",
+                GROUPS.iter().map(|(g, _)| *g).collect::<Vec<_>>().join(", ")
+            ),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,7 @@ use serde_yaml::Value;
 
 use crate::error::{ConfigError, Result};
 use crate::interp::resolve_tree;
-use crate::overrides::Override;
+use crate::overrides::{Override, OverrideKind};
 use crate::schema::Config;
 use crate::tree::{
     check_keys, describe, get_path, is_free_form, join, key_str, merge, schema_lookup, split_key,
@@ -250,14 +250,59 @@ fn build<S: AsRef<str>>(user: Option<(Value, &str)>, overrides: &[S]) -> Result<
             merge(&mut tree, user);
         }
     }
+    // Packages whose config group the command line pointed at a file verl-rs does not have:
+    // the keys that file would have brought are not reported one by one.
+    let mut foreign_packages: Vec<String> = Vec::new();
     for text in overrides {
-        match Override::parse(text.as_ref())
-            .and_then(|o| o.apply(&mut tree, defaults, &mut origins))
+        let text = text.as_ref();
+        let parsed = match Override::parse(text) {
+            Ok(o) => o,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        let key = join(&parsed.key);
+        if let (Some((_, package)), Some(Value::String(choice))) =
+            (key.split_once('@'), parsed.value.as_ref())
         {
-            Ok(()) => {}
-            Err(e) => errors.push(e),
+            match crate::compose::group_choice(&key, choice, text) {
+                Ok(Some(engine)) => {
+                    let choose = Override {
+                        kind: OverrideKind::Set,
+                        key: vec!["model_engine".into()],
+                        value: Some(engine.into()),
+                        text: text.to_string(),
+                    };
+                    if let Err(e) = choose.apply(&mut tree, defaults, &mut origins) {
+                        errors.push(e);
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    foreign_packages.push(format!("{package}."));
+                    errors.push(e);
+                }
+            }
+            continue;
+        }
+        if parsed.key[0] == "hydra" {
+            notes.push(format!(
+                "override `{text}` is ignored: it configures Hydra itself (output folders, logging, search path), which verl-rs does not use"
+            ));
+            continue;
+        }
+        if let Err(e) = parsed.apply(&mut tree, defaults, &mut origins) {
+            errors.push(e);
         }
     }
+    errors.retain(|e| match e {
+        ConfigError::OverrideMissingKey { key, .. }
+        | ConfigError::OverrideAddNotAllowed { key, .. } => {
+            !foreign_packages.iter().any(|p| key.starts_with(p.as_str()))
+        }
+        _ => true,
+    });
     ConfigError::from_list(errors)?;
     ConfigError::from_list(crate::aliases::unify(&mut tree, defaults, &origins))?;
 
@@ -467,6 +512,7 @@ pub const ADV_ESTIMATORS: &[&str] = &[
     "grpo_vectorized",
     "optimal_token_baseline",
     "tir_optimal_token_baseline",
+    "gdpo",
 ];
 
 /// Keys whose string value must be one of a closed set.

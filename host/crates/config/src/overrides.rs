@@ -95,8 +95,15 @@ impl Override {
         let origin = format!("override `{}`", self.text);
         let node = schema_lookup(defaults, &self.key);
         if let SchemaNode::Unknown { index } = node {
-            let suggestion = suggest(defaults, &self.key, index);
             let key = join(&self.key);
+            if let Some(message) = crate::surface::refusal_of_unknown(defaults, &self.key, index) {
+                return Err(ConfigError::Refused {
+                    key,
+                    origin,
+                    message,
+                });
+            }
+            let suggestion = suggest(defaults, &self.key, index);
             return Err(match self.kind {
                 OverrideKind::Add | OverrideKind::ForceAdd => ConfigError::OverrideAddNotAllowed {
                     text: self.text.clone(),

@@ -464,6 +464,7 @@ pub static RULES: &[Rule] = &[
     Rule::refused("algorithm.filter_groups.*", DAPO_FILTER, DAPO_FILTER_INSTEAD),
     Rule::refused("algorithm.use_pf_ppo", "PF-PPO's reward-weighted resampling", "set it to false"),
     Rule::refused("algorithm.pf_ppo.*", "PF-PPO's reward-weighted resampling", "leave algorithm.use_pf_ppo=false"),
+    Rule::refused("algorithm.gdpo_reward_keys|algorithm.gdpo_reward_weights", "GDPO's advantages normalized per reward dimension", "use adv_estimator=grpo on the total score"),
     Rule::acts("algorithm.rollout_correction.rollout_is", "importance weights against the rollout policy (token, sequence)", &["tests/tests/train.rs::rollout_correction_bypasses_the_old_pass_and_corrects_through_the_plugins", "host/src/trainer/rollout_corr.rs::tests::verl_config_forms_parse"]),
     Rule::acts("algorithm.rollout_correction.rollout_is_threshold", "the importance weights' truncation or band", &["host/src/trainer/rollout_corr.rs::tests::verl_config_forms_parse", "host/crates/algos/src/rollout_corr/tests.rs::token_weights_are_truncated_ratios_and_zero_on_padding"]),
     Rule::acts("algorithm.rollout_correction.rollout_is_batch_normalize", "rescales the importance weights to mean 1", &["host/crates/algos/src/rollout_corr/tests.rs::band_threshold_zeroes_weights_outside_it_and_batch_normalisation_rescales"]),

@@ -650,6 +650,8 @@ pub struct AlgorithmConfig {
     pub kl_ctrl: KlControlConfig,
     pub use_pf_ppo: bool,
     pub pf_ppo: PfPpoConfig,
+    pub gdpo_reward_keys: Option<Vec<String>>,
+    pub gdpo_reward_weights: Option<Vec<f64>>,
     pub rollout_correction: RolloutCorrectionConfig,
 }
 

@@ -193,6 +193,46 @@ pub fn rule_for(key: &str) -> Option<&'static Rule> {
         .map(|(_, r)| r)
 }
 
+/// verl's other training engines: their sections (`actor_rollout_ref.actor.veomni.*`, ...) are
+/// not in verl-rs's schema, and setting them asks for an engine verl-rs does not have.
+pub const OTHER_ENGINES: &[(&str, &str)] = &[
+    ("veomni", "VeOmni"),
+    ("torchtitan", "TorchTitan"),
+    ("automodel", "NeMo AutoModel"),
+];
+
+/// Why a key the schema does not have is refused rather than reported unknown: it configures
+/// one of verl's engines verl-rs does not have ([`OTHER_ENGINES`]), or it lies in a section
+/// verl-rs refuses as a whole (`distillation.**`: verl's named teacher models are keys of their
+/// own). A near spelling of a sibling stays an unknown key with its suggestion.
+pub(crate) fn refusal_of_unknown(
+    defaults: &Value,
+    path: &[String],
+    index: usize,
+) -> Option<String> {
+    let key = join(path);
+    if let Some((_, name)) = OTHER_ENGINES.iter().find(|(seg, _)| path[index] == *seg) {
+        return Some(format!(
+            "`{key}` configures verl's {name} engine, which verl-rs does not have; verl-rs trains with FSDP (model_engine=dp, settings in `*.fsdp_config`) or Megatron (model_engine=megatron, settings in `*.megatron`)"
+        ));
+    }
+    if crate::tree::sibling_suggestion(defaults, path, index).is_some() {
+        return None;
+    }
+    let rule = rule_for(&key)?;
+    let section = rule.pattern.strip_suffix(".**")?;
+    let whole_section = rule.class == Class::Refused
+        && !section.contains('*')
+        && !section.contains('|')
+        && key.starts_with(&format!("{section}."));
+    whole_section.then(|| {
+        format!(
+            "`{key}` belongs to {}, which verl-rs does not do; {}",
+            rule.what, rule.instead
+        )
+    })
+}
+
 /// Every key the table covers: the schema's leaves and free-form maps, in schema order.
 pub fn surface_keys(defaults: &Value) -> Vec<String> {
     fn walk(v: &Value, prefix: &mut Vec<String>, out: &mut Vec<String>) {
@@ -383,6 +423,11 @@ pub fn markdown(defaults: &Value) -> String {
          is a one-line warning.\n\
          - **refused**: a value other than the default is an error naming the key, what it asks \
          for and what to use instead.\n\n\
+         Keys verl-rs's schema does not have are errors too: those of verl's other engines \
+         (`*.veomni.*`, `*.torchtitan.*`, `*.automodel.*`) and those inside a refused section \
+         (`distillation.teacher_models.<name>.*`) are refused by name; a config-group choice on \
+         the command line (`actor@actor_rollout_ref.actor=megatron_actor`) must be one of verl's \
+         stock files; `hydra.*` overrides are a warning. \
          Only keys a job sets are checked, against their defaults. Older names of a setting \
          (verl 0.7's `reward_model.*`, `custom_reward_function.*`, `critic.model.fsdp_config.*`, \
          ...) behave as verl 0.10's name, listed in the last column.\n",

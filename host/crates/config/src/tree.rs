@@ -117,45 +117,70 @@ fn similarity(a: &str, b: &str) -> f64 {
     strsim::jaro_winkler(a, b).max(strsim::normalized_damerau_levenshtein(a, b))
 }
 
-/// The closest valid key for `path`, whose segment `index` is not in the schema.
-///
-/// First a sibling spelled nearly the same (`trainer.totl_epochs` → `trainer.total_epochs`),
-/// then the same leaf elsewhere in the schema (`trainer.ppo_mini_batch_size` →
-/// `actor_rollout_ref.actor.ppo_mini_batch_size`), then a near spelling of the leaf anywhere.
-pub(crate) fn suggest(defaults: &Value, path: &[String], index: usize) -> Option<String> {
+/// A sibling of `path[index]` spelled nearly the same (`trainer.totl_epochs` →
+/// `trainer.total_epochs`), with the rest of the path kept.
+pub(crate) fn sibling_suggestion(
+    defaults: &Value,
+    path: &[String],
+    index: usize,
+) -> Option<String> {
     let bad = &path[index];
     let parent = &path[..index];
     let mut cur = defaults;
     for seg in parent {
         cur = cur.as_mapping()?.get(seg.as_str())?;
     }
-    if let Some(siblings) = cur.as_mapping() {
-        let best = siblings
-            .keys()
-            .map(key_str)
-            .map(|k| (similarity(bad, &k), k))
-            .filter(|(s, _)| *s >= 0.8)
-            .max_by(|a, b| a.0.total_cmp(&b.0));
-        if let Some((_, k)) = best {
-            let mut out = parent.to_vec();
-            out.push(k);
-            out.extend_from_slice(&path[index + 1..]);
-            return Some(join(&out));
-        }
+    let (_, k) = cur
+        .as_mapping()?
+        .keys()
+        .map(key_str)
+        .map(|k| (similarity(bad, &k), k))
+        .filter(|(s, _)| *s >= 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))?;
+    let mut out = parent.to_vec();
+    out.push(k);
+    out.extend_from_slice(&path[index + 1..]);
+    Some(join(&out))
+}
+
+/// The closest valid key for `path`, whose segment `index` is not in the schema.
+///
+/// First a sibling spelled nearly the same (`trainer.totl_epochs` → `trainer.total_epochs`),
+/// then the same leaf elsewhere in the schema (`trainer.ppo_mini_batch_size` →
+/// `actor_rollout_ref.actor.ppo_mini_batch_size`), then a near spelling of the leaf anywhere;
+/// among equals, the key sharing the longest prefix with `path`
+/// (`actor_rollout_ref.actor.policy_loss.tau_pos` → `actor_rollout_ref.actor.tau_pos`).
+pub(crate) fn suggest(defaults: &Value, path: &[String], index: usize) -> Option<String> {
+    if let Some(s) = sibling_suggestion(defaults, path, index) {
+        return Some(s);
     }
+    let shared = |p: &[String]| p.iter().zip(path).take_while(|(a, b)| a == b).count();
     let leaf = path.last()?;
     let all = schema_paths(defaults);
     let tail = &path[index..];
-    if let Some(p) = all.iter().find(|p| p.ends_with(tail)) {
-        return Some(join(p));
+    // The longest shared prefix wins; among equals, the first in schema order.
+    let best = |keep: &dyn Fn(&Vec<String>) -> bool| {
+        all.iter()
+            .enumerate()
+            .filter(|(_, p)| keep(p))
+            .max_by_key(|(i, p)| (shared(p), std::cmp::Reverse(*i)))
+            .map(|(_, p)| join(p))
+    };
+    if let Some(p) = best(&|p| p.ends_with(tail)) {
+        return Some(p);
+    }
+    if tail.len() > 1 {
+        if let Some(p) = best(&|p| p.last() == Some(leaf)) {
+            return Some(p);
+        }
     }
     all.iter()
         .filter_map(|p| {
             let s = similarity(leaf, p.last()?);
-            (s >= 0.9).then_some((s, p))
+            (s >= 0.9).then_some((s, shared(p), p))
         })
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, p)| join(p))
+        .max_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+        .map(|(_, _, p)| join(p))
 }
 
 /// Where each user-set path came from (a file name or an override), for error messages.
@@ -238,10 +263,19 @@ pub(crate) fn check_keys(
         prefix.push(name.clone());
         origins.record(prefix, origin);
         match schema_lookup(defaults, prefix) {
-            SchemaNode::Unknown { index } => errors.push(ConfigError::UnknownKey {
-                key: join(prefix),
-                origin: origin.into(),
-                suggestion: suggest(defaults, prefix, index),
+            SchemaNode::Unknown { index } => errors.push(match crate::surface::refusal_of_unknown(
+                defaults, prefix, index,
+            ) {
+                Some(message) => ConfigError::Refused {
+                    key: join(prefix),
+                    origin: origin.into(),
+                    message,
+                },
+                None => ConfigError::UnknownKey {
+                    key: join(prefix),
+                    origin: origin.into(),
+                    suggestion: suggest(defaults, prefix, index),
+                },
             }),
             SchemaNode::FreeForm => {}
             SchemaNode::Known(d) => {

@@ -671,3 +671,106 @@ fn sections_and_paths_for_plugins_and_printing() {
         other => panic!("{other:?}"),
     }
 }
+
+fn override_error(overrides: &[&str]) -> String {
+    Config::from_overrides(overrides).unwrap_err().to_string()
+}
+
+#[test]
+fn keys_of_verls_other_engines_are_refused_naming_the_engine() {
+    for (key, engine) in [
+        (
+            "actor_rollout_ref.actor.veomni.param_offload=True",
+            "VeOmni",
+        ),
+        ("actor_rollout_ref.ref.torchtitan.fsdp_size=8", "TorchTitan"),
+        ("critic.automodel.tp_size=2", "NeMo AutoModel"),
+    ] {
+        let e = override_error(&[key]);
+        let k = key.split('=').next().unwrap();
+        assert!(
+            e.contains(&format!("`{k}` configures verl's {engine} engine"))
+                && e.contains("model_engine=dp")
+                && e.contains("model_engine=megatron"),
+            "{e}"
+        );
+    }
+    // In a job file too.
+    let e = yaml("actor_rollout_ref:\n  actor:\n    veomni:\n      fsdp_size: 8\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("VeOmni engine"), "{e}");
+}
+
+#[test]
+fn keys_inside_a_refused_section_are_refused_not_unknown() {
+    // verl names its teacher models freely (`teacher_models.<name>.*`).
+    let e = override_error(&["distillation.teacher_models.gsm8k.model_path=Qwen/Qwen3-1.7B"]);
+    assert!(
+        e.contains(
+            "`distillation.teacher_models.gsm8k.model_path` belongs to on-policy distillation"
+        ),
+        "{e}"
+    );
+    // A near spelling of a real key in such a section is still a typo with a suggestion.
+    let e = override_error(&["distillation.enabeld=true"]);
+    assert!(e.contains("did you mean `distillation.enabled`?"), "{e}");
+}
+
+#[test]
+fn a_misplaced_added_key_suggests_the_nearest_real_one() {
+    // verl's SAPO example adds tau_pos under policy_loss; SAPO reads actor.tau_pos.
+    let e = override_error(&["+actor_rollout_ref.actor.policy_loss.tau_pos=1.0"]);
+    assert!(
+        e.contains("did you mean `actor_rollout_ref.actor.tau_pos`?"),
+        "{e}"
+    );
+    let e = override_error(&["actor_rollout_ref.ref.fsdp_config.param_offlod=true"]);
+    assert!(
+        e.contains("did you mean `actor_rollout_ref.ref.fsdp_config.param_offload`?"),
+        "{e}"
+    );
+}
+
+#[test]
+fn gdpo_is_a_verl_estimator_verl_rs_refuses() {
+    let e = override_error(&[
+        "algorithm.adv_estimator=gdpo",
+        "+algorithm.gdpo_reward_keys=[accuracy_reward,format_reward]",
+    ]);
+    assert!(
+        e.contains("algorithm.adv_estimator=gdpo") && e.contains("algorithm.gdpo_reward_keys"),
+        "{e}"
+    );
+    assert!(!e.contains("did you mean"), "{e}");
+}
+
+#[test]
+fn config_group_choices_on_the_command_line() {
+    // verl's stock choice selects its engine, as in a `defaults:` list.
+    let c = Config::from_overrides(&["actor@actor_rollout_ref.actor=megatron_actor"]).unwrap();
+    assert_eq!(c.model_engine, "megatron");
+    // A file from another package (verl_mlite on hydra.searchpath) is refused by name, and the
+    // keys it would have brought are not listed one by one.
+    let e = override_error(&[
+        "hydra.searchpath=[pkg://verl_mlite.config]",
+        "actor@actor_rollout_ref.actor=mlite_actor",
+        "actor_rollout_ref.actor.engine.tp=8",
+        "+actor_rollout_ref.actor.engine.impl_cfg.recompute=[full]",
+    ]);
+    assert!(
+        e.contains("`actor@actor_rollout_ref.actor=mlite_actor`")
+            && e.contains("dp_actor, megatron_actor")
+            && !e.contains("engine.tp"),
+        "{e}"
+    );
+    // Hydra's own settings alone are a warning.
+    let c = Config::from_overrides(&["hydra.run.dir=outputs/x"]).unwrap();
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.contains("hydra.run.dir") && w.contains("Hydra itself")),
+        "{:?}",
+        c.warnings
+    );
+}

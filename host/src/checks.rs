@@ -64,6 +64,12 @@ pub fn check_model(key: &str, path: &str, tokenizer: Option<&Path>) -> anyhow::R
             )
         })?
         .to_string();
+    if config.get("vision_config").is_some() || config.get("audio_config").is_some() {
+        bail!(
+            "{key}: {} is a multimodal model ({arch}: its config.json has a vision/audio tower); verl-rs trains text-only causal LMs (images and videos in the data are refused too): use the text model of the family (e.g. Qwen2.5-7B-Instruct for Qwen2.5-VL-7B-Instruct)",
+            dir.display()
+        );
+    }
     let mut line = format!("{} ({arch})", dir.display());
     if let Some(tok_dir) = tokenizer {
         let tok = verl_chat::Tokenizer::from_dir(tok_dir)
@@ -112,6 +118,31 @@ mod tests {
         let e = format!("{:#}", check_policy_model(&cfg).unwrap_err());
         assert!(
             e.contains("actor_rollout_ref.model.path") && e.contains("/nonexistent/model"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_vision_language_model_is_refused_naming_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "vision_config": {"depth": 32}}"#,
+        )
+        .unwrap();
+        let e = format!(
+            "{:#}",
+            check_model(
+                "actor_rollout_ref.model.path",
+                dir.path().to_str().unwrap(),
+                None
+            )
+            .unwrap_err()
+        );
+        assert!(
+            e.starts_with("actor_rollout_ref.model.path: ")
+                && e.contains("Qwen2_5_VLForConditionalGeneration")
+                && e.contains("text-only"),
             "{e}"
         );
     }

@@ -795,6 +795,13 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     for w in &plan.warnings {
         outln!("  ! {w}");
     }
+    // A dry run reads the model folder before the backend lays it out, so a model verl-rs cannot
+    // train is named as such rather than as a layout the backend does not know.
+    let model_line = if dry_run {
+        Some(verl_host::checks::check_policy_model(&cfg)?)
+    } else {
+        None
+    };
     // The backend's own layout check (heads, layers, experts against the parallel sizes), from
     // the model's config.json alone: a bad layout fails here, once, before any rank starts.
     let roles: Vec<&str> = needed
@@ -811,7 +818,13 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         )
     };
     if let Some(summary) = plugins.backend.validate_layout(&layout_init) {
-        for line in summary?.lines() {
+        let summary = summary.with_context(|| {
+            format!(
+                "the `{}` backend cannot lay out this job (model actor_rollout_ref.model.path={})",
+                b.name, cfg.actor_rollout_ref.model.path
+            )
+        })?;
+        for line in summary.lines() {
             outln!("layout        {line} ✓");
         }
     }
@@ -854,10 +867,9 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
             let line = verl_host::checks::check_data(&cfg, split)?;
             outln!("data          {name}: {line} ✓");
         }
-        outln!(
-            "model         {} ✓",
-            verl_host::checks::check_policy_model(&cfg)?
-        );
+        if let Some(line) = &model_line {
+            outln!("model         {line} ✓");
+        }
         if cfg.need_critic() {
             let line =
                 verl_host::checks::check_model("critic.model.path", &cfg.critic.model.path, None)?;

@@ -119,7 +119,8 @@ fn every_example_job_dry_runs_with_its_one_line_command() {
 fn the_multi_node_launchers_run_an_example_job_on_two_nodes() {
     let home = home();
     for script in ["torchrun.sh", "slurm.sbatch"] {
-        let text = std::fs::read_to_string(repo().join("examples/multi_node").join(script)).unwrap();
+        let text =
+            std::fs::read_to_string(repo().join("examples/multi_node").join(script)).unwrap();
         let job = text
             .lines()
             .find_map(|l| l.strip_prefix("JOB=${JOB:-"))
@@ -133,7 +134,13 @@ fn the_multi_node_launchers_run_an_example_job_on_two_nodes() {
         // Outside torchrun/SLURM the dry run checks everything but the launch itself.
         let o = verl(
             home.path(),
-            &["run", job, "trainer.nnodes=2", "trainer.n_gpus_per_node=8", "--dry-run"],
+            &[
+                "run",
+                job,
+                "trainer.nnodes=2",
+                "trainer.n_gpus_per_node=8",
+                "--dry-run",
+            ],
         );
         let out = stdout(&o);
         assert!(o.status.success(), "{out}\n{}", stderr(&o));

@@ -556,10 +556,7 @@ fn a_rendezvous_without_all_ranks_times_out_naming_the_missing_one() {
 fn layouts_the_launcher_cannot_serve_are_explained() {
     let fx = Fixture::toy();
     let cwd = fx.run_dir("multinode");
-    let o = fx
-        .command(&cwd, 2, &["trainer.nnodes=2"])
-        .output()
-        .unwrap();
+    let o = fx.command(&cwd, 2, &["trainer.nnodes=2"]).output().unwrap();
     assert_one_line_error(&o, &["trainer.nnodes=2", "torchrun", "srun"]);
     // A dry run checks the rest and says how the launch would have to happen.
     let o = fx

@@ -1339,7 +1339,6 @@ impl DataLayout {
             holds_data,
         })
     }
-
 }
 
 /// One validation batch's scored rows on one rank, as sent to the others (floats as bits, so

@@ -640,7 +640,25 @@ fn update_plan(r: Role<'_>, cfg: &Config, dp: u64) -> Result<UpdatePlan> {
                 example,
             ));
         };
-        if micro > per_rank || per_rank % micro != 0 {
+        // verl splits each rank's mini-batch into chunks of the micro-batch size: one larger than
+        // the rank's rows is one micro-batch of all of them.
+        if micro >= per_rank {
+            return Ok(UpdatePlan {
+                dp_size: dp,
+                mini_batch_prompts: mini,
+                mini_batch_responses: mini_responses,
+                mini_batch_per_rank: per_rank,
+                mini_batches_per_step: mini_batches,
+                ppo_epochs: r.epochs,
+                optimizer_steps_per_step: mini_batches * r.epochs,
+                micro_batch_per_gpu: Some(per_rank),
+                micro_batches_per_mini_batch: Some(1),
+                grad_accumulation_steps: Some(1),
+                dynamic_bsz: false,
+                max_token_len_per_gpu: None,
+            });
+        }
+        if per_rank % micro != 0 {
             let shown = if key == r.micro.global_key {
                 micro * dp
             } else {
@@ -739,7 +757,7 @@ fn forward_plan(
             nearest(per_rank.min(4), true, |v| per_rank % v == 0),
         ));
     };
-    if micro > per_rank || per_rank % micro != 0 {
+    if micro < per_rank && per_rank % micro != 0 {
         let is_global = key == r.micro.global_key;
         let shown = if is_global { micro * dp } else { micro };
         return Err(err(
@@ -757,8 +775,8 @@ fn forward_plan(
     Ok(ForwardPlan {
         dp_size: dp,
         responses_per_rank: per_rank,
-        micro_batch_per_gpu: Some(micro),
-        micro_batches_per_rank: Some(per_rank / micro),
+        micro_batch_per_gpu: Some(micro.min(per_rank)),
+        micro_batches_per_rank: Some(per_rank.div_ceil(micro)),
         dynamic_bsz: false,
         max_token_len_per_gpu: None,
     })

@@ -248,11 +248,22 @@ impl Parser {
     }
 
     /// A bare token: up to a `,`, `]` or `}` outside `${...}` (at the top level only `,` stops
-    /// it, and only so the caller can report a sweep); a map key also stops at `:`.
+    /// it, and only so the caller can report a sweep); a map key also stops at `:`. As in Hydra,
+    /// a backslash makes the next special character (`\{`, `\}`, `\[`, `\]`, `\(`, `\)`, `\:`, `\=`,
+    /// `\,`, `\ `, `\\`) literal.
     fn primitive(&mut self, top: bool, key: bool) -> std::result::Result<String, String> {
-        let start = self.pos;
+        let mut out = String::new();
         let mut depth = 0usize;
         while let Some(c) = self.peek() {
+            if c == '\\' {
+                if let Some(&n) = self.chars.get(self.pos + 1) {
+                    if "{}[]():=, \t\\".contains(n) {
+                        out.push(n);
+                        self.pos += 2;
+                        continue;
+                    }
+                }
+            }
             if depth == 0 {
                 if c == ',' || (!top && (c == ']' || c == '}')) {
                     break;
@@ -263,6 +274,7 @@ impl Parser {
             }
             if c == '$' && self.chars.get(self.pos + 1) == Some(&'{') {
                 depth += 1;
+                out.push_str("${");
                 self.pos += 2;
                 continue;
             }
@@ -272,13 +284,13 @@ impl Parser {
             if depth > 0 && c == '}' {
                 depth -= 1;
             }
+            out.push(c);
             self.pos += 1;
         }
         if depth > 0 {
             return Err("unterminated `${` interpolation".into());
         }
-        let s: String = self.chars[start..self.pos].iter().collect();
-        Ok(s.trim().to_string())
+        Ok(out.trim().to_string())
     }
 
     fn list(&mut self) -> std::result::Result<Value, String> {

@@ -392,6 +392,7 @@ pub static RULES: &[Rule] = &[
     Rule::harmless("actor_rollout_ref.rollout.full_determinism", "verl-rs's engine has no deterministic-kernel switch"),
     Rule::harmless("actor_rollout_ref.rollout.data_parallel_size", VLLM),
     Rule::harmless("actor_rollout_ref.rollout.expert_parallel_size", VLLM),
+    Rule::harmless("actor_rollout_ref.rollout.moe_tensor_parallel_size", "TensorRT-LLM's MoE tensor parallelism (verl-rs has its own rollout engine)"),
     Rule::harmless("actor_rollout_ref.rollout.pipeline_model_parallel_size", VLLM),
     Rule::harmless("actor_rollout_ref.rollout.max_model_len", VLLM),
     Rule::harmless("actor_rollout_ref.rollout.free_cache_engine", "verl-rs's engine frees its KV cache after every generation"),
@@ -762,6 +763,14 @@ fn transformer_overrides(v: &Value, _: &Config) -> Verdict {
         "account_for_loss_in_pipeline_split",
         "cross_entropy_loss_fusion",
         "cross_entropy_fusion_impl",
+        "use_flash_attn",
+        "use_fused_rmsnorm",
+        "use_fused_swiglu",
+        "use_fused_mhc",
+        "use_triton_gdn",
+        "use_ascend_gdn",
+        "apply_dsa_kernel_fusion",
+        "moe_shared_expert_overlap",
     ];
     let Some(map) = v.as_mapping() else {
         return Verdict::Refused("a mapping is expected".into());

@@ -421,6 +421,7 @@ pub struct RolloutConfig {
     pub tensor_model_parallel_size: u64,
     pub data_parallel_size: u64,
     pub expert_parallel_size: u64,
+    pub moe_tensor_parallel_size: u64,
     pub pipeline_model_parallel_size: u64,
     pub max_num_batched_tokens: u64,
     pub max_model_len: Option<u64>,

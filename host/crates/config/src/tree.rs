@@ -28,6 +28,7 @@ pub(crate) const FREE_FORM: &[&str] = &[
     "mm_processor_kwargs",
     "mbridge_config",
     "sampler_kwargs",
+    "turbo_config",
 ];
 
 /// Keys verl accepts either as one string or as a list of strings.

@@ -200,15 +200,22 @@ fn micro_batch_does_not_divide_the_per_rank_mini_batch() {
     assert!(msg.contains("16 × rollout.n=4 / data-parallel size 8 = 8 responses, which does not split into micro-batches of 3: 8 mod 3 = 2"), "{msg}");
     assert_eq!(suggested, Some(2));
     assert_suggestion_fixes(&base, 8);
-    // Larger than the per-rank mini-batch.
-    let (_, _, s) = batch_err(
+    // Larger than the per-rank mini-batch: as in verl, one micro-batch of all the rank's rows.
+    let p = plan(
         &with(
             &base,
-            &["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32"],
+            &[
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
+            ],
         ),
         8,
-    );
-    assert_eq!(s, Some(8));
+    )
+    .unwrap();
+    assert_eq!(p.actor.micro_batch_per_gpu, Some(8));
+    assert_eq!(p.actor.micro_batches_per_mini_batch, Some(1));
+    assert_eq!(p.old_log_prob.micro_batch_per_gpu, Some(32));
+    assert_eq!(p.old_log_prob.micro_batches_per_rank, Some(1));
 }
 
 #[test]

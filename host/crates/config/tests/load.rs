@@ -774,3 +774,27 @@ fn config_group_choices_on_the_command_line() {
         c.warnings
     );
 }
+
+#[test]
+fn kernel_switches_in_megatron_transformer_overrides_warn_and_numerics_refuse() {
+    let c = Config::from_overrides(&[
+        "model_engine=megatron",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn=true",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.use_fused_rmsnorm=true",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+    ])
+    .unwrap();
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.contains("use_flash_attn") && w.contains("use_fused_rmsnorm")),
+        "{:?}",
+        c.warnings
+    );
+    let e = override_error(&[
+        "model_engine=megatron",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn=true",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff=0.001",
+    ]);
+    assert!(e.contains("does not read: moe_z_loss_coeff;"), "{e}");
+}

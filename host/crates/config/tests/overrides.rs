@@ -305,3 +305,26 @@ fn plus_turns_a_null_free_form_default_into_a_map() {
         "{e}"
     );
 }
+
+#[test]
+fn a_backslash_makes_a_special_character_literal_as_in_hydra() {
+    // verl's fsdp_turbo examples: a map key with braces in a free-form map.
+    assert_eq!(
+        v(r"{model.visual.blocks.\{*\}:{},lm_head:{}}"),
+        yaml("{'model.visual.blocks.{*}': {}, lm_head: {}}")
+    );
+    assert_eq!(v(r"a\,b"), Value::from("a,b"));
+    assert_eq!(v(r"x\=1\ y"), Value::from("x=1 y"));
+    // A backslash before anything else stays (a Windows-style path).
+    assert_eq!(v(r"C:\models\qwen"), Value::from(r"C:\models\qwen"));
+    // The escaped map reaches a free-form key unchanged.
+    let c = Config::from_overrides(&[
+        r"+actor_rollout_ref.actor.fsdp_config.turbo_config.fsdp_plan.apply_modules={model.layers.\{*\}:{}}",
+    ])
+    .unwrap();
+    assert!(
+        c.warnings.iter().any(|w| w.contains("turbo_config")),
+        "{:?}",
+        c.warnings
+    );
+}

@@ -263,8 +263,30 @@ class Swanlab:
         return os.environ.get("SWANLAB_MODE", "cloud")
 
     def check(self):
-        # Cloud credentials are only checked when the run starts.
-        return f"swanlab {self.swanlab.__version__}, mode {self.mode()}"
+        detail = f"swanlab {self.swanlab.__version__}, mode {self.mode()}"
+        if self.mode() != "cloud":
+            return detail
+        # Where swanlab itself looks: SWANLAB_API_KEY, then the .netrc `swanlab login` writes in the
+        # working directory's .swanlab or in SWANLAB_ROOT (SWANLAB_SAVE_DIR, ~/.swanlab).
+        if os.environ.get("SWANLAB_API_KEY"):
+            return detail + ", API key from SWANLAB_API_KEY"
+        import netrc
+        from pathlib import Path
+
+        root = os.environ.get("SWANLAB_ROOT") or os.environ.get("SWANLAB_SAVE_DIR") or str(Path.home() / ".swanlab")
+        for folder in (Path.cwd() / ".swanlab", Path(root)):
+            path = folder / ".netrc"
+            try:
+                hosts = netrc.netrc(str(path)).hosts
+            except (FileNotFoundError, IsADirectoryError):
+                continue
+            except (netrc.NetrcParseError, PermissionError) as e:
+                raise RuntimeError(f"cannot read SwanLab credentials at {path}: {e}")
+            if any(password for (_, _, password) in hosts.values()):
+                return detail + f", credentials in {path}"
+        raise RuntimeError(
+            "no SwanLab API key (SWANLAB_API_KEY or `swanlab login`); or set SWANLAB_MODE=offline or local"
+        )
 
     def start(self, project, experiment, config):
         key = os.environ.get("SWANLAB_API_KEY")

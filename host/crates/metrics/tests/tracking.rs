@@ -279,6 +279,38 @@ fn a_sidecar_that_dies_mid_run_fails_the_next_log_naming_it() {
 // ---- swanlab ------------------------------------------------------------------------------------------------
 
 #[test]
+fn swanlab_in_cloud_mode_needs_credentials_where_swanlab_looks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let save = tmp.path().join("save");
+    std::fs::create_dir_all(&save).unwrap();
+    let mut t = TrackingOptions::new("verl-rs-test", "swanlab-cloud");
+    t.env = env(&[
+        ("SWANLAB_MODE", Path::new("cloud")),
+        ("SWANLAB_SAVE_DIR", &save),
+    ]);
+    let err = check_loggers(&logger_options(&["swanlab"], t.clone()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no SwanLab API key") && err.contains("SWANLAB_MODE=offline"),
+        "{err}"
+    );
+    // What `swanlab login` writes.
+    std::fs::write(
+        save.join(".netrc"),
+        "machine https://api.swanlab.cn\n  login user\n  password 0123456789abcdef\n",
+    )
+    .unwrap();
+    let lines = check_loggers(&logger_options(&["swanlab"], t)).unwrap();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("credentials in") && l.contains(".netrc")),
+        "{lines:?}"
+    );
+}
+
+#[test]
 fn swanlab_offline_run_records_the_config_and_every_step() {
     let tmp = tempfile::tempdir().unwrap();
     let mut t = TrackingOptions::new("verl-rs-test", "swanlab-offline");

@@ -28,6 +28,7 @@ pub mod shard;
 #[cfg(test)]
 mod test_model;
 pub mod train;
+pub mod validate;
 
 use verl_plugin_api::{
     Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Role,
@@ -61,6 +62,10 @@ impl BackendPlugin for FsdpPlugin {
                 ..BuildInfo::plain()
             },
         }
+    }
+    /// Each role's model folder against the architectures the model code builds ([`validate`]).
+    fn validate(init: &InitArgs) -> Option<Result<String>> {
+        Some(validate::validate(init).map_err(Into::into))
     }
     fn create_actor(init: &InitArgs) -> Result<Box<dyn Actor>> {
         Ok(Box::new(FsdpActor::create(init, false)?))

@@ -3,9 +3,8 @@
 //! losses) can link it without a second copy of the plugin entry points; this crate only
 //! re-exports it and exports [`FsdpPlugin`] through the stable ABI.
 //!
-//! It provides no upfront layout check (`BackendPlugin::validate` stays absent): the only layout
-//! keys of this backend (`ulysses_sequence_parallel_size` against the world size) are already
-//! checked by the host's batch plan, and the backend itself does nothing more with them.
+//! Its upfront check ([`verl_fsdp_core::validate`]) reads each role's model config.json: an
+//! architecture the model code does not build fails there, before any rank starts.
 
 pub use verl_fsdp_core::*;
 
@@ -17,8 +16,32 @@ mod tests {
     use verl_plugin_api::{testing, InitArgs, Role};
 
     #[test]
-    fn has_no_upfront_layout_check() {
-        let init = InitArgs::new(Role::Actor, serde_json::json!({}));
-        assert!(testing::validate::<FsdpPlugin>(&init).is_none());
+    fn the_upfront_check_refuses_an_architecture_it_cannot_build() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64}"#,
+        )
+        .unwrap();
+        let path = dir.path().to_str().unwrap();
+        let init = InitArgs::new(
+            Role::Actor,
+            serde_json::json!({"actor_rollout_ref": {"model": {"path": path}}}),
+        );
+        let e = testing::validate::<FsdpPlugin>(&init)
+            .expect("the fsdp backend checks its models upfront")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("gpt_oss") && e.contains("config.json"), "{e}");
+        // A missing folder names the key.
+        let init = InitArgs::new(
+            Role::Actor,
+            serde_json::json!({"actor_rollout_ref": {"model": {"path": "/nonexistent/m"}}}),
+        );
+        let e = testing::validate::<FsdpPlugin>(&init)
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("actor_rollout_ref.model.path"), "{e}");
     }
 }

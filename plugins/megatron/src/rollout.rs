@@ -40,7 +40,8 @@ pub enum RolloutTp {
 /// * 1: the gathered TP=1 copy;
 /// * the actor's `tensor_model_parallel_size`, or absent / null: the TP-sharded weights (the
 ///   gathered copy when the actor's TP is 1, or for a pipeline-parallel or MoE model, which this
-///   backend does not generate from sharded);
+///   backend does not generate from sharded: then the asked rollout TP is ignored with a warning,
+///   since it changes speed only);
 /// * verl's default 2 when the actor's TP is not 2: treated as unset (the host's defaults fill it
 ///   in for every job), with a warning when the actor's TP is above 1;
 /// * anything else: refused (re-sharding to a different rollout TP is not supported).
@@ -60,19 +61,10 @@ pub fn resolve(cfg: &Value, layout: &Layout, model: &ModelConfig) -> Result<Roll
             }
         },
     };
-    let asked = if asked != 1 && asked != tp && asked == VERL_DEFAULT_ROLLOUT_TP {
-        // At actor TP = 1 this is every job that leaves the key alone: nothing to warn about.
-        if tp > 1 {
-            tracing::warn!(
-                "{ROLLOUT_TP_KEY}=2 (verl's default) differs from the actor's \
-                 tensor_model_parallel_size={tp}: taken as unset, generation runs at rollout \
-                 TP={tp}; set it to 1 or {tp} to silence this"
-            );
-        }
-        tp
-    } else {
-        asked
-    };
+    let set = asked;
+    // At actor TP = 1 verl's default 2 is every job that leaves the key alone: taken as unset.
+    let default_as_unset = asked != 1 && asked != tp && asked == VERL_DEFAULT_ROLLOUT_TP;
+    let asked = if default_as_unset { tp } else { asked };
     if asked != 1 && asked != tp {
         return Err(MegatronError::config(
             ROLLOUT_TP_KEY,
@@ -84,21 +76,32 @@ pub fn resolve(cfg: &Value, layout: &Layout, model: &ModelConfig) -> Result<Roll
             asked,
         ));
     }
-    if asked == 1 || tp == 1 {
-        return Ok(RolloutTp::Gathered);
-    }
-    if layout.pp > 1 || model.moe.is_some() {
-        tracing::info!(
-            "{ROLLOUT_TP_KEY}={tp}: {} generates on a gathered TP=1 copy",
-            if layout.pp > 1 {
-                "a pipeline-parallel actor"
-            } else {
-                "a mixture-of-experts model"
+    let gathered_because = if asked == 1 || tp == 1 {
+        None
+    } else if layout.pp > 1 {
+        Some("a pipeline-parallel actor")
+    } else if model.moe.is_some() {
+        Some("a mixture-of-experts model")
+    } else {
+        return {
+            if default_as_unset {
+                tracing::warn!(
+                    "{ROLLOUT_TP_KEY}={set} (verl's default) differs from the actor's \
+                     tensor_model_parallel_size={tp}: taken as unset, generation runs on the \
+                     TP={tp} shards; set it to 1 or {tp} to silence this"
+                );
             }
+            Ok(RolloutTp::Sharded)
+        };
+    };
+    // One message for what generation does, whatever the value asked.
+    if let Some(why) = gathered_because {
+        tracing::warn!(
+            "{ROLLOUT_TP_KEY}={set} is ignored: {why} generates on a gathered TP=1 copy \
+             (the same tokens; the rollout TP only changes speed); set it to 1 to silence this"
         );
-        return Ok(RolloutTp::Gathered);
     }
-    Ok(RolloutTp::Sharded)
+    Ok(RolloutTp::Gathered)
 }
 
 /// [`TpComm`] over the tensor-parallel [`Group`]: the all-reduce of the communicator (NCCL's

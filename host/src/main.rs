@@ -859,34 +859,46 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
                 plugins.backend.path.display()
             );
         }
-        // What a real run would read first: the data, the model folders, the loggers.
-        for (name, split) in [
-            ("train", verl_data::Split::Train),
-            ("val", verl_data::Split::Val),
-        ] {
-            let line = verl_host::checks::check_data(&cfg, split)?;
-            outln!("data          {name}: {line} ✓");
+        // What a real run would read first: the data, the model folders, the loggers. Each line
+        // that passed is shown even when a later check fails.
+        let mut checks = || -> anyhow::Result<()> {
+            for (name, split) in [
+                ("train", verl_data::Split::Train),
+                ("val", verl_data::Split::Val),
+            ] {
+                let line = verl_host::checks::check_data(&cfg, split)?;
+                outln!("data          {name}: {line} ✓");
+            }
+            if let Some(line) = &model_line {
+                outln!("model         {line} ✓");
+            }
+            if cfg.need_critic() {
+                let line = verl_host::checks::check_model(
+                    "critic.model.path",
+                    &cfg.critic.model.path,
+                    None,
+                )?;
+                outln!("critic model  {line} ✓");
+            }
+            let t = &cfg.trainer;
+            let loggers = verl_metrics::LoggerOptions::from_verl(
+                &t.project_name,
+                &t.experiment_name,
+                &t.logger.to_vec(),
+            );
+            for line in verl_metrics::check_loggers(&loggers)? {
+                outln!("logger        {line} ✓");
+            }
+            for line in &not_checked {
+                outln!("not checked   {line} (this machine cannot; a real run checks it first)");
+            }
+            Ok(())
+        };
+        let checked = checks();
+        if checked.is_err() && !quiet {
+            print!("{out}");
         }
-        if let Some(line) = &model_line {
-            outln!("model         {line} ✓");
-        }
-        if cfg.need_critic() {
-            let line =
-                verl_host::checks::check_model("critic.model.path", &cfg.critic.model.path, None)?;
-            outln!("critic model  {line} ✓");
-        }
-        let t = &cfg.trainer;
-        let loggers = verl_metrics::LoggerOptions::from_verl(
-            &t.project_name,
-            &t.experiment_name,
-            &t.logger.to_vec(),
-        );
-        for line in verl_metrics::check_loggers(&loggers)? {
-            outln!("logger        {line} ✓");
-        }
-        for line in &not_checked {
-            outln!("not checked   {line} (this machine cannot; a real run checks it first)");
-        }
+        checked?;
         outln!("dry run       ok: nothing trained");
         if !quiet {
             print!("{out}");

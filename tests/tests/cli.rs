@@ -152,8 +152,50 @@ fn dry_run_of_the_quickstart_checks_config_plugins_and_batches() {
     assert!(out.contains("(Qwen2ForCausalLM), tokenizer"), "{out}");
     assert!(out.contains("logger        console: ok ✓"), "{out}");
     assert!(out.contains("dry run       ok"), "{out}");
-    // The fsdp backend has no layout check of its own: nothing more is printed.
-    assert!(!out.contains("layout "), "{out}");
+    // The fsdp backend reads the model's config.json upfront.
+    assert!(
+        out.contains("layout        actor: qwen2, 1 layers, hidden 32; 1 rank(s) ✓"),
+        "{out}"
+    );
+}
+
+#[test]
+fn dry_run_refuses_an_architecture_the_backend_cannot_build() {
+    let inst = install(&["libverl_rewards.so", "libverl_fsdp.so"]);
+    let args = quickstart_args(&["--dry-run"]);
+    let model = args
+        .iter()
+        .find_map(|a| a.strip_prefix("actor_rollout_ref.model.path="))
+        .expect("the quickstart arguments name the model")
+        .to_string();
+    // The same folder, but its config.json names an architecture verl-rs does not build.
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("gpt-oss");
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(&model).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, copy.join(p.file_name().unwrap())).unwrap();
+    }
+    let cfg_path = copy.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["model_type"] = "gpt_oss".into();
+    cfg["architectures"] = serde_json::json!(["GptOssForCausalLM"]);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let mut args: Vec<String> = args
+        .into_iter()
+        .filter(|a| !a.starts_with("actor_rollout_ref.model.path="))
+        .collect();
+    args.push(format!("actor_rollout_ref.model.path={}", copy.display()));
+    let o = run_args(&inst.path().join("verl"), &args);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{}", stdout(&o));
+    assert!(
+        err.contains("actor_rollout_ref.model.path")
+            && err.contains("gpt_oss")
+            && err.contains("config.json"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -28,7 +28,7 @@ pub fn check_data(cfg: &Config, split: Split) -> anyhow::Result<String> {
         }
     }
     let dcfg = crate::trainer::data_config(cfg)?;
-    let ds = Dataset::load(&paths, &dcfg).with_context(|| format!("{key}"))?;
+    let ds = Dataset::load(&paths, &dcfg).with_context(|| key.to_string())?;
     let sources: std::collections::BTreeSet<&str> =
         ds.iter().map(|s| s.data_source.as_str()).collect();
     Ok(format!(

@@ -7,7 +7,7 @@
 
 use serde_yaml::Value;
 
-use crate::error::ConfigError;
+use crate::error::{ConfigError, SetKey};
 use crate::tree::{get_path, is_free_form, join, key_str, set_path, split_key, Origins};
 
 /// Groups of keys that are one setting: verl 0.10's name first, then the older names. A group
@@ -142,12 +142,8 @@ pub(crate) fn unify(tree: &mut Value, defaults: &Value, origins: &Origins) -> Ve
                     if let Some((other, w)) = rest.iter().find(|(_, w)| w != v) {
                         let (a, b) = (join(first), join(other));
                         errors.push(ConfigError::Conflict {
-                            a_value: show(v),
-                            b_value: show(w),
-                            a_origin: origins.of(&a),
-                            b_origin: origins.of(&b),
-                            a,
-                            b,
+                            a: SetKey::new(a.as_str(), show(v), origins.of(&a)),
+                            b: SetKey::new(b.as_str(), show(w), origins.of(&b)),
                         });
                         continue;
                     }
@@ -197,12 +193,8 @@ fn unify_engine(tree: &mut Value, origins: &Origins) -> Vec<ConfigError> {
         (true, true) => {
             if engine_of(&strategy).is_some_and(|e| e != engine) {
                 return vec![ConfigError::Conflict {
-                    a: ENGINE.into(),
-                    a_value: engine.clone(),
-                    a_origin: origins.of(ENGINE),
-                    b: ACTOR.into(),
-                    b_value: strategy,
-                    b_origin: origins.of(ACTOR),
+                    a: SetKey::new(ENGINE, engine.clone(), origins.of(ENGINE)),
+                    b: SetKey::new(ACTOR, strategy, origins.of(ACTOR)),
                 }];
             }
             strategy.clone()

@@ -55,15 +55,8 @@ pub enum ConfigError {
         suggestion: Option<String>,
         origin: String,
     },
-    #[error("`{a}={a_value}` ({a_origin}) and `{b}={b_value}` ({b_origin}) name one setting (in verl's newer and older layouts) but have different values: give one of them")]
-    Conflict {
-        a: String,
-        a_value: String,
-        a_origin: String,
-        b: String,
-        b_value: String,
-        b_origin: String,
-    },
+    #[error("{a} and {b} name one setting (in verl's newer and older layouts) but have different values: give one of them")]
+    Conflict { a: Box<SetKey>, b: Box<SetKey> },
     #[error("{origin}: {message}")]
     Refused {
         key: String,
@@ -203,5 +196,33 @@ impl fmt::Display for List<'_> {
             write!(f, "  - {e}")?;
         }
         Ok(())
+    }
+}
+
+/// A key as the user set it, for messages: `` `key=value` (origin) ``.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SetKey {
+    pub key: String,
+    pub value: String,
+    pub origin: String,
+}
+
+impl SetKey {
+    pub fn new(
+        key: impl Into<String>,
+        value: impl Into<String>,
+        origin: impl Into<String>,
+    ) -> Box<Self> {
+        Box::new(SetKey {
+            key: key.into(),
+            value: value.into(),
+            origin: origin.into(),
+        })
+    }
+}
+
+impl fmt::Display for SetKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "`{}={}` ({})", self.key, self.value, self.origin)
     }
 }

@@ -28,7 +28,7 @@ mod tree;
 pub use aliases::{canonical, ALIASES};
 pub use batch::{validate_batches, BatchPlan, ForwardPlan, Layout, UpdatePlan, ValidationPlan};
 pub use compose::engine_of_config_name;
-pub use error::{ConfigError, Result};
+pub use error::{ConfigError, Result, SetKey};
 pub use load::{defaults_tree, ADV_ESTIMATORS};
 pub use overrides::{parse_value, Override, OverrideKind};
 pub use schema::*;

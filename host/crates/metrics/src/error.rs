@@ -98,7 +98,7 @@ pub enum MetricsError {
 
     /// The sidecar process is gone.
     #[error(
-        "trainer.logger: the `{logger}` sidecar (`{}`, pid {pid}) {status} {during}; its last stderr lines: \
+        "trainer.logger: the `{logger}` sidecar (`{}`, pid {pid}) {what}; its last stderr lines: \
          {stderr_tail}",
         python.display()
     )]
@@ -106,8 +106,8 @@ pub enum MetricsError {
         logger: String,
         python: PathBuf,
         pid: u32,
-        status: String,
-        during: String,
+        /// Its exit status and what it was doing (`exited with code 1 while logging step 3`).
+        what: String,
         stderr_tail: String,
     },
 

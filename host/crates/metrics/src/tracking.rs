@@ -525,8 +525,7 @@ impl Sidecar {
             logger: self.logger.to_string(),
             python: self.python.clone(),
             pid: self.child.id(),
-            status,
-            during: during.to_string(),
+            what: format!("{status} {during}"),
             stderr_tail: self.stderr_tail(),
         }
     }

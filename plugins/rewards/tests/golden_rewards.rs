@@ -132,7 +132,8 @@ fn reward_kwargs_reach_the_rule_rewards() {
         let mut b = Batch::new();
         b.insert_strings(
             col::RESPONSE_TEXT,
-            &["She sold 72 clips, so the answer is 72."],
+            // No trailing period: verl's flexible extraction would keep it ("72.").
+            &["She sold 72 clips, so the answer is 72"],
         );
         b.insert_strings(col::DATA_SOURCE, &["openai/gsm8k"]);
         b.insert_json(col::GROUND_TRUTH, &[Value::from("72")]);

@@ -10,26 +10,27 @@ fn repo() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// A small GRPO job on one CPU rank, as overrides of verl's defaults.
+const CPU_JOB: &[&str] = &[
+    "trainer.device=cpu",
+    "trainer.n_gpus_per_node=1",
+    "trainer.logger=[console]",
+    "algorithm.adv_estimator=grpo",
+    "data.train_batch_size=16",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.rollout.n=2",
+    "data.max_prompt_length=128",
+];
+
 /// `verl run` with verl's defaults, the tiny inputs, a CPU job, `extra` and `--dry-run`.
 fn dry_run(extra: &[&str]) -> std::process::Output {
     let inst = install(&["libverl_rewards.so", "libverl_fsdp.so"]);
     let mut args: Vec<String> = vec!["run".into()];
     args.extend(tiny_inputs().overrides());
-    for a in [
-        "trainer.device=cpu",
-        "trainer.n_gpus_per_node=1",
-        "trainer.logger=[console]",
-        "algorithm.adv_estimator=grpo",
-        "data.train_batch_size=16",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.n=2",
-        "data.max_prompt_length=128",
-        "data.max_response_length=16",
-    ] {
-        args.push(a.into());
-    }
+    args.extend(CPU_JOB.iter().map(|s| s.to_string()));
+    args.push("data.max_response_length=16".into());
     args.extend(extra.iter().map(|s| s.to_string()));
     args.push("--dry-run".into());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -242,21 +243,8 @@ fn hydras_config_name_picks_verls_trainer_config() {
         "--config-name=ppo_megatron_trainer".into(),
     ];
     args.extend(tiny_inputs().overrides());
-    for a in [
-        "trainer.device=cpu",
-        "trainer.n_gpus_per_node=1",
-        "trainer.logger=[console]",
-        "algorithm.adv_estimator=grpo",
-        "data.train_batch_size=16",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.n=2",
-        "data.max_prompt_length=128",
-        "--dry-run",
-    ] {
-        args.push(a.into());
-    }
+    args.extend(CPU_JOB.iter().map(|s| s.to_string()));
+    args.push("--dry-run".into());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let o = run(&inst.path().join("verl"), &args);
     let out = stdout(&o);
@@ -272,22 +260,9 @@ fn plugins_search_path_is_searched_before_the_binary_dir() {
     let search = format!("plugins.search_path=[{}]", build_dir().display());
     let mut args: Vec<String> = vec!["run".into()];
     args.extend(tiny_inputs().overrides());
-    for a in [
-        search.as_str(),
-        "trainer.device=cpu",
-        "trainer.n_gpus_per_node=1",
-        "trainer.logger=[console]",
-        "algorithm.adv_estimator=grpo",
-        "data.train_batch_size=16",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.n=2",
-        "data.max_prompt_length=128",
-        "--dry-run",
-    ] {
-        args.push(a.into());
-    }
+    args.push(search.clone());
+    args.extend(CPU_JOB.iter().map(|s| s.to_string()));
+    args.push("--dry-run".into());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let o = run(&inst.path().join("verl"), &args);
     let out = stdout(&o);

@@ -1623,6 +1623,19 @@ pub(crate) fn on_policy_old_log_prob_unused(cfg: &Config, actor: &verl_config::U
 mod tests {
     use super::*;
 
+    /// The config accepts exactly the estimators the trainer computes (the two crates do not
+    /// depend on each other, so the lists are compared here).
+    #[test]
+    fn the_config_accepts_the_estimators_the_trainer_computes() {
+        assert_eq!(
+            verl_config::IMPLEMENTED_ESTIMATORS,
+            verl_algos::AdvantageEstimator::NAMES
+        );
+        for name in verl_config::IMPLEMENTED_ESTIMATORS {
+            assert!(verl_config::ADV_ESTIMATORS.contains(name), "{name}");
+        }
+    }
+
     #[test]
     fn call_seeds_depend_on_step_and_purpose_only() {
         assert_eq!(call_seed(42, 3, SALT_TRAIN), call_seed(42, 3, SALT_TRAIN));

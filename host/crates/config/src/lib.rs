@@ -31,4 +31,5 @@ pub use compose::engine_of_config_name;
 pub use error::{ConfigError, Result, SetKey};
 pub use load::{defaults_tree, ADV_ESTIMATORS};
 pub use overrides::{parse_value, Override, OverrideKind};
+pub use rules::IMPLEMENTED_ESTIMATORS;
 pub use schema::*;

@@ -21,13 +21,7 @@ fn preprocessed_parquet_is_readable_by_pyarrow() {
     let Some(dir) = common::gsm8k_dir() else {
         return;
     };
-    let probe = std::process::Command::new("python3")
-        .args(["-c", "import pyarrow"])
-        .output();
-    if !matches!(&probe, Ok(o) if o.status.success()) {
-        eprintln!("SKIP: python3 with pyarrow not available");
-        return;
-    }
+    let python = common::python3_with_pyarrow();
     let out = tempfile::tempdir().unwrap();
     let res = gsm8k_preprocess(&dir, out.path()).unwrap();
     let script = r#"
@@ -37,7 +31,7 @@ assert ours.schema.equals(ref.schema, check_metadata=False), (ours.schema, ref.s
 assert ours.to_pylist() == ref.to_pylist()
 print(ours.num_rows)
 "#;
-    let run = std::process::Command::new("python3")
+    let run = std::process::Command::new(python)
         .args(["-c", script])
         .arg(&res.test)
         .arg(dir.join("test.parquet"))

@@ -539,7 +539,7 @@ fn prepare_applies_max_samples_then_filter() {
 }
 
 /// Files as pandas/pyarrow write them: zstd parquet, lz4 feather v2 (pyarrow's default),
-/// pandas `to_json(orient="records", lines=True)`. Skips without python3 + pyarrow.
+/// pandas `to_json(orient="records", lines=True)`.
 #[test]
 fn reads_what_pyarrow_and_pandas_write() {
     let Some(dir) = common::gsm8k_dir() else {
@@ -558,18 +558,17 @@ try:
 except ImportError:
     pass
 "#;
-    let run = std::process::Command::new("python3")
+    let run = std::process::Command::new(common::python3_with_pyarrow())
         .args(["-c", script])
         .arg(dir.join("test.parquet"))
         .arg(t.path())
-        .output();
-    match run {
-        Ok(o) if o.status.success() => {}
-        _ => {
-            eprintln!("SKIP: python3 with pyarrow not available");
-            return;
-        }
-    }
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     let reference = Dataset::load(&[dir.join("test.parquet")], &cfg()).unwrap();
     let mut files = vec![t.path().join("z.parquet"), t.path().join("f.feather")];
     if t.path().join("p.jsonl").exists() {

@@ -70,13 +70,7 @@ fn output_keeps_level_and_type_and_drops_problem_and_solution() {
 
 #[test]
 fn output_parquet_reads_back_in_pyarrow_like_verls() {
-    let probe = std::process::Command::new("python3")
-        .args(["-c", "import pyarrow"])
-        .output();
-    if !matches!(&probe, Ok(o) if o.status.success()) {
-        eprintln!("SKIP: python3 with pyarrow not available");
-        return;
-    }
+    let python = common::python3_with_pyarrow();
     let out = tempfile::tempdir().unwrap();
     let res = math_preprocess(&fixtures().join("raw"), out.path()).unwrap();
     let script = r#"
@@ -86,7 +80,7 @@ assert ours.schema.equals(ref.schema, check_metadata=True), (ours.schema, ref.sc
 assert ours.to_pylist() == ref.to_pylist()
 print(ours.num_rows)
 "#;
-    let run = std::process::Command::new("python3")
+    let run = std::process::Command::new(python)
         .args(["-c", script])
         .arg(&res.test)
         .arg(fixtures().join("verl/test.parquet"))

@@ -199,21 +199,25 @@ fn python() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../.venv/bin/python"))
 }
 
-#[test]
-fn tensorboard_itself_reads_our_event_files() {
+/// [`python`], which must import tensorboard (`scripts/setup.sh` installs it; `make test` runs it).
+fn python_with_tensorboard() -> PathBuf {
     let py = python();
-    let has_tb = Command::new(&py)
+    let out = Command::new(&py)
         .args(["-c", "import tensorboard"])
         .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !has_tb {
-        eprintln!(
-            "SKIP: `{}` cannot import tensorboard; our own reader checked the format",
-            py.display()
-        );
-        return;
-    }
+        .unwrap_or_else(|e| panic!("`{}` cannot be run: {e}", py.display()));
+    assert!(
+        out.status.success(),
+        "`{}` cannot import tensorboard (run scripts/setup.sh): {}",
+        py.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    py
+}
+
+#[test]
+fn tensorboard_itself_reads_our_event_files() {
+    let py = python_with_tensorboard();
     let tmp = tempfile::tempdir().unwrap();
     let mut sink = TensorboardSink::create(tmp.path()).unwrap();
     for step in 1..=3 {
@@ -251,19 +255,7 @@ for tag in sorted(acc.Tags()["scalars"]):
 
 #[test]
 fn tensorboard_itself_reads_our_validation_text() {
-    let py = python();
-    let has_tb = Command::new(&py)
-        .args(["-c", "import tensorboard"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !has_tb {
-        eprintln!(
-            "SKIP: `{}` cannot import tensorboard; our own reader checked the text (tests/generations.rs)",
-            py.display()
-        );
-        return;
-    }
+    let py = python_with_tensorboard();
     let tmp = tempfile::tempdir().unwrap();
     let mut sink = TensorboardSink::create(tmp.path()).unwrap();
     Sink::log_generations(&mut sink, 7, &[ValGeneration::new("Q é", "A\n日本", 0.25)]).unwrap();

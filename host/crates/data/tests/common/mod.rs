@@ -87,3 +87,18 @@ pub fn synthetic(n: usize) -> Vec<Sample> {
         })
         .collect()
 }
+
+/// `python3` (the venv's, on PATH under `make test`), which must import pyarrow: `scripts/setup.sh`
+/// installs it, so its absence is a broken set-up, not a reason to skip.
+pub fn python3_with_pyarrow() -> &'static str {
+    let out = std::process::Command::new("python3")
+        .args(["-c", "import pyarrow"])
+        .output()
+        .unwrap_or_else(|e| panic!("python3 cannot be run: {e} (source scripts/env.sh)"));
+    assert!(
+        out.status.success(),
+        "python3 cannot import pyarrow (run scripts/setup.sh and source scripts/env.sh): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    "python3"
+}

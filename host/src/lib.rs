@@ -8,6 +8,7 @@ pub mod doctor;
 pub mod generate_cmd;
 pub mod launch;
 pub mod loader;
+pub mod models;
 pub mod paths;
 pub mod reward_cmd;
 pub mod torchlib;

@@ -255,10 +255,9 @@ impl Loader {
             PluginKind::Backend => {
                 Module::Backend(backend_root(lib).map_err(|e| library_error(&path, &header, e))?)
             }
-            PluginKind::Reward => Module::Reward(
-                lib.init_root_module::<RewardModuleRef>()
-                    .map_err(|e| library_error(&path, &header, e))?,
-            ),
+            PluginKind::Reward => {
+                Module::Reward(reward_root(lib).map_err(|e| library_error(&path, &header, e))?)
+            }
         };
         let callbacks = verl_plugin_api::forward_to_tracing(verl_plugin_api::current_max_level());
         match module {
@@ -282,15 +281,43 @@ impl Loader {
 /// then checked against the frozen prefix (`ffi::v1`) and, when it has none of the appended fields,
 /// used with those fields absent (their accessors return `None`, e.g. no upfront `validate`).
 fn backend_root(lib: &'static LibHeader) -> Result<BackendModuleRef, LibraryError> {
+    use verl_plugin_api::ffi::{v1, v2};
     match lib.init_root_module::<BackendModuleRef>() {
         Err(full @ LibraryError::AbiInstability(_)) => {
-            match lib
-                .init_root_module::<verl_plugin_api::ffi::v1::BackendModuleRef>()
+            let older = lib
+                .init_root_module::<v2::BackendModuleRef>()
                 .ok()
-                .and_then(verl_plugin_api::ffi::v1::as_current)
-            {
+                .and_then(v2::as_current)
+                .or_else(|| {
+                    lib.init_root_module::<v1::BackendModuleRef>()
+                        .ok()
+                        .and_then(v1::as_current)
+                });
+            match older {
                 Some(m) => {
                     tracing::debug!("plugin built before the root module's appended fields");
+                    Ok(m)
+                }
+                None => Err(full),
+            }
+        }
+        other => other,
+    }
+}
+
+/// A reward plugin's root module; one built before model services is used without them (see
+/// [`backend_root`]).
+fn reward_root(lib: &'static LibHeader) -> Result<RewardModuleRef, LibraryError> {
+    use verl_plugin_api::ffi::reward_v1;
+    match lib.init_root_module::<RewardModuleRef>() {
+        Err(full @ LibraryError::AbiInstability(_)) => {
+            match lib
+                .init_root_module::<reward_v1::RewardModuleRef>()
+                .ok()
+                .and_then(reward_v1::as_current)
+            {
+                Some(m) => {
+                    tracing::debug!("reward plugin built before model services");
                     Ok(m)
                 }
                 None => Err(full),
@@ -481,14 +508,46 @@ impl LoadedPlugin {
             .map(|r| r.map_err(Into::into))
     }
 
+    /// The backend's reward model role; a backend without one (or built before the role
+    /// existed) is an error naming the plugin.
+    pub fn create_reward_model(
+        &self,
+        init: &verl_plugin_api::InitArgs,
+    ) -> anyhow::Result<verl_plugin_api::client::RewardModelClient> {
+        let m = self.backend()?;
+        let Some(create) = m.create_reward_model() else {
+            anyhow::bail!(
+                "backend plugin `{}` ({}) has no reward model role: it was built against a \
+                 plugin API before reward models; rebuild it, or use a backend that has one (fsdp, \
+                 megatron)",
+                self.header.name,
+                self.path.display()
+            );
+        };
+        let obj = create(Self::init_json(init).as_str().into())
+            .into_result()
+            .map_err(|e| ffi_error(e, &self.header.name, "create_reward_model"))?;
+        Ok(verl_plugin_api::client::RewardModelClient::new(
+            obj,
+            self.header.name.clone(),
+        ))
+    }
+
+    /// Creates the reward role, lending it `services` when the plugin takes them (plugins built
+    /// before model services are created without).
     pub fn create_reward(
         &self,
         init: &verl_plugin_api::InitArgs,
+        services: Option<verl_plugin_api::ffi::ModelServicesBox>,
     ) -> anyhow::Result<verl_plugin_api::client::RewardClient> {
         let m = self.reward()?;
-        let obj = (m.create_reward())(Self::init_json(init).as_str().into())
-            .into_result()
-            .map_err(|e| ffi_error(e, &self.header.name, "create_reward"))?;
+        let json = Self::init_json(init);
+        let obj = match (m.create_reward_with_services(), services) {
+            (Some(create), Some(services)) => create(json.as_str().into(), services),
+            _ => (m.create_reward())(json.as_str().into()),
+        }
+        .into_result()
+        .map_err(|e| ffi_error(e, &self.header.name, "create_reward"))?;
         Ok(verl_plugin_api::client::RewardClient::new(
             obj,
             self.header.name.clone(),

@@ -301,6 +301,10 @@ struct InitModelArgs {
 enum RewardCmd {
     /// Score a JSONL file (`data_source`, `solution_str`, `ground_truth`[, `extra_info`]) and
     /// print accuracy per data_source. The reward plugin is `--plugin` (default: `rewards`).
+    ///
+    /// With `--model RM_DIR`: score `{prompt, response}` rows with a reward model
+    /// (`*ForSequenceClassification`, `Qwen2ForRewardModel`) held by a backend plugin (`--plugin`,
+    /// default `fsdp`); `prompt` is a string or a chat list of {role, content}.
     Score {
         input: PathBuf,
         #[arg(long)]
@@ -310,6 +314,24 @@ enum RewardCmd {
         kwargs: String,
         #[arg(long, default_value_t = 256)]
         batch_size: usize,
+        /// A reward model's HF folder: score each row with it.
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// With --model: render prompt + response as a chat with the model's own template.
+        #[arg(long, requires = "model")]
+        chat: bool,
+        /// With --model: print one JSON object per row (`{"row", "score"}`).
+        #[arg(long, requires = "model")]
+        json: bool,
+        /// With --model: `cpu` or `cuda`.
+        #[arg(long, default_value = "cpu", requires = "model")]
+        device: String,
+        /// With --model: bfloat16, float32 or float16.
+        #[arg(long, default_value = "float32", requires = "model")]
+        dtype: String,
+        /// With --model: cut each input to this many tokens (from the right).
+        #[arg(long, requires = "model")]
+        max_length: Option<usize>,
     },
 }
 
@@ -385,6 +407,32 @@ fn dispatch(cli: &Cli) -> anyhow::Result<ExitCode> {
             out,
             kwargs,
             batch_size,
+            model: Some(model),
+            chat,
+            json,
+            device,
+            dtype,
+            max_length,
+        }) => {
+            if out.is_some() || kwargs != "null" {
+                bail!("--out and --kwargs belong to reward plugins; with --model the scores are printed (--json for one object per row)");
+            }
+            let req = verl_host::reward_cmd::ModelScoreRequest {
+                model: model.clone(),
+                chat: *chat,
+                device: device.clone(),
+                dtype: dtype.clone(),
+                max_length: *max_length,
+                batch_size: *batch_size,
+            };
+            reward_score_model(cli, input, &req, *json)
+        }
+        Command::Reward(RewardCmd::Score {
+            input,
+            out,
+            kwargs,
+            batch_size,
+            ..
         }) => reward_score(cli, input, out.as_deref(), kwargs, *batch_size),
         Command::Generate(args) => generate(cli, args),
         Command::Data(DataCmd::Gsm8k { raw_dir, out_dir }) => {
@@ -1086,6 +1134,34 @@ fn watch_for_failures(client: &verl_store::StoreClient, rank: usize, world: usiz
                 Err(_) => return,
             }
         });
+}
+
+fn reward_score_model(
+    cli: &Cli,
+    input: &std::path::Path,
+    req: &verl_host::reward_cmd::ModelScoreRequest,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let mut loader = Loader::new(&[]);
+    let spec = match cli.plugins.as_slice() {
+        [] => "fsdp".to_string(),
+        [one] => one.clone(),
+        _ => bail!("`verl reward score --model` takes one --plugin (a backend)"),
+    };
+    let backend = loader.load(&spec)?;
+    let scores = verl_host::reward_cmd::score_file_with_model(&backend, input, req)?;
+    for (i, s) in scores.iter().enumerate() {
+        if json {
+            println!("{}", serde_json::json!({"row": i, "score": s}));
+        } else {
+            println!("{i}\t{s}");
+        }
+    }
+    if !json {
+        let mean = scores.iter().map(|&s| s as f64).sum::<f64>() / scores.len() as f64;
+        println!("rows {}, mean score {mean:.6}", scores.len());
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn reward_score(

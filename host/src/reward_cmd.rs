@@ -1,4 +1,5 @@
-//! `verl reward score`: score a JSONL file with a reward plugin, print accuracy per data_source.
+//! `verl reward score`: score a JSONL file with a reward plugin (accuracy per data_source), or
+//! with a reward model (`--model`: one score per row).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
@@ -58,7 +59,10 @@ pub fn score_file(
     if rows.is_empty() {
         bail!("{}: no rows to score", input.display());
     }
-    let mut reward = plugin.create_reward(&InitArgs::new(Role::Reward, serde_json::json!({})))?;
+    let mut reward = plugin.create_reward(
+        &InitArgs::new(Role::Reward, serde_json::json!({})),
+        None,
+    )?;
     let opts = ScoreOptions { kwargs };
     let mut writer = match out {
         Some(p) => Some(std::io::BufWriter::new(
@@ -133,4 +137,90 @@ pub fn score_file(
         w.flush()?;
     }
     Ok(stats)
+}
+
+/// How `verl reward score --model` reads and scores rows.
+#[derive(Debug, Clone)]
+pub struct ModelScoreRequest {
+    pub model: std::path::PathBuf,
+    /// Render `prompt` (+ `response` as the assistant turn) with the model's chat template.
+    pub chat: bool,
+    /// `cpu` or `cuda`.
+    pub device: String,
+    /// `bfloat16`, `float32` or `float16`.
+    pub dtype: String,
+    /// Cut inputs to this many tokens from the right.
+    pub max_length: Option<usize>,
+    /// Rows per forward.
+    pub batch_size: usize,
+}
+
+/// One row of `verl reward score --model`: `prompt` (a string, or a chat list of {role,
+/// content}) and `response`.
+#[derive(Debug, serde::Deserialize)]
+struct ModelRow {
+    #[serde(default)]
+    prompt: serde_json::Value,
+    #[serde(alias = "solution_str")]
+    response: String,
+}
+
+/// Scores every row of `input` with the reward model `req.model` held by `backend`.
+pub fn score_file_with_model(
+    backend: &LoadedPlugin,
+    input: &Path,
+    req: &ModelScoreRequest,
+) -> anyhow::Result<Vec<f32>> {
+    let text = std::fs::read_to_string(input)
+        .with_context(|| format!("cannot read {}", input.display()))?;
+    let mut chats: Vec<Vec<serde_json::Value>> = Vec::new();
+    let mut texts: Vec<String> = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{}:{}", input.display(), i + 1);
+        let row: ModelRow = serde_json::from_str(line).with_context(|| {
+            format!("{}: expected a JSON object with `prompt` (a string or chat messages) and `response`", at())
+        })?;
+        if req.chat {
+            let mut chat = match row.prompt {
+                serde_json::Value::String(p) => vec![serde_json::json!({"role": "user", "content": p})],
+                serde_json::Value::Array(m) => m,
+                serde_json::Value::Null => Vec::new(),
+                other => bail!("{}: `prompt` must be a string or a list of messages, found {other}", at()),
+            };
+            chat.push(serde_json::json!({"role": "assistant", "content": row.response}));
+            chats.push(chat);
+        } else {
+            let p = match row.prompt {
+                serde_json::Value::String(p) => p,
+                serde_json::Value::Null => String::new(),
+                _ => bail!("{}: `prompt` is a chat list: pass --chat to render it with the model's template", at()),
+            };
+            texts.push(p + &row.response);
+        }
+    }
+    if chats.is_empty() && texts.is_empty() {
+        bail!("{}: no rows to score", input.display());
+    }
+    let mut cfg = serde_json::json!({"trainer": {"device": req.device}});
+    cfg["reward_model"] = serde_json::json!({});
+    let mut init = InitArgs::new(Role::RewardModel, cfg);
+    init.extra = serde_json::json!({"reward_model": verl_plugin_api::RewardModelSpec {
+        path: req.model.to_string_lossy().into_owned(),
+        path_key: "--model".into(),
+        dtype: req.dtype.clone(),
+        micro_batch_size_per_gpu: Some(req.batch_size.max(1) as u64),
+        use_dynamic_bsz: false,
+        max_token_len_per_gpu: 0,
+        offload: false,
+    }});
+    let client = backend.create_reward_model(&init)?;
+    let mut rm = crate::models::ScoringModel::new(&req.model, req.max_length, client)?;
+    if req.chat {
+        rm.score_chats(&chats, None)
+    } else {
+        rm.score_texts(&texts, None)
+    }
 }

@@ -286,3 +286,60 @@ impl RewardClient {
         Ok(out)
     }
 }
+
+/// A backend's reward model role (sequence scoring).
+pub struct RewardModelClient {
+    obj: RewardBox,
+    plugin: String,
+}
+
+impl RewardModelClient {
+    pub fn new(obj: RewardBox, plugin: impl Into<String>) -> Self {
+        RewardModelClient {
+            obj,
+            plugin: plugin.into(),
+        }
+    }
+
+    pub fn plugin(&self) -> &str {
+        &self.plugin
+    }
+
+    /// One score per row of `input_ids` / `attention_mask` ([`contract::RM_SCORE_IN`]).
+    pub fn score(&mut self, batch: &Batch) -> Result<Vec<f32>> {
+        let call = format!("{}.reward_model.score", self.plugin);
+        batch.check(&format!("input of {call}"), contract::RM_SCORE_IN, &[])?;
+        let out = self
+            .obj
+            .score(batch, RStr::from_str("{}"))
+            .into_result()
+            .map_err(|e| Error::from_ffi(e, &self.plugin, "reward_model.score"))?;
+        out.check(
+            &call,
+            contract::RM_SCORE_OUT,
+            &[("rows", batch.rows() as u64)],
+        )?;
+        let scores = out.tensor::<f32>(contract::col::SCORES)?.data;
+        if let Some((i, v)) = scores.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(Error::Plugin {
+                plugin: self.plugin.clone(),
+                call: "reward_model.score".into(),
+                kind: crate::ErrorKind::InvalidInput,
+                message: format!("returned a non-finite score {v} for row {i}"),
+            });
+        }
+        Ok(scores)
+    }
+
+    /// A named call (`offload`, `onload`, `memory`).
+    pub fn call(&mut self, method: &str, options: &serde_json::Value) -> Result<Batch> {
+        self.obj
+            .call(
+                RStr::from_str(method),
+                &Batch::new(),
+                RStr::from_str(&options.to_string()),
+            )
+            .into_result()
+            .map_err(|e| Error::from_ffi(e, &self.plugin, &format!("reward_model.{method}")))
+    }
+}

@@ -53,6 +53,15 @@ pub mod col {
     pub const TOKEN_SCORES: &str = "token_level_scores";
     /// Prefix of per-row f32 columns a reward plugin may add as extra metrics (`reward_extra/acc`).
     pub const REWARD_EXTRA_PREFIX: &str = "reward_extra/";
+    /// A reward model's input: right-padded token ids of whole sequences `[rows, seq_len]`, i64,
+    /// rendered and tokenized by the host with the reward model's own tokenizer and template.
+    pub const INPUT_IDS: &str = "input_ids";
+    /// 1 for real tokens of `input_ids`, 0 for padding, i64.
+    pub const ATTENTION_MASK: &str = "attention_mask";
+    /// Model-service inputs: one chat (a JSON list of `{role, content}` messages) per row ...
+    pub const MESSAGES: &str = "messages";
+    /// ... or one already rendered text per row (scored / continued as it is).
+    pub const TEXT: &str = "text";
 }
 
 const PL: Dim = Dim::Named("prompt_length");
@@ -115,6 +124,16 @@ pub const REWARD_IN: &[ColumnSpec] = &[
     ColumnSpec::tensor(col::RESPONSES, DType::I64, &[ROWS, RL]).optional(),
     ColumnSpec::tensor(col::RESPONSE_MASK, DType::I64, &[ROWS, RL]).optional(),
 ];
+const SL: Dim = Dim::Named("seq_len");
+
+/// A backend reward model's `score` input (the [`crate::Role::RewardModel`] role).
+pub const RM_SCORE_IN: &[ColumnSpec] = &[
+    ColumnSpec::tensor(col::INPUT_IDS, DType::I64, &[ROWS, SL]),
+    ColumnSpec::tensor(col::ATTENTION_MASK, DType::I64, &[ROWS, SL]),
+];
+/// A backend reward model's `score` output: the head's output at each row's last real token.
+pub const RM_SCORE_OUT: &[ColumnSpec] = &[ColumnSpec::tensor(col::SCORES, DType::F32, &[ROWS])];
+
 pub const REWARD_OUT: &[ColumnSpec] = &[
     ColumnSpec::tensor(col::SCORES, DType::F32, &[ROWS]),
     ColumnSpec::tensor(col::TOKEN_SCORES, DType::F32, &[ROWS, RL]).optional(),
@@ -255,6 +274,39 @@ pub struct UpdateOptions {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ValueOptions {}
+
+/// What a backend's reward model role loads and how it batches (`InitArgs.extra["reward_model"]`;
+/// the host fills it from verl's `reward_model.*` / `reward.reward_model.*` keys).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RewardModelSpec {
+    /// HF folder of a `*ForSequenceClassification` / `*ForRewardModel` checkpoint.
+    pub path: String,
+    /// The config key that named `path` (for errors).
+    #[serde(default)]
+    pub path_key: String,
+    /// Compute dtype: `bfloat16`, `float32` or `float16`.
+    #[serde(default = "bf16")]
+    pub dtype: String,
+    /// Rows per forward (`None`: all rows at once) unless `use_dynamic_bsz`.
+    #[serde(default)]
+    pub micro_batch_size_per_gpu: Option<u64>,
+    /// Micro-batches by token budget: rows × padded length ≤ `max_token_len_per_gpu`.
+    #[serde(default)]
+    pub use_dynamic_bsz: bool,
+    #[serde(default = "token_budget")]
+    pub max_token_len_per_gpu: u64,
+    /// Weights wait in (pinned) host memory outside `onload` … `offload` and each `score`.
+    #[serde(default)]
+    pub offload: bool,
+}
+
+fn bf16() -> String {
+    "bfloat16".into()
+}
+
+fn token_budget() -> u64 {
+    32768
+}
 
 /// Options of `Reward.score`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

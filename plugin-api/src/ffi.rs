@@ -83,7 +83,25 @@ pub trait RewardFfi: Send {
     ) -> RResult<Batch, FfiError>;
 }
 
+/// Models the host lends a reward plugin (handed over when it is created): `call(model,
+/// "score" | "generate", batch, options)` runs the host's reward model or generation model
+/// `model`; `models()` lists them as JSON (`[{"name", "kind"}]`). Text in, text or scores out: the
+/// host applies each model's own tokenizer and chat template.
+#[sabi_trait]
+pub trait ModelServicesFfi: Send + Sync {
+    fn models(&self) -> RString;
+    #[sabi(last_prefix_field)]
+    fn call(
+        &self,
+        model: RStr<'_>,
+        method: RStr<'_>,
+        batch: &Batch,
+        options: RStr<'_>,
+    ) -> RResult<Batch, FfiError>;
+}
+
 pub type ActorBox = ActorFfi_TO<'static, RBox<()>>;
+pub type ModelServicesBox = ModelServicesFfi_TO<'static, RBox<()>>;
 pub type CriticBox = CriticFfi_TO<'static, RBox<()>>;
 pub type RewardBox = RewardFfi_TO<'static, RBox<()>>;
 
@@ -132,6 +150,14 @@ pub struct BackendModule {
     /// reads it through the generated accessor, which returns `None` for them.
     #[sabi(missing_field(option))]
     pub validate: extern "C" fn(init: RStr<'_>) -> RResult<ROption<RString>, FfiError>,
+    /// Creates the backend's reward model role: a sequence-scoring model (HF
+    /// `*ForSequenceClassification` / `*ForRewardModel`) whose `score` takes
+    /// [`crate::contract::RM_SCORE_IN`] and returns [`crate::contract::RM_SCORE_OUT`]; `call`
+    /// answers `offload` / `onload` (weights to host memory and back). `init` is the JSON of
+    /// [`crate::contract::InitArgs`] with `extra.reward_model` naming the model folder, dtype and
+    /// micro-batching. Absent on plugins built before it existed.
+    #[sabi(missing_field(option))]
+    pub create_reward_model: extern "C" fn(init: RStr<'_>) -> RResult<RewardBox, FfiError>,
 }
 
 impl RootModule for BackendModuleRef {
@@ -188,7 +214,54 @@ pub mod v1 {
         // pointer whose prefix (the fields above) was checked against this layout. The appended
         // fields' accessors read the plugin's own metadata, which says they are absent.
         let current: super::BackendModuleRef = unsafe { std::mem::transmute(m) };
-        current.validate().is_none().then_some(current)
+        (current.validate().is_none() && current.create_reward_model().is_none())
+            .then_some(current)
+    }
+}
+
+/// The backend root module as plugins built with `validate` but before `create_reward_model`
+/// have it (frozen; see [`v1`]).
+pub mod v2 {
+    use abi_stable::{
+        declare_root_module_statics,
+        library::RootModule,
+        package_version_strings,
+        sabi_types::VersionStrings,
+        std_types::{ROption, RResult, RStr, RString},
+        StableAbi,
+    };
+
+    use super::{ActorBox, CriticBox, HostCallbacks};
+    use crate::error::FfiError;
+
+    #[repr(C)]
+    #[derive(StableAbi)]
+    #[sabi(kind(Prefix(prefix_ref = BackendModuleRef)))]
+    #[sabi(missing_field(panic))]
+    pub struct BackendModule {
+        pub header: extern "C" fn() -> RString,
+        pub set_host: extern "C" fn(HostCallbacks),
+        pub create_actor: extern "C" fn(init: RStr<'_>) -> RResult<ActorBox, FfiError>,
+        pub create_reference: extern "C" fn(init: RStr<'_>) -> RResult<ActorBox, FfiError>,
+        #[sabi(last_prefix_field)]
+        pub create_critic: extern "C" fn(init: RStr<'_>) -> RResult<CriticBox, FfiError>,
+        #[sabi(missing_field(option))]
+        pub validate: extern "C" fn(init: RStr<'_>) -> RResult<ROption<RString>, FfiError>,
+    }
+
+    impl RootModule for BackendModuleRef {
+        declare_root_module_statics! {BackendModuleRef}
+        const BASE_NAME: &'static str = "verl_backend";
+        const NAME: &'static str = "verl_backend";
+        const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    }
+
+    /// The module as the current [`super::BackendModuleRef`] when it has no field appended
+    /// after `validate` (see [`super::v1::as_current`]).
+    pub fn as_current(m: BackendModuleRef) -> Option<super::BackendModuleRef> {
+        // SAFETY: as in `v1::as_current`; this prefix's fields passed the layout check.
+        let current: super::BackendModuleRef = unsafe { std::mem::transmute(m) };
+        current.create_reward_model().is_none().then_some(current)
     }
 }
 
@@ -202,6 +275,12 @@ pub struct RewardModule {
     pub set_host: extern "C" fn(HostCallbacks),
     #[sabi(last_prefix_field)]
     pub create_reward: extern "C" fn(init: RStr<'_>) -> RResult<RewardBox, FfiError>,
+    /// `create_reward` with the host's model services ([`ModelServicesFfi`]) handed to the
+    /// plugin, so it can score with the job's reward models and generate with its judge models.
+    /// Absent on plugins built before it existed (the host then calls `create_reward`).
+    #[sabi(missing_field(option))]
+    pub create_reward_with_services:
+        extern "C" fn(init: RStr<'_>, services: ModelServicesBox) -> RResult<RewardBox, FfiError>,
 }
 
 impl RootModule for RewardModuleRef {
@@ -209,6 +288,51 @@ impl RootModule for RewardModuleRef {
     const BASE_NAME: &'static str = "verl_reward";
     const NAME: &'static str = "verl_reward";
     const VERSION_STRINGS: VersionStrings = package_version_strings!();
+}
+
+/// The reward root module as plugins built before `create_reward_with_services` have it
+/// (frozen; the loader falls back to it as for backends, see [`v1`]).
+pub mod reward_v1 {
+    use abi_stable::{
+        declare_root_module_statics,
+        library::RootModule,
+        package_version_strings,
+        sabi_types::VersionStrings,
+        std_types::{RResult, RStr, RString},
+        StableAbi,
+    };
+
+    use super::{HostCallbacks, RewardBox};
+    use crate::error::FfiError;
+
+    #[repr(C)]
+    #[derive(StableAbi)]
+    #[sabi(kind(Prefix(prefix_ref = RewardModuleRef)))]
+    #[sabi(missing_field(panic))]
+    pub struct RewardModule {
+        pub header: extern "C" fn() -> RString,
+        pub set_host: extern "C" fn(HostCallbacks),
+        #[sabi(last_prefix_field)]
+        pub create_reward: extern "C" fn(init: RStr<'_>) -> RResult<RewardBox, FfiError>,
+    }
+
+    impl RootModule for RewardModuleRef {
+        declare_root_module_statics! {RewardModuleRef}
+        const BASE_NAME: &'static str = "verl_reward";
+        const NAME: &'static str = "verl_reward";
+        const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    }
+
+    /// The module as the current [`super::RewardModuleRef`] when it has none of the appended
+    /// fields (see [`super::v1::as_current`]).
+    pub fn as_current(m: RewardModuleRef) -> Option<super::RewardModuleRef> {
+        // SAFETY: as in `v1::as_current`.
+        let current: super::RewardModuleRef = unsafe { std::mem::transmute(m) };
+        current
+            .create_reward_with_services()
+            .is_none()
+            .then_some(current)
+    }
 }
 
 #[cfg(test)]
@@ -228,6 +352,9 @@ mod tests {
         unreachable!()
     }
     extern "C" fn validate(_: RStr<'_>) -> RResult<ROption<RString>, FfiError> {
+        unreachable!()
+    }
+    extern "C" fn create_reward_model(_: RStr<'_>) -> RResult<RewardBox, FfiError> {
         unreachable!()
     }
 
@@ -272,9 +399,72 @@ mod tests {
             create_reference: create_actor,
             create_critic,
             validate,
+            create_reward_model,
         }
         .leak_into_prefix();
         let through_v1: v1::BackendModuleRef = unsafe { std::mem::transmute(new) };
         assert!(v1::as_current(through_v1).is_none());
+    }
+
+    #[test]
+    fn a_plugin_built_before_create_reward_model_passes_the_v2_prefix_and_has_no_reward_model() {
+        assert!(check_layout_compatibility(
+            <BackendModuleRef as StableAbi>::LAYOUT,
+            <v2::BackendModuleRef as StableAbi>::LAYOUT,
+        )
+        .is_err());
+        check_layout_compatibility(
+            <v2::BackendModuleRef as StableAbi>::LAYOUT,
+            <BackendModuleRef as StableAbi>::LAYOUT,
+        )
+        .unwrap();
+        let old = v2::BackendModule {
+            header,
+            set_host,
+            create_actor,
+            create_reference: create_actor,
+            create_critic,
+            validate,
+        }
+        .leak_into_prefix();
+        let seen = v2::as_current(old).expect("a v2 plugin is usable");
+        assert!(seen.validate().is_some());
+        assert!(seen.create_reward_model().is_none());
+    }
+
+    extern "C" fn create_reward(_: RStr<'_>) -> RResult<RewardBox, FfiError> {
+        unreachable!()
+    }
+    extern "C" fn create_reward_with_services(
+        _: RStr<'_>,
+        _: ModelServicesBox,
+    ) -> RResult<RewardBox, FfiError> {
+        unreachable!()
+    }
+
+    #[test]
+    fn a_reward_plugin_built_before_model_services_passes_its_prefix_and_has_none() {
+        assert!(check_layout_compatibility(
+            <RewardModuleRef as StableAbi>::LAYOUT,
+            <reward_v1::RewardModuleRef as StableAbi>::LAYOUT,
+        )
+        .is_err());
+        let old = reward_v1::RewardModule {
+            header,
+            set_host,
+            create_reward,
+        }
+        .leak_into_prefix();
+        let seen = reward_v1::as_current(old).expect("an old reward plugin is usable");
+        assert!(seen.create_reward_with_services().is_none());
+        let new = RewardModule {
+            header,
+            set_host,
+            create_reward,
+            create_reward_with_services,
+        }
+        .leak_into_prefix();
+        let through_v1: reward_v1::RewardModuleRef = unsafe { std::mem::transmute(new) };
+        assert!(reward_v1::as_current(through_v1).is_none());
     }
 }

@@ -40,6 +40,9 @@ pub enum Role {
     Reference,
     Critic,
     Reward,
+    /// A backend's sequence-scoring model (verl's discriminative reward model).
+    #[serde(rename = "reward_model")]
+    RewardModel,
 }
 
 impl Role {
@@ -49,6 +52,7 @@ impl Role {
             Role::Reference => "reference",
             Role::Critic => "critic",
             Role::Reward => "reward",
+            Role::RewardModel => "reward_model",
         }
     }
 }

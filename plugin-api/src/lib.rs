@@ -15,12 +15,13 @@ pub mod ffi;
 pub mod header;
 mod log;
 pub mod sdk;
+pub mod services;
 pub mod testing;
 
 pub use batch::{Batch, Column, ColumnSpec, ColumnType, DType, Dim, Element, Tensor};
 pub use contract::{
-    col, GenerateOptions, InitArgs, LogProbOptions, Rendezvous, ScoreOptions, UpdateOptions,
-    ValueOptions,
+    col, GenerateOptions, InitArgs, LogProbOptions, Rendezvous, RewardModelSpec, ScoreOptions,
+    UpdateOptions, ValueOptions,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use ffi::DataParallel;
@@ -29,6 +30,7 @@ pub use header::{
 };
 pub use log::{current_max_level, forward_to_tracing};
 pub use sdk::{Actor, BackendPlugin, Critic, Reward, RewardPlugin};
+pub use services::{ModelInfo, ModelKind, ModelProvider, ModelServices, TextGenerateOptions};
 
 /// Metrics a call returns: (verl metric name, value), in order.
 pub type Metrics = Vec<(String, f64)>;

@@ -26,7 +26,9 @@ use crate::ffi::{
     CriticFfi_TO, DataParallel, FfiMetrics, HostCallbacks, RewardBox, RewardFfi, RewardFfi_TO,
     RewardModule, RewardModuleRef,
 };
+use crate::ffi::ModelServicesBox;
 use crate::header::{PluginHeader, PluginInfo, PluginKind};
+use crate::services::ModelServices;
 use crate::Metrics;
 
 /// The policy. Also used, in eval mode, as the reference policy.
@@ -115,12 +117,28 @@ pub trait BackendPlugin: 'static {
     fn validate(_init: &InitArgs) -> Option<Result<String>> {
         None
     }
+    /// The reward model role: a frozen sequence-scoring model whose `score` takes
+    /// [`crate::contract::RM_SCORE_IN`] (token ids the host rendered with the model's own
+    /// template) and returns one score per row; `call("offload" | "onload")` moves its weights
+    /// off and back onto the device. `init.extra["reward_model"]` says which model and how.
+    fn create_reward_model(_init: &InitArgs) -> Result<Box<dyn Reward>> {
+        Err(Error::not_implemented("the reward_model role"))
+    }
 }
 
-/// A reward plugin.
+/// A reward plugin. Implement `create_reward`, or `create_reward_with` when the plugin uses the
+/// models the host lends ([`ModelServices`]: reward models to score with, judges to generate
+/// with).
 pub trait RewardPlugin: 'static {
     fn info() -> PluginInfo;
-    fn create_reward(init: &InitArgs) -> Result<Box<dyn Reward>>;
+    fn create_reward(_init: &InitArgs) -> Result<Box<dyn Reward>> {
+        Err(Error::not_implemented(
+            "create_reward: this plugin needs the host's model services (create_reward_with)",
+        ))
+    }
+    fn create_reward_with(init: &InitArgs, _services: ModelServices) -> Result<Box<dyn Reward>> {
+        Self::create_reward(init)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -424,6 +442,13 @@ pub fn backend_module<P: BackendPlugin>() -> BackendModuleRef {
             }
         })
     }
+    extern "C" fn create_reward_model<P: BackendPlugin>(
+        init: RStr<'_>,
+    ) -> RResult<RewardBox, FfiError> {
+        ffi("create_reward_model", || {
+            Ok(reward_box(P::create_reward_model(&parse_init(init)?)?))
+        })
+    }
     use abi_stable::prefix_type::PrefixTypeTrait;
     BackendModule {
         header: header::<P>,
@@ -432,6 +457,7 @@ pub fn backend_module<P: BackendPlugin>() -> BackendModuleRef {
         create_reference: create_reference::<P>,
         create_critic: create_critic::<P>,
         validate: validate::<P>,
+        create_reward_model: create_reward_model::<P>,
     }
     .leak_into_prefix()
 }
@@ -451,7 +477,21 @@ pub fn reward_module<P: RewardPlugin>() -> RewardModuleRef {
     }
     extern "C" fn create_reward<P: RewardPlugin>(init: RStr<'_>) -> RResult<RewardBox, FfiError> {
         ffi("create_reward", || {
-            Ok(reward_box(P::create_reward(&parse_init(init)?)?))
+            Ok(reward_box(P::create_reward_with(
+                &parse_init(init)?,
+                ModelServices::none(),
+            )?))
+        })
+    }
+    extern "C" fn create_reward_with_services<P: RewardPlugin>(
+        init: RStr<'_>,
+        services: ModelServicesBox,
+    ) -> RResult<RewardBox, FfiError> {
+        ffi("create_reward", || {
+            Ok(reward_box(P::create_reward_with(
+                &parse_init(init)?,
+                ModelServices::from_box(services),
+            )?))
         })
     }
     use abi_stable::prefix_type::PrefixTypeTrait;
@@ -459,6 +499,7 @@ pub fn reward_module<P: RewardPlugin>() -> RewardModuleRef {
         header: header::<P>,
         set_host: set_host_cb::<P>,
         create_reward: create_reward::<P>,
+        create_reward_with_services: create_reward_with_services::<P>,
     }
     .leak_into_prefix()
 }

@@ -9,7 +9,8 @@
 use abi_stable::std_types::RStr;
 
 use crate::batch::Batch;
-use crate::client::{ActorClient, CriticClient, RewardClient};
+use crate::client::{ActorClient, CriticClient, RewardClient, RewardModelClient};
+use crate::services::{services_box, ModelProvider};
 use crate::contract::{col, InitArgs};
 use crate::error::{Error, Result};
 use crate::header::{api_compatible, PluginHeader, API_VERSION};
@@ -70,6 +71,35 @@ pub fn critic<P: BackendPlugin>(init: &InitArgs) -> Result<CriticClient> {
         .into_result()
         .map_err(|e| Error::from_ffi(e, &name, "create_critic"))?;
     Ok(CriticClient::new(obj, name))
+}
+
+/// Create the plugin's reward model role through the ABI adapter.
+pub fn reward_model<P: BackendPlugin>(init: &InitArgs) -> Result<RewardModelClient> {
+    let m = backend_module::<P>();
+    let name = P::info().name;
+    let create = m
+        .create_reward_model()
+        .ok_or_else(|| Error::not_implemented("the reward_model role"))?;
+    let obj = create(RStr::from_str(&init_json(init)))
+        .into_result()
+        .map_err(|e| Error::from_ffi(e, &name, "create_reward_model"))?;
+    Ok(RewardModelClient::new(obj, name))
+}
+
+/// Create the reward plugin's scorer through the ABI adapter, lending it `models`.
+pub fn reward_with<P: RewardPlugin>(
+    init: &InitArgs,
+    models: impl ModelProvider,
+) -> Result<RewardClient> {
+    let m = reward_module::<P>();
+    let name = P::info().name;
+    let create = m
+        .create_reward_with_services()
+        .ok_or_else(|| Error::not_implemented("create_reward_with_services"))?;
+    let obj = create(RStr::from_str(&init_json(init)), services_box(models))
+        .into_result()
+        .map_err(|e| Error::from_ffi(e, &name, "create_reward"))?;
+    Ok(RewardClient::new(obj, name))
 }
 
 /// Create the reward plugin's scorer through the ABI adapter.

@@ -172,3 +172,24 @@ pub fn tiny_inputs() -> &'static TinyInputs {
         }
     })
 }
+
+/// The Python the tests run transformers with: `VERL_PYTHON`, else the project's venv
+/// (`.venv/bin/python`, made by `scripts/setup.sh`). Missing is a failure, not a skip.
+pub fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("VERL_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let p = root.join(".venv/bin/python");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/setup.sh (or set VERL_PYTHON to a Python with torch and transformers)",
+        p.display()
+    );
+    p
+}
+
+/// A Python script of `tests/py`.
+pub fn py_script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("py").join(name)
+}

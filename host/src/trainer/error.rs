@@ -10,6 +10,9 @@ pub enum TrainerError {
         loaded: String,
     },
 
+    #[error("reward.reward_model.model_path is a generative model (a causal LM, verl's GenRM): it cannot score rows itself. Route the data sources to a reward plugin that prompts it through the model services (plugins.reward.default / plugins.reward.routes; verl: custom_reward_function), or give a *ForSequenceClassification reward model")]
+    GenerativeRmNeedsPlugin,
+
     #[error("reward plugin `{plugin}` returned {found} scores for {expected} rows")]
     RewardCount {
         plugin: String,

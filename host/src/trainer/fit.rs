@@ -539,10 +539,11 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
     } else {
         None
     };
+    let models = super::reward_model::lent_models(cfg, backend.as_ref(), &config_json, &init)?;
     let mut reward_clients = Vec::new();
     for (name, f) in &plugins.rewards {
         let client = f
-            .create_reward(&init(Role::Reward))
+            .create_reward(&init(Role::Reward), &models)
             .with_context(|| format!("creating reward plugin `{name}` ({})", f.name()))?;
         reward_clients.push((name.clone(), client));
     }
@@ -550,7 +551,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         actor,
         reference,
         critic,
-        rewards: RewardRouter::new(reward_clients, cfg)?,
+        rewards: RewardRouter::new(reward_clients, models, cfg)?,
     };
 
     // Resume.
@@ -1236,6 +1237,7 @@ fn score_rollout(
         .map(|r| s(r).reward_model.ground_truth.clone())
         .collect();
     let extra_info: Vec<serde_json::Value> = (0..n).map(|r| s(r).extra_info.clone()).collect();
+    let raw_prompt: Vec<&[verl_data::Message]> = (0..n).map(|r| s(r).prompt.as_slice()).collect();
     let reward = roles.rewards.score(
         cfg,
         &RewardInput {
@@ -1246,6 +1248,10 @@ fn score_rollout(
             extra_info: &extra_info,
             responses: &responses,
             response_mask: &response_mask,
+            raw_prompt: &raw_prompt,
+            prompts: &prompt_ids,
+            prompt_mask: &prompt_mask,
+            policy_tokenizer: &enc.tokenizer,
         },
     )?;
     Ok(Rollout {

@@ -14,6 +14,7 @@ mod fit;
 mod plugins;
 mod prompts;
 mod reward;
+pub mod reward_model;
 mod rollout_corr;
 
 pub use error::TrainerError;

@@ -3,11 +3,13 @@
 
 use std::marker::PhantomData;
 
-use verl_plugin_api::client::{ActorClient, CriticClient, RewardClient};
+use verl_plugin_api::client::{ActorClient, CriticClient, RewardClient, RewardModelClient};
+use verl_plugin_api::services::services_box;
 use verl_plugin_api::sdk::{BackendPlugin, RewardPlugin};
 use verl_plugin_api::{testing, InitArgs};
 
 use crate::loader::LoadedPlugin;
+use crate::models::SharedModels;
 
 /// Creates the actor, reference and critic roles of one backend.
 pub trait BackendFactory {
@@ -15,12 +17,15 @@ pub trait BackendFactory {
     fn create_actor(&self, init: &InitArgs) -> anyhow::Result<ActorClient>;
     fn create_reference(&self, init: &InitArgs) -> anyhow::Result<ActorClient>;
     fn create_critic(&self, init: &InitArgs) -> anyhow::Result<CriticClient>;
+    /// The reward model role (`init.extra.reward_model` says which model).
+    fn create_reward_model(&self, init: &InitArgs) -> anyhow::Result<RewardModelClient>;
 }
 
-/// Creates a reward role.
+/// Creates a reward role, lending it the job's models.
 pub trait RewardFactory {
     fn name(&self) -> &str;
-    fn create_reward(&self, init: &InitArgs) -> anyhow::Result<RewardClient>;
+    fn create_reward(&self, init: &InitArgs, models: &SharedModels)
+        -> anyhow::Result<RewardClient>;
 }
 
 impl BackendFactory for LoadedPlugin {
@@ -36,14 +41,21 @@ impl BackendFactory for LoadedPlugin {
     fn create_critic(&self, init: &InitArgs) -> anyhow::Result<CriticClient> {
         LoadedPlugin::create_critic(self, init)
     }
+    fn create_reward_model(&self, init: &InitArgs) -> anyhow::Result<RewardModelClient> {
+        LoadedPlugin::create_reward_model(self, init)
+    }
 }
 
 impl RewardFactory for LoadedPlugin {
     fn name(&self) -> &str {
         &self.header.name
     }
-    fn create_reward(&self, init: &InitArgs) -> anyhow::Result<RewardClient> {
-        LoadedPlugin::create_reward(self, init)
+    fn create_reward(
+        &self,
+        init: &InitArgs,
+        models: &SharedModels,
+    ) -> anyhow::Result<RewardClient> {
+        LoadedPlugin::create_reward(self, init, Some(services_box(models.clone())))
     }
 }
 
@@ -75,6 +87,9 @@ impl<P: BackendPlugin> BackendFactory for InProcessBackend<P> {
     fn create_critic(&self, init: &InitArgs) -> anyhow::Result<CriticClient> {
         Ok(testing::critic::<P>(init)?)
     }
+    fn create_reward_model(&self, init: &InitArgs) -> anyhow::Result<RewardModelClient> {
+        Ok(testing::reward_model::<P>(init)?)
+    }
 }
 
 /// A reward plugin type linked into this process.
@@ -96,8 +111,12 @@ impl<P: RewardPlugin> RewardFactory for InProcessReward<P> {
     fn name(&self) -> &str {
         &self.name
     }
-    fn create_reward(&self, init: &InitArgs) -> anyhow::Result<RewardClient> {
-        Ok(testing::reward::<P>(init)?)
+    fn create_reward(
+        &self,
+        init: &InitArgs,
+        models: &SharedModels,
+    ) -> anyhow::Result<RewardClient> {
+        Ok(testing::reward_with::<P>(init, models.clone())?)
     }
 }
 

@@ -1,14 +1,21 @@
-//! Reward routing: each row goes to the plugin `plugins.reward` names for its `data_source`;
-//! every plugin's answer is checked for count and finiteness and failures name the plugin.
+//! Reward routing: each row goes to the plugin `plugins.reward` names for its `data_source`, or
+//! to the job's reward model (`reward_model.enable`: every data source without a route);
+//! every answer is checked for count and finiteness and failures name the plugin or model.
 
 use std::collections::BTreeMap;
 
 use anyhow::Context;
+use verl_chat::Tokenizer;
 use verl_config::Config;
+use verl_data::Message;
 use verl_plugin_api::client::RewardClient;
-use verl_plugin_api::{col, Batch, ScoreOptions, Tensor};
+use verl_plugin_api::{col, Batch, ModelKind, ScoreOptions, Tensor};
 
 use super::error::TrainerError;
+use crate::models::SharedModels;
+
+/// The name the job's reward model is routed and lent under.
+pub const REWARD_MODEL: &str = "reward_model";
 
 /// One rollout's reward inputs, row-aligned.
 pub(crate) struct RewardInput<'a> {
@@ -19,6 +26,21 @@ pub(crate) struct RewardInput<'a> {
     pub extra_info: &'a [serde_json::Value],
     pub responses: &'a Tensor<i64>,
     pub response_mask: &'a Tensor<i64>,
+    /// What a reward model reads: the prompt's chat messages (verl's `raw_prompt`), the
+    /// policy's prompt tokens and its tokenizer.
+    pub raw_prompt: &'a [&'a [Message]],
+    pub prompts: &'a Tensor<i64>,
+    pub prompt_mask: &'a Tensor<i64>,
+    pub policy_tokenizer: &'a Tokenizer,
+}
+
+/// How the job's reward model reads a rollout (verl's `reward_model.model.input_tokenizer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RmInput {
+    /// Decode with the policy's tokenizer, re-render with the reward model's template.
+    SwitchTemplate,
+    /// The policy's own prompt + response token ids (same tokenizer).
+    PolicyTokens,
 }
 
 pub(crate) struct RewardOutput {
@@ -33,43 +55,101 @@ pub(crate) struct RewardOutput {
 
 pub(crate) struct RewardRouter {
     clients: Vec<(String, RewardClient)>,
+    models: SharedModels,
+    /// Rows without a route go to the reward model (`reward_model.enable` with a score head and
+    /// `plugins.reward.default` left at `rewards`).
+    rm_default: bool,
+    rm_input: RmInput,
+    /// `reward_model.max_length`.
+    rm_max_length: Option<usize>,
     options: ScoreOptions,
 }
 
+/// Where one route's rows go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Target {
+    Plugin(usize),
+    Model(String),
+}
+
 impl RewardRouter {
-    pub fn new(clients: Vec<(String, RewardClient)>, cfg: &Config) -> anyhow::Result<Self> {
+    pub fn new(
+        clients: Vec<(String, RewardClient)>,
+        models: SharedModels,
+        cfg: &Config,
+    ) -> anyhow::Result<Self> {
         let kwargs = serde_json::to_value(&cfg.custom_reward_function.reward_kwargs)
             .context("custom_reward_function.reward_kwargs is not JSON")?;
+        let rm_default = cfg.reward.reward_model.enable
+            && cfg.plugins.reward.default == "rewards"
+            && models.kind_of(REWARD_MODEL) == Some(ModelKind::Score);
+        if cfg.reward.reward_model.enable
+            && cfg.plugins.reward.default == "rewards"
+            && models.kind_of(REWARD_MODEL) == Some(ModelKind::Generate)
+        {
+            return Err(TrainerError::GenerativeRmNeedsPlugin.into());
+        }
         Ok(RewardRouter {
             clients,
+            models,
+            rm_default,
+            rm_input: if cfg.reward_model.model.input_tokenizer.is_some() {
+                RmInput::SwitchTemplate
+            } else {
+                RmInput::PolicyTokens
+            },
+            rm_max_length: cfg.reward_model.max_length.map(|m| m as usize),
             options: ScoreOptions { kwargs },
         })
     }
 
+    fn target_name<'c>(&self, cfg: &'c Config, data_source: &str) -> &'c str {
+        match cfg.plugins.reward.routes.get(data_source) {
+            Some(t) => t,
+            None if self.rm_default => REWARD_MODEL,
+            None => &cfg.plugins.reward.default,
+        }
+    }
+
+    fn target(&self, name: &str, data_source: &str) -> anyhow::Result<Target> {
+        if let Some(i) = self.clients.iter().position(|(n, _)| n == name) {
+            return Ok(Target::Plugin(i));
+        }
+        if self.models.kind_of(name) == Some(ModelKind::Score) {
+            return Ok(Target::Model(name.to_string()));
+        }
+        let mut loaded: Vec<String> = self.clients.iter().map(|(n, _)| n.clone()).collect();
+        loaded.extend(self.models.names());
+        Err(TrainerError::UnknownRewardPlugin {
+            data_source: data_source.to_string(),
+            plugin: name.to_string(),
+            loaded: loaded.join(", "),
+        }
+        .into())
+    }
+
     pub fn score(&mut self, cfg: &Config, input: &RewardInput<'_>) -> anyhow::Result<RewardOutput> {
+        let lends = !self.models.is_empty();
+        if lends {
+            self.models.hold_all()?;
+        }
+        let out = self.score_rows(cfg, input);
+        if lends {
+            self.models.release_all()?;
+        }
+        out
+    }
+
+    fn score_rows(&mut self, cfg: &Config, input: &RewardInput<'_>) -> anyhow::Result<RewardOutput> {
         let rows = input.data_source.len();
         let width = input.responses.cols();
-        // Rows per plugin, plugins in first-seen order so calls are deterministic.
-        let mut routes: Vec<(usize, Vec<usize>)> = Vec::new();
+        // Rows per target, targets in first-seen order so calls are deterministic.
+        let mut routes: Vec<(Target, Vec<usize>)> = Vec::new();
         for (r, ds) in input.data_source.iter().enumerate() {
-            let name = cfg.reward_plugin_for(ds);
-            let client = self
-                .clients
-                .iter()
-                .position(|(n, _)| n == name)
-                .ok_or_else(|| TrainerError::UnknownRewardPlugin {
-                    data_source: ds.clone(),
-                    plugin: name.to_string(),
-                    loaded: self
-                        .clients
-                        .iter()
-                        .map(|(n, _)| n.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                })?;
-            match routes.iter_mut().find(|(c, _)| *c == client) {
+            let target = self.target(self.target_name(cfg, ds), ds)?;
+            match routes.iter_mut().find(|(c, _)| *c == target) {
                 Some((_, v)) => v.push(r),
-                None => routes.push((client, vec![r])),
+                None => routes.push((target, vec![r])),
             }
         }
         let mut out = RewardOutput {
@@ -77,7 +157,32 @@ impl RewardRouter {
             token_level_scores: vec![0.0; rows * width],
             extra: BTreeMap::new(),
         };
-        for (client, idx) in routes {
+        for (target, idx) in routes {
+            let client = match target {
+                Target::Plugin(i) => i,
+                Target::Model(name) => {
+                    let scores = self.score_with_model(&name, input, &idx)?;
+                    for (&r, &s) in idx.iter().zip(&scores) {
+                        if !s.is_finite() {
+                            return Err(TrainerError::RewardNotFinite {
+                                plugin: name.clone(),
+                                row: r,
+                                data_source: input.data_source[r].clone(),
+                                value: s,
+                            }
+                            .into());
+                        }
+                        out.scores[r] = s as f64;
+                        let dst = &mut out.token_level_scores[r * width..(r + 1) * width];
+                        if let Some(last) =
+                            input.response_mask.row(r).iter().rposition(|&m| m != 0)
+                        {
+                            dst[last] = s as f64;
+                        }
+                    }
+                    continue;
+                }
+            };
             let (name, client) = &mut self.clients[client];
             let batch = sub_batch(input, &idx);
             let res = client.score(&batch, &self.options).with_context(|| {
@@ -142,6 +247,81 @@ impl RewardRouter {
             }
         }
         Ok(out)
+    }
+}
+
+impl RewardRouter {
+    /// verl's reward-model input: the response decoded with the policy's tokenizer (special
+    /// tokens kept, the EOS text removed), appended to the prompt's messages as the assistant
+    /// turn, rendered with the reward model's own template and cut to `reward_model.max_length`
+    /// (default: the policy's prompt + response length); or, with `input_tokenizer: null`, the
+    /// policy's own tokens.
+    fn score_with_model(
+        &self,
+        name: &str,
+        input: &RewardInput<'_>,
+        idx: &[usize],
+    ) -> anyhow::Result<Vec<f32>> {
+        let src_len = input.prompts.cols() + input.responses.cols();
+        let valid = |t: &Tensor<i64>, m: &Tensor<i64>, r: usize| -> Vec<i64> {
+            t.row(r)
+                .iter()
+                .zip(m.row(r))
+                .filter(|(_, &m)| m != 0)
+                .map(|(&x, _)| x)
+                .collect()
+        };
+        let scores = match self.rm_input {
+            RmInput::PolicyTokens => {
+                let limit = self.rm_max_length.unwrap_or(src_len);
+                let rows: Vec<Vec<i64>> = idx
+                    .iter()
+                    .map(|&r| {
+                        let mut ids = valid(input.prompts, input.prompt_mask, r);
+                        ids.extend(valid(input.responses, input.response_mask, r));
+                        ids.truncate(limit);
+                        ids
+                    })
+                    .collect();
+                self.models.with_scoring(name, |m| m.score_ids(&rows))?
+            }
+            RmInput::SwitchTemplate => {
+                let eos = input.policy_tokenizer.special_tokens().eos.clone();
+                let chats = idx
+                    .iter()
+                    .map(|&r| {
+                        let ids: Vec<u32> = valid(input.responses, input.response_mask, r)
+                            .iter()
+                            .map(|&t| t as u32)
+                            .collect();
+                        let mut text = input
+                            .policy_tokenizer
+                            .decode(&ids, false)
+                            .with_context(|| format!("decoding response {r} for the reward model"))?;
+                        if let Some(e) = eos.as_deref().filter(|e| !e.is_empty()) {
+                            text = text.replace(e, "");
+                        }
+                        let mut chat: Vec<serde_json::Value> = input.raw_prompt[r]
+                            .iter()
+                            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                            .collect();
+                        chat.push(serde_json::json!({"role": "assistant", "content": text}));
+                        Ok(chat)
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let max = self.rm_max_length.or(Some(src_len));
+                self.models.with_scoring(name, |m| m.score_chats(&chats, max))?
+            }
+        };
+        if scores.len() != idx.len() {
+            return Err(TrainerError::RewardCount {
+                plugin: name.to_string(),
+                expected: idx.len(),
+                found: scores.len(),
+            }
+            .into());
+        }
+        Ok(scores)
     }
 }
 

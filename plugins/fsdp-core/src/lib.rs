@@ -23,6 +23,7 @@ pub mod host_params;
 pub mod metrics;
 pub mod optim;
 pub mod packing;
+pub mod reward_model;
 pub mod sft;
 pub mod shard;
 #[cfg(test)]
@@ -31,11 +32,13 @@ pub mod train;
 pub mod validate;
 
 use verl_plugin_api::{
-    Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Role,
+    Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Reward,
+    Role,
 };
 
 pub use actor::FsdpActor;
 pub use critic::FsdpCritic;
+pub use reward_model::FsdpRewardModel;
 pub use error::FsdpError;
 
 pub struct FsdpPlugin;
@@ -55,6 +58,7 @@ impl BackendPlugin for FsdpPlugin {
                 ready(Role::Actor),
                 ready(Role::Reference),
                 ready(Role::Critic),
+                Capability::ready(Role::RewardModel),
             ],
             build: BuildInfo {
                 libtorch: Some(env!("VERL_LIBTORCH_VERSION").into()),
@@ -75,6 +79,9 @@ impl BackendPlugin for FsdpPlugin {
     }
     fn create_critic(init: &InitArgs) -> Result<Box<dyn Critic>> {
         Ok(Box::new(FsdpCritic::create(init)?))
+    }
+    fn create_reward_model(init: &InitArgs) -> Result<Box<dyn Reward>> {
+        Ok(Box::new(FsdpRewardModel::create(init)?))
     }
 }
 

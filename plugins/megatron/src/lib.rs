@@ -32,7 +32,8 @@ pub mod train;
 pub mod validate;
 
 use verl_plugin_api::{
-    Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Role,
+    Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Reward,
+    Role,
 };
 
 pub use actor::MegatronActor;
@@ -56,6 +57,10 @@ impl BackendPlugin for MegatronPlugin {
                 ready(Role::Actor),
                 ready(Role::Reference),
                 ready(Role::Critic),
+                Capability {
+                    note: "whole model on each rank".into(),
+                    ..Capability::ready(Role::RewardModel)
+                },
             ],
             build: BuildInfo {
                 libtorch: Some(env!("VERL_LIBTORCH_VERSION").into()),
@@ -72,6 +77,11 @@ impl BackendPlugin for MegatronPlugin {
     }
     fn create_critic(init: &InitArgs) -> Result<Box<dyn Critic>> {
         Ok(Box::new(MegatronCritic::create(init)?))
+    }
+    /// The reward model is frozen and scores whole sequences: every rank holds the whole model
+    /// and scores its own rows (the backend-neutral role of `verl-fsdp-core`).
+    fn create_reward_model(init: &InitArgs) -> Result<Box<dyn Reward>> {
+        Ok(Box::new(verl_fsdp_core::FsdpRewardModel::create(init)?))
     }
     /// Each role's layout against the world size and the model's config.json ([`validate`]).
     fn validate(init: &InitArgs) -> Option<Result<String>> {

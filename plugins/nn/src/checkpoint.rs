@@ -230,12 +230,7 @@ impl Transformer {
     /// missing and extra tensors; skipped/initialised names are logged with `tracing::warn!`.
     pub fn from_pretrained(dir: impl AsRef<Path>, opts: &ModelOptions) -> Result<Transformer> {
         let dir = dir.as_ref();
-        let config = ModelConfig::from_dir(dir)?;
-        let checkpoint = Checkpoint::open(dir)?;
-        // Everything is overwritten from the checkpoint (missing head parameters are initialised
-        // in `load_checkpoint`), so skip the cost of random init.
-        let mut model = Transformer::build(config, opts, InitMode::Zeros)?;
-        let report = model.load_checkpoint(&checkpoint)?;
+        let (model, report) = Self::from_pretrained_with_report(dir, opts)?;
         if !report.initialized.is_empty() {
             tracing::warn!(
                 dir = %dir.display(),
@@ -251,6 +246,23 @@ impl Transformer {
             );
         }
         Ok(model)
+    }
+
+    /// [`Transformer::from_pretrained`] without its warnings, returning what the load
+    /// initialised or skipped instead (a caller that must not run on a fresh head checks
+    /// [`LoadReport::initialized`]).
+    pub fn from_pretrained_with_report(
+        dir: impl AsRef<Path>,
+        opts: &ModelOptions,
+    ) -> Result<(Transformer, LoadReport)> {
+        let dir = dir.as_ref();
+        let config = ModelConfig::from_dir(dir)?;
+        let checkpoint = Checkpoint::open(dir)?;
+        // Everything is overwritten from the checkpoint (missing head parameters are initialised
+        // in `load_checkpoint`), so skip the cost of random init.
+        let mut model = Transformer::build(config, opts, InitMode::Zeros)?;
+        let report = model.load_checkpoint(&checkpoint)?;
+        Ok((model, report))
     }
 
     /// Copies weights from an opened checkpoint into this model (no grad).
@@ -411,7 +423,7 @@ impl Transformer {
             obj.insert(key.into(), Value::from(dtype_name));
             let labels = match self.head_kind() {
                 HeadKind::CausalLm => None,
-                HeadKind::Value => Some(1),
+                HeadKind::Value | HeadKind::RewardModel => Some(1),
                 HeadKind::SequenceClassification => Some(cfg.num_labels),
             };
             if let Some(n) = labels {

@@ -69,6 +69,7 @@ impl Arch {
             "ForCausalLM",
             "ForSequenceClassification",
             "ForTokenClassification",
+            "ForRewardModel",
             "Model",
         ]
         .iter()

@@ -22,6 +22,10 @@ pub enum HeadKind {
     /// Reward model: `[B, num_labels]` read at each row's last non-pad token (`score.weight`
     /// `[num_labels, H]`, no bias; HF `*ForSequenceClassification`).
     SequenceClassification,
+    /// Reward model with a two-layer head: `[B, 1]` read at each row's last non-pad token
+    /// (`score.0` `[H, H]` + bias, ReLU, `score.2` `[1, H]` + bias; the `Qwen2ForRewardModel`
+    /// class Qwen2.5-Math-RM ships as remote code).
+    RewardModel,
 }
 
 impl HeadKind {
@@ -30,6 +34,20 @@ impl HeadKind {
             HeadKind::CausalLm => "ForCausalLM",
             HeadKind::Value => "ForTokenClassification",
             HeadKind::SequenceClassification => "ForSequenceClassification",
+            HeadKind::RewardModel => "ForRewardModel",
+        }
+    }
+
+    /// The head a reward model's `architectures` entry names: `*ForSequenceClassification` or
+    /// `*ForRewardModel`; `None` for any other class (a causal LM has no reward head).
+    pub fn of_reward_model(config: &ModelConfig) -> Option<HeadKind> {
+        let class = config.raw.get("architectures")?.as_array()?.first()?.as_str()?;
+        if class.ends_with("ForSequenceClassification") {
+            Some(HeadKind::SequenceClassification)
+        } else if class.ends_with("ForRewardModel") {
+            Some(HeadKind::RewardModel)
+        } else {
+            None
         }
     }
 }
@@ -222,6 +240,7 @@ enum Head {
     Lm(Tensor),
     Value(Linear),
     Score(Linear),
+    RewardMlp(Linear, Linear),
 }
 
 /// A decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE)
@@ -331,6 +350,10 @@ impl Transformer {
             HeadKind::SequenceClassification => {
                 Head::Score(f.linear("score", cfg.hidden_size, cfg.num_labels, false)?)
             }
+            HeadKind::RewardModel => Head::RewardMlp(
+                f.linear("score.0", cfg.hidden_size, cfg.hidden_size, true)?,
+                f.linear("score.2", cfg.hidden_size, 1, true)?,
+            ),
         };
         let tied_head = opts.head == HeadKind::CausalLm && cfg.tie_word_embeddings;
         let params = std::mem::take(&mut f.params);
@@ -705,8 +728,12 @@ impl Transformer {
         match &self.head {
             Head::Lm(w) => self.gather_vocab(hidden.f_linear(w, None::<&Tensor>)?),
             Head::Value(lin) => Ok(lin.forward(hidden)?.f_squeeze_dim(-1)?),
-            Head::Score(lin) => {
-                let scores = lin.forward(hidden)?;
+            Head::Score(_) | Head::RewardMlp(..) => {
+                let scores = match &self.head {
+                    Head::RewardMlp(a, b) => b.forward(&a.forward(hidden)?.f_relu()?)?,
+                    Head::Score(lin) => lin.forward(hidden)?,
+                    _ => unreachable!("matched above"),
+                };
                 let (b, t) = (hidden.size()[0], hidden.size()[1]);
                 let last = match attention_mask {
                     None => Tensor::f_full([b], t - 1, (Kind::Int64, hidden.device()))?,

@@ -91,8 +91,11 @@ const SPEC_DECODE: &str =
     "a speculative-decoding setting of vLLM/SGLang; verl-rs's engine does not speculate";
 
 // What refused keys ask for, and what to use instead.
-const RM: &str = "a model-based reward (reward model)";
-const RM_INSTEAD: &str = "verl-rs scores with rule-reward plugins (plugins.reward.default / plugins.reward.routes); reward models are not implemented yet";
+const RM_POOL: &str = "a separate GPU pool for the reward model";
+const RM_POOL_INSTEAD: &str = "leave reward.reward_model.enable_resource_pool=false: the reward model is colocated with the actor and its weights leave the GPU between reward phases (reward.reward_model.rollout.free_cache_engine)";
+const RM_ENGINE: &str = "a vLLM/SGLang server setting of verl's reward-model replicas; verl-rs runs the reward model as a backend role (one copy per rank, micro-batched by reward_model.micro_batch_size_per_gpu / forward_max_token_len_per_gpu)";
+const RM_TESTS: &[&str] = &["tests/tests/reward_model.rs::grpo_trains_against_a_reward_model_with_another_tokenizer_beside_a_rule_reward"];
+const RM_SCORE_TESTS: &[&str] = &["tests/tests/reward_model.rs::scores_equal_transformers_for_every_reward_model_architecture"];
 const CUSTOM_FN: &str = "a Python reward function";
 const CUSTOM_FN_INSTEAD: &str = "write the reward as a reward plugin (see `verl plugin inspect rewards`) and route data sources to it with plugins.reward.routes; Python reward functions are not implemented yet";
 const LORA: &str = "LoRA adapters";
@@ -438,9 +441,28 @@ pub static RULES: &[Rule] = &[
     Rule::acts("critic.ppo_epochs", "passes over each step's batch", &["host/crates/config/tests/batch.rs::ppo_plan_with_critic", SECTIONS]),
     Rule::acts("critic.cliprange_value", "the value clip range", &["plugins/losses/tests/golden.rs::every_owned_golden_case_matches_verl", LOSSES]),
     // ---- rewards ----
-    Rule::refused("reward.reward_model.*", RM, RM_INSTEAD),
-    Rule::refused("reward.reward_model.rollout.**", RM, RM_INSTEAD),
-    Rule::refused("reward_model.**", RM, RM_INSTEAD),
+    Rule::acts("reward.reward_model.enable", "scores responses with the reward model (every data_source without a plugins.reward.routes entry)", RM_TESTS),
+    Rule::acts("reward.reward_model.model_path", "the reward model's HF folder (*ForSequenceClassification, Qwen2ForRewardModel)", RM_TESTS),
+    Rule::refused("reward.reward_model.enable_resource_pool", RM_POOL, RM_POOL_INSTEAD),
+    Rule::harmless("reward.reward_model.n_gpus_per_node|reward.reward_model.nnodes", "the size of a separate reward-model GPU pool, which verl-rs does not use (the reward model is colocated)"),
+    Rule::acts("reward.reward_model.rollout.dtype", "the reward model's compute dtype (bfloat16, float32, float16)", RM_SCORE_TESTS),
+    Rule::acts("reward.reward_model.rollout.free_cache_engine", "true: the reward model's weights wait in pinned host memory outside the reward phase; false: they stay on the GPU", &["plugins/fsdp-core/src/reward_model.rs::tests::an_offloaded_reward_model_scores_the_same_and_leaves_the_device"]),
+    Rule::harmless("reward.reward_model.rollout.**", RM_ENGINE),
+    Rule::acts("reward_model.strategy", "the backend that runs the reward model (fsdp, fsdp2 or megatron; whole model on each rank)", RM_TESTS).checked(rm_strategy),
+    Rule::acts("reward_model.model.input_tokenizer", "the policy's tokenizer: responses are decoded with it and re-rendered with the reward model's own chat template (null: the reward model reads the policy's token ids as they are)", RM_TESTS),
+    Rule::refused("reward_model.model.external_lib", "importing a Python module to register a model", "verl-rs supports the architectures `verl plugin inspect` lists"),
+    Rule::refused("reward_model.model.override_config", "overriding the reward model's HF config", "edit the model folder's config.json"),
+    Rule::harmless("reward_model.model.trust_remote_code", "verl-rs runs no Python model code (Qwen2ForRewardModel is built in)"),
+    Rule::harmless("reward_model.model.use_shm|reward_model.model.use_remove_padding|reward_model.model.use_fused_kernels", "a loading or kernel switch that leaves the scores as they are"),
+    Rule::harmless("reward_model.model.fsdp_config.**", "FSDP wrapping of the reward model; verl-rs holds one copy per rank and moves it off the GPU per reward.reward_model.rollout.free_cache_engine"),
+    Rule::acts("reward_model.micro_batch_size", "deprecated global micro-batch of the reward model (divided by the world size)", RM_SCORE_TESTS),
+    Rule::acts("reward_model.micro_batch_size_per_gpu", "rows per reward-model forward", RM_SCORE_TESTS),
+    Rule::acts("reward_model.max_length", "the reward model's input is cut to this many tokens, from the right (null: the policy's prompt + response length)", &["host/src/models.rs::tests::reward_model_inputs_are_rendered_truncated_and_right_padded"]),
+    Rule::acts("reward_model.use_dynamic_bsz", "packs reward-model micro-batches by token budget", RM_SCORE_TESTS),
+    Rule::acts("reward_model.forward_max_token_len_per_gpu", "the reward model's token budget per forward", RM_SCORE_TESTS),
+    Rule::refused("reward_model.ulysses_sequence_parallel_size", ULYSSES, ULYSSES_INSTEAD),
+    Rule::harmless("reward_model.megatron.**", "Megatron parallelism of the reward model; verl-rs holds the whole reward model on each rank"),
+    Rule::harmless("reward_model.profiler.**|reward_model.nccl_timeout|reward_model.load_weight|reward_model.use_reward_loop|reward_model.launch_reward_fn_async", "plumbing of verl's reward workers that verl-rs does not have"),
     Rule::refused("reward.custom_reward_function.path", CUSTOM_FN, CUSTOM_FN_INSTEAD),
     Rule::harmless("reward.custom_reward_function.name", "names the function in custom_reward_function.path, which is not set"),
     Rule::acts("reward.custom_reward_function.reward_kwargs", "keyword arguments of the rule rewards (method, format_score, ...)", &["plugins/rewards/tests/golden_rewards.rs::reward_kwargs_reach_the_rule_rewards"]),
@@ -872,6 +894,15 @@ fn reward_manager(v: &Value, _: &Config) -> Verdict {
         "naive" => Verdict::Acts,
         other => Verdict::Refused(format!(
             "the `{other}` reward manager; verl-rs has naive (one score per response from the rule-reward plugins)"
+        )),
+    }
+}
+
+fn rm_strategy(v: &Value, _: &Config) -> Verdict {
+    match text(v).as_str() {
+        "fsdp" | "fsdp2" | "megatron" => Verdict::Acts,
+        other => Verdict::Refused(format!(
+            "a reward model on the `{other}` strategy; verl-rs runs reward models on fsdp, fsdp2 or megatron"
         )),
     }
 }

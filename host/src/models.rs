@@ -139,14 +139,21 @@ impl ScoringModel {
 
     /// Keeps the weights on the device until [`ScoringModel::release`] (a reward phase).
     pub fn hold(&mut self) -> anyhow::Result<()> {
-        self.client.call("onload", &serde_json::Value::Null)?;
-        Ok(())
+        self.residency("onload")
     }
 
     /// Lets the weights leave the device again (when the job offloads them).
     pub fn release(&mut self) -> anyhow::Result<()> {
-        self.client.call("offload", &serde_json::Value::Null)?;
-        Ok(())
+        self.residency("offload")
+    }
+
+    /// A backend whose reward model does not move its weights answers "not implemented": it
+    /// keeps them where they are, which is fine.
+    fn residency(&mut self, method: &str) -> anyhow::Result<()> {
+        match self.client.call(method, &serde_json::Value::Null) {
+            Err(e) if e.kind() == ErrorKind::NotImplemented => Ok(()),
+            r => r.map(|_| ()).map_err(Into::into),
+        }
     }
 }
 
@@ -163,7 +170,7 @@ impl GenerationModel {
         let tokenizer = Tokenizer::from_dir(dir)
             .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
         let eos_ids: Vec<i64> = tokenizer
-            .generation_eos_token_ids()
+            .eos_token_ids()
             .iter()
             .map(|&i| i as i64)
             .collect();

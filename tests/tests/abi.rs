@@ -28,9 +28,9 @@ fn two_reward_plugins_live_in_one_process_and_answer_independently() {
         ("openai/gsm8k", "#### 42", "42"),
         ("openai/gsm8k", "#### 41", "42"),
     ]);
-    let mut a = rules.create_reward(&init(serde_json::Value::Null)).unwrap();
+    let mut a = rules.create_reward(&init(serde_json::Value::Null), None).unwrap();
     let mut b = faulty
-        .create_reward(&init(serde_json::Value::Null))
+        .create_reward(&init(serde_json::Value::Null), None)
         .unwrap();
     let sa = a.score(&batch, &ScoreOptions::default()).unwrap();
     let sb = b.score(&batch, &ScoreOptions::default()).unwrap();
@@ -52,7 +52,7 @@ fn a_plugin_whose_init_fails_names_itself_and_the_reason() {
         .load(plugin("libfaulty_plugin.so").to_str().unwrap())
         .unwrap();
     let err = faulty
-        .create_reward(&init(serde_json::json!({"fail_init": true})))
+        .create_reward(&init(serde_json::json!({"fail_init": true})), None)
         .err()
         .expect("init must fail");
     let msg = format!("{err:#}");
@@ -67,7 +67,7 @@ fn a_backend_plugin_is_refused_where_a_reward_plugin_is_needed() {
         .load(plugin("libverl_fsdp.so").to_str().unwrap())
         .unwrap();
     let err = fsdp
-        .create_reward(&init(serde_json::Value::Null))
+        .create_reward(&init(serde_json::Value::Null), None)
         .err()
         .unwrap();
     let msg = format!("{err:#}");
@@ -107,7 +107,7 @@ fn malformed_input_batches_are_rejected_before_the_plugin_runs() {
     let rules = loader
         .load(plugin("libverl_rewards.so").to_str().unwrap())
         .unwrap();
-    let mut r = rules.create_reward(&init(serde_json::Value::Null)).unwrap();
+    let mut r = rules.create_reward(&init(serde_json::Value::Null), None).unwrap();
     let mut batch = testing::reward_batch(&[("openai/gsm8k", "#### 1", "1")]);
     batch.remove(col::DATA_SOURCE);
     let msg = r
@@ -116,4 +116,65 @@ fn malformed_input_batches_are_rejected_before_the_plugin_runs() {
         .to_string();
     assert!(msg.contains("input of rewards.reward.score"), "{msg}");
     assert!(msg.contains("`data_source` is missing"), "{msg}");
+}
+
+/// The plugins of `tests/fixtures-api-0.1`: built against a frozen copy of plugin-api 0.1.0 from
+/// before reward models and model services were appended to the ABI.
+fn old_api_plugins() -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let target = verl_e2e::build_dir().join("..").join("fixtures-api-0.1");
+    let o = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["build", "--offline", "--manifest-path"])
+        .arg(root.join("fixtures-api-0.1/Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target)
+        .output()
+        .expect("run cargo");
+    assert!(
+        o.status.success(),
+        "building the plugin-api 0.1.0 fixtures: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    target.join("debug")
+}
+
+#[test]
+fn plugins_built_against_the_api_before_reward_models_still_load() {
+    let dir = old_api_plugins();
+    let mut loader = Loader::new(&[]);
+    let old = loader
+        .load(dir.join("libold_api_reward.so").to_str().unwrap())
+        .unwrap();
+    // Created without model services (it has no entry point that takes them), it scores as
+    // it always did.
+    let mut r = old
+        .create_reward(&init(serde_json::Value::Null), None)
+        .unwrap();
+    let batch = testing::reward_batch(&[("a", "four", ""), ("b", "seven!!", "")]);
+    let s = r.score(&batch, &ScoreOptions::default()).unwrap();
+    assert_eq!(s.tensor::<f32>(col::SCORES).unwrap().data, vec![4.0, 7.0]);
+    // Offered the services, the host falls back to the old entry point.
+    let models = verl_host::models::SharedModels::default();
+    let services = verl_plugin_api::services::services_box(models);
+    let mut r = old
+        .create_reward(&init(serde_json::Value::Null), Some(services))
+        .unwrap();
+    let s = r.score(&batch, &ScoreOptions::default()).unwrap();
+    assert_eq!(s.tensor::<f32>(col::SCORES).unwrap().data, vec![4.0, 7.0]);
+
+    // An old backend keeps its upfront check and has no reward model role, said by name.
+    let backend = loader
+        .load(dir.join("libold_api_backend.so").to_str().unwrap())
+        .unwrap();
+    let summary = backend
+        .validate_layout(&InitArgs::new(Role::Actor, serde_json::json!({})))
+        .unwrap()
+        .unwrap();
+    assert_eq!(summary, "old backend: layout fits");
+    let e = backend
+        .create_reward_model(&InitArgs::new(Role::RewardModel, serde_json::json!({})))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("old_api_backend") && e.contains("no reward model role"), "{e}");
 }

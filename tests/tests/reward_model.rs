@@ -364,3 +364,124 @@ fn find_jsonl(dir: &Path) -> PathBuf {
     }
     panic!("no metrics file under {}", dir.display());
 }
+
+#[test]
+fn a_pure_rust_genrm_plugin_judges_with_the_hosts_generation_model() {
+    let inputs = tiny_inputs();
+    // The judge: a causal LM behind `reward.reward_model.model_path`, prompted by the plugin.
+    let judge = &inputs.model;
+    let inst = install(&["libverl_fsdp.so", "libverl_rewards.so"]);
+    let genrm = plugin("libgenrm_reward.so");
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    write_two_source_data(&root.join("train.jsonl"), 4);
+    let dump = root.join("rollouts");
+    let log = root.join("judge.jsonl");
+    let job = write(
+        root,
+        "job.yaml",
+        &format!(
+            r#"
+data: {{train_files: {r}/train.jsonl, val_files: {r}/train.jsonl, train_batch_size: 4,
+        max_prompt_length: 64, max_response_length: 6, seed: 1}}
+actor_rollout_ref:
+  model: {{path: {policy}}}
+  actor: {{ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 4, optim: {{lr: 1.0e-3}},
+          fsdp_config: {{model_dtype: fp32, dtype: fp32}}}}
+  rollout: {{n: 2, log_prob_micro_batch_size_per_gpu: 8}}
+algorithm: {{adv_estimator: grpo}}
+reward:
+  reward_model: {{enable: true, model_path: {judge}, rollout: {{dtype: float32}}}}
+plugins:
+  reward: {{default: genrm}}
+trainer:
+  device: cpu
+  n_gpus_per_node: 1
+  total_training_steps: 1
+  logger: [file]
+  test_freq: -1
+  save_freq: -1
+  val_before_train: false
+  rollout_data_dir: {dump}
+  project_name: e2e
+  experiment_name: genrm
+  default_local_dir: {r}/ckpt
+"#,
+            r = root.display(),
+            policy = inputs.model.display(),
+            judge = judge.display(),
+            dump = dump.display(),
+        ),
+    );
+    let o = std::process::Command::new(inst.path().join("verl"))
+        .args(["--plugin", genrm.to_str().unwrap(), "run", job.to_str().unwrap()])
+        .current_dir(root)
+        .env_remove("VERL_PLUGIN_PATH")
+        .env("VERL_FILE_LOGGER_ROOT", root.join("logs"))
+        .env("GENRM_FIXTURE_LOG", &log)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    let judged: Vec<Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(judged.len(), 8, "4 prompts × 2 samples, each judged once");
+
+    // The same questions through `verl generate` on the judge (greedy, fp32): the verdicts the
+    // plugin got are the judge's.
+    let prompts = root.join("questions.jsonl");
+    let text: String = judged
+        .iter()
+        .map(|j| format!("{}\n", json!({"prompt": j["question"]})))
+        .collect();
+    std::fs::write(&prompts, text).unwrap();
+    let o = run(
+        &inst.path().join("verl"),
+        &[
+            "generate",
+            "--model",
+            judge.to_str().unwrap(),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--chat",
+            "--greedy",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "--set",
+            "actor_rollout_ref.actor.fsdp_config.dtype=fp32",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let generated: Vec<String> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(generated.len(), judged.len());
+    for (j, g) in judged.iter().zip(&generated) {
+        assert_eq!(j["verdict"].as_str().unwrap(), g, "{j}");
+        let want = g
+            .chars()
+            .find(|c| c.is_ascii_digit())
+            .map(|c| c.to_digit(10).unwrap() as f64 / 9.0)
+            .unwrap_or(0.0);
+        assert!((j["score"].as_f64().unwrap() - want).abs() < 1e-6, "{j}");
+    }
+    // And the step's rewards are the plugin's scores, row for row.
+    let rows: Vec<Value> = std::fs::read_to_string(dump.join("1.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (row, j) in rows.iter().zip(&judged) {
+        assert!((row["score"].as_f64().unwrap() - j["score"].as_f64().unwrap()).abs() < 1e-6);
+        assert!(j["question"].as_str().unwrap().contains(row["output"].as_str().unwrap()));
+    }
+}

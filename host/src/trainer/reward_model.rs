@@ -130,8 +130,15 @@ pub fn lent_models(
             let m = &mut judge_cfg["actor_rollout_ref"]["model"];
             m["path"] = serde_json::json!(dir.to_string_lossy());
             m["tokenizer_path"] = serde_json::Value::Null;
-            judge_cfg["actor_rollout_ref"]["ref"]["fsdp_config"]["param_offload"] =
-                serde_json::json!(rollout_bool(cfg, "free_cache_engine", true));
+            let fsdp = &mut judge_cfg["actor_rollout_ref"]["ref"]["fsdp_config"];
+            fsdp["param_offload"] = serde_json::json!(rollout_bool(cfg, "free_cache_engine", true));
+            // The reward model's dtype is the judge's compute dtype.
+            fsdp["dtype"] = serde_json::json!(
+                rollout_str(cfg, "dtype").unwrap_or_else(|| "bfloat16".into())
+            );
+            if let Some(o) = fsdp.as_object_mut() {
+                o.remove("mixed_precision");
+            }
             let args = InitArgs {
                 config: judge_cfg,
                 ..local(Role::Reference)
@@ -147,4 +154,38 @@ pub fn lent_models(
         }
     };
     Ok(SharedModels::new(vec![(REWARD_MODEL.to_string(), model)]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backend_spec_follows_verls_keys() {
+        let cfg = Config::from_overrides(&[
+            "reward_model.enable=true",
+            "reward_model.micro_batch_size=8",
+            "reward_model.forward_max_token_len_per_gpu=1024",
+        ])
+        .unwrap();
+        let s = reward_model_spec(&cfg, "/rm", 4);
+        // The deprecated global micro-batch is split over the ranks; weights offloaded and bf16
+        // by default (free_cache_engine, rollout.dtype).
+        assert_eq!(s.micro_batch_size_per_gpu, Some(2));
+        assert_eq!(s.max_token_len_per_gpu, 1024);
+        assert!(s.offload && !s.use_dynamic_bsz);
+        assert_eq!(s.dtype, "bfloat16");
+        let cfg = Config::from_overrides(&[
+            "reward_model.micro_batch_size=8",
+            "reward_model.micro_batch_size_per_gpu=3",
+            "reward_model.use_dynamic_bsz=true",
+            "reward.reward_model.rollout.free_cache_engine=false",
+            "reward.reward_model.rollout.dtype=float32",
+        ])
+        .unwrap();
+        let s = reward_model_spec(&cfg, "/rm", 4);
+        assert_eq!(s.micro_batch_size_per_gpu, Some(3));
+        assert!(!s.offload && s.use_dynamic_bsz);
+        assert_eq!(s.dtype, "float32");
+    }
 }

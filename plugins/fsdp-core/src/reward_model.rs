@@ -340,6 +340,7 @@ mod tests {
         assert!(w[0] != w[1] && w[1] != w[2], "{w:?}");
     }
 
+    /// `offload` is what the host sets from `reward.reward_model.rollout.free_cache_engine`.
     #[test]
     fn an_offloaded_reward_model_scores_the_same_and_leaves_the_device() {
         let dir = tiny_rm_dir();

@@ -94,8 +94,10 @@ const SPEC_DECODE: &str =
 const RM_POOL: &str = "a separate GPU pool for the reward model";
 const RM_POOL_INSTEAD: &str = "leave reward.reward_model.enable_resource_pool=false: the reward model is colocated with the actor and its weights leave the GPU between reward phases (reward.reward_model.rollout.free_cache_engine)";
 const RM_ENGINE: &str = "a vLLM/SGLang server setting of verl's reward-model replicas; verl-rs runs the reward model as a backend role (one copy per rank, micro-batched by reward_model.micro_batch_size_per_gpu / forward_max_token_len_per_gpu)";
-const RM_TESTS: &[&str] = &["tests/tests/reward_model.rs::grpo_trains_against_a_reward_model_with_another_tokenizer_beside_a_rule_reward"];
-const RM_SCORE_TESTS: &[&str] = &["tests/tests/reward_model.rs::scores_equal_transformers_for_every_reward_model_architecture"];
+const RM_TESTS: &[&str] = &["tests/tests/reward_model.rs::grpo_trains_against_a_reward_model_with_another_tokenizer_beside_a_rule_reward", "tests/tests/reward_model.rs::a_pure_rust_genrm_plugin_judges_with_the_hosts_generation_model"];
+const RM_SWITCH: &str = "host/src/trainer/reward.rs::tests::the_reward_model_reads_the_response_in_its_own_template_cut_to_max_length";
+const RM_MICRO: &str = "plugins/fsdp-core/src/reward_model.rs::tests::micro_batching_leaves_the_scores_as_they_are";
+const RM_SPEC: &str = "host/src/trainer/reward_model.rs::tests::the_backend_spec_follows_verls_keys";
 const CUSTOM_FN: &str = "a Python reward function";
 const CUSTOM_FN_INSTEAD: &str = "write the reward as a reward plugin (see `verl plugin inspect rewards`) and route data sources to it with plugins.reward.routes; Python reward functions are not implemented yet";
 const LORA: &str = "LoRA adapters";
@@ -445,21 +447,21 @@ pub static RULES: &[Rule] = &[
     Rule::acts("reward.reward_model.model_path", "the reward model's HF folder (*ForSequenceClassification, Qwen2ForRewardModel)", RM_TESTS),
     Rule::refused("reward.reward_model.enable_resource_pool", RM_POOL, RM_POOL_INSTEAD),
     Rule::harmless("reward.reward_model.n_gpus_per_node|reward.reward_model.nnodes", "the size of a separate reward-model GPU pool, which verl-rs does not use (the reward model is colocated)"),
-    Rule::acts("reward.reward_model.rollout.dtype", "the reward model's compute dtype (bfloat16, float32, float16)", RM_SCORE_TESTS),
-    Rule::acts("reward.reward_model.rollout.free_cache_engine", "true: the reward model's weights wait in pinned host memory outside the reward phase; false: they stay on the GPU", &["plugins/fsdp-core/src/reward_model.rs::tests::an_offloaded_reward_model_scores_the_same_and_leaves_the_device"]),
+    Rule::acts("reward.reward_model.rollout.dtype", "the reward model's compute dtype (bfloat16, float32, float16)", &[RM_SPEC, "tests/tests/reward_model.rs::grpo_trains_against_a_reward_model_with_another_tokenizer_beside_a_rule_reward"]),
+    Rule::acts("reward.reward_model.rollout.free_cache_engine", "true: the reward model's weights wait in pinned host memory outside the reward phase; false: they stay on the GPU", &[RM_SPEC, "plugins/fsdp-core/src/reward_model.rs::tests::an_offloaded_reward_model_scores_the_same_and_leaves_the_device"]),
     Rule::harmless("reward.reward_model.rollout.**", RM_ENGINE),
-    Rule::acts("reward_model.strategy", "the backend that runs the reward model (fsdp, fsdp2 or megatron; whole model on each rank)", RM_TESTS).checked(rm_strategy),
-    Rule::acts("reward_model.model.input_tokenizer", "the policy's tokenizer: responses are decoded with it and re-rendered with the reward model's own chat template (null: the reward model reads the policy's token ids as they are)", RM_TESTS),
+    Rule::harmless("reward_model.strategy", "the reward model runs in the job's backend plugin, whole on each rank; its scores do not depend on the strategy"),
+    Rule::acts("reward_model.model.input_tokenizer", "the policy's tokenizer: responses are decoded with it and re-rendered with the reward model's own chat template (null: the reward model reads the policy's token ids as they are)", &[RM_SWITCH]),
     Rule::refused("reward_model.model.external_lib", "importing a Python module to register a model", "verl-rs supports the architectures `verl plugin inspect` lists"),
     Rule::refused("reward_model.model.override_config", "overriding the reward model's HF config", "edit the model folder's config.json"),
     Rule::harmless("reward_model.model.trust_remote_code", "verl-rs runs no Python model code (Qwen2ForRewardModel is built in)"),
     Rule::harmless("reward_model.model.use_shm|reward_model.model.use_remove_padding|reward_model.model.use_fused_kernels", "a loading or kernel switch that leaves the scores as they are"),
     Rule::harmless("reward_model.model.fsdp_config.**", "FSDP wrapping of the reward model; verl-rs holds one copy per rank and moves it off the GPU per reward.reward_model.rollout.free_cache_engine"),
-    Rule::acts("reward_model.micro_batch_size", "deprecated global micro-batch of the reward model (divided by the world size)", RM_SCORE_TESTS),
-    Rule::acts("reward_model.micro_batch_size_per_gpu", "rows per reward-model forward", RM_SCORE_TESTS),
-    Rule::acts("reward_model.max_length", "the reward model's input is cut to this many tokens, from the right (null: the policy's prompt + response length)", &["host/src/models.rs::tests::reward_model_inputs_are_rendered_truncated_and_right_padded"]),
-    Rule::acts("reward_model.use_dynamic_bsz", "packs reward-model micro-batches by token budget", RM_SCORE_TESTS),
-    Rule::acts("reward_model.forward_max_token_len_per_gpu", "the reward model's token budget per forward", RM_SCORE_TESTS),
+    Rule::acts("reward_model.micro_batch_size", "deprecated global micro-batch of the reward model (divided by the world size)", &[RM_SPEC]),
+    Rule::acts("reward_model.micro_batch_size_per_gpu", "rows per reward-model forward", &[RM_SPEC, RM_MICRO]),
+    Rule::acts("reward_model.max_length", "the reward model's input is cut to this many tokens, from the right (null: the policy's prompt + response length)", &[RM_SWITCH]),
+    Rule::acts("reward_model.use_dynamic_bsz", "packs reward-model micro-batches by token budget", &[RM_SPEC, RM_MICRO]),
+    Rule::acts("reward_model.forward_max_token_len_per_gpu", "the reward model's token budget per forward", &[RM_SPEC, "tests/tests/reward_model.rs::grpo_trains_against_a_reward_model_with_another_tokenizer_beside_a_rule_reward"]),
     Rule::refused("reward_model.ulysses_sequence_parallel_size", ULYSSES, ULYSSES_INSTEAD),
     Rule::harmless("reward_model.megatron.**", "Megatron parallelism of the reward model; verl-rs holds the whole reward model on each rank"),
     Rule::harmless("reward_model.profiler.**|reward_model.nccl_timeout|reward_model.load_weight|reward_model.use_reward_loop|reward_model.launch_reward_fn_async", "plumbing of verl's reward workers that verl-rs does not have"),
@@ -894,15 +896,6 @@ fn reward_manager(v: &Value, _: &Config) -> Verdict {
         "naive" => Verdict::Acts,
         other => Verdict::Refused(format!(
             "the `{other}` reward manager; verl-rs has naive (one score per response from the rule-reward plugins)"
-        )),
-    }
-}
-
-fn rm_strategy(v: &Value, _: &Config) -> Verdict {
-    match text(v).as_str() {
-        "fsdp" | "fsdp2" | "megatron" => Verdict::Acts,
-        other => Verdict::Refused(format!(
-            "a reward model on the `{other}` strategy; verl-rs runs reward models on fsdp, fsdp2 or megatron"
         )),
     }
 }

@@ -1,0 +1,284 @@
+//! The contracts in words the host and plugins share: column names, what each call takes and
+//! returns (checked at every crossing), and the typed options that travel as JSON.
+
+use serde::{Deserialize, Serialize};
+
+use crate::batch::{ColumnSpec, DType, Dim, ROWS};
+use crate::header::Role;
+
+/// Column names (verl's where verl has one).
+pub mod col {
+    /// Left-padded prompt token ids `[rows, prompt_length]`, i64.
+    pub const PROMPTS: &str = "prompts";
+    /// 1 for real prompt tokens, 0 for padding `[rows, prompt_length]`, i64.
+    pub const PROMPT_MASK: &str = "prompt_mask";
+    /// Right-padded response token ids `[rows, response_length]`, i64.
+    pub const RESPONSES: &str = "responses";
+    /// 1 for real response tokens `[rows, response_length]`, i64.
+    pub const RESPONSE_MASK: &str = "response_mask";
+    /// Log-probs of the sampled tokens under the sampling distribution, f32.
+    pub const ROLLOUT_LOG_PROBS: &str = "rollout_log_probs";
+    /// Why each response ended: `stop` (EOS/stop token) or `length`.
+    pub const FINISH_REASON: &str = "finish_reason";
+    /// Which input prompt row each response belongs to `[rows]`, i64.
+    pub const PROMPT_INDEX: &str = "prompt_index";
+    /// Per-token log-probs returned by `compute_log_prob`, f32.
+    pub const LOG_PROBS: &str = "log_probs";
+    /// Per-token entropy returned by `compute_log_prob` when asked for, f32.
+    pub const ENTROPY: &str = "entropy";
+    /// Inputs of `update`. `old_log_probs` is absent on on-policy steps (one mini-batch, one
+    /// epoch), where the host skips the old-log-prob pass: the update then takes the PPO ratio
+    /// against its own detached log-probs (as verl's actor does whenever it is on-policy), and
+    /// reports `actor/entropy` when `UpdateOptions.extra.entropy_metric` is true.
+    pub const OLD_LOG_PROBS: &str = "old_log_probs";
+    pub const REF_LOG_PROBS: &str = "ref_log_prob";
+    /// Optional input of `update` `[rows, response_length]`, f32: per-token importance weights
+    /// multiplied into the policy loss (verl's rollout correction, `rollout_is`).
+    pub const ROLLOUT_IS_WEIGHTS: &str = "rollout_is_weights";
+    /// Optional input of `update` `[rows, response_length]`, i64: the response tokens the losses
+    /// count, a subset of `response_mask` (verl's rollout-correction rejection sampling removes
+    /// tokens here). `response_mask` still says which tokens exist; absent: `response_mask`.
+    pub const LOSS_MASK: &str = "loss_mask";
+    pub const ADVANTAGES: &str = "advantages";
+    pub const RETURNS: &str = "returns";
+    pub const VALUES: &str = "values";
+    /// Reward inputs.
+    pub const PROMPT_TEXT: &str = "prompt_text";
+    pub const RESPONSE_TEXT: &str = "response_text";
+    pub const DATA_SOURCE: &str = "data_source";
+    pub const GROUND_TRUTH: &str = "ground_truth";
+    pub const EXTRA_INFO: &str = "extra_info";
+    /// Reward outputs: one score per row (f32), optional per-token scores.
+    pub const SCORES: &str = "scores";
+    pub const TOKEN_SCORES: &str = "token_level_scores";
+    /// Prefix of per-row f32 columns a reward plugin may add as extra metrics (`reward_extra/acc`).
+    pub const REWARD_EXTRA_PREFIX: &str = "reward_extra/";
+}
+
+const PL: Dim = Dim::Named("prompt_length");
+const RL: Dim = Dim::Named("response_length");
+
+/// `Actor.generate` input.
+pub const GENERATE_IN: &[ColumnSpec] = &[
+    ColumnSpec::tensor(col::PROMPTS, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::PROMPT_MASK, DType::I64, &[ROWS, PL]),
+];
+/// `Actor.generate` output: `rows = input rows × n`, grouped by prompt (prompt 0's n samples first).
+pub const GENERATE_OUT: &[ColumnSpec] = &[
+    ColumnSpec::tensor(col::PROMPTS, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::PROMPT_MASK, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::RESPONSES, DType::I64, &[ROWS, RL]),
+    ColumnSpec::tensor(col::RESPONSE_MASK, DType::I64, &[ROWS, RL]),
+    ColumnSpec::tensor(col::PROMPT_INDEX, DType::I64, &[ROWS]),
+    ColumnSpec::tensor(col::ROLLOUT_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),
+    ColumnSpec::strings(col::FINISH_REASON).optional(),
+];
+/// Input of every call that scores a whole (prompt, response) sequence.
+pub const SEQUENCE_IN: &[ColumnSpec] = &[
+    ColumnSpec::tensor(col::PROMPTS, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::PROMPT_MASK, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::RESPONSES, DType::I64, &[ROWS, RL]),
+    ColumnSpec::tensor(col::RESPONSE_MASK, DType::I64, &[ROWS, RL]),
+];
+pub const LOG_PROB_OUT: &[ColumnSpec] = &[
+    ColumnSpec::tensor(col::LOG_PROBS, DType::F32, &[ROWS, RL]),
+    ColumnSpec::tensor(col::ENTROPY, DType::F32, &[ROWS, RL]).optional(),
+];
+pub const ACTOR_UPDATE_IN: &[ColumnSpec] = &[
+    ColumnSpec::tensor(col::PROMPTS, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::PROMPT_MASK, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::RESPONSES, DType::I64, &[ROWS, RL]),
+    ColumnSpec::tensor(col::RESPONSE_MASK, DType::I64, &[ROWS, RL]),
+    ColumnSpec::tensor(col::OLD_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),
+    ColumnSpec::tensor(col::ADVANTAGES, DType::F32, &[ROWS, RL]),
+    ColumnSpec::tensor(col::REF_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),
+    ColumnSpec::tensor(col::ROLLOUT_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),
+    ColumnSpec::tensor(col::ROLLOUT_IS_WEIGHTS, DType::F32, &[ROWS, RL]).optional(),
+    ColumnSpec::tensor(col::LOSS_MASK, DType::I64, &[ROWS, RL]).optional(),
+];
+pub const VALUES_OUT: &[ColumnSpec] = &[ColumnSpec::tensor(col::VALUES, DType::F32, &[ROWS, RL])];
+pub const CRITIC_UPDATE_IN: &[ColumnSpec] = &[
+    ColumnSpec::tensor(col::PROMPTS, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::PROMPT_MASK, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::RESPONSES, DType::I64, &[ROWS, RL]),
+    ColumnSpec::tensor(col::RESPONSE_MASK, DType::I64, &[ROWS, RL]),
+    ColumnSpec::tensor(col::VALUES, DType::F32, &[ROWS, RL]),
+    ColumnSpec::tensor(col::RETURNS, DType::F32, &[ROWS, RL]),
+    ColumnSpec::tensor(col::LOSS_MASK, DType::I64, &[ROWS, RL]).optional(),
+];
+pub const REWARD_IN: &[ColumnSpec] = &[
+    ColumnSpec::strings(col::PROMPT_TEXT),
+    ColumnSpec::strings(col::RESPONSE_TEXT),
+    ColumnSpec::strings(col::DATA_SOURCE),
+    ColumnSpec::json(col::GROUND_TRUTH),
+    ColumnSpec::json(col::EXTRA_INFO),
+    ColumnSpec::tensor(col::RESPONSES, DType::I64, &[ROWS, RL]).optional(),
+    ColumnSpec::tensor(col::RESPONSE_MASK, DType::I64, &[ROWS, RL]).optional(),
+];
+pub const REWARD_OUT: &[ColumnSpec] = &[
+    ColumnSpec::tensor(col::SCORES, DType::F32, &[ROWS]),
+    ColumnSpec::tensor(col::TOKEN_SCORES, DType::F32, &[ROWS, RL]).optional(),
+];
+
+/// Everything a plugin gets when one of its roles is created (JSON across the ABI).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InitArgs {
+    pub role: Role,
+    /// The whole resolved job config (verl's schema) as JSON; the plugin reads its own sections.
+    pub config: serde_json::Value,
+    /// Global rank, world size and local rank of this process (SPMD).
+    #[serde(default)]
+    pub rank: u32,
+    #[serde(default = "one")]
+    pub world_size: u32,
+    #[serde(default)]
+    pub local_rank: u32,
+    /// Where the job's ranks meet (`world_size > 1`): the TCP store the host joined. A backend
+    /// connects its own communicator there; `None` on a single-rank job.
+    #[serde(default)]
+    pub rendezvous: Option<Rendezvous>,
+    /// Role-specific extra arguments (e.g. a reward plugin's per-route options).
+    #[serde(default)]
+    pub extra: serde_json::Value,
+}
+
+/// The rendezvous store of an SPMD job (torchrun's `MASTER_ADDR:MASTER_PORT`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rendezvous {
+    pub master_addr: String,
+    pub master_port: u16,
+    /// How long a collective or rendezvous may wait for a peer before failing, in seconds.
+    #[serde(default = "rendezvous_timeout_s")]
+    pub timeout_s: u64,
+}
+
+fn rendezvous_timeout_s() -> u64 {
+    300
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl InitArgs {
+    pub fn new(role: Role, config: serde_json::Value) -> Self {
+        InitArgs {
+            role,
+            config,
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            rendezvous: None,
+            extra: serde_json::Value::Null,
+        }
+    }
+}
+
+/// Sampling options of `Actor.generate` (verl's rollout keys).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GenerateOptions {
+    /// Samples per prompt.
+    pub n: u32,
+    pub max_new_tokens: u32,
+    pub temperature: f64,
+    pub top_p: f64,
+    /// `-1` / `0` disables top-k (verl uses -1).
+    pub top_k: i64,
+    /// `false` = greedy.
+    pub do_sample: bool,
+    /// Base seed; sample `i` of prompt `j` uses a seed derived from it, so results are reproducible.
+    pub seed: Option<u64>,
+    /// Global index of the first prompt of this call (its data-parallel rank's offset in the
+    /// step's batch): prompt `i` samples as prompt `row_offset + i` would, so the split of a batch
+    /// over ranks does not change what is generated.
+    pub row_offset: u64,
+    pub eos_token_ids: Vec<i64>,
+    pub pad_token_id: i64,
+    /// Keep generating past EOS (fixed-length benchmarks).
+    pub ignore_eos: bool,
+    /// Return `rollout_log_probs`.
+    pub return_log_probs: bool,
+    /// A validation pass (verl's `val_kwargs`); backends may skip training-only bookkeeping.
+    pub validate: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            n: 1,
+            max_new_tokens: 16,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            do_sample: true,
+            seed: None,
+            row_offset: 0,
+            eos_token_ids: vec![],
+            pad_token_id: 0,
+            ignore_eos: false,
+            return_log_probs: true,
+            validate: false,
+        }
+    }
+}
+
+/// Options of `compute_log_prob`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LogProbOptions {
+    /// Logits are divided by this before the softmax (verl: the rollout temperature).
+    pub temperature: f64,
+    pub with_entropy: bool,
+}
+
+impl Default for LogProbOptions {
+    fn default() -> Self {
+        LogProbOptions {
+            temperature: 1.0,
+            with_entropy: false,
+        }
+    }
+}
+
+/// Per-step options of `update` (the static ones come from the config at init).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct UpdateOptions {
+    pub global_step: u64,
+    pub temperature: Option<f64>,
+    /// Free-form extras for backend-specific switches.
+    pub extra: serde_json::Value,
+}
+
+/// Options of `Critic.compute_values`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ValueOptions {}
+
+/// Options of `Reward.score`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ScoreOptions {
+    /// Free-form per-call options (e.g. reward kwargs from `custom_reward_function.reward_kwargs`).
+    pub kwargs: serde_json::Value,
+}
+
+/// The `Actor.generate` input for token id rows of different lengths: left-padded with `pad`
+/// (`prompts`) and the matching `prompt_mask`.
+pub fn prompt_batch(rows: &[&[i64]], pad: i64) -> crate::Batch {
+    let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let mut ids = Vec::with_capacity(rows.len() * width);
+    let mut mask = Vec::with_capacity(rows.len() * width);
+    for r in rows {
+        let padn = width - r.len();
+        ids.extend(std::iter::repeat_n(pad, padn));
+        mask.extend(std::iter::repeat_n(0i64, padn));
+        ids.extend_from_slice(r);
+        mask.extend(std::iter::repeat_n(1i64, r.len()));
+    }
+    let mut b = crate::Batch::new();
+    b.insert_tensor(col::PROMPTS, &[rows.len(), width], &ids);
+    b.insert_tensor(col::PROMPT_MASK, &[rows.len(), width], &mask);
+    b
+}

@@ -1,0 +1,280 @@
+//! What actually crosses the ABI: the `#[sabi_trait]` role objects and the versioned root modules.
+//!
+//! Append-only: new trait methods go after the `last_prefix_field` method (with a default body),
+//! new root-module fields after the `last_prefix_field` field. Options and init arguments travel as
+//! JSON text so they can grow without layout changes. abi_stable accepts a plugin whose root module
+//! has more fields than the host's, not fewer: the loader checks an older backend plugin against
+//! the frozen prefix [`v1`] instead, and its appended fields read as absent.
+
+use abi_stable::{
+    declare_root_module_statics,
+    library::RootModule,
+    package_version_strings, sabi_trait,
+    sabi_types::VersionStrings,
+    std_types::{RBox, ROption, RResult, RStr, RString, RVec, Tuple2},
+    StableAbi,
+};
+
+use crate::batch::Batch;
+use crate::error::FfiError;
+
+/// Metrics as they cross the ABI: ordered (name, value) pairs.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Default)]
+pub struct FfiMetrics {
+    pub entries: RVec<Tuple2<RString, f64>>,
+}
+
+/// Which data-parallel shard a rank owns.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataParallel {
+    pub rank: u32,
+    pub size: u32,
+}
+
+/// The policy (and, in eval mode, the reference policy).
+#[sabi_trait]
+pub trait ActorFfi: Send {
+    fn generate(&mut self, prompts: &Batch, options: RStr<'_>) -> RResult<Batch, FfiError>;
+    fn compute_log_prob(&mut self, batch: &Batch, options: RStr<'_>) -> RResult<Batch, FfiError>;
+    fn update(&mut self, batch: &Batch, options: RStr<'_>) -> RResult<FfiMetrics, FfiError>;
+    fn save(&mut self, dir: RStr<'_>) -> RResult<(), FfiError>;
+    fn load(&mut self, dir: RStr<'_>) -> RResult<(), FfiError>;
+    fn export_hf(&mut self, dir: RStr<'_>) -> RResult<(), FfiError>;
+    fn data_parallel(&self) -> DataParallel;
+    /// Extension point: a named call with a batch and JSON options (collectives, memory release, ...).
+    #[sabi(last_prefix_field)]
+    fn call(
+        &mut self,
+        method: RStr<'_>,
+        batch: &Batch,
+        options: RStr<'_>,
+    ) -> RResult<Batch, FfiError>;
+}
+
+/// The value model.
+#[sabi_trait]
+pub trait CriticFfi: Send {
+    fn compute_values(&mut self, batch: &Batch, options: RStr<'_>) -> RResult<Batch, FfiError>;
+    fn update(&mut self, batch: &Batch, options: RStr<'_>) -> RResult<FfiMetrics, FfiError>;
+    fn save(&mut self, dir: RStr<'_>) -> RResult<(), FfiError>;
+    fn load(&mut self, dir: RStr<'_>) -> RResult<(), FfiError>;
+    fn data_parallel(&self) -> DataParallel;
+    #[sabi(last_prefix_field)]
+    fn call(
+        &mut self,
+        method: RStr<'_>,
+        batch: &Batch,
+        options: RStr<'_>,
+    ) -> RResult<Batch, FfiError>;
+}
+
+/// A reward function or model.
+#[sabi_trait]
+pub trait RewardFfi: Send {
+    fn score(&mut self, batch: &Batch, options: RStr<'_>) -> RResult<Batch, FfiError>;
+    #[sabi(last_prefix_field)]
+    fn call(
+        &mut self,
+        method: RStr<'_>,
+        batch: &Batch,
+        options: RStr<'_>,
+    ) -> RResult<Batch, FfiError>;
+}
+
+pub type ActorBox = ActorFfi_TO<'static, RBox<()>>;
+pub type CriticBox = CriticFfi_TO<'static, RBox<()>>;
+pub type RewardBox = RewardFfi_TO<'static, RBox<()>>;
+
+/// Log levels as they cross the ABI.
+pub mod level {
+    pub const ERROR: u8 = 1;
+    pub const WARN: u8 = 2;
+    pub const INFO: u8 = 3;
+    pub const DEBUG: u8 = 4;
+    pub const TRACE: u8 = 5;
+}
+
+/// Functions the host lends a plugin. Handed over once, right after loading.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy)]
+pub struct HostCallbacks {
+    /// Most verbose level the host wants (a [`level`] constant); the plugin filters before formatting.
+    pub max_level: u8,
+    /// Receives the plugin's `tracing` events: level, plugin name, event target, formatted message.
+    pub log: extern "C" fn(level: u8, plugin: RStr<'_>, target: RStr<'_>, message: RStr<'_>),
+}
+
+/// Root module of a backend plugin (actor / reference / critic).
+#[repr(C)]
+#[derive(StableAbi)]
+#[sabi(kind(Prefix(prefix_ref = BackendModuleRef)))]
+#[sabi(missing_field(panic))]
+pub struct BackendModule {
+    /// The same JSON header as the C symbol, for callers that only hold the module.
+    pub header: extern "C" fn() -> RString,
+    pub set_host: extern "C" fn(HostCallbacks),
+    /// `init` is the JSON of [`crate::contract::InitArgs`].
+    pub create_actor: extern "C" fn(init: RStr<'_>) -> RResult<ActorBox, FfiError>,
+    pub create_reference: extern "C" fn(init: RStr<'_>) -> RResult<ActorBox, FfiError>,
+    #[sabi(last_prefix_field)]
+    pub create_critic: extern "C" fn(init: RStr<'_>) -> RResult<CriticBox, FfiError>,
+    /// Checks the job's parallel layout against the world size and the model (`verl run
+    /// --dry-run`, and before a real run launches its ranks) without creating anything or loading
+    /// weights. `init` is the JSON of [`crate::contract::InitArgs`]: the whole job config, the
+    /// job's world size, and in `extra.roles` the roles the job will create (`["actor",
+    /// "reference", "critic"]`). `ROk(RSome(summary))`: the layout fits, one line per role;
+    /// `ROk(RNone)`: the backend has no upfront check; `RErr`: the layout does not fit (the message
+    /// names the key and shows the arithmetic).
+    ///
+    /// After the last prefix field: plugins built before it existed still load, and the host
+    /// reads it through the generated accessor, which returns `None` for them.
+    #[sabi(missing_field(option))]
+    pub validate: extern "C" fn(init: RStr<'_>) -> RResult<ROption<RString>, FfiError>,
+}
+
+impl RootModule for BackendModuleRef {
+    declare_root_module_statics! {BackendModuleRef}
+    const BASE_NAME: &'static str = "verl_backend";
+    const NAME: &'static str = "verl_backend";
+    const VERSION_STRINGS: VersionStrings = package_version_strings!();
+}
+
+/// The backend root module as plugins built before any field was appended to it have it (its
+/// prefix, frozen). abi_stable's layout check lets a host load a plugin whose prefix type has *more*
+/// fields than the host's, never fewer, so the loader checks a plugin that fails against
+/// [`BackendModule`] against this prefix instead; when that passes and the plugin's own metadata
+/// says it has none of the appended fields, it is used as a [`BackendModuleRef`] whose appended
+/// fields' accessors return `None` ([`as_current`]).
+pub mod v1 {
+    use abi_stable::{
+        declare_root_module_statics,
+        library::RootModule,
+        package_version_strings,
+        sabi_types::VersionStrings,
+        std_types::{RResult, RStr, RString},
+        StableAbi,
+    };
+
+    use super::{ActorBox, CriticBox, HostCallbacks};
+    use crate::error::FfiError;
+
+    #[repr(C)]
+    #[derive(StableAbi)]
+    #[sabi(kind(Prefix(prefix_ref = BackendModuleRef)))]
+    #[sabi(missing_field(panic))]
+    pub struct BackendModule {
+        pub header: extern "C" fn() -> RString,
+        pub set_host: extern "C" fn(HostCallbacks),
+        pub create_actor: extern "C" fn(init: RStr<'_>) -> RResult<ActorBox, FfiError>,
+        pub create_reference: extern "C" fn(init: RStr<'_>) -> RResult<ActorBox, FfiError>,
+        #[sabi(last_prefix_field)]
+        pub create_critic: extern "C" fn(init: RStr<'_>) -> RResult<CriticBox, FfiError>,
+    }
+
+    impl RootModule for BackendModuleRef {
+        declare_root_module_statics! {BackendModuleRef}
+        const BASE_NAME: &'static str = "verl_backend";
+        const NAME: &'static str = "verl_backend";
+        const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    }
+
+    /// The module as the current [`super::BackendModuleRef`], when it has none of the fields
+    /// appended since (`None` otherwise: then its appended fields did not pass the full layout
+    /// check, and it must not be used).
+    pub fn as_current(m: BackendModuleRef) -> Option<super::BackendModuleRef> {
+        // SAFETY: both are a `PrefixRef` to the same module behind its prefix metadata: a
+        // pointer whose prefix (the fields above) was checked against this layout. The appended
+        // fields' accessors read the plugin's own metadata, which says they are absent.
+        let current: super::BackendModuleRef = unsafe { std::mem::transmute(m) };
+        current.validate().is_none().then_some(current)
+    }
+}
+
+/// Root module of a reward plugin.
+#[repr(C)]
+#[derive(StableAbi)]
+#[sabi(kind(Prefix(prefix_ref = RewardModuleRef)))]
+#[sabi(missing_field(panic))]
+pub struct RewardModule {
+    pub header: extern "C" fn() -> RString,
+    pub set_host: extern "C" fn(HostCallbacks),
+    #[sabi(last_prefix_field)]
+    pub create_reward: extern "C" fn(init: RStr<'_>) -> RResult<RewardBox, FfiError>,
+}
+
+impl RootModule for RewardModuleRef {
+    declare_root_module_statics! {RewardModuleRef}
+    const BASE_NAME: &'static str = "verl_reward";
+    const NAME: &'static str = "verl_reward";
+    const VERSION_STRINGS: VersionStrings = package_version_strings!();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use abi_stable::abi_stability::abi_checking::check_layout_compatibility;
+    use abi_stable::prefix_type::PrefixTypeTrait;
+
+    extern "C" fn header() -> RString {
+        RString::new()
+    }
+    extern "C" fn set_host(_: HostCallbacks) {}
+    extern "C" fn create_actor(_: RStr<'_>) -> RResult<ActorBox, FfiError> {
+        unreachable!()
+    }
+    extern "C" fn create_critic(_: RStr<'_>) -> RResult<CriticBox, FfiError> {
+        unreachable!()
+    }
+    extern "C" fn validate(_: RStr<'_>) -> RResult<ROption<RString>, FfiError> {
+        unreachable!()
+    }
+
+    #[test]
+    fn a_plugin_built_before_validate_passes_the_prefix_check_and_has_no_validate() {
+        // abi_stable refuses a plugin with fewer prefix-type fields than the host expects ...
+        assert!(check_layout_compatibility(
+            <BackendModuleRef as StableAbi>::LAYOUT,
+            <v1::BackendModuleRef as StableAbi>::LAYOUT,
+        )
+        .is_err());
+        // ... so the loader checks it against the frozen prefix, which it passes (as does a
+        // current plugin: an interface may have fewer fields than the implementation).
+        check_layout_compatibility(
+            <v1::BackendModuleRef as StableAbi>::LAYOUT,
+            <v1::BackendModuleRef as StableAbi>::LAYOUT,
+        )
+        .unwrap();
+        check_layout_compatibility(
+            <v1::BackendModuleRef as StableAbi>::LAYOUT,
+            <BackendModuleRef as StableAbi>::LAYOUT,
+        )
+        .unwrap();
+        let old = v1::BackendModule {
+            header,
+            set_host,
+            create_actor,
+            create_reference: create_actor,
+            create_critic,
+        }
+        .leak_into_prefix();
+        let seen = v1::as_current(old).expect("an old plugin is usable");
+        assert!(seen.validate().is_none());
+        let init = crate::contract::InitArgs::new(crate::Role::Actor, serde_json::json!({}));
+        assert!(crate::client::validate_layout(seen, "old", &init).is_none());
+
+        // A current plugin seen through the old prefix is not taken for an old one.
+        let new = BackendModule {
+            header,
+            set_host,
+            create_actor,
+            create_reference: create_actor,
+            create_critic,
+            validate,
+        }
+        .leak_into_prefix();
+        let through_v1: v1::BackendModuleRef = unsafe { std::mem::transmute(new) };
+        assert!(v1::as_current(through_v1).is_none());
+    }
+}

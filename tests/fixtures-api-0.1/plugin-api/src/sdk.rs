@@ -1,0 +1,555 @@
+//! The plugin author's side: implement ordinary Rust traits, then call one export macro.
+//!
+//! The adapters here turn those traits into the ABI objects of [`crate::ffi`], and they own the
+//! safety rules: every call is wrapped in `catch_unwind` (a panic becomes an error naming the call,
+//! never an abort of the host), input batches are checked before the plugin sees them, outputs
+//! before they leave, and the plugin's `tracing` events are forwarded to the host.
+
+use std::cell::RefCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::OnceLock;
+
+use abi_stable::{
+    sabi_trait::TD_Opaque,
+    std_types::{RErr, RNone, ROk, ROption, RResult, RSome, RStr, RString, Tuple2},
+};
+use serde::de::DeserializeOwned;
+
+use crate::batch::Batch;
+use crate::contract::{
+    GenerateOptions, InitArgs, LogProbOptions, ScoreOptions, UpdateOptions, ValueOptions,
+};
+use crate::error::{Error, ErrorKind, FfiError, Result};
+use crate::ffi::{
+    ActorBox, ActorFfi, ActorFfi_TO, BackendModule, BackendModuleRef, CriticBox, CriticFfi,
+    CriticFfi_TO, DataParallel, FfiMetrics, HostCallbacks, RewardBox, RewardFfi, RewardFfi_TO,
+    RewardModule, RewardModuleRef,
+};
+use crate::header::{PluginHeader, PluginInfo, PluginKind};
+use crate::Metrics;
+
+/// The policy. Also used, in eval mode, as the reference policy.
+pub trait Actor: Send + 'static {
+    fn generate(&mut self, prompts: &Batch, options: &GenerateOptions) -> Result<Batch>;
+    fn compute_log_prob(&mut self, batch: &Batch, options: &LogProbOptions) -> Result<Batch>;
+    fn update(&mut self, _batch: &Batch, _options: &UpdateOptions) -> Result<Metrics> {
+        Err(Error::not_implemented("this actor cannot be trained"))
+    }
+    fn save(&mut self, _dir: &Path) -> Result<()> {
+        Err(Error::not_implemented("checkpoint save"))
+    }
+    fn load(&mut self, _dir: &Path) -> Result<()> {
+        Err(Error::not_implemented("checkpoint load"))
+    }
+    fn export_hf(&mut self, _dir: &Path) -> Result<()> {
+        Err(Error::not_implemented("HF export"))
+    }
+    fn data_parallel(&self) -> DataParallel {
+        DataParallel { rank: 0, size: 1 }
+    }
+    fn call(
+        &mut self,
+        method: &str,
+        _batch: &Batch,
+        _options: &serde_json::Value,
+    ) -> Result<Batch> {
+        Err(Error::not_implemented(format!("call `{method}`")))
+    }
+}
+
+/// The value model.
+pub trait Critic: Send + 'static {
+    fn compute_values(&mut self, batch: &Batch, options: &ValueOptions) -> Result<Batch>;
+    fn update(&mut self, batch: &Batch, options: &UpdateOptions) -> Result<Metrics>;
+    fn save(&mut self, _dir: &Path) -> Result<()> {
+        Err(Error::not_implemented("checkpoint save"))
+    }
+    fn load(&mut self, _dir: &Path) -> Result<()> {
+        Err(Error::not_implemented("checkpoint load"))
+    }
+    fn data_parallel(&self) -> DataParallel {
+        DataParallel { rank: 0, size: 1 }
+    }
+    fn call(
+        &mut self,
+        method: &str,
+        _batch: &Batch,
+        _options: &serde_json::Value,
+    ) -> Result<Batch> {
+        Err(Error::not_implemented(format!("call `{method}`")))
+    }
+}
+
+/// A reward function or model.
+pub trait Reward: Send + 'static {
+    fn score(&mut self, batch: &Batch, options: &ScoreOptions) -> Result<Batch>;
+    fn call(
+        &mut self,
+        method: &str,
+        _batch: &Batch,
+        _options: &serde_json::Value,
+    ) -> Result<Batch> {
+        Err(Error::not_implemented(format!("call `{method}`")))
+    }
+}
+
+/// A backend plugin: describes itself and creates its roles.
+pub trait BackendPlugin: 'static {
+    fn info() -> PluginInfo;
+    fn create_actor(_init: &InitArgs) -> Result<Box<dyn Actor>> {
+        Err(Error::not_implemented("the actor role"))
+    }
+    fn create_reference(_init: &InitArgs) -> Result<Box<dyn Actor>> {
+        Err(Error::not_implemented("the reference role"))
+    }
+    fn create_critic(_init: &InitArgs) -> Result<Box<dyn Critic>> {
+        Err(Error::not_implemented("the critic role"))
+    }
+    /// Checks the job's parallel layout upfront (`verl run --dry-run`, and before a real run
+    /// launches its ranks) without creating a role or loading weights. `init.config` is the whole
+    /// job config, `init.world_size` the job's world size and `init.extra["roles"]` the roles the
+    /// job will create (`"actor"`, `"reference"`, `"critic"`). `Some(Ok(summary))`: the layout fits
+    /// (one line per role, printed by the host); `Some(Err(..))`: it does not (name the key, show
+    /// the arithmetic). `None`, the default: this backend has no upfront check.
+    fn validate(_init: &InitArgs) -> Option<Result<String>> {
+        None
+    }
+}
+
+/// A reward plugin.
+pub trait RewardPlugin: 'static {
+    fn info() -> PluginInfo;
+    fn create_reward(init: &InitArgs) -> Result<Box<dyn Reward>>;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Panic guard and log forwarding.
+
+thread_local! {
+    static LAST_PANIC: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+static HOST: OnceLock<HostCallbacks> = OnceLock::new();
+static PLUGIN_NAME: OnceLock<String> = OnceLock::new();
+static PANIC_HOOK: OnceLock<()> = OnceLock::new();
+
+fn install_panic_hook() {
+    PANIC_HOOK.get_or_init(|| {
+        // Each cdylib has its own std, so this hook only sees this plugin's panics. It records the
+        // message (with location) for the error returned to the host and logs it through the host
+        // instead of writing to stderr.
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let payload = info.payload();
+            let msg = if let Some(s) = payload.downcast_ref::<&str>() {
+                (*s).to_string()
+            } else if let Some(s) = payload.downcast_ref::<String>() {
+                s.clone()
+            } else {
+                "non-string panic payload".to_string()
+            };
+            let full = match info.location() {
+                Some(l) => format!("{msg} (at {}:{})", l.file(), l.line()),
+                None => msg,
+            };
+            if let Some(h) = HOST.get() {
+                let name = PLUGIN_NAME.get().map(String::as_str).unwrap_or("plugin");
+                // The panic also comes back as the call's error; the log line is for -v.
+                (h.log)(
+                    crate::ffi::level::DEBUG,
+                    name.into(),
+                    "panic".into(),
+                    full.as_str().into(),
+                );
+            } else {
+                // In-process (tests, `testing`): keep the usual report.
+                previous(info);
+            }
+            LAST_PANIC.with(|p| *p.borrow_mut() = Some(full));
+        }));
+    });
+}
+
+/// Run one plugin call: panics become [`ErrorKind::Panic`] errors.
+pub fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    install_panic_hook();
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let msg = LAST_PANIC
+                .with(|p| p.borrow_mut().take())
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(Error::with_kind(ErrorKind::Panic, msg))
+        }
+    }
+}
+
+fn ffi<T>(call: &str, f: impl FnOnce() -> Result<T>) -> RResult<T, FfiError> {
+    match guard(f) {
+        Ok(v) => ROk(v),
+        Err(e) => {
+            let _ = call;
+            RErr(e.into_ffi())
+        }
+    }
+}
+
+fn parse_options<T: DeserializeOwned>(call: &str, json: RStr<'_>) -> Result<T> {
+    let s = json.as_str();
+    let s = if s.trim().is_empty() { "{}" } else { s };
+    serde_json::from_str(s).map_err(|e| Error::Options {
+        call: call.into(),
+        message: e.to_string(),
+    })
+}
+
+/// Hand the host's callbacks to the SDK (called once by the host right after loading).
+pub fn set_host(callbacks: HostCallbacks, plugin_name: &str) {
+    let _ = PLUGIN_NAME.set(plugin_name.to_string());
+    if HOST.set(callbacks).is_ok() {
+        crate::log::install_forwarder(callbacks, plugin_name);
+    }
+    install_panic_hook();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Adapters: Rust traits → ABI objects.
+
+struct ActorAdapter(Box<dyn Actor>);
+
+impl ActorFfi for ActorAdapter {
+    fn generate(&mut self, prompts: &Batch, options: RStr<'_>) -> RResult<Batch, FfiError> {
+        ffi("Actor.generate", || {
+            prompts.validate("Actor.generate input")?;
+            let opts: GenerateOptions = parse_options("Actor.generate", options)?;
+            let out = self.0.generate(prompts, &opts)?;
+            out.validate("Actor.generate output")?;
+            Ok(out)
+        })
+    }
+    fn compute_log_prob(&mut self, batch: &Batch, options: RStr<'_>) -> RResult<Batch, FfiError> {
+        ffi("Actor.compute_log_prob", || {
+            batch.validate("Actor.compute_log_prob input")?;
+            let opts: LogProbOptions = parse_options("Actor.compute_log_prob", options)?;
+            let out = self.0.compute_log_prob(batch, &opts)?;
+            out.validate("Actor.compute_log_prob output")?;
+            Ok(out)
+        })
+    }
+    fn update(&mut self, batch: &Batch, options: RStr<'_>) -> RResult<FfiMetrics, FfiError> {
+        ffi("Actor.update", || {
+            batch.validate("Actor.update input")?;
+            let opts: UpdateOptions = parse_options("Actor.update", options)?;
+            Ok(metrics_to_ffi(self.0.update(batch, &opts)?))
+        })
+    }
+    fn save(&mut self, dir: RStr<'_>) -> RResult<(), FfiError> {
+        ffi("Actor.save", || self.0.save(Path::new(dir.as_str())))
+    }
+    fn load(&mut self, dir: RStr<'_>) -> RResult<(), FfiError> {
+        ffi("Actor.load", || self.0.load(Path::new(dir.as_str())))
+    }
+    fn export_hf(&mut self, dir: RStr<'_>) -> RResult<(), FfiError> {
+        ffi("Actor.export_hf", || {
+            self.0.export_hf(Path::new(dir.as_str()))
+        })
+    }
+    fn data_parallel(&self) -> DataParallel {
+        guard(|| Ok(self.0.data_parallel())).unwrap_or(DataParallel { rank: 0, size: 1 })
+    }
+    fn call(
+        &mut self,
+        method: RStr<'_>,
+        batch: &Batch,
+        options: RStr<'_>,
+    ) -> RResult<Batch, FfiError> {
+        ffi("Actor.call", || {
+            let opts: serde_json::Value = parse_options("Actor.call", options)?;
+            self.0.call(method.as_str(), batch, &opts)
+        })
+    }
+}
+
+struct CriticAdapter(Box<dyn Critic>);
+
+impl CriticFfi for CriticAdapter {
+    fn compute_values(&mut self, batch: &Batch, options: RStr<'_>) -> RResult<Batch, FfiError> {
+        ffi("Critic.compute_values", || {
+            batch.validate("Critic.compute_values input")?;
+            let opts: ValueOptions = parse_options("Critic.compute_values", options)?;
+            let out = self.0.compute_values(batch, &opts)?;
+            out.validate("Critic.compute_values output")?;
+            Ok(out)
+        })
+    }
+    fn update(&mut self, batch: &Batch, options: RStr<'_>) -> RResult<FfiMetrics, FfiError> {
+        ffi("Critic.update", || {
+            batch.validate("Critic.update input")?;
+            let opts: UpdateOptions = parse_options("Critic.update", options)?;
+            Ok(metrics_to_ffi(self.0.update(batch, &opts)?))
+        })
+    }
+    fn save(&mut self, dir: RStr<'_>) -> RResult<(), FfiError> {
+        ffi("Critic.save", || self.0.save(Path::new(dir.as_str())))
+    }
+    fn load(&mut self, dir: RStr<'_>) -> RResult<(), FfiError> {
+        ffi("Critic.load", || self.0.load(Path::new(dir.as_str())))
+    }
+    fn data_parallel(&self) -> DataParallel {
+        guard(|| Ok(self.0.data_parallel())).unwrap_or(DataParallel { rank: 0, size: 1 })
+    }
+    fn call(
+        &mut self,
+        method: RStr<'_>,
+        batch: &Batch,
+        options: RStr<'_>,
+    ) -> RResult<Batch, FfiError> {
+        ffi("Critic.call", || {
+            let opts: serde_json::Value = parse_options("Critic.call", options)?;
+            self.0.call(method.as_str(), batch, &opts)
+        })
+    }
+}
+
+struct RewardAdapter(Box<dyn Reward>);
+
+impl RewardFfi for RewardAdapter {
+    fn score(&mut self, batch: &Batch, options: RStr<'_>) -> RResult<Batch, FfiError> {
+        ffi("Reward.score", || {
+            batch.validate("Reward.score input")?;
+            let opts: ScoreOptions = parse_options("Reward.score", options)?;
+            let out = self.0.score(batch, &opts)?;
+            out.validate("Reward.score output")?;
+            Ok(out)
+        })
+    }
+    fn call(
+        &mut self,
+        method: RStr<'_>,
+        batch: &Batch,
+        options: RStr<'_>,
+    ) -> RResult<Batch, FfiError> {
+        ffi("Reward.call", || {
+            let opts: serde_json::Value = parse_options("Reward.call", options)?;
+            self.0.call(method.as_str(), batch, &opts)
+        })
+    }
+}
+
+fn metrics_to_ffi(m: Metrics) -> FfiMetrics {
+    FfiMetrics {
+        entries: m
+            .into_iter()
+            .map(|(k, v)| Tuple2(RString::from(k), v))
+            .collect(),
+    }
+}
+
+fn parse_init(init: RStr<'_>) -> Result<InitArgs> {
+    serde_json::from_str(init.as_str()).map_err(|e| Error::Options {
+        call: "create".into(),
+        message: format!("init arguments: {e}"),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Functions the export macros instantiate per plugin type.
+
+#[doc(hidden)]
+pub fn header_json<P: BackendPlugin>() -> String {
+    serde_json::to_string(&PluginHeader::from_info(P::info(), PluginKind::Backend))
+        .expect("header serialises")
+}
+
+#[doc(hidden)]
+pub fn reward_header_json<P: RewardPlugin>() -> String {
+    serde_json::to_string(&PluginHeader::from_info(P::info(), PluginKind::Reward))
+        .expect("header serialises")
+}
+
+#[doc(hidden)]
+pub fn actor_box(actor: Box<dyn Actor>) -> ActorBox {
+    ActorFfi_TO::from_value(ActorAdapter(actor), TD_Opaque)
+}
+
+#[doc(hidden)]
+pub fn critic_box(critic: Box<dyn Critic>) -> CriticBox {
+    CriticFfi_TO::from_value(CriticAdapter(critic), TD_Opaque)
+}
+
+#[doc(hidden)]
+pub fn reward_box(reward: Box<dyn Reward>) -> RewardBox {
+    RewardFfi_TO::from_value(RewardAdapter(reward), TD_Opaque)
+}
+
+#[doc(hidden)]
+pub fn backend_module<P: BackendPlugin>() -> BackendModuleRef {
+    extern "C" fn header<P: BackendPlugin>() -> RString {
+        guard(|| Ok(header_json::<P>())).unwrap_or_default().into()
+    }
+    extern "C" fn set_host_cb<P: BackendPlugin>(cb: HostCallbacks) {
+        let _ = guard(|| {
+            set_host(cb, &P::info().name);
+            Ok(())
+        });
+    }
+    extern "C" fn create_actor<P: BackendPlugin>(init: RStr<'_>) -> RResult<ActorBox, FfiError> {
+        ffi("create_actor", || {
+            Ok(actor_box(P::create_actor(&parse_init(init)?)?))
+        })
+    }
+    extern "C" fn create_reference<P: BackendPlugin>(
+        init: RStr<'_>,
+    ) -> RResult<ActorBox, FfiError> {
+        ffi("create_reference", || {
+            Ok(actor_box(P::create_reference(&parse_init(init)?)?))
+        })
+    }
+    extern "C" fn create_critic<P: BackendPlugin>(init: RStr<'_>) -> RResult<CriticBox, FfiError> {
+        ffi("create_critic", || {
+            Ok(critic_box(P::create_critic(&parse_init(init)?)?))
+        })
+    }
+    extern "C" fn validate<P: BackendPlugin>(
+        init: RStr<'_>,
+    ) -> RResult<ROption<RString>, FfiError> {
+        ffi("validate", || {
+            let init = parse_init(init)?;
+            match P::validate(&init) {
+                None => Ok(RNone),
+                Some(r) => r.map(|s| RSome(RString::from(s))),
+            }
+        })
+    }
+    use abi_stable::prefix_type::PrefixTypeTrait;
+    BackendModule {
+        header: header::<P>,
+        set_host: set_host_cb::<P>,
+        create_actor: create_actor::<P>,
+        create_reference: create_reference::<P>,
+        create_critic: create_critic::<P>,
+        validate: validate::<P>,
+    }
+    .leak_into_prefix()
+}
+
+#[doc(hidden)]
+pub fn reward_module<P: RewardPlugin>() -> RewardModuleRef {
+    extern "C" fn header<P: RewardPlugin>() -> RString {
+        guard(|| Ok(reward_header_json::<P>()))
+            .unwrap_or_default()
+            .into()
+    }
+    extern "C" fn set_host_cb<P: RewardPlugin>(cb: HostCallbacks) {
+        let _ = guard(|| {
+            set_host(cb, &P::info().name);
+            Ok(())
+        });
+    }
+    extern "C" fn create_reward<P: RewardPlugin>(init: RStr<'_>) -> RResult<RewardBox, FfiError> {
+        ffi("create_reward", || {
+            Ok(reward_box(P::create_reward(&parse_init(init)?)?))
+        })
+    }
+    use abi_stable::prefix_type::PrefixTypeTrait;
+    RewardModule {
+        header: header::<P>,
+        set_host: set_host_cb::<P>,
+        create_reward: create_reward::<P>,
+    }
+    .leak_into_prefix()
+}
+
+#[doc(hidden)]
+pub fn header_cstr(
+    cell: &'static OnceLock<std::ffi::CString>,
+    json: fn() -> String,
+) -> *const std::os::raw::c_char {
+    cell.get_or_init(|| {
+        let s = guard(|| Ok(json())).unwrap_or_default();
+        std::ffi::CString::new(s).unwrap_or_default()
+    })
+    .as_ptr()
+}
+
+#[doc(hidden)]
+pub fn metrics_from_ffi(m: FfiMetrics) -> Metrics {
+    m.entries
+        .into_iter()
+        .map(|Tuple2(k, v)| (k.into_string(), v))
+        .collect()
+}
+
+/// Export a backend plugin: `verl_plugin_api::export_backend_plugin!(MyPlugin);` where
+/// `MyPlugin: BackendPlugin`. Emits the header symbol and the abi_stable root module.
+#[macro_export]
+macro_rules! export_backend_plugin {
+    ($plugin:ty) => {
+        #[no_mangle]
+        pub extern "C" fn verl_plugin_header() -> *const ::std::os::raw::c_char {
+            static HEADER: ::std::sync::OnceLock<::std::ffi::CString> =
+                ::std::sync::OnceLock::new();
+            $crate::sdk::header_cstr(&HEADER, $crate::sdk::header_json::<$plugin>)
+        }
+        $crate::__export_root_module!(
+            $crate::ffi::BackendModuleRef,
+            $crate::sdk::backend_module::<$plugin>
+        );
+    };
+}
+
+/// Export a reward plugin: `verl_plugin_api::export_reward_plugin!(MyRewards);`.
+#[macro_export]
+macro_rules! export_reward_plugin {
+    ($plugin:ty) => {
+        #[no_mangle]
+        pub extern "C" fn verl_plugin_header() -> *const ::std::os::raw::c_char {
+            static HEADER: ::std::sync::OnceLock<::std::ffi::CString> =
+                ::std::sync::OnceLock::new();
+            $crate::sdk::header_cstr(&HEADER, $crate::sdk::reward_header_json::<$plugin>)
+        }
+        $crate::__export_root_module!(
+            $crate::ffi::RewardModuleRef,
+            $crate::sdk::reward_module::<$plugin>
+        );
+    };
+}
+
+/// What abi_stable's `#[export_root_module]` expands to, spelled through our re-export so plugin
+/// crates need no direct `abi_stable` dependency. The symbol name is abi_stable 0.11's
+/// `ROOT_MODULE_LOADER_NAME` (a unit test pins it).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __export_root_module {
+    ($module:ty, $ctor:expr) => {
+        #[export_name = "_1as_0lib_1header_0root_bmodule_bloader"]
+        pub static VERL_ROOT_MODULE_LOADER: $crate::__private::abi_stable::library::LibHeader = {
+            extern "C" fn erased() -> $crate::__private::abi_stable::library::RootModuleResult {
+                fn ctor() -> $module {
+                    ($ctor)()
+                }
+                $crate::__private::abi_stable::library::__call_root_module_loader(ctor)
+            }
+            unsafe {
+                $crate::__private::abi_stable::library::LibHeader::from_constructor::<$module>(
+                    erased,
+                    $crate::__private::abi_stable::library::CheckTypeLayout::Yes,
+                )
+            }
+        };
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn root_module_symbol_matches_abi_stable() {
+        assert_eq!(
+            abi_stable::library::ROOT_MODULE_LOADER_NAME,
+            "_1as_0lib_1header_0root_bmodule_bloader"
+        );
+    }
+}

@@ -89,6 +89,44 @@ pub fn check_model(key: &str, path: &str, tokenizer: Option<&Path>) -> anyhow::R
     Ok(line)
 }
 
+/// The head of the job's reward model folder, when `reward_model.enable` and it can be read.
+pub fn reward_model_head(cfg: &Config) -> Option<crate::trainer::reward_model::ModelHead> {
+    let r = &cfg.reward.reward_model;
+    if !r.enable {
+        return None;
+    }
+    let dir = expand(r.model_path.as_deref()?);
+    crate::trainer::reward_model::model_head(&dir, "reward.reward_model.model_path").ok()
+}
+
+/// The reward model's folder (`reward.reward_model.model_path` / `reward_model.model.path`): a
+/// score head, or a causal LM that a reward plugin prompts; its tokenizer and chat template.
+pub fn check_reward_model(cfg: &Config) -> anyhow::Result<String> {
+    use crate::trainer::reward_model::{model_head, ModelHead};
+    let key = "reward.reward_model.model_path";
+    let Some(path) = cfg.reward.reward_model.model_path.as_deref() else {
+        bail!("reward.reward_model.enable=true (reward_model.enable) needs the reward model's HF folder in {key} (reward_model.model.path)");
+    };
+    let dir = expand(path);
+    let line = check_model(key, path, Some(&dir))?;
+    match model_head(&dir, key)? {
+        ModelHead::Score => Ok(format!(
+            "{line}; scores {}",
+            if cfg.plugins.reward.default == "rewards" {
+                "every data source without a plugins.reward.routes entry"
+            } else {
+                "for reward plugins (plugins.reward.default is a plugin)"
+            }
+        )),
+        ModelHead::Generate if cfg.plugins.reward.default == "rewards" => {
+            Err(crate::trainer::TrainerError::GenerativeRmNeedsPlugin.into())
+        }
+        ModelHead::Generate => Ok(format!(
+            "{line}; a generative judge lent to reward plugins as `reward_model`"
+        )),
+    }
+}
+
 /// The policy's model folder and the folder of its prompt tokenizer.
 pub fn check_policy_model(cfg: &Config) -> anyhow::Result<String> {
     let tok = crate::trainer::tokenizer_dir(cfg);

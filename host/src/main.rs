@@ -693,6 +693,10 @@ fn load_job_plugins(loader: &mut Loader, cli: &Cli, cfg: &Config) -> anyhow::Res
         if rewards.iter().any(|(n, _)| *n == name) {
             continue;
         }
+        // The job's reward model is routed to by name; it is not a plugin to load.
+        if cfg.reward.reward_model.enable && name == verl_host::trainer::REWARD_MODEL {
+            continue;
+        }
         let p = loader
             .load(&name)
             .with_context(|| format!("loading reward plugin `{name}` (plugins.reward)"))?;
@@ -761,6 +765,17 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     }
     if cfg.need_critic() {
         needed.push(Role::Critic);
+    }
+    if let Some(head) = verl_host::checks::reward_model_head(&cfg) {
+        // A discriminative reward model is the backend's reward_model role; a generative one
+        // (a judge) a frozen policy, its reference role.
+        let role = match head {
+            verl_host::trainer::reward_model::ModelHead::Score => Role::RewardModel,
+            verl_host::trainer::reward_model::ModelHead::Generate => Role::Reference,
+        };
+        if !needed.contains(&role) {
+            needed.push(role);
+        }
     }
     let mut missing = Vec::new();
     for role in &needed {
@@ -927,6 +942,10 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
                     None,
                 )?;
                 outln!("critic model  {line} ✓");
+            }
+            if cfg.reward.reward_model.enable {
+                let line = verl_host::checks::check_reward_model(&cfg)?;
+                outln!("reward model  {line} ✓");
             }
             let t = &cfg.trainer;
             let loggers = verl_metrics::LoggerOptions::from_verl(

@@ -247,6 +247,16 @@ trainer:
             dump = dump.display(),
         ),
     );
+    // The dry run reads the reward model's folder and says what it scores.
+    let o = run(&inst.path().join("verl"), &["run", job.to_str().unwrap(), "--dry-run"]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains("reward model  ")
+            && stdout(&o).contains("(LlamaForSequenceClassification)")
+            && stdout(&o).contains("reward_model ✓"),
+        "{}",
+        stdout(&o)
+    );
     let o = std::process::Command::new(inst.path().join("verl"))
         .args(["run", job.to_str().unwrap()])
         .current_dir(root)

@@ -51,25 +51,29 @@ fn a_job_of_overrides_alone_dry_runs_like_verls_main_ppo() {
 }
 
 #[test]
-fn a_reward_model_is_refused_by_name() {
+fn a_reward_model_is_checked_by_the_dry_run_and_a_separate_pool_is_refused() {
+    // A missing folder is named by its key (either layout's spelling sets it).
+    for enable in ["reward_model.enable=true", "reward.reward_model.enable=true"] {
+        let o = dry_run(&[enable, "reward_model.model.path=/nonexistent/rm"]);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{err}");
+        assert!(
+            err.contains("reward.reward_model.model_path") && err.contains("/nonexistent/rm"),
+            "{err}"
+        );
+    }
+    // The policy is a causal LM: as a reward model it is a generative judge, which needs a
+    // reward plugin to prompt it.
+    let policy = tiny_inputs().model.to_str().unwrap().to_string();
     let o = dry_run(&[
         "reward_model.enable=true",
-        "reward_model.model.path=/nonexistent/rm",
+        &format!("reward_model.model.path={policy}"),
     ]);
-    let err = stderr(&o);
-    assert!(!o.status.success());
-    // Each key the job set is named, under one count.
-    assert!(err.contains("2 configuration errors"), "{err}");
-    for key in [
-        "`reward_model.enable=true`",
-        "`reward_model.model.path=/nonexistent/rm`",
-    ] {
-        assert!(err.contains(key) && err.contains("plugins.reward"), "{err}");
-    }
-    // verl 0.10's spelling of the same setting.
+    assert!(stderr(&o).contains("generative model") && stderr(&o).contains("plugins.reward.default"), "{}", stderr(&o));
+    // verl's separate reward-model GPU pool is not how verl-rs runs it.
     refused(
-        &["reward.reward_model.enable=true"],
-        &["reward.reward_model.enable=true", "reward model"],
+        &["reward.reward_model.enable_resource_pool=true"],
+        &["reward.reward_model.enable_resource_pool=true", "colocated"],
     );
 }
 

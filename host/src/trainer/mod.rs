@@ -21,6 +21,7 @@ pub use error::TrainerError;
 pub use fit::{data_config, fit, FitOptions, FitSummary};
 pub use plugins::{BackendFactory, InProcessBackend, InProcessReward, JobPlugins, RewardFactory};
 pub use prompts::tokenizer_dir;
+pub use reward::REWARD_MODEL;
 pub use rollout_corr::rollout_correction;
 
 /// The reward plugin names the job routes to: `plugins.reward.default`, then each distinct

@@ -69,14 +69,23 @@ impl FsdpRewardModel {
                 format!("{} ({class})", dir.display()),
             )
         })?;
-        let (mut model, report) = Transformer::from_pretrained_with_report(
-            &dir,
-            &ModelOptions {
-                device,
-                dtype,
-                head,
-            },
-        )?;
+        let opts = ModelOptions {
+            device,
+            dtype,
+            head,
+        };
+        // `verl bench`: fresh weights of the folder's architecture, nothing to load.
+        let random_init = init
+            .extra
+            .get("random_init")
+            .map(|r| r.get("seed").and_then(|s| s.as_i64()).unwrap_or(0));
+        let (mut model, report) = match random_init {
+            Some(seed) => {
+                tch::manual_seed(seed);
+                (Transformer::new(cfg, &opts)?, Default::default())
+            }
+            None => Transformer::from_pretrained_with_report(&dir, &opts)?,
+        };
         if !report.initialized.is_empty() {
             return Err(FsdpError::config(
                 key,
@@ -151,6 +160,64 @@ impl FsdpRewardModel {
         out
     }
 
+    /// One micro-batch as one packed stream of its rows' real tokens (no padded position is
+    /// computed; on CUDA in half precision the attention is flash attention's varlen kernel), the
+    /// head read at each row's last token.
+    fn forward_packed<'a>(
+        &self,
+        rows: impl Iterator<Item = &'a [i64]>,
+        lens: &[i64],
+    ) -> Result<Vec<f32>> {
+        let n_rows = lens.len() as i64;
+        let len = *lens.iter().max().unwrap_or(&1);
+        let total: i64 = lens.iter().sum();
+        let (mut stream, mut pos) = (Vec::with_capacity(total as usize), Vec::new());
+        let (mut gather, mut scatter, mut last) = (Vec::new(), Vec::new(), Vec::new());
+        for (a, (row, &l)) in rows.zip(lens).enumerate() {
+            let offset = stream.len() as i64;
+            stream.extend_from_slice(&row[..l as usize]);
+            pos.extend(0..l);
+            // Columns past the row's end repeat its last token (causal attention keeps the
+            // real columns from seeing them; nothing reads their outputs).
+            gather.extend((0..len).map(|c| offset + c.min(l - 1)));
+            scatter.extend((0..l).map(|c| a as i64 * len + c));
+            last.push(offset + l - 1);
+        }
+        let up = |v: &[i64], what: &str| -> Result<Tensor> {
+            Tensor::from_slice(v)
+                .f_to_device(self.device)
+                .and_then(|t| t.f_view([1, -1]))
+                .ctx(what)
+        };
+        let attention = verl_nn::AttentionRows::from_host(
+            &gather,
+            &scatter,
+            n_rows,
+            len,
+            self.device,
+        )?;
+        let (ids, pos, last) = (
+            up(&stream, "reward model tokens")?,
+            up(&pos, "reward model positions")?,
+            up(&last, "reward model last tokens")?,
+        );
+        let out = tch::no_grad(|| -> Result<Tensor> {
+            let hidden = self.model.forward_hidden_rows(&ids, &pos, &attention)?;
+            let at_last = hidden
+                .f_index_select(1, &last.f_view([-1]).ctx("last tokens")?)
+                .and_then(|h| h.f_view([n_rows, 1, -1]))
+                .ctx("hidden states at the last tokens")?;
+            Ok(self.model.apply_head(&at_last, None)?)
+        })?;
+        let labels = out.size()[1];
+        let v = out
+            .f_select(1, labels - 1)
+            .and_then(|s| s.f_to_kind(Kind::Float))
+            .and_then(|s| s.f_to_device(Device::Cpu))
+            .ctx("reward model scores to the host")?;
+        Ok(Vec::<f32>::try_from(&v).ctx("reward model scores")?)
+    }
+
     fn do_score(&mut self, batch: &Batch) -> Result<Vec<f32>> {
         let ids = batch.tensor::<i64>(col::INPUT_IDS)?;
         let mask = batch.tensor::<i64>(col::ATTENTION_MASK)?;
@@ -174,28 +241,8 @@ impl FsdpRewardModel {
         }
         let mut scores = Vec::with_capacity(rows);
         for range in self.micro_batches(&lens) {
-            let t = *lens[range.clone()].iter().max().unwrap_or(&1);
-            let pick = |src: &[i64]| -> Vec<i64> {
-                range
-                    .clone()
-                    .flat_map(|r| src[r * width..r * width + t as usize].iter().copied())
-                    .collect()
-            };
-            let n = range.len() as i64;
-            let x = Tensor::from_slice(&pick(&ids.data))
-                .view([n, t])
-                .to_device(self.device);
-            let m = Tensor::from_slice(&pick(&mask.data))
-                .view([n, t])
-                .to_device(self.device);
-            let out = tch::no_grad(|| self.model.forward(&x, Some(&m), None, None))?;
-            let last = out
-                .f_select(1, out.size()[1] - 1)
-                .and_then(|s| s.f_to_kind(Kind::Float))
-                .and_then(|s| s.f_to_device(Device::Cpu))
-                .ctx("reward model scores to the host")?;
-            let v: Vec<f32> = Vec::<f32>::try_from(&last).ctx("reward model scores")?;
-            scores.extend(v);
+            let (row, len) = (&ids.data, &lens[range.clone()]);
+            scores.extend(self.forward_packed(range.map(|r| &row[r * width..]), len)?);
         }
         Ok(scores)
     }
@@ -231,6 +278,10 @@ impl Reward for FsdpRewardModel {
                 self.offload()?;
             }
             "memory" => {
+                // Answered after the device finished its queued work (timing callers rely on it).
+                if let Device::Cuda(i) = self.device {
+                    tch::Cuda::synchronize(i as i64);
+                }
                 let bytes: i64 = self
                     .model
                     .named_parameters()

@@ -385,9 +385,29 @@ impl ModelConfig {
         let eps_default = if arch == Arch::Mixtral { 1e-5 } else { 1e-6 };
         let rms_norm_eps = k.f64_or("rms_norm_eps", eps_default)?;
         let theta_default = if arch == Arch::Mixtral { 1e6 } else { 1e4 };
-        let rope_theta = k.f64_or("rope_theta", theta_default)?;
         let max_position_embeddings = k.pos_i64_or("max_position_embeddings", 2048)?;
-        let rope_scaling = parse_rope_scaling(&k, max_position_embeddings)?;
+        // transformers >= 5 writes RoPE as `rope_parameters: {rope_type, rope_theta, factor, ...}`
+        // (no top-level `rope_theta` or `rope_scaling`); older configs use those two keys.
+        let (rope_theta, rope_scaling) = match k.get("rope_parameters") {
+            Some(v) => {
+                let obj = v
+                    .as_object()
+                    .ok_or_else(|| k.bad("rope_parameters", "an object", v))?;
+                let sub = Keys { path: k.path, obj };
+                let theta = match sub.get("rope_theta") {
+                    Some(_) => sub.f64_or("rope_theta", theta_default)?,
+                    None => k.f64_or("rope_theta", theta_default)?,
+                };
+                (
+                    theta,
+                    parse_rope_scaling(&k, "rope_parameters", max_position_embeddings)?,
+                )
+            }
+            None => (
+                k.f64_or("rope_theta", theta_default)?,
+                parse_rope_scaling(&k, "rope_scaling", max_position_embeddings)?,
+            ),
+        };
         let tie_word_embeddings = k.bool_or("tie_word_embeddings", false)?;
 
         let (qkv_bias, o_bias, mlp_bias, qk_norm) = match arch {
@@ -459,20 +479,21 @@ fn short(v: &Value) -> String {
     }
 }
 
-fn parse_rope_scaling(k: &Keys, max_pos: i64) -> Result<Option<RopeScaling>> {
-    let Some(v) = k.get("rope_scaling") else {
+/// RoPE scaling from `key` (`rope_scaling`, or transformers 5's `rope_parameters`).
+fn parse_rope_scaling(k: &Keys, key: &str, max_pos: i64) -> Result<Option<RopeScaling>> {
+    let Some(v) = k.get(key) else {
         return Ok(None);
     };
     let obj = v
         .as_object()
-        .ok_or_else(|| k.bad("rope_scaling", "null or an object", v))?;
+        .ok_or_else(|| k.bad(key, "null or an object", v))?;
     let sub = Keys { path: k.path, obj };
     let kind = match sub.get("rope_type").or_else(|| sub.get("type")) {
         Some(Value::String(s)) => s.as_str(),
-        Some(t) => return Err(k.bad("rope_scaling.rope_type", "a string", t)),
+        Some(t) => return Err(k.bad(&format!("{key}.rope_type"), "a string", t)),
         None => {
             return Err(k.missing(
-                "rope_scaling.rope_type",
+                &format!("{key}.rope_type"),
                 "\"default\", \"linear\" or \"llama3\"",
             ))
         }
@@ -481,8 +502,8 @@ fn parse_rope_scaling(k: &Keys, max_pos: i64) -> Result<Option<RopeScaling>> {
         match sub.get("factor") {
             Some(f) => f
                 .as_f64()
-                .ok_or_else(|| k.bad("rope_scaling.factor", "a number", f)),
-            None => Err(k.missing("rope_scaling.factor", "a number")),
+                .ok_or_else(|| k.bad(&format!("{key}.factor"), "a number", f)),
+            None => Err(k.missing(&format!("{key}.factor"), "a number")),
         }
     };
     match kind {
@@ -491,19 +512,19 @@ fn parse_rope_scaling(k: &Keys, max_pos: i64) -> Result<Option<RopeScaling>> {
             factor: factor(&sub)?,
         })),
         "llama3" => {
-            let num = |key: &str| -> Result<f64> {
-                match sub.get(key) {
+            let num = |name: &str| -> Result<f64> {
+                match sub.get(name) {
                     Some(f) => f
                         .as_f64()
-                        .ok_or_else(|| k.bad(&format!("rope_scaling.{key}"), "a number", f)),
-                    None => Err(k.missing(&format!("rope_scaling.{key}"), "a number")),
+                        .ok_or_else(|| k.bad(&format!("{key}.{name}"), "a number", f)),
+                    None => Err(k.missing(&format!("{key}.{name}"), "a number")),
                 }
             };
             let low = num("low_freq_factor")?;
             let high = num("high_freq_factor")?;
             if high == low {
                 return Err(k.bad(
-                    "rope_scaling.high_freq_factor",
+                    &format!("{key}.high_freq_factor"),
                     "a value different from low_freq_factor",
                     &Value::from(high),
                 ));
@@ -520,7 +541,7 @@ fn parse_rope_scaling(k: &Keys, max_pos: i64) -> Result<Option<RopeScaling>> {
             }))
         }
         other => Err(k.bad(
-            "rope_scaling.rope_type",
+            &format!("{key}.rope_type"),
             "\"default\", \"linear\" or \"llama3\" (others are not implemented)",
             &Value::from(other),
         )),
@@ -732,5 +753,25 @@ mod tests {
         v["sliding_window"] = serde_json::json!(16);
         v["use_sliding_window"] = serde_json::json!(false);
         assert_eq!(parse(v).unwrap().layer_windows, vec![None, None]);
+    }
+
+    #[test]
+    fn transformers_5_rope_parameters_are_read() {
+        let mut v = serde_json::json!({
+            "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        });
+        let c = ModelConfig::from_value(v.clone(), "inline/config.json").unwrap();
+        assert_eq!(c.rope_theta, 500000.0);
+        assert_eq!(c.rope_scaling, None);
+        v["rope_parameters"] = serde_json::json!({"rope_type": "llama3", "rope_theta": 500000.0,
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192});
+        let c = ModelConfig::from_value(v.clone(), "inline/config.json").unwrap();
+        assert!(matches!(c.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0));
+        v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0});
+        let e = ModelConfig::from_value(v, "inline/config.json").unwrap_err().to_string();
+        assert!(e.contains("rope_parameters.rope_type") && e.contains("yarn"), "{e}");
     }
 }

@@ -527,7 +527,13 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     init.extra = extra;
     let mut reference = backend.create_reference(&init)?;
     let mut rm = match &a.rm_arch {
-        Some(arch) => Some(BenchRm::create(&backend, arch, &cfg, &dir.join("rm"), a.seed)?),
+        Some(arch) => Some(BenchRm::create(
+            &backend,
+            arch,
+            &cfg,
+            &dir.join("rm"),
+            a.seed,
+        )?),
         None => None,
     };
     eprintln!(
@@ -1045,11 +1051,8 @@ impl BenchRm {
         }]);
         c["num_labels"] = json!(1);
         std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&c)?)?;
-        let spec = verl_host::trainer::reward_model::reward_model_spec(
-            cfg,
-            &dir.to_string_lossy(),
-            1,
-        );
+        let spec =
+            verl_host::trainer::reward_model::reward_model_spec(cfg, &dir.to_string_lossy(), 1);
         let offload = spec.offload;
         let mut init = InitArgs::new(Role::RewardModel, serde_json::to_value(cfg)?);
         init.extra = json!({"reward_model": spec, "random_init": {"seed": seed + 1}});
@@ -1101,7 +1104,10 @@ impl BenchRm {
         self.client.call("offload", &Value::Null)?;
         self.client.call("memory", &Value::Null)?;
         let t_off = t.elapsed().as_secs_f64();
-        anyhow::ensure!(scores.len() == rows.len(), "reward model: wrong score count");
+        anyhow::ensure!(
+            scores.len() == rows.len(),
+            "reward model: wrong score count"
+        );
         self.times.push((t_on, t_score, t_off));
         self.rows = rows.len();
         self.tokens = rows.iter().map(Vec::len).sum();
@@ -1110,7 +1116,11 @@ impl BenchRm {
 
     fn report(&self, peak_tflops: f64, peak_mem: f64) -> (String, Value) {
         let (on, sc, off) = self.times.last().copied().unwrap_or_default();
-        let flops = rm_forward_flops(&self.shape, self.rows as u64, (self.tokens / self.rows.max(1)) as u64);
+        let flops = rm_forward_flops(
+            &self.shape,
+            self.rows as u64,
+            (self.tokens / self.rows.max(1)) as u64,
+        );
         let mfu = flops / sc.max(1e-12) / (peak_tflops * 1e12);
         let tps = self.tokens as f64 / sc.max(1e-12);
         let table = format!(
@@ -1126,7 +1136,11 @@ impl BenchRm {
             100.0 * mfu,
             on,
             off,
-            if self.offload { "in host memory" } else { "on the GPU" },
+            if self.offload {
+                "in host memory"
+            } else {
+                "on the GPU"
+            },
             on + sc + off,
             peak_mem
         );

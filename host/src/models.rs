@@ -35,8 +35,12 @@ impl ScoringModel {
         max_length: Option<usize>,
         client: RewardModelClient,
     ) -> anyhow::Result<Self> {
-        let tokenizer = Tokenizer::from_dir(dir)
-            .with_context(|| format!("loading the reward model's tokenizer from {}", dir.display()))?;
+        let tokenizer = Tokenizer::from_dir(dir).with_context(|| {
+            format!(
+                "loading the reward model's tokenizer from {}",
+                dir.display()
+            )
+        })?;
         let pad_id = tokenizer
             .pad_token_id()
             .or(tokenizer.eos_token_id())
@@ -57,10 +61,9 @@ impl ScoringModel {
     /// The chat as the reward model reads it: its own template, no generation prompt (verl's
     /// `apply_chat_template(chat, add_generation_prompt=False, tokenize=False)`).
     pub fn render<M: Serialize>(&self, chat: &[M]) -> anyhow::Result<String> {
-        Ok(self
-            .tokenizer
+        self.tokenizer
             .apply_chat_template(chat, &ChatOptions::default())
-            .context("rendering a chat with the reward model's chat template")?)
+            .context("rendering a chat with the reward model's chat template")
     }
 
     /// The input length: `reward_model.max_length`, else `default` (verl: the policy's prompt +
@@ -335,9 +338,9 @@ impl SharedModels {
         let mut models = self.lock();
         match models.iter_mut().find(|(n, _)| n == name) {
             Some((_, LentModel::Generate(m))) => f(m),
-            Some((_, LentModel::Score(_))) => bail!(
-                "model `{name}` is a reward model (a score head): use the `score` service"
-            ),
+            Some((_, LentModel::Score(_))) => {
+                bail!("model `{name}` is a reward model (a score head): use the `score` service")
+            }
             None => bail!("no model named `{name}` (lent: {})", names(&models)),
         }
     }

@@ -59,10 +59,8 @@ pub fn score_file(
     if rows.is_empty() {
         bail!("{}: no rows to score", input.display());
     }
-    let mut reward = plugin.create_reward(
-        &InitArgs::new(Role::Reward, serde_json::json!({})),
-        None,
-    )?;
+    let mut reward =
+        plugin.create_reward(&InitArgs::new(Role::Reward, serde_json::json!({})), None)?;
     let opts = ScoreOptions { kwargs };
     let mut writer = match out {
         Some(p) => Some(std::io::BufWriter::new(
@@ -185,10 +183,15 @@ pub fn score_file_with_model(
         })?;
         if req.chat {
             let mut chat = match row.prompt {
-                serde_json::Value::String(p) => vec![serde_json::json!({"role": "user", "content": p})],
+                serde_json::Value::String(p) => {
+                    vec![serde_json::json!({"role": "user", "content": p})]
+                }
                 serde_json::Value::Array(m) => m,
                 serde_json::Value::Null => Vec::new(),
-                other => bail!("{}: `prompt` must be a string or a list of messages, found {other}", at()),
+                other => bail!(
+                    "{}: `prompt` must be a string or a list of messages, found {other}",
+                    at()
+                ),
             };
             chat.push(serde_json::json!({"role": "assistant", "content": row.response}));
             chats.push(chat);

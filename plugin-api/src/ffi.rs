@@ -214,8 +214,7 @@ pub mod v1 {
         // pointer whose prefix (the fields above) was checked against this layout. The appended
         // fields' accessors read the plugin's own metadata, which says they are absent.
         let current: super::BackendModuleRef = unsafe { std::mem::transmute(m) };
-        (current.validate().is_none() && current.create_reward_model().is_none())
-            .then_some(current)
+        (current.validate().is_none() && current.create_reward_model().is_none()).then_some(current)
     }
 }
 

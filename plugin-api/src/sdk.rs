@@ -21,12 +21,12 @@ use crate::contract::{
     GenerateOptions, InitArgs, LogProbOptions, ScoreOptions, UpdateOptions, ValueOptions,
 };
 use crate::error::{Error, ErrorKind, FfiError, Result};
+use crate::ffi::ModelServicesBox;
 use crate::ffi::{
     ActorBox, ActorFfi, ActorFfi_TO, BackendModule, BackendModuleRef, CriticBox, CriticFfi,
     CriticFfi_TO, DataParallel, FfiMetrics, HostCallbacks, RewardBox, RewardFfi, RewardFfi_TO,
     RewardModule, RewardModuleRef,
 };
-use crate::ffi::ModelServicesBox;
 use crate::header::{PluginHeader, PluginInfo, PluginKind};
 use crate::services::ModelServices;
 use crate::Metrics;

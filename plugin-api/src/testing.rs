@@ -10,11 +10,11 @@ use abi_stable::std_types::RStr;
 
 use crate::batch::Batch;
 use crate::client::{ActorClient, CriticClient, RewardClient, RewardModelClient};
-use crate::services::{services_box, ModelProvider};
 use crate::contract::{col, InitArgs};
 use crate::error::{Error, Result};
 use crate::header::{api_compatible, PluginHeader, API_VERSION};
 use crate::sdk::{backend_module, reward_module, BackendPlugin, RewardPlugin};
+use crate::services::{services_box, ModelProvider};
 
 fn init_json(init: &InitArgs) -> String {
     serde_json::to_string(init).expect("init args serialise")

@@ -28,7 +28,9 @@ fn two_reward_plugins_live_in_one_process_and_answer_independently() {
         ("openai/gsm8k", "#### 42", "42"),
         ("openai/gsm8k", "#### 41", "42"),
     ]);
-    let mut a = rules.create_reward(&init(serde_json::Value::Null), None).unwrap();
+    let mut a = rules
+        .create_reward(&init(serde_json::Value::Null), None)
+        .unwrap();
     let mut b = faulty
         .create_reward(&init(serde_json::Value::Null), None)
         .unwrap();
@@ -107,7 +109,9 @@ fn malformed_input_batches_are_rejected_before_the_plugin_runs() {
     let rules = loader
         .load(plugin("libverl_rewards.so").to_str().unwrap())
         .unwrap();
-    let mut r = rules.create_reward(&init(serde_json::Value::Null), None).unwrap();
+    let mut r = rules
+        .create_reward(&init(serde_json::Value::Null), None)
+        .unwrap();
     let mut batch = testing::reward_batch(&[("openai/gsm8k", "#### 1", "1")]);
     batch.remove(col::DATA_SOURCE);
     let msg = r
@@ -176,5 +180,8 @@ fn plugins_built_against_the_api_before_reward_models_still_load() {
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("old_api_backend") && e.contains("no reward model role"), "{e}");
+    assert!(
+        e.contains("old_api_backend") && e.contains("no reward model role"),
+        "{e}"
+    );
 }

@@ -52,10 +52,9 @@ fn reference() -> &'static ReferenceModels {
             stdout(&o),
             stderr(&o)
         );
-        let expected: BTreeMap<String, Vec<f64>> = serde_json::from_str(
-            &std::fs::read_to_string(root.join("expected.json")).unwrap(),
-        )
-        .unwrap();
+        let expected: BTreeMap<String, Vec<f64>> =
+            serde_json::from_str(&std::fs::read_to_string(root.join("expected.json")).unwrap())
+                .unwrap();
         ReferenceModels {
             _dir: dir,
             root,
@@ -83,7 +82,11 @@ fn score_with(inst: &Path, plugin: &str, model: &Path, rows: &Path, extra: &[&st
     assert!(o.status.success(), "{args:?}: {}", stderr(&o));
     stdout(&o)
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["score"].as_f64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["score"]
+                .as_f64()
+                .unwrap()
+        })
         .collect()
 }
 
@@ -108,7 +111,10 @@ fn scores_equal_transformers_for_every_reward_model_architecture() {
         let got = score_with(inst.path(), "fsdp", &model, &r.rows, &["--batch-size", "2"]);
         assert_close(case, &got, &r.expected[case], 1e-4);
         // Scores do not vary across the scale of the head.
-        assert!(got.iter().any(|&s| (s - got[0]).abs() > 1e-3), "{case}: {got:?}");
+        assert!(
+            got.iter().any(|&s| (s - got[0]).abs() > 1e-3),
+            "{case}: {got:?}"
+        );
     }
     // The Megatron backend's reward model role reads the same checkpoint the same way.
     let model = r.root.join("qwen2_rm");
@@ -135,7 +141,10 @@ fn a_causal_lm_or_a_missing_head_is_not_scored_as_a_reward_model() {
             "--chat",
         ],
     );
-    assert_one_line_error(&o, &["--model", "ForSequenceClassification", "Qwen2ForCausalLM"]);
+    assert_one_line_error(
+        &o,
+        &["--model", "ForSequenceClassification", "Qwen2ForCausalLM"],
+    );
     // A classifier checkpoint without its `score` weights would score with a random head.
     let tmp = tempfile::tempdir().unwrap();
     let headless = tmp.path().join("headless");
@@ -145,7 +154,8 @@ fn a_causal_lm_or_a_missing_head_is_not_scored_as_a_reward_model() {
         std::fs::copy(&p, headless.join(p.file_name().unwrap())).unwrap();
     }
     let cfg_path = headless.join("config.json");
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     cfg["architectures"] = json!(["Qwen2ForSequenceClassification"]);
     cfg["num_labels"] = json!(1);
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
@@ -174,9 +184,17 @@ fn write_two_source_data(path: &Path, rows: usize) {
     let mut text = String::new();
     for i in 0..rows {
         let (source, content, gt) = if i % 2 == 0 {
-            (RULE_SOURCE, format!("What is {} + {}? Answer after \"####\".", i, 3), format!("{}", i + 3))
+            (
+                RULE_SOURCE,
+                format!("What is {} + {}? Answer after \"####\".", i, 3),
+                format!("{}", i + 3),
+            )
         } else {
-            (RM_SOURCE, format!("RM: say something kind about the number {i}."), String::new())
+            (
+                RM_SOURCE,
+                format!("RM: say something kind about the number {i}."),
+                String::new(),
+            )
         };
         let row = json!({
             "data_source": source,
@@ -248,7 +266,10 @@ trainer:
         ),
     );
     // The dry run reads the reward model's folder and says what it scores.
-    let o = run(&inst.path().join("verl"), &["run", job.to_str().unwrap(), "--dry-run"]);
+    let o = run(
+        &inst.path().join("verl"),
+        &["run", job.to_str().unwrap(), "--dry-run"],
+    );
     assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
     assert!(
         stdout(&o).contains("reward model  ")
@@ -298,13 +319,23 @@ trainer:
     let out = root.join("rule_scored.jsonl");
     let o = run(
         &inst.path().join("verl"),
-        &["reward", "score", rule_jsonl.to_str().unwrap(), "--out", out.to_str().unwrap()],
+        &[
+            "reward",
+            "score",
+            rule_jsonl.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
     );
     assert!(o.status.success(), "{}", stderr(&o));
     let rescored: Vec<f64> = std::fs::read_to_string(&out)
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["score"].as_f64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["score"]
+                .as_f64()
+                .unwrap()
+        })
         .collect();
     for (row, want) in rule_rows.iter().zip(&rescored) {
         assert_eq!(row["score"].as_f64().unwrap(), *want, "{row}");
@@ -328,24 +359,24 @@ trainer:
         })
         .collect();
     std::fs::write(&rm_jsonl, text).unwrap();
-    let rescored = score_with(
-        inst.path(),
-        "fsdp",
-        &rm,
-        &rm_jsonl,
-        &["--max-length", "80"],
-    );
+    let rescored = score_with(inst.path(), "fsdp", &rm, &rm_jsonl, &["--max-length", "80"]);
     let same = rm_rows
         .iter()
         .zip(&rescored)
         .filter(|(row, want)| (row["score"].as_f64().unwrap() - **want).abs() < 1e-4)
         .count();
-    eprintln!("{same} of {} reward-model rows equal a re-score", rm_rows.len());
+    eprintln!(
+        "{same} of {} reward-model rows equal a re-score",
+        rm_rows.len()
+    );
     assert!(
         same * 4 >= rm_rows.len() * 3,
         "{same} of {} reward-model rows equal a re-score: {:?} vs {rescored:?}",
         rm_rows.len(),
-        rm_rows.iter().map(|r| r["score"].as_f64().unwrap()).collect::<Vec<_>>()
+        rm_rows
+            .iter()
+            .map(|r| r["score"].as_f64().unwrap())
+            .collect::<Vec<_>>()
     );
 
     // critic/score/* are those scores.
@@ -355,7 +386,11 @@ trainer:
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
         .find(|v| v["step"] == 1 && v["data"].get("critic/score/mean").is_some())
         .unwrap();
-    let mean = rows.iter().map(|r| r["score"].as_f64().unwrap()).sum::<f64>() / rows.len() as f64;
+    let mean = rows
+        .iter()
+        .map(|r| r["score"].as_f64().unwrap())
+        .sum::<f64>()
+        / rows.len() as f64;
     let logged = step1["data"]["critic/score/mean"].as_f64().unwrap();
     assert!((logged - mean).abs() < 1e-6, "{logged} vs {mean}");
 }
@@ -424,7 +459,12 @@ trainer:
         ),
     );
     let o = std::process::Command::new(inst.path().join("verl"))
-        .args(["--plugin", genrm.to_str().unwrap(), "run", job.to_str().unwrap()])
+        .args([
+            "--plugin",
+            genrm.to_str().unwrap(),
+            "run",
+            job.to_str().unwrap(),
+        ])
         .current_dir(root)
         .env_remove("VERL_PLUGIN_PATH")
         .env("VERL_FILE_LOGGER_ROOT", root.join("logs"))
@@ -472,7 +512,12 @@ trainer:
     assert!(o.status.success(), "{}", stderr(&o));
     let generated: Vec<String> = stdout(&o)
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["text"].as_str().unwrap().to_string())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
     assert_eq!(generated.len(), judged.len());
     for (j, g) in judged.iter().zip(&generated) {
@@ -492,6 +537,9 @@ trainer:
         .collect();
     for (row, j) in rows.iter().zip(&judged) {
         assert!((row["score"].as_f64().unwrap() - j["score"].as_f64().unwrap()).abs() < 1e-6);
-        assert!(j["question"].as_str().unwrap().contains(row["output"].as_str().unwrap()));
+        assert!(j["question"]
+            .as_str()
+            .unwrap()
+            .contains(row["output"].as_str().unwrap()));
     }
 }

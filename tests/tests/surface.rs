@@ -53,7 +53,10 @@ fn a_job_of_overrides_alone_dry_runs_like_verls_main_ppo() {
 #[test]
 fn a_reward_model_is_checked_by_the_dry_run_and_a_separate_pool_is_refused() {
     // A missing folder is named by its key (either layout's spelling sets it).
-    for enable in ["reward_model.enable=true", "reward.reward_model.enable=true"] {
+    for enable in [
+        "reward_model.enable=true",
+        "reward.reward_model.enable=true",
+    ] {
         let o = dry_run(&[enable, "reward_model.model.path=/nonexistent/rm"]);
         let err = stderr(&o);
         assert!(!o.status.success(), "{err}");
@@ -69,7 +72,11 @@ fn a_reward_model_is_checked_by_the_dry_run_and_a_separate_pool_is_refused() {
         "reward_model.enable=true",
         &format!("reward_model.model.path={policy}"),
     ]);
-    assert!(stderr(&o).contains("generative model") && stderr(&o).contains("plugins.reward.default"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("generative model") && stderr(&o).contains("plugins.reward.default"),
+        "{}",
+        stderr(&o)
+    );
     // verl's separate reward-model GPU pool is not how verl-rs runs it.
     refused(
         &["reward.reward_model.enable_resource_pool=true"],

@@ -4,8 +4,8 @@
 use std::marker::PhantomData;
 
 use verl_plugin_api::client::{ActorClient, CriticClient, RewardClient, RewardModelClient};
-use verl_plugin_api::services::services_box;
 use verl_plugin_api::sdk::{BackendPlugin, RewardPlugin};
+use verl_plugin_api::services::services_box;
 use verl_plugin_api::{testing, InitArgs};
 
 use crate::loader::LoadedPlugin;

@@ -140,7 +140,11 @@ impl RewardRouter {
         out
     }
 
-    fn score_rows(&mut self, cfg: &Config, input: &RewardInput<'_>) -> anyhow::Result<RewardOutput> {
+    fn score_rows(
+        &mut self,
+        cfg: &Config,
+        input: &RewardInput<'_>,
+    ) -> anyhow::Result<RewardOutput> {
         let rows = input.data_source.len();
         let width = input.responses.cols();
         // Rows per target, targets in first-seen order so calls are deterministic.
@@ -174,8 +178,7 @@ impl RewardRouter {
                         }
                         out.scores[r] = s as f64;
                         let dst = &mut out.token_level_scores[r * width..(r + 1) * width];
-                        if let Some(last) =
-                            input.response_mask.row(r).iter().rposition(|&m| m != 0)
+                        if let Some(last) = input.response_mask.row(r).iter().rposition(|&m| m != 0)
                         {
                             dst[last] = s as f64;
                         }
@@ -287,30 +290,33 @@ impl RewardRouter {
             }
             RmInput::SwitchTemplate => {
                 let eos = input.policy_tokenizer.special_tokens().eos.clone();
-                let chats = idx
-                    .iter()
-                    .map(|&r| {
-                        let ids: Vec<u32> = valid(input.responses, input.response_mask, r)
-                            .iter()
-                            .map(|&t| t as u32)
-                            .collect();
-                        let mut text = input
-                            .policy_tokenizer
-                            .decode(&ids, false)
-                            .with_context(|| format!("decoding response {r} for the reward model"))?;
-                        if let Some(e) = eos.as_deref().filter(|e| !e.is_empty()) {
-                            text = text.replace(e, "");
-                        }
-                        let mut chat: Vec<serde_json::Value> = input.raw_prompt[r]
-                            .iter()
-                            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
-                            .collect();
-                        chat.push(serde_json::json!({"role": "assistant", "content": text}));
-                        Ok(chat)
-                    })
-                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let chats =
+                    idx.iter()
+                        .map(|&r| {
+                            let ids: Vec<u32> = valid(input.responses, input.response_mask, r)
+                                .iter()
+                                .map(|&t| t as u32)
+                                .collect();
+                            let mut text = input
+                                .policy_tokenizer
+                                .decode(&ids, false)
+                                .with_context(|| {
+                                    format!("decoding response {r} for the reward model")
+                                })?;
+                            if let Some(e) = eos.as_deref().filter(|e| !e.is_empty()) {
+                                text = text.replace(e, "");
+                            }
+                            let mut chat: Vec<serde_json::Value> = input.raw_prompt[r]
+                                .iter()
+                                .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                                .collect();
+                            chat.push(serde_json::json!({"role": "assistant", "content": text}));
+                            Ok(chat)
+                        })
+                        .collect::<anyhow::Result<Vec<_>>>()?;
                 let max = self.rm_max_length.or(Some(src_len));
-                self.models.with_scoring(name, |m| m.score_chats(&chats, max))?
+                self.models
+                    .with_scoring(name, |m| m.score_chats(&chats, max))?
             }
         };
         if scores.len() != idx.len() {
@@ -484,9 +490,12 @@ mod tests {
     #[test]
     fn an_unloaded_route_names_the_data_source_and_the_plugin() {
         let cfg = Config::from_overrides(&["plugins.reward.routes={b: missing}"]).unwrap();
-        let mut router =
-            RewardRouter::new(vec![("rewards".into(), client())], SharedModels::default(), &cfg)
-                .unwrap();
+        let mut router = RewardRouter::new(
+            vec![("rewards".into(), client())],
+            SharedModels::default(),
+            &cfg,
+        )
+        .unwrap();
         let texts = vec!["x".to_string()];
         let sources = vec!["b".to_string()];
         let gt = vec![serde_json::Value::Null];
@@ -530,7 +539,12 @@ mod tests {
     #[test]
     fn the_reward_model_reads_the_response_in_its_own_template_cut_to_max_length() {
         // The reward model: another vocabulary, a Llama-3 style template with a BOS.
-        let specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"];
+        let specials = [
+            "<|begin_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+        ];
         let rm_dir = tokenizer_dir(
             &specials,
             serde_json::json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
@@ -538,7 +552,12 @@ mod tests {
         );
         let policy = policy_tokenizer();
         let enc = |t: &str| -> Vec<i64> {
-            policy.encode(t, false).unwrap().iter().map(|&x| x as i64).collect()
+            policy
+                .encode(t, false)
+                .unwrap()
+                .iter()
+                .map(|&x| x as i64)
+                .collect()
         };
         let special = |t: &str| policy.token_to_id(t).unwrap() as i64;
         // Row 0: a response with a special token mid-way (kept, as verl decodes) and the EOS
@@ -555,12 +574,24 @@ mod tests {
         mask[..r0.len()].fill(1);
         data[width..width + r1.len()].copy_from_slice(&r1);
         mask[width..width + r1.len()].fill(1);
-        let responses = Tensor { shape: vec![2, width], data };
-        let response_mask = Tensor { shape: vec![2, width], data: mask };
+        let responses = Tensor {
+            shape: vec![2, width],
+            data,
+        };
+        let response_mask = Tensor {
+            shape: vec![2, width],
+            data: mask,
+        };
         let prompt_ids: Vec<i64> = enc("What is 2 + 2?");
         let pw = prompt_ids.len();
-        let prompts = Tensor { shape: vec![2, pw], data: [prompt_ids.clone(), prompt_ids.clone()].concat() };
-        let prompt_mask = Tensor { shape: vec![2, pw], data: vec![1; 2 * pw] };
+        let prompts = Tensor {
+            shape: vec![2, pw],
+            data: [prompt_ids.clone(), prompt_ids.clone()].concat(),
+        };
+        let prompt_mask = Tensor {
+            shape: vec![2, pw],
+            data: vec![1; 2 * pw],
+        };
         let chat = [Message::new("user", "What is 2 + 2?")];
         let raw: [&[Message]; 2] = [&chat, &chat];
         let texts = vec![String::new(); 2];
@@ -581,7 +612,12 @@ mod tests {
         };
         let rm_tok = Tokenizer::from_dir(rm_dir.path()).unwrap();
         let rm_ids = |t: &str| -> Vec<i64> {
-            rm_tok.encode(t, false).unwrap().iter().map(|&x| x as i64).collect()
+            rm_tok
+                .encode(t, false)
+                .unwrap()
+                .iter()
+                .map(|&x| x as i64)
+                .collect()
         };
         let run = |overrides: &[&str]| -> (Vec<Vec<i64>>, RewardOutput) {
             let seen = Arc::new(Mutex::new(Vec::new()));
@@ -613,14 +649,27 @@ mod tests {
         assert_eq!(seen[1], rm_ids(&turn("4")));
         // The score sits on the last response token.
         assert_eq!(out.scores[1], seen[1].len() as f64);
-        assert_eq!(out.token_level_scores[width + r1.len() - 1], seen[1].len() as f64);
+        assert_eq!(
+            out.token_level_scores[width + r1.len() - 1],
+            seen[1].len() as f64
+        );
 
         // Without reward_model.max_length: the policy's prompt + response width (verl).
         let (seen, _) = run(&["reward_model.enable=true", "reward_model.model.path=/rm"]);
-        assert_eq!(seen[0], rm_ids(&turn("The answer is 4<|im_start|> ok"))[..pw + width].to_vec());
+        assert_eq!(
+            seen[0],
+            rm_ids(&turn("The answer is 4<|im_start|> ok"))[..pw + width].to_vec()
+        );
         // Cut from the right to reward_model.max_length.
-        let (seen, _) = run(&["reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.max_length=9"]);
-        assert_eq!(seen[0], rm_ids(&turn("The answer is 4<|im_start|> ok"))[..9].to_vec());
+        let (seen, _) = run(&[
+            "reward_model.enable=true",
+            "reward_model.model.path=/rm",
+            "reward_model.max_length=9",
+        ]);
+        assert_eq!(
+            seen[0],
+            rm_ids(&turn("The answer is 4<|im_start|> ok"))[..9].to_vec()
+        );
 
         // input_tokenizer null: the policy's own prompt + response tokens, as they are.
         let (seen, _) = run(&[

@@ -133,9 +133,8 @@ pub fn lent_models(
             let fsdp = &mut judge_cfg["actor_rollout_ref"]["ref"]["fsdp_config"];
             fsdp["param_offload"] = serde_json::json!(rollout_bool(cfg, "free_cache_engine", true));
             // The reward model's dtype is the judge's compute dtype.
-            fsdp["dtype"] = serde_json::json!(
-                rollout_str(cfg, "dtype").unwrap_or_else(|| "bfloat16".into())
-            );
+            fsdp["dtype"] =
+                serde_json::json!(rollout_str(cfg, "dtype").unwrap_or_else(|| "bfloat16".into()));
             if let Some(o) = fsdp.as_object_mut() {
                 o.remove("mixed_precision");
             }

@@ -32,14 +32,13 @@ pub mod train;
 pub mod validate;
 
 use verl_plugin_api::{
-    Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Reward,
-    Role,
+    Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Reward, Role,
 };
 
 pub use actor::FsdpActor;
 pub use critic::FsdpCritic;
-pub use reward_model::FsdpRewardModel;
 pub use error::FsdpError;
+pub use reward_model::FsdpRewardModel;
 
 pub struct FsdpPlugin;
 

@@ -189,13 +189,8 @@ impl FsdpRewardModel {
                 .and_then(|t| t.f_view([1, -1]))
                 .ctx(what)
         };
-        let attention = verl_nn::AttentionRows::from_host(
-            &gather,
-            &scatter,
-            n_rows,
-            len,
-            self.device,
-        )?;
+        let attention =
+            verl_nn::AttentionRows::from_host(&gather, &scatter, n_rows, len, self.device)?;
         let (ids, pos, last) = (
             up(&stream, "reward model tokens")?,
             up(&pos, "reward model positions")?,
@@ -215,7 +210,7 @@ impl FsdpRewardModel {
             .and_then(|s| s.f_to_kind(Kind::Float))
             .and_then(|s| s.f_to_device(Device::Cpu))
             .ctx("reward model scores to the host")?;
-        Ok(Vec::<f32>::try_from(&v).ctx("reward model scores")?)
+        Vec::<f32>::try_from(&v).ctx("reward model scores")
     }
 
     fn do_score(&mut self, batch: &Batch) -> Result<Vec<f32>> {
@@ -370,9 +365,12 @@ mod tests {
         let whole = role(dir.path(), serde_json::json!({}))
             .score(&batch(), &opts)
             .unwrap();
-        let one = role(dir.path(), serde_json::json!({"micro_batch_size_per_gpu": 1}))
-            .score(&batch(), &opts)
-            .unwrap();
+        let one = role(
+            dir.path(),
+            serde_json::json!({"micro_batch_size_per_gpu": 1}),
+        )
+        .score(&batch(), &opts)
+        .unwrap();
         let dynamic = role(
             dir.path(),
             serde_json::json!({"use_dynamic_bsz": true, "max_token_len_per_gpu": 4}),

@@ -32,8 +32,7 @@ pub mod train;
 pub mod validate;
 
 use verl_plugin_api::{
-    Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Reward,
-    Role,
+    Actor, BackendPlugin, BuildInfo, Capability, Critic, InitArgs, PluginInfo, Result, Reward, Role,
 };
 
 pub use actor::MegatronActor;

@@ -769,9 +769,17 @@ mod tests {
             "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192});
         let c = ModelConfig::from_value(v.clone(), "inline/config.json").unwrap();
-        assert!(matches!(c.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0));
-        v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0});
-        let e = ModelConfig::from_value(v, "inline/config.json").unwrap_err().to_string();
-        assert!(e.contains("rope_parameters.rope_type") && e.contains("yarn"), "{e}");
+        assert!(
+            matches!(c.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0)
+        );
+        v["rope_parameters"] =
+            serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0});
+        let e = ModelConfig::from_value(v, "inline/config.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rope_parameters.rope_type") && e.contains("yarn"),
+            "{e}"
+        );
     }
 }

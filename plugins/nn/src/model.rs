@@ -41,7 +41,12 @@ impl HeadKind {
     /// The head a reward model's `architectures` entry names: `*ForSequenceClassification` or
     /// `*ForRewardModel`; `None` for any other class (a causal LM has no reward head).
     pub fn of_reward_model(config: &ModelConfig) -> Option<HeadKind> {
-        let class = config.raw.get("architectures")?.as_array()?.first()?.as_str()?;
+        let class = config
+            .raw
+            .get("architectures")?
+            .as_array()?
+            .first()?
+            .as_str()?;
         if class.ends_with("ForSequenceClassification") {
             Some(HeadKind::SequenceClassification)
         } else if class.ends_with("ForRewardModel") {

@@ -96,8 +96,10 @@ const RM_POOL_INSTEAD: &str = "leave reward.reward_model.enable_resource_pool=fa
 const RM_ENGINE: &str = "a vLLM/SGLang server setting of verl's reward-model replicas; verl-rs runs the reward model as a backend role (one copy per rank, micro-batched by reward_model.micro_batch_size_per_gpu / forward_max_token_len_per_gpu)";
 const RM_TESTS: &[&str] = &["tests/tests/reward_model.rs::grpo_trains_against_a_reward_model_with_another_tokenizer_beside_a_rule_reward", "tests/tests/reward_model.rs::a_pure_rust_genrm_plugin_judges_with_the_hosts_generation_model"];
 const RM_SWITCH: &str = "host/src/trainer/reward.rs::tests::the_reward_model_reads_the_response_in_its_own_template_cut_to_max_length";
-const RM_MICRO: &str = "plugins/fsdp-core/src/reward_model.rs::tests::micro_batching_leaves_the_scores_as_they_are";
-const RM_SPEC: &str = "host/src/trainer/reward_model.rs::tests::the_backend_spec_follows_verls_keys";
+const RM_MICRO: &str =
+    "plugins/fsdp-core/src/reward_model.rs::tests::micro_batching_leaves_the_scores_as_they_are";
+const RM_SPEC: &str =
+    "host/src/trainer/reward_model.rs::tests::the_backend_spec_follows_verls_keys";
 const CUSTOM_FN: &str = "a Python reward function";
 const CUSTOM_FN_INSTEAD: &str = "write the reward as a reward plugin (see `verl plugin inspect rewards`) and route data sources to it with plugins.reward.routes; Python reward functions are not implemented yet";
 const LORA: &str = "LoRA adapters";

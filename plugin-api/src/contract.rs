@@ -290,7 +290,8 @@ pub struct RewardModelSpec {
     /// Rows per forward (`None`: all rows at once) unless `use_dynamic_bsz`.
     #[serde(default)]
     pub micro_batch_size_per_gpu: Option<u64>,
-    /// Micro-batches by token budget: rows × padded length ≤ `max_token_len_per_gpu`.
+    /// Micro-batches by token budget: at most `max_token_len_per_gpu` real tokens each (a
+    /// longer row alone).
     #[serde(default)]
     pub use_dynamic_bsz: bool,
     #[serde(default = "token_budget")]

@@ -103,11 +103,15 @@ fn doctor_reports_libtorch_and_plugins() {
         "{out}"
     );
     assert!(
-        out.contains("✓ plugin    fsdp 0.1.0 (backend plugin: actor, reference, critic)"),
+        out.contains(
+            "✓ plugin    fsdp 0.1.0 (backend plugin: actor, reference, critic, reward_model)"
+        ),
         "{out}"
     );
     assert!(
-        out.contains("✓ plugin    megatron 0.1.0 (backend plugin: actor, reference, critic)"),
+        out.contains(
+            "✓ plugin    megatron 0.1.0 (backend plugin: actor, reference, critic, reward_model)"
+        ),
         "{out}"
     );
     assert!(out.contains("CUDA"), "{out}");

@@ -379,6 +379,42 @@ trainer:
             .collect::<Vec<_>>()
     );
 
+    // Two CPU ranks: each holds its own copy of the reward model and scores its own rows; the
+    // step's rows come out as one rank scored them.
+    let dump2 = root.join("rollouts-2ranks");
+    let o = std::process::Command::new(inst.path().join("verl"))
+        .args([
+            "run",
+            job.to_str().unwrap(),
+            "trainer.n_gpus_per_node=2",
+            "trainer.total_training_steps=1",
+            &format!("trainer.rollout_data_dir={}", dump2.display()),
+            &format!("trainer.default_local_dir={}", root.join("ckpt2").display()),
+        ])
+        .current_dir(root)
+        .env_remove("VERL_PLUGIN_PATH")
+        .env("VERL_FILE_LOGGER_ROOT", root.join("logs2"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "2 ranks: {}{}", stdout(&o), stderr(&o));
+    let rows2: Vec<Value> = std::fs::read_to_string(dump2.join("1.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows2.len(), rows.len());
+    // `trainer.balance_batch` orders rows by rank; the rows themselves are the same.
+    let sorted = |r: &[Value]| {
+        let mut v = r.to_vec();
+        v.sort_by_key(|x| format!("{}{}", x["input"], x["output"]));
+        v
+    };
+    for (a, b) in sorted(&rows).iter().zip(&sorted(&rows2)) {
+        assert_eq!(a["output"], b["output"]);
+        let (x, y) = (a["score"].as_f64().unwrap(), b["score"].as_f64().unwrap());
+        assert!((x - y).abs() < 1e-5, "1 rank {x}, 2 ranks {y}: {a}");
+    }
+
     // critic/score/* are those scores.
     let metrics = std::fs::read_to_string(find_jsonl(&root.join("logs"))).unwrap();
     let step1: Value = metrics

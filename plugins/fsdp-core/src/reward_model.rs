@@ -131,17 +131,17 @@ impl FsdpRewardModel {
         let mut out = Vec::new();
         let mut start = 0;
         if self.spec.use_dynamic_bsz {
+            // Real tokens per micro-batch, as verl counts them (the forward packs rows without
+            // padding); a row longer than the budget goes alone.
             let budget = self.spec.max_token_len_per_gpu.max(1) as i64;
-            let mut longest = 0;
+            let mut tokens = 0;
             for (i, &l) in lens.iter().enumerate() {
-                let l2 = longest.max(l);
-                if i > start && l2 * (i + 1 - start) as i64 > budget {
+                if i > start && tokens + l > budget {
                     out.push(start..i);
                     start = i;
-                    longest = l;
-                } else {
-                    longest = l2;
+                    tokens = 0;
                 }
+                tokens += l;
             }
         } else {
             let rows = self
@@ -376,6 +376,10 @@ mod tests {
             serde_json::json!({"use_dynamic_bsz": true, "max_token_len_per_gpu": 4}),
         );
         assert_eq!(dynamic.micro_batches(&[4, 2, 1]), vec![0..1, 1..3]);
+        assert_eq!(
+            dynamic.micro_batches(&[2, 3, 6, 1]),
+            vec![0..1, 1..2, 2..3, 3..4]
+        );
         let mut dynamic = dynamic;
         let dynamic = dynamic.score(&batch(), &opts).unwrap();
         let w = whole.tensor::<f32>(col::SCORES).unwrap().data;

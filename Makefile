@@ -9,10 +9,13 @@ CARGO_TEST ?= cargo test --workspace --no-fail-fast -- --test-threads=1
 # A fresh machine builds everything once: incremental caches would only add gigabytes of disk.
 export CARGO_INCREMENTAL ?= 0
 
-.PHONY: setup build build-debug run test fmt clippy
+.PHONY: setup setup-tests build build-debug run test fmt clippy
 
 setup:
 	@bash scripts/setup.sh
+
+setup-tests:
+	@bash scripts/setup.sh --tests
 
 build: setup
 	@$(ENV) cargo build --release
@@ -23,7 +26,7 @@ build-debug: setup
 run: build
 	@bash scripts/quickstart.sh
 
-test: build-debug
+test: setup-tests build-debug
 	@$(ENV) $(CARGO_TEST)
 
 fmt:

@@ -58,3 +58,15 @@ fi
 if [ ! -d "$root/target" ]; then
   need_space "$root" 6 "the first cargo build (target/)"
 fi
+# `setup.sh --tests` (make test): headless Chromium from the distribution, which renders `verl ab`'s
+# report in its end-to-end test.
+if [ "${1:-}" = "--tests" ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  echo "[setup] installing chromium (headless browser for the report test; one time, ~1 min)"
+  if ! { $sudo apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+      || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends chromium >/dev/null; }; }; then
+    echo "[setup] error: could not install chromium with apt-get (the report test needs it)" >&2
+    exit 1
+  fi
+fi

@@ -2,6 +2,7 @@
 //! environment doctor, and the command implementations. It must never link libtorch: tensors
 //! live in plugins, the host sees token ids, masks and per-token floats in `Batch`es.
 
+pub mod ab;
 pub mod checks;
 pub mod dist;
 pub mod doctor;

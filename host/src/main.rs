@@ -82,6 +82,32 @@ enum Command {
     /// Benchmarks: `verl bench grpo --arch qwen2.5-0.5b --ignore-eos --json`.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCmd),
+    /// The same job on two backends or with two settings, one after the other, compared in
+    /// `DIR/report.html`: `verl ab JOB.yaml --a fsdp --b megatron --steps 3`.
+    Ab(AbArgs),
+}
+
+#[derive(clap::Args)]
+struct AbArgs {
+    /// A job file and/or overrides common to both arms (as `verl run` takes them).
+    #[arg(value_name = "[JOB.yaml] [KEY=VALUE]")]
+    args: Vec<String>,
+    /// Arm a: `fsdp`, `megatron`, a backend plugin (path or name) and/or overrides, space-separated.
+    #[arg(long)]
+    a: String,
+    /// Arm b, as --a.
+    #[arg(long)]
+    b: String,
+    /// Training steps of each arm.
+    #[arg(long, default_value_t = 3)]
+    steps: u64,
+    /// Where the arms run and the report goes.
+    #[arg(long, default_value = "runs/ab")]
+    out: PathBuf,
+    /// Relative tolerance of the verdicts (default: 1e-5 when both arms compute in fp32, 5e-2
+    /// otherwise).
+    #[arg(long)]
+    rtol: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -513,6 +539,7 @@ fn dispatch(cli: &Cli) -> anyhow::Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
+        Command::Ab(a) => ab(cli, a),
         Command::Bench(bench_cmd::BenchCmd::Grpo(a)) => {
             bench_cmd::run(&cli.plugins, a)?;
             Ok(ExitCode::SUCCESS)
@@ -661,7 +688,9 @@ fn load_job_plugins(loader: &mut Loader, cli: &Cli, cfg: &Config) -> anyhow::Res
             PluginKind::Backend => {
                 if let Some(b) = &backend {
                     bail!(
-                        "two backend plugins given ({} and {}); `verl run` uses one backend (compare backends with `verl ab`)",
+                        "two backend plugins given ({} and {}); `verl run` uses one backend (compare two with `verl ab JOB --a {} --b {}`)",
+                        b.path.display(),
+                        p.path.display(),
                         b.path.display(),
                         p.path.display()
                     );
@@ -1153,6 +1182,51 @@ fn watch_for_failures(client: &verl_store::StoreClient, rank: usize, world: usiz
                 Err(_) => return,
             }
         });
+}
+
+fn ab(cli: &Cli, args: &AbArgs) -> anyhow::Result<ExitCode> {
+    use verl_host::ab::{self, compare, report::Report, ArmSpec};
+    let run_args = RunArgs {
+        args: args.args.clone(),
+        config_name: None,
+        config_path: None,
+        dry_run: false,
+    };
+    let (job, common) = run_args.job()?;
+    let req = ab::AbRequest {
+        job: job.clone(),
+        common,
+        a: ArmSpec::parse(&args.a).context("--a")?,
+        b: ArmSpec::parse(&args.b).context("--b")?,
+        steps: args.steps.max(1),
+        out: args.out.clone(),
+        rtol: args.rtol,
+        verl: std::env::current_exe().context("locating the verl binary")?,
+        plugins: cli.plugins.clone(),
+    };
+    let (a, b, ca, cb) = req.run_arms()?;
+    let rtol = req.tolerance(&ca, &cb);
+    let report = Report {
+        a: &a,
+        b: &b,
+        job: job
+            .map(|j| j.display().to_string())
+            .unwrap_or_else(|| "verl's defaults".into()),
+        steps: req.steps,
+        rtol,
+        machine: ab::machine(),
+        diffs: compare::compare(&a.metrics, &b.metrics, rtol),
+        timings: compare::phases(&a.metrics, &b.metrics, compare::Kind::Timing),
+        perf: compare::phases(&a.metrics, &b.metrics, compare::Kind::Perf),
+    };
+    let html = args.out.join("report.html");
+    std::fs::write(&html, report.html()).with_context(|| format!("writing {}", html.display()))?;
+    let json = args.out.join("summary.json");
+    std::fs::write(&json, serde_json::to_string_pretty(&report.summary_json())?)
+        .with_context(|| format!("writing {}", json.display()))?;
+    print!("{}", report.console());
+    println!("\nreport: {}\nsummary: {}", html.display(), json.display());
+    Ok(ExitCode::SUCCESS)
 }
 
 fn reward_score_model(

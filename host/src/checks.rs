@@ -127,6 +127,25 @@ pub fn check_reward_model(cfg: &Config) -> anyhow::Result<String> {
     }
 }
 
+/// verl's `custom_reward_function`: the file imports in the job's Python and has the function
+/// (one worker started and stopped). `None` when the job gives none.
+pub fn check_python_reward(cfg: &Config) -> anyhow::Result<Option<String>> {
+    let mut one = cfg.clone();
+    one.reward.num_workers = 1;
+    let Some(_worker) = crate::trainer::reward::python_reward(&one)? else {
+        return Ok(None);
+    };
+    let f = &cfg.reward.custom_reward_function;
+    Ok(Some(format!(
+        "{}::{} imports ({} worker(s), timeout {} s, on_error {})",
+        f.path.as_deref().unwrap_or(""),
+        f.name,
+        cfg.reward.num_workers,
+        cfg.plugins.reward.timeout_s,
+        cfg.plugins.reward.on_error
+    )))
+}
+
 /// The policy's model folder and the folder of its prompt tokenizer.
 pub fn check_policy_model(cfg: &Config) -> anyhow::Result<String> {
     let tok = crate::trainer::tokenizer_dir(cfg);

@@ -722,8 +722,12 @@ fn load_job_plugins(loader: &mut Loader, cli: &Cli, cfg: &Config) -> anyhow::Res
         if rewards.iter().any(|(n, _)| *n == name) {
             continue;
         }
-        // The job's reward model is routed to by name; it is not a plugin to load.
-        if cfg.reward.reward_model.enable && name == verl_host::trainer::REWARD_MODEL {
+        // The job's reward model and Python reward function are routed to by name; they are not
+        // plugins to load.
+        if (cfg.reward.reward_model.enable && name == verl_host::trainer::REWARD_MODEL)
+            || (cfg.reward.custom_reward_function.path.is_some()
+                && name == verl_host::trainer::CUSTOM_REWARD_FUNCTION)
+        {
             continue;
         }
         let p = loader
@@ -975,6 +979,9 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
             if cfg.reward.reward_model.enable {
                 let line = verl_host::checks::check_reward_model(&cfg)?;
                 outln!("reward model  {line} ✓");
+            }
+            if let Some(line) = verl_host::checks::check_python_reward(&cfg)? {
+                outln!("reward fn     {line} ✓");
             }
             let t = &cfg.trainer;
             let loggers = verl_metrics::LoggerOptions::from_verl(

@@ -85,13 +85,19 @@ fn a_reward_model_is_checked_by_the_dry_run_and_a_separate_pool_is_refused() {
 }
 
 #[test]
-fn a_python_reward_function_is_refused_by_name() {
+fn a_missing_python_reward_file_is_named_by_the_dry_run() {
+    let o = dry_run(&["custom_reward_function.path=/nonexistent/my_reward.py"]);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("custom_reward_function.path=/nonexistent/my_reward.py")
+            && err.contains("no such file"),
+        "{err}"
+    );
+    // A custom Python reward *manager* is still refused.
     refused(
-        &["custom_reward_function.path=/nonexistent/my_reward.py"],
-        &[
-            "custom_reward_function.path=/nonexistent/my_reward.py",
-            "Python reward function",
-        ],
+        &["reward.reward_manager.module.path=/nonexistent/manager.py"],
+        &["reward.reward_manager.module.path", "custom Python reward manager"],
     );
 }
 

@@ -540,10 +540,30 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         None
     };
     let models = super::reward_model::lent_models(cfg, backend.as_ref(), &config_json, &init)?;
+    // With a Python reward function, custom_reward_function.reward_kwargs are its arguments
+    // (verl passes them to it alone), not the rule rewards'.
+    let reward_init = || {
+        let mut a = init(Role::Reward);
+        if cfg.reward.custom_reward_function.path.is_some() {
+            for path in [
+                &["custom_reward_function"][..],
+                &["reward", "custom_reward_function"],
+            ] {
+                let mut v = &mut a.config;
+                for k in path {
+                    v = &mut v[*k];
+                }
+                if v.is_object() {
+                    v["reward_kwargs"] = serde_json::json!({});
+                }
+            }
+        }
+        a
+    };
     let mut reward_clients = Vec::new();
     for (name, f) in &plugins.rewards {
         let client = f
-            .create_reward(&init(Role::Reward), &models)
+            .create_reward(&reward_init(), &models)
             .with_context(|| format!("creating reward plugin `{name}` ({})", f.name()))?;
         reward_clients.push((name.clone(), client));
     }
@@ -753,6 +773,7 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
         let t0 = Instant::now();
         let rollout = score_rollout(cfg, &mut roles, &enc, &samples, &batch)?;
         timings.add("reward", t0.elapsed().as_secs_f64());
+        metrics.extend(combine_rank_metrics(group, rollout.reward.metrics.clone())?);
         let rows = rollout.responses.rows();
         let width = rollout.responses.cols();
         let mask = mask_grid(&rollout.response_mask)?;

@@ -13,7 +13,7 @@ mod error;
 mod fit;
 mod plugins;
 mod prompts;
-mod reward;
+pub(crate) mod reward;
 pub mod reward_model;
 mod rollout_corr;
 
@@ -21,7 +21,7 @@ pub use error::TrainerError;
 pub use fit::{data_config, fit, FitOptions, FitSummary};
 pub use plugins::{BackendFactory, InProcessBackend, InProcessReward, JobPlugins, RewardFactory};
 pub use prompts::tokenizer_dir;
-pub use reward::REWARD_MODEL;
+pub use reward::{CUSTOM_REWARD_FUNCTION, REWARD_MODEL};
 pub use rollout_corr::rollout_correction;
 
 /// The reward plugin names the job routes to: `plugins.reward.default`, then each distinct

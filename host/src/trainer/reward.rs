@@ -13,9 +13,12 @@ use verl_plugin_api::{col, Batch, ModelKind, ScoreOptions, Tensor};
 
 use super::error::TrainerError;
 use crate::models::SharedModels;
+use crate::python_reward::{self, PythonReward, RowResult};
 
 /// The name the job's reward model is routed and lent under.
 pub const REWARD_MODEL: &str = "reward_model";
+/// The name verl's `custom_reward_function` (the user's Python file) is routed under.
+pub const CUSTOM_REWARD_FUNCTION: &str = "custom_reward_function";
 
 /// One rollout's reward inputs, row-aligned.
 pub(crate) struct RewardInput<'a> {
@@ -51,6 +54,8 @@ pub(crate) struct RewardOutput {
     pub token_level_scores: Vec<f64>,
     /// `reward_extra/<name>` columns without the prefix; NaN for rows whose plugin lacks one.
     pub extra: BTreeMap<String, Vec<f64>>,
+    /// Step metrics of the reward phase (`reward/error_ratio` with `on_error: zero`).
+    pub metrics: Vec<(String, f64)>,
 }
 
 pub(crate) struct RewardRouter {
@@ -62,6 +67,10 @@ pub(crate) struct RewardRouter {
     rm_input: RmInput,
     /// `reward_model.max_length`.
     rm_max_length: Option<usize>,
+    /// verl's `custom_reward_function`, when the job gives one.
+    python: Option<PythonReward>,
+    /// `plugins.reward.on_error` is `zero`: failed rows score 0 and are counted.
+    count_errors: bool,
     options: ScoreOptions,
 }
 
@@ -70,6 +79,41 @@ pub(crate) struct RewardRouter {
 enum Target {
     Plugin(usize),
     Model(String),
+    Python,
+}
+
+/// verl's `custom_reward_function.{path, name, reward_kwargs}` as Python workers.
+pub(crate) fn python_reward(cfg: &Config) -> anyhow::Result<Option<PythonReward>> {
+    let f = &cfg.reward.custom_reward_function;
+    let Some(path) = f.path.as_deref() else {
+        return Ok(None);
+    };
+    let r = &cfg.plugins.reward;
+    let python = r
+        .python
+        .clone()
+        .or_else(|| std::env::var("VERL_PYTHON").ok())
+        .unwrap_or_else(|| "python3".into());
+    let kwargs = serde_json::to_value(&f.reward_kwargs)
+        .context("custom_reward_function.reward_kwargs is not JSON")?;
+    let limits = python_reward::Limits {
+        timeout: std::time::Duration::from_secs_f64(r.timeout_s.max(0.001)),
+        memory_mb: r.memory_mb,
+        cpu_s: r.cpu_s,
+        on_error: if r.on_error == "zero" {
+            python_reward::OnError::Zero
+        } else {
+            python_reward::OnError::Fail
+        },
+    };
+    Ok(Some(PythonReward::start(
+        python.into(),
+        &crate::paths::expand_home(path),
+        &f.name,
+        kwargs,
+        cfg.reward.num_workers.max(1) as usize,
+        limits,
+    )?))
 }
 
 impl RewardRouter {
@@ -78,12 +122,28 @@ impl RewardRouter {
         models: SharedModels,
         cfg: &Config,
     ) -> anyhow::Result<Self> {
-        let kwargs = serde_json::to_value(&cfg.custom_reward_function.reward_kwargs)
-            .context("custom_reward_function.reward_kwargs is not JSON")?;
-        let rm_default = cfg.reward.reward_model.enable
+        let python = python_reward(cfg)?;
+        // The kwargs belong to the Python function when there is one (verl), else to the rules.
+        let kwargs = if python.is_some() {
+            serde_json::json!({})
+        } else {
+            serde_json::to_value(&cfg.custom_reward_function.reward_kwargs)
+                .context("custom_reward_function.reward_kwargs is not JSON")?
+        };
+        let rm_default = python.is_none()
+            && cfg.reward.reward_model.enable
             && cfg.plugins.reward.default == "rewards"
             && models.kind_of(REWARD_MODEL) == Some(ModelKind::Score);
-        if cfg.reward.reward_model.enable
+        if python.is_some() && cfg.plugins.reward.default != "rewards" {
+            anyhow::bail!(
+                "custom_reward_function.path scores every data source without a route, and \
+                 plugins.reward.default={} asks for another default: route data sources with \
+                 plugins.reward.routes instead (`{CUSTOM_REWARD_FUNCTION}` names the Python function there)",
+                cfg.plugins.reward.default
+            );
+        }
+        if python.is_none()
+            && cfg.reward.reward_model.enable
             && cfg.plugins.reward.default == "rewards"
             && models.kind_of(REWARD_MODEL) == Some(ModelKind::Generate)
         {
@@ -99,6 +159,8 @@ impl RewardRouter {
                 RmInput::PolicyTokens
             },
             rm_max_length: cfg.reward_model.max_length.map(|m| m as usize),
+            count_errors: cfg.plugins.reward.on_error == "zero",
+            python,
             options: ScoreOptions { kwargs },
         })
     }
@@ -106,6 +168,7 @@ impl RewardRouter {
     fn target_name<'c>(&self, cfg: &'c Config, data_source: &str) -> &'c str {
         match cfg.plugins.reward.routes.get(data_source) {
             Some(t) => t,
+            None if self.python.is_some() => CUSTOM_REWARD_FUNCTION,
             None if self.rm_default => REWARD_MODEL,
             None => &cfg.plugins.reward.default,
         }
@@ -114,6 +177,9 @@ impl RewardRouter {
     fn target(&self, name: &str, data_source: &str) -> anyhow::Result<Target> {
         if let Some(i) = self.clients.iter().position(|(n, _)| n == name) {
             return Ok(Target::Plugin(i));
+        }
+        if name == CUSTOM_REWARD_FUNCTION && self.python.is_some() {
+            return Ok(Target::Python);
         }
         if self.models.kind_of(name) == Some(ModelKind::Score) {
             return Ok(Target::Model(name.to_string()));
@@ -160,10 +226,16 @@ impl RewardRouter {
             scores: vec![0.0; rows],
             token_level_scores: vec![0.0; rows * width],
             extra: BTreeMap::new(),
+            metrics: Vec::new(),
         };
+        let mut failed = 0usize;
         for (target, idx) in routes {
             let client = match target {
                 Target::Plugin(i) => i,
+                Target::Python => {
+                    failed += self.score_with_python(input, &idx, &mut out)?;
+                    continue;
+                }
                 Target::Model(name) => {
                     let scores = self.score_with_model(&name, input, &idx)?;
                     for (&r, &s) in idx.iter().zip(&scores) {
@@ -249,6 +321,12 @@ impl RewardRouter {
                 }
             }
         }
+        if self.count_errors {
+            out.metrics.push((
+                "reward/error_ratio".into(),
+                failed as f64 / rows.max(1) as f64,
+            ));
+        }
         Ok(out)
     }
 }
@@ -328,6 +406,61 @@ impl RewardRouter {
             .into());
         }
         Ok(scores)
+    }
+}
+
+impl RewardRouter {
+    /// Rows `idx` through the user's Python function; returns how many failed (scored 0, with
+    /// `on_error: zero`).
+    fn score_with_python(
+        &mut self,
+        input: &RewardInput<'_>,
+        idx: &[usize],
+        out: &mut RewardOutput,
+    ) -> anyhow::Result<usize> {
+        let py = self
+            .python
+            .as_mut()
+            .expect("a python target has a python reward");
+        let rows: Vec<python_reward::Row> = idx
+            .iter()
+            .map(|&r| python_reward::Row {
+                data_source: input.data_source[r].clone(),
+                solution_str: input.response_text[r].clone(),
+                ground_truth: input.ground_truth[r].clone(),
+                extra_info: input.extra_info[r].clone(),
+            })
+            .collect();
+        let results = py.score(&rows)?;
+        let width = input.responses.cols();
+        let n_rows = input.data_source.len();
+        let mut failed = 0;
+        for (&r, res) in idx.iter().zip(results) {
+            let (score, extra) = match res {
+                RowResult::Scored { score, extra } => (score, extra),
+                RowResult::Failed(_) => {
+                    failed += 1;
+                    (0.0, Vec::new())
+                }
+            };
+            if !score.is_finite() {
+                return Err(TrainerError::RewardNotFinite {
+                    plugin: CUSTOM_REWARD_FUNCTION.into(),
+                    row: r,
+                    data_source: input.data_source[r].clone(),
+                    value: score as f32,
+                }
+                .into());
+            }
+            out.scores[r] = score;
+            if let Some(last) = input.response_mask.row(r).iter().rposition(|&m| m != 0) {
+                out.token_level_scores[r * width + last] = score;
+            }
+            for (k, v) in extra {
+                out.extra.entry(k).or_insert_with(|| vec![f64::NAN; n_rows])[r] = v;
+            }
+        }
+        Ok(failed)
     }
 }
 

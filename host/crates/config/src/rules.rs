@@ -100,8 +100,10 @@ const RM_MICRO: &str =
     "plugins/fsdp-core/src/reward_model.rs::tests::micro_batching_leaves_the_scores_as_they_are";
 const RM_SPEC: &str =
     "host/src/trainer/reward_model.rs::tests::the_backend_spec_follows_verls_keys";
-const CUSTOM_FN: &str = "a Python reward function";
-const CUSTOM_FN_INSTEAD: &str = "write the reward as a reward plugin (see `verl plugin inspect rewards`) and route data sources to it with plugins.reward.routes; Python reward functions are not implemented yet";
+const CUSTOM_FN_INSTEAD: &str = "give the reward as a function (custom_reward_function.path / name, verl's naive manager calls it) or write a reward plugin";
+const PY_TESTS: &[&str] =
+    &["tests/tests/python_reward.rs::a_grpo_job_scores_with_the_users_python_file"];
+const PY_LIMITS: &[&str] = &["tests/tests/python_reward.rs::a_hanging_crashing_or_hungry_reward_ends_the_step_by_name_or_scores_zero"];
 const LORA: &str = "LoRA adapters";
 const LORA_INSTEAD: &str = "drop the LoRA keys to train all weights; LoRA is not implemented yet";
 const MULTI_TURN: &str = "multi-turn rollouts with tools or interactions";
@@ -467,14 +469,14 @@ pub static RULES: &[Rule] = &[
     Rule::refused("reward_model.ulysses_sequence_parallel_size", ULYSSES, ULYSSES_INSTEAD),
     Rule::harmless("reward_model.megatron.**", "Megatron parallelism of the reward model; verl-rs holds the whole reward model on each rank"),
     Rule::harmless("reward_model.profiler.**|reward_model.nccl_timeout|reward_model.load_weight|reward_model.use_reward_loop|reward_model.launch_reward_fn_async", "plumbing of verl's reward workers that verl-rs does not have"),
-    Rule::refused("reward.custom_reward_function.path", CUSTOM_FN, CUSTOM_FN_INSTEAD),
-    Rule::harmless("reward.custom_reward_function.name", "names the function in custom_reward_function.path, which is not set"),
-    Rule::acts("reward.custom_reward_function.reward_kwargs", "keyword arguments of the rule rewards (method, format_score, ...)", &["plugins/rewards/tests/golden_rewards.rs::reward_kwargs_reach_the_rule_rewards"]),
+    Rule::acts("reward.custom_reward_function.path", "the user's Python reward file, run unchanged in worker processes; it scores every data source without a plugins.reward.routes entry", PY_TESTS),
+    Rule::acts("reward.custom_reward_function.name", "the function in custom_reward_function.path (default compute_score)", PY_TESTS),
+    Rule::acts("reward.custom_reward_function.reward_kwargs", "keyword arguments of the Python reward function, or of the rule rewards (method, format_score, ...)", &["plugins/rewards/tests/golden_rewards.rs::reward_kwargs_reach_the_rule_rewards", "host/src/python_reward.rs::tests::a_users_file_scores_with_kwargs_dicts_and_async_functions"]),
     Rule::acts("reward.reward_manager.name", "verl's reward manager: naive", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_are_refused"]).checked(reward_manager),
     Rule::acts("reward.reward_manager.source", "register: verl's built-in managers", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_are_refused"]).checked(reward_manager_source),
     Rule::refused("reward.reward_manager.module.*", "a custom Python reward manager", CUSTOM_FN_INSTEAD),
     Rule::refused("reward.reward_kwargs", "reward-manager arguments (DAPO's overlong buffer)", "only the naive reward manager exists; rule-reward arguments go in custom_reward_function.reward_kwargs"),
-    Rule::harmless("reward.num_workers", "reward-loop worker processes; verl-rs scores in the host"),
+    Rule::acts("reward.num_workers", "Python reward worker processes (custom_reward_function); rule and plugin rewards score in the host", PY_TESTS),
     Rule::refused("reward.sandbox_fusion.url", "code execution in a Sandbox Fusion service", "leave it null"),
     Rule::harmless("reward.sandbox_fusion.*", "a Sandbox Fusion limit (the sandbox itself is refused)"),
     // ---- algorithm ----
@@ -548,6 +550,11 @@ pub static RULES: &[Rule] = &[
     Rule::acts("plugins.backend", "the backend plugin (null: from the strategy)", &["host/crates/config/tests/load.rs::megatron_job_maps_to_the_megatron_plugin"]),
     Rule::acts("plugins.reward.default", "the reward plugin of unrouted data sources", &["host/crates/config/tests/load.rs::ppo_job_with_plugin_routing"]),
     Rule::acts("plugins.reward.routes", "data_source -> reward plugin", &["host/src/trainer/reward.rs::tests::routes_by_data_source_and_puts_the_score_on_the_last_valid_token"]),
+    Rule::acts("plugins.reward.python", "the Python that runs custom_reward_function (null: $VERL_PYTHON, else python3)", PY_TESTS),
+    Rule::acts("plugins.reward.timeout_s", "seconds a Python reward call may take before its worker is killed", PY_LIMITS),
+    Rule::acts("plugins.reward.memory_mb", "address-space limit of each Python reward worker", PY_LIMITS),
+    Rule::acts("plugins.reward.cpu_s", "CPU-time limit of each Python reward worker", PY_LIMITS),
+    Rule::acts("plugins.reward.on_error", "fail: a failed reward ends the step; zero: its rows score 0, counted in reward/error_ratio", PY_LIMITS).checked(on_error),
 ];
 
 // ---- value checks ----
@@ -899,6 +906,13 @@ fn reward_manager(v: &Value, _: &Config) -> Verdict {
         other => Verdict::Refused(format!(
             "the `{other}` reward manager; verl-rs has naive (one score per response from the rule-reward plugins)"
         )),
+    }
+}
+
+fn on_error(v: &Value, _: &Config) -> Verdict {
+    match text(v).as_str() {
+        "fail" | "zero" => Verdict::Acts,
+        other => Verdict::Refused(format!("on_error `{other}`; use fail or zero")),
     }
 }
 

@@ -784,4 +784,15 @@ pub struct PluginsConfig {
 pub struct RewardRouting {
     pub default: String,
     pub routes: BTreeMap<String, String>,
+    /// The Python that runs `custom_reward_function` (null: `VERL_PYTHON`, else `python3`).
+    pub python: Option<String>,
+    /// Seconds a Python reward worker may take to answer one call.
+    pub timeout_s: f64,
+    /// Address-space limit of each Python reward worker, MB (null: none).
+    pub memory_mb: Option<u64>,
+    /// CPU-time limit of each Python reward worker, seconds (null: none).
+    pub cpu_s: Option<u64>,
+    /// `fail`: a failed reward ends the step with its error; `zero`: its rows score 0 and are
+    /// counted in `reward/error_ratio`.
+    pub on_error: String,
 }

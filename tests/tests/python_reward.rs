@@ -1,0 +1,215 @@
+//! verl's `custom_reward_function` through the real binary: a user's Python file, unchanged,
+//! scores a GRPO job; rewards that hang, crash or eat memory end the step with one error naming
+//! the function and the limit, or, with `plugins.reward.on_error=zero`, score 0 and are counted.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use verl_e2e::*;
+
+const USER_REWARD: &str = r#"
+# A reward function written for verl: keyword arguments, a dict with `score` and extras.
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    return {"score": (len(solution_str) % 7) / 7.0 + bonus, "chars": len(solution_str)}
+
+def sleeps(data_source, solution_str, ground_truth, extra_info=None):
+    import time
+    time.sleep(3600)
+
+def aborts(data_source, solution_str, ground_truth, extra_info=None):
+    import os
+    os.abort()
+
+def spins(data_source, solution_str, ground_truth, extra_info=None):
+    while True:
+        pass
+
+def hungry(data_source, solution_str, ground_truth, extra_info=None):
+    hoard = []
+    while True:
+        hoard.append(bytearray(10 ** 7))
+"#;
+
+fn job_args(dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = vec!["run".into()];
+    a.extend(tiny_inputs().overrides());
+    a.extend(
+        [
+            "trainer.device=cpu",
+            "trainer.n_gpus_per_node=1",
+            "trainer.logger=[console,file]",
+            "trainer.total_training_steps=1",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "algorithm.adv_estimator=grpo",
+            "data.train_batch_size=4",
+            "data.max_prompt_length=128",
+            "data.max_response_length=8",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "reward.num_workers=2",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    a.push(format!(
+        "trainer.default_local_dir={}",
+        dir.join("ckpt").display()
+    ));
+    a.push(format!(
+        "trainer.rollout_data_dir={}",
+        dir.join("rollouts").display()
+    ));
+    a.push(format!("plugins.reward.python={}", python().display()));
+    a.push(format!(
+        "custom_reward_function.path={}",
+        dir.join("my_reward.py").display()
+    ));
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+fn verl_run(dir: &Path, extra: &[&str]) -> std::process::Output {
+    let inst = install(&["libverl_fsdp.so", "libverl_rewards.so"]);
+    std::fs::write(dir.join("my_reward.py"), USER_REWARD).unwrap();
+    let args = job_args(dir, extra);
+    std::process::Command::new(inst.path().join("verl"))
+        .args(&args)
+        .current_dir(dir)
+        .env_remove("VERL_PLUGIN_PATH")
+        .env("VERL_FILE_LOGGER_ROOT", dir.join("logs"))
+        .output()
+        .unwrap()
+}
+
+fn metrics_file(dir: &Path) -> PathBuf {
+    let mut stack = vec![dir.join("logs")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "jsonl") {
+                return p;
+            }
+        }
+    }
+    panic!("no metrics under {}", dir.display());
+}
+
+#[test]
+fn a_grpo_job_scores_with_the_users_python_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // The dry run imports the file in the job's Python.
+    std::fs::write(dir.join("my_reward.py"), USER_REWARD).unwrap();
+    let o = run(
+        &install(&["libverl_fsdp.so", "libverl_rewards.so"])
+            .path()
+            .join("verl"),
+        &job_args(
+            dir,
+            &[
+                "+custom_reward_function.reward_kwargs.bonus=0.25",
+                "--dry-run",
+            ],
+        )
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>(),
+    );
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains("reward fn") && stdout(&o).contains("compute_score imports"),
+        "{}",
+        stdout(&o)
+    );
+
+    let o = verl_run(dir, &["+custom_reward_function.reward_kwargs.bonus=0.25"]);
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    // Every row's score is what the file computes from the response, with the kwarg; the
+    // dict's extra key comes along.
+    let rows: Vec<Value> = std::fs::read_to_string(dir.join("rollouts/1.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 8);
+    for r in &rows {
+        let out = r["output"].as_str().unwrap();
+        let n = out.chars().count();
+        let want = (n % 7) as f64 / 7.0 + 0.25;
+        assert!((r["score"].as_f64().unwrap() - want).abs() < 1e-9, "{r}");
+        assert_eq!(r["chars"].as_f64(), Some(n as f64), "{r}");
+    }
+    let m: Value = serde_json::from_str(
+        std::fs::read_to_string(metrics_file(dir))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    let mean = rows
+        .iter()
+        .map(|r| r["score"].as_f64().unwrap())
+        .sum::<f64>()
+        / 8.0;
+    assert!((m["data"]["critic/score/mean"].as_f64().unwrap() - mean).abs() < 1e-6);
+}
+
+#[test]
+fn a_hanging_crashing_or_hungry_reward_ends_the_step_by_name_or_scores_zero() {
+    let cases: [(&str, &[&str], &[&str]); 4] = [
+        (
+            "sleeps",
+            &["plugins.reward.timeout_s=2"],
+            &["`sleeps`", "timeout of 2 s", "plugins.reward.timeout_s"],
+        ),
+        ("aborts", &[], &["`aborts`", "crashed", "SIGABRT"]),
+        (
+            "hungry",
+            &["plugins.reward.memory_mb=400"],
+            &["`hungry`", "MemoryError", "memory limit of 400 MB"],
+        ),
+        (
+            "spins",
+            &["plugins.reward.cpu_s=1"],
+            &["`spins`", "SIGXCPU", "CPU-time limit of 1 s"],
+        ),
+    ];
+    for (name, limits, needles) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let fn_name = format!("custom_reward_function.name={name}");
+        let mut extra: Vec<&str> = vec![&fn_name];
+        extra.extend_from_slice(limits);
+        let o = verl_run(tmp.path(), &extra);
+        assert!(!o.status.success(), "{name}: the run should fail");
+        let err = stderr(&o);
+        for n in needles {
+            assert!(err.contains(n), "{name}: missing `{n}` in:\n{err}");
+        }
+        // With on_error=zero the step completes, those rows score 0 and are counted.
+        let tmp = tempfile::tempdir().unwrap();
+        extra.push("plugins.reward.on_error=zero");
+        let o = verl_run(tmp.path(), &extra);
+        assert!(o.status.success(), "{name} (on_error=zero): {}", stderr(&o));
+        let m: Value = serde_json::from_str(
+            std::fs::read_to_string(metrics_file(tmp.path()))
+                .unwrap()
+                .lines()
+                .next()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            m["data"]["reward/error_ratio"].as_f64(),
+            Some(1.0),
+            "{name}: {m}"
+        );
+        assert_eq!(m["data"]["critic/score/max"].as_f64(), Some(0.0), "{name}");
+    }
+}

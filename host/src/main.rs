@@ -983,6 +983,15 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
             if let Some(line) = verl_host::checks::check_python_reward(&cfg)? {
                 outln!("reward fn     {line} ✓");
             }
+            if let Some(o) = verl_host::trainer::reward::Overlong::from_config(&cfg)? {
+                outln!(
+                    "reward mgr    dapo: overlong buffer {} of max_resp_len {}, penalty factor {}{} ✓",
+                    o.len,
+                    o.max_resp_len,
+                    o.penalty_factor,
+                    if o.log { ", logged" } else { "" }
+                );
+            }
             let t = &cfg.trainer;
             let loggers = verl_metrics::LoggerOptions::from_verl(
                 &t.project_name,

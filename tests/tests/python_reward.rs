@@ -12,6 +12,9 @@ const USER_REWARD: &str = r#"
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
     return {"score": (len(solution_str) % 7) / 7.0 + bonus, "chars": len(solution_str)}
 
+def one(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0
+
 def sleeps(data_source, solution_str, ground_truth, extra_info=None):
     import time
     time.sleep(3600)
@@ -212,4 +215,51 @@ fn a_hanging_crashing_or_hungry_reward_ends_the_step_by_name_or_scores_zero() {
         );
         assert_eq!(m["data"]["critic/score/max"].as_f64(), Some(0.0), "{name}");
     }
+}
+
+#[test]
+fn the_dapo_manager_adds_verls_overlong_penalty() {
+    // Responses of up to 8 tokens against max_resp_len 8 with a buffer of 4: every token past
+    // the 4th costs 0.25. The function scores 1, so each row's reward is 1 + its penalty.
+    let tmp = tempfile::tempdir().unwrap();
+    let o = verl_run(
+        tmp.path(),
+        &[
+            "custom_reward_function.name=one",
+            "reward.reward_manager.name=dapo",
+            "+reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+            "+reward.reward_kwargs.overlong_buffer_cfg.len=4",
+            "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+            "+reward.reward_kwargs.overlong_buffer_cfg.log=true",
+            "+reward.reward_kwargs.max_resp_len=8",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<Value> = std::fs::read_to_string(tmp.path().join("rollouts/1.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut penalised = 0;
+    for r in &rows {
+        let pen = r["overlong_reward"].as_f64().unwrap();
+        assert!(
+            (r["score"].as_f64().unwrap() - (1.0 + pen)).abs() < 1e-12,
+            "{r}"
+        );
+        assert!(
+            (-1.0..=0.0).contains(&pen) && (pen * 4.0).fract() == 0.0,
+            "{r}"
+        );
+        assert_eq!(
+            r["overlong"].as_f64(),
+            Some((pen < 0.0) as u8 as f64),
+            "{r}"
+        );
+        penalised += (pen < 0.0) as usize;
+    }
+    assert!(
+        penalised > 0,
+        "an untrained policy writes past 4 tokens: {rows:?}"
+    );
 }

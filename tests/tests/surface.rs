@@ -97,7 +97,10 @@ fn a_missing_python_reward_file_is_named_by_the_dry_run() {
     // A custom Python reward *manager* is still refused.
     refused(
         &["reward.reward_manager.module.path=/nonexistent/manager.py"],
-        &["reward.reward_manager.module.path", "custom Python reward manager"],
+        &[
+            "reward.reward_manager.module.path",
+            "custom Python reward manager",
+        ],
     );
 }
 
@@ -121,23 +124,30 @@ fn multi_turn_rollouts_are_refused_by_name() {
 }
 
 #[test]
-fn the_dapo_reward_manager_and_its_overlong_buffer_are_refused_by_name() {
-    let o = dry_run(&[
+fn the_dapo_reward_manager_and_its_overlong_buffer_are_checked_by_the_dry_run() {
+    let dapo = [
         "reward_model.reward_manager=dapo",
         "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
         "+reward_model.reward_kwargs.overlong_buffer_cfg.len=512",
-    ]);
+    ];
+    // verl's manager needs max_resp_len with the buffer on; the dry run says so by key.
+    let o = dry_run(&dapo);
     let err = stderr(&o);
-    assert!(!o.status.success());
-    // Both requests are named, one line each under the count.
-    assert!(err.contains("2 configuration errors"), "{err}");
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("reward.reward_kwargs.max_resp_len"), "{err}");
+    let mut ok = dapo.to_vec();
+    ok.push("+reward_model.reward_kwargs.max_resp_len=2048");
+    let o = dry_run(&ok);
+    assert!(o.status.success(), "{}", stderr(&o));
     assert!(
-        err.contains("`reward_model.reward_manager=dapo`") && err.contains("naive"),
-        "{err}"
+        stdout(&o).contains("reward mgr    dapo: overlong buffer 512"),
+        "{}",
+        stdout(&o)
     );
-    assert!(
-        err.contains("reward_model.reward_kwargs=") && err.contains("overlong"),
-        "{err}"
+    // Other managers are refused by name.
+    refused(
+        &["reward_model.reward_manager=prime"],
+        &["reward_model.reward_manager=prime", "dapo"],
     );
 }
 

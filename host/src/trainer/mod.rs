@@ -13,7 +13,7 @@ mod error;
 mod fit;
 mod plugins;
 mod prompts;
-pub(crate) mod reward;
+pub mod reward;
 pub mod reward_model;
 mod rollout_corr;
 

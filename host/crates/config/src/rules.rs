@@ -472,10 +472,10 @@ pub static RULES: &[Rule] = &[
     Rule::acts("reward.custom_reward_function.path", "the user's Python reward file, run unchanged in worker processes; it scores every data source without a plugins.reward.routes entry", PY_TESTS),
     Rule::acts("reward.custom_reward_function.name", "the function in custom_reward_function.path (default compute_score)", PY_TESTS),
     Rule::acts("reward.custom_reward_function.reward_kwargs", "keyword arguments of the Python reward function, or of the rule rewards (method, format_score, ...)", &["plugins/rewards/tests/golden_rewards.rs::reward_kwargs_reach_the_rule_rewards", "host/src/python_reward.rs::tests::a_users_file_scores_with_kwargs_dicts_and_async_functions"]),
-    Rule::acts("reward.reward_manager.name", "verl's reward manager: naive", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_are_refused"]).checked(reward_manager),
-    Rule::acts("reward.reward_manager.source", "register: verl's built-in managers", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_are_refused"]).checked(reward_manager_source),
+    Rule::acts("reward.reward_manager.name", "verl's reward manager: naive, or dapo (naive + the overlong penalty of reward.reward_kwargs)", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused"]).checked(reward_manager),
+    Rule::acts("reward.reward_manager.source", "register: verl's built-in managers", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused"]).checked(reward_manager_source),
     Rule::refused("reward.reward_manager.module.*", "a custom Python reward manager", CUSTOM_FN_INSTEAD),
-    Rule::refused("reward.reward_kwargs", "reward-manager arguments (DAPO's overlong buffer)", "only the naive reward manager exists; rule-reward arguments go in custom_reward_function.reward_kwargs"),
+    Rule::acts("reward.reward_kwargs", "the dapo reward manager's overlong_buffer_cfg {enable, len, penalty_factor, log} and max_resp_len", &["host/src/trainer/reward.rs::tests::dapo_overlong_penalties_equal_verls_golden_cases", "host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused"]).checked(reward_kwargs),
     Rule::acts("reward.num_workers", "Python reward worker processes (custom_reward_function); rule and plugin rewards score in the host", PY_TESTS),
     Rule::refused("reward.sandbox_fusion.url", "code execution in a Sandbox Fusion service", "leave it null"),
     Rule::harmless("reward.sandbox_fusion.*", "a Sandbox Fusion limit (the sandbox itself is refused)"),
@@ -902,10 +902,40 @@ fn logprobs_mode(v: &Value, _: &Config) -> Verdict {
 
 fn reward_manager(v: &Value, _: &Config) -> Verdict {
     match text(v).as_str() {
-        "naive" => Verdict::Acts,
+        "naive" | "dapo" => Verdict::Acts,
         other => Verdict::Refused(format!(
-            "the `{other}` reward manager; verl-rs has naive (one score per response from the rule-reward plugins)"
+            "the `{other}` reward manager; verl-rs has naive (one score per response) and dapo (naive + the overlong penalty)"
         )),
+    }
+}
+
+/// `reward.reward_kwargs`: what verl's dapo manager reads, and only with it.
+fn reward_kwargs(v: &Value, cfg: &Config) -> Verdict {
+    let Some(m) = v.as_mapping() else {
+        return Verdict::Refused("reward manager arguments that are not a mapping".into());
+    };
+    if m.is_empty() {
+        return Verdict::Acts;
+    }
+    if cfg.reward.reward_manager.name != "dapo" {
+        return Verdict::Refused(format!(
+            "reward-manager arguments ({}) for the `{}` manager, which reads none; they are the dapo manager's (reward.reward_manager.name=dapo), and a reward function's go in custom_reward_function.reward_kwargs",
+            m.keys().map(text).collect::<Vec<_>>().join(", "),
+            cfg.reward.reward_manager.name
+        ));
+    }
+    let unknown: Vec<String> = m
+        .keys()
+        .map(text)
+        .filter(|k| k != "overlong_buffer_cfg" && k != "max_resp_len")
+        .collect();
+    if unknown.is_empty() {
+        Verdict::Acts
+    } else {
+        Verdict::Refused(format!(
+            "dapo manager arguments {} it does not read (it reads overlong_buffer_cfg and max_resp_len)",
+            unknown.join(", ")
+        ))
     }
 }
 

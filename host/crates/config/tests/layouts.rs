@@ -208,15 +208,39 @@ fn raw_rollout_log_probs_are_refused() {
 }
 
 #[test]
-fn reward_managers_other_than_naive_are_refused() {
+fn reward_managers_other_than_naive_and_dapo_are_refused() {
     ok(&["reward.reward_manager.name=naive"]);
     for spelling in [
         "reward_model.reward_manager=dapo",
         "reward_manager.name=dapo",
         "reward.reward_manager.name=dapo",
     ] {
+        ok(&[spelling]);
+    }
+    // DAPO's overlong buffer, in verl's legacy spelling, with the dapo manager.
+    ok(&[
+        "reward_model.reward_manager=dapo",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=512",
+        "+reward_model.reward_kwargs.max_resp_len=2048",
+    ]);
+    // Without it, the arguments would be read by nothing.
+    let e = refused(&["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true"]);
+    assert!(
+        e.contains("overlong_buffer_cfg") && e.contains("naive"),
+        "{e}"
+    );
+    let e = refused(&[
+        "reward_model.reward_manager=dapo",
+        "+reward.reward_kwargs.temperature=1",
+    ]);
+    assert!(e.contains("temperature"), "{e}");
+    for spelling in [
+        "reward.reward_manager.name=prime",
+        "reward_manager.name=batch",
+    ] {
         let e = refused(&[spelling]);
-        assert!(e.contains(spelling) && e.contains("naive"), "{e}");
+        assert!(e.contains("naive") && e.contains("dapo"), "{e}");
     }
     let e = refused(&["reward.reward_manager.source=importlib"]);
     assert!(e.contains("importlib"), "{e}");

@@ -11,6 +11,7 @@ pub mod launch;
 pub mod loader;
 pub mod models;
 pub mod paths;
+pub mod plugin_new;
 pub mod python_reward;
 pub mod reward_cmd;
 pub mod torchlib;

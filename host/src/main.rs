@@ -213,6 +213,19 @@ enum PluginCmd {
     Inspect { plugin: String },
     /// List the plugins on the plugin path.
     List,
+    /// Start a plugin crate: `verl plugin new reward NAME [--dir DIR] [--api-path PLUGIN_API]`
+    /// writes the skeleton of `examples/reward-plugin` (a row scorer and its unit test).
+    New {
+        /// What kind of plugin: `reward`.
+        kind: String,
+        name: String,
+        /// Where the crate folder is created.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// The verl-rs checkout's `plugin-api` folder to depend on.
+        #[arg(long)]
+        api_path: Option<PathBuf>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -427,6 +440,23 @@ fn dispatch(cli: &Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Plugin(PluginCmd::Inspect { plugin }) => inspect(plugin),
         Command::Plugin(PluginCmd::List) => list(),
+        Command::Plugin(PluginCmd::New {
+            kind,
+            name,
+            dir,
+            api_path,
+        }) => {
+            if kind != "reward" {
+                bail!("`verl plugin new {kind}`: the skeleton is for reward plugins (`verl plugin new reward NAME`); a backend starts from plugins/fsdp");
+            }
+            let krate = verl_host::plugin_new::new_reward(name, dir, api_path.as_deref())?;
+            println!(
+                "{} (cargo test; cargo build --release; verl --plugin target/release/lib{}.so run job.yaml plugins.reward.default={name})",
+                krate.display(),
+                name.replace('-', "_")
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Doctor => Ok(doctor_cmd()),
         Command::Reward(RewardCmd::Score {
             input,

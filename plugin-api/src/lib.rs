@@ -29,7 +29,7 @@ pub use header::{
     api_compatible, BuildInfo, Capability, PluginHeader, PluginInfo, PluginKind, Role, API_VERSION,
 };
 pub use log::{current_max_level, forward_to_tracing};
-pub use sdk::{Actor, BackendPlugin, Critic, Reward, RewardPlugin};
+pub use sdk::{Actor, BackendPlugin, Critic, Reward, RewardPlugin, RewardRow, RowReward};
 pub use services::{ModelInfo, ModelKind, ModelProvider, ModelServices, TextGenerateOptions};
 
 /// Metrics a call returns: (verl metric name, value), in order.

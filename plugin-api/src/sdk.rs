@@ -594,3 +594,97 @@ mod tests {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Row rewards: one row in, one score out.
+
+/// One row of a reward batch, as a [`RowReward`] sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct RewardRow<'a> {
+    pub data_source: &'a str,
+    /// The prompt as the policy saw it (chat template applied, special tokens dropped).
+    pub prompt: &'a str,
+    /// The response text (verl's `solution_str`).
+    pub response: &'a str,
+    /// `reward_model.ground_truth` of the row (any JSON).
+    pub ground_truth: &'a serde_json::Value,
+    pub extra_info: &'a serde_json::Value,
+    /// The job's reward keyword arguments (`custom_reward_function.reward_kwargs`).
+    pub kwargs: &'a serde_json::Value,
+}
+
+impl RewardRow<'_> {
+    /// The ground truth as text (a JSON string's content, anything else as JSON).
+    pub fn ground_truth_str(&self) -> String {
+        match self.ground_truth {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        }
+    }
+}
+
+/// The smallest reward plugin: score one row. The SDK does the batching, the columns and the ABI;
+/// export it with [`crate::export_row_reward!`].
+pub trait RowReward: Default + Send + 'static {
+    /// The plugin's name (what `plugins.reward.default` / `plugins.reward.routes` name).
+    const NAME: &'static str;
+    const VERSION: &'static str = "0.1.0";
+    const DESCRIPTION: &'static str = "";
+    fn score(&mut self, row: &RewardRow<'_>) -> Result<f32>;
+}
+
+/// The [`RewardPlugin`] of a [`RowReward`].
+pub struct RowRewardPlugin<R>(std::marker::PhantomData<fn() -> R>);
+
+struct RowAdapter<R>(R);
+
+impl<R: RowReward> RewardPlugin for RowRewardPlugin<R> {
+    fn info() -> PluginInfo {
+        PluginInfo {
+            name: R::NAME.into(),
+            version: R::VERSION.into(),
+            description: R::DESCRIPTION.into(),
+            capabilities: vec![crate::Capability::ready(crate::Role::Reward)],
+            build: crate::BuildInfo::plain(),
+        }
+    }
+    fn create_reward(_init: &InitArgs) -> Result<Box<dyn Reward>> {
+        Ok(Box::new(RowAdapter(R::default())))
+    }
+}
+
+impl<R: RowReward> Reward for RowAdapter<R> {
+    fn score(&mut self, batch: &Batch, options: &ScoreOptions) -> Result<Batch> {
+        use crate::contract::col;
+        let prompts = batch.strings(col::PROMPT_TEXT)?;
+        let responses = batch.strings(col::RESPONSE_TEXT)?;
+        let sources = batch.strings(col::DATA_SOURCE)?;
+        let truths = batch.json(col::GROUND_TRUTH)?;
+        let extras = batch.json(col::EXTRA_INFO)?;
+        let mut scores = Vec::with_capacity(responses.len());
+        for i in 0..responses.len() {
+            let row = RewardRow {
+                data_source: &sources[i],
+                prompt: &prompts[i],
+                response: &responses[i],
+                ground_truth: &truths[i],
+                extra_info: &extras[i],
+                kwargs: &options.kwargs,
+            };
+            scores.push(self.0.score(&row).map_err(|e| {
+                Error::failed(format!("row {i} (data_source `{}`): {e}", sources[i]))
+            })?);
+        }
+        let mut out = Batch::new();
+        out.insert_tensor(col::SCORES, &[scores.len()], &scores);
+        Ok(out)
+    }
+}
+
+/// Export a [`RowReward`] as a reward plugin: `verl_plugin_api::export_row_reward!(MyScorer);`.
+#[macro_export]
+macro_rules! export_row_reward {
+    ($row:ty) => {
+        $crate::export_reward_plugin!($crate::sdk::RowRewardPlugin<$row>);
+    };
+}

@@ -82,14 +82,43 @@ async def run_async(rows, kwargs):
         except Exception as e:
             return {"__error__": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
     return await asyncio.gather(*(one(r) for r in rows))
+def run_batch(rows, kwargs):
+    # verl's batch reward manager: one call with lists, one result per row back.
+    extras = []
+    for r in rows:
+        e = r["extra_info"]
+        if isinstance(e, dict):
+            e = {k: v for k, v in e.items() if k != "num_turns"}
+        extras.append(e)
+    try:
+        out = fn(data_sources=[r["data_source"] for r in rows], solution_strs=[r["solution_str"] for r in rows],
+                 ground_truths=[r["ground_truth"] for r in rows], extra_infos=extras, **kwargs)
+        if inspect.isawaitable(out):
+            out = asyncio.run(out)
+        out = list(out)
+    except Exception as e:
+        err = {"__error__": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
+        return [err] * len(rows)
+    if len(out) != len(rows):
+        err = {"__error__": f"returned {len(out)} results for {len(rows)} rows"}
+        return [err] * len(rows)
+    return [{"__batch__": True, "value": r} for r in out]
 for line in sys.stdin:
     req = json.loads(line)
     rows, kwargs = req["rows"], req.get("kwargs") or {}
-    raw = asyncio.run(run_async(rows, kwargs)) if is_async else [call(r, kwargs) for r in rows]
+    if req.get("batch"):
+        raw = run_batch(rows, kwargs)
+    else:
+        raw = asyncio.run(run_async(rows, kwargs)) if is_async else [call(r, kwargs) for r in rows]
     results = []
     for r in raw:
         if isinstance(r, dict) and "__error__" in r:
             results.append({"error": r["__error__"], "trace": r.get("trace", "")})
+        elif isinstance(r, dict) and r.get("__batch__"):
+            res = result_of(r["value"])
+            if not isinstance(r["value"], dict) and "extra" in res:
+                res["extra"] = {}  # the batch manager keeps no `acc` for a float
+            results.append(res)
         else:
             results.append(result_of(r))
     reply({"results": results})
@@ -150,6 +179,8 @@ impl Drop for Worker {
 }
 
 pub struct PythonReward {
+    /// verl's `batch` reward manager: the function gets the whole batch as lists.
+    batch: bool,
     python: PathBuf,
     path: PathBuf,
     name: String,
@@ -187,6 +218,7 @@ impl PythonReward {
             );
         }
         let mut me = PythonReward {
+            batch: false,
             python,
             path: std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()),
             name: name.to_string(),
@@ -198,6 +230,13 @@ impl PythonReward {
             me.workers[i] = Some(me.spawn()?);
         }
         Ok(me)
+    }
+
+    /// verl's `batch` reward manager: one call per step with lists (`data_sources`,
+    /// `solution_strs`, `ground_truths`, `extra_infos`), one worker.
+    pub fn batched(mut self) -> Self {
+        self.batch = true;
+        self
     }
 
     fn what(&self) -> String {
@@ -364,7 +403,11 @@ impl PythonReward {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        let n = self.workers.len().min(rows.len());
+        let n = if self.batch {
+            1
+        } else {
+            self.workers.len().min(rows.len())
+        };
         let per = rows.len().div_ceil(n);
         let chunks: Vec<std::ops::Range<usize>> = (0..n)
             .map(|i| i * per..((i + 1) * per).min(rows.len()))
@@ -388,6 +431,7 @@ impl PythonReward {
                            "ground_truth": r.ground_truth, "extra_info": extra})
                 }).collect::<Vec<_>>(),
                 "kwargs": self.kwargs,
+                "batch": self.batch,
             });
             let w = self.workers[i].as_mut().expect("spawned");
             let ok = writeln!(w.stdin, "{req}").and_then(|_| w.stdin.flush());
@@ -566,5 +610,49 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("`nope`") && e.contains("AttributeError"), "{e}");
+    }
+
+    #[test]
+    fn the_batch_manager_calls_the_function_once_with_lists() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("batch_reward.py");
+        std::fs::write(
+            &f,
+            "def compute_score(data_sources, solution_strs, ground_truths, extra_infos, scale=1.0):\n\
+             \x20   n = len(solution_strs)\n\
+             \x20   assert all('num_turns' not in e for e in extra_infos)\n\
+             \x20   return [{'score': scale * n, 'pos': float(i)} if i == 0 else scale * i for i in range(n)]\n",
+        )
+        .unwrap();
+        let mut r = PythonReward::start(
+            python(),
+            &f,
+            "compute_score",
+            json!({"scale": 2.0}),
+            3,
+            limits(OnError::Fail),
+        )
+        .unwrap()
+        .batched();
+        let rows = [row("a", "x", "1"), row("b", "y", "2"), row("c", "z", "3")];
+        let got = r.score(&rows).unwrap();
+        // One call saw all three rows (n = 3), though three workers run.
+        assert_eq!(
+            got,
+            vec![
+                RowResult::Scored {
+                    score: 6.0,
+                    extra: vec![("score".into(), 6.0), ("pos".into(), 0.0)]
+                },
+                RowResult::Scored {
+                    score: 2.0,
+                    extra: vec![]
+                },
+                RowResult::Scored {
+                    score: 4.0,
+                    extra: vec![]
+                },
+            ]
+        );
     }
 }

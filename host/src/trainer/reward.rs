@@ -165,14 +165,19 @@ pub(crate) fn python_reward(cfg: &Config) -> anyhow::Result<Option<PythonReward>
             python_reward::OnError::Fail
         },
     };
-    Ok(Some(PythonReward::start(
+    let reward = PythonReward::start(
         python.into(),
         &crate::paths::expand_home(path),
         &f.name,
         kwargs,
         cfg.reward.num_workers.max(1) as usize,
         limits,
-    )?))
+    )?;
+    Ok(Some(if cfg.reward.reward_manager.name == "batch" {
+        reward.batched()
+    } else {
+        reward
+    }))
 }
 
 impl RewardRouter {

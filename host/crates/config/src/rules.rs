@@ -472,7 +472,7 @@ pub static RULES: &[Rule] = &[
     Rule::acts("reward.custom_reward_function.path", "the user's Python reward file, run unchanged in worker processes; it scores every data source without a plugins.reward.routes entry", PY_TESTS),
     Rule::acts("reward.custom_reward_function.name", "the function in custom_reward_function.path (default compute_score)", PY_TESTS),
     Rule::acts("reward.custom_reward_function.reward_kwargs", "keyword arguments of the Python reward function, or of the rule rewards (method, format_score, ...)", &["plugins/rewards/tests/golden_rewards.rs::reward_kwargs_reach_the_rule_rewards", "host/src/python_reward.rs::tests::a_users_file_scores_with_kwargs_dicts_and_async_functions"]),
-    Rule::acts("reward.reward_manager.name", "verl's reward manager: naive, or dapo (naive + the overlong penalty of reward.reward_kwargs)", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused"]).checked(reward_manager),
+    Rule::acts("reward.reward_manager.name", "verl's reward manager: naive, dapo (naive + the overlong penalty of reward.reward_kwargs), or batch (custom_reward_function called with lists)", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused", "host/src/python_reward.rs::tests::the_batch_manager_calls_the_function_once_with_lists"]).checked(reward_manager),
     Rule::acts("reward.reward_manager.source", "register: verl's built-in managers", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused"]).checked(reward_manager_source),
     Rule::refused("reward.reward_manager.module.*", "a custom Python reward manager", CUSTOM_FN_INSTEAD),
     Rule::acts("reward.reward_kwargs", "the dapo reward manager's overlong_buffer_cfg {enable, len, penalty_factor, log} and max_resp_len", &["host/src/trainer/reward.rs::tests::dapo_overlong_penalties_equal_verls_golden_cases", "host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused"]).checked(reward_kwargs),
@@ -900,11 +900,20 @@ fn logprobs_mode(v: &Value, _: &Config) -> Verdict {
     }
 }
 
-fn reward_manager(v: &Value, _: &Config) -> Verdict {
+fn reward_manager(v: &Value, cfg: &Config) -> Verdict {
     match text(v).as_str() {
         "naive" | "dapo" => Verdict::Acts,
+        "batch"
+            if cfg.reward.custom_reward_function.path.is_some()
+                || cfg.custom_reward_function.path.is_some() =>
+        {
+            Verdict::Acts
+        }
+        "batch" => Verdict::Refused(
+            "the `batch` reward manager without a batch function: it calls custom_reward_function with lists; give custom_reward_function.path".into(),
+        ),
         other => Verdict::Refused(format!(
-            "the `{other}` reward manager; verl-rs has naive (one score per response) and dapo (naive + the overlong penalty)"
+            "the `{other}` reward manager; verl-rs has naive (one score per response), dapo (naive + the overlong penalty) and batch (custom_reward_function called with lists)"
         )),
     }
 }

@@ -237,11 +237,18 @@ fn reward_managers_other_than_naive_and_dapo_are_refused() {
     assert!(e.contains("temperature"), "{e}");
     for spelling in [
         "reward.reward_manager.name=prime",
-        "reward_manager.name=batch",
+        "reward_manager.name=limited",
     ] {
         let e = refused(&[spelling]);
         assert!(e.contains("naive") && e.contains("dapo"), "{e}");
     }
+    // The batch manager calls a batch function: only with one.
+    let e = refused(&["reward_manager.name=batch"]);
+    assert!(e.contains("custom_reward_function.path"), "{e}");
+    ok(&[
+        "custom_reward_function.path=/tmp/batch.py",
+        "reward_manager.name=batch",
+    ]);
     let e = refused(&["reward.reward_manager.source=importlib"]);
     assert!(e.contains("importlib"), "{e}");
 }

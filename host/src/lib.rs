@@ -7,6 +7,7 @@ pub mod checks;
 pub mod dist;
 pub mod doctor;
 pub mod generate_cmd;
+pub mod isolated_reward;
 pub mod launch;
 pub mod loader;
 pub mod models;

@@ -82,6 +82,9 @@ enum Command {
     /// Benchmarks: `verl bench grpo --arch qwen2.5-0.5b --ignore-eos --json`.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCmd),
+    /// Internal: serve a reward plugin's score calls over stdin/stdout (`plugins.reward.isolate`).
+    #[command(name = "__reward-worker", hide = true)]
+    RewardWorker { plugin: String },
     /// The same job on two backends or with two settings, one after the other, compared in
     /// `DIR/report.html`: `verl ab JOB.yaml --a fsdp --b megatron --steps 3`.
     Ab(AbArgs),
@@ -570,6 +573,10 @@ fn dispatch(cli: &Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Ab(a) => ab(cli, a),
+        Command::RewardWorker { plugin } => {
+            verl_host::isolated_reward::serve(plugin)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Bench(bench_cmd::BenchCmd::Grpo(a)) => {
             bench_cmd::run(&cli.plugins, a)?;
             Ok(ExitCode::SUCCESS)

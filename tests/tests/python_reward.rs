@@ -263,3 +263,89 @@ fn the_dapo_manager_adds_verls_overlong_penalty() {
         "an untrained policy writes past 4 tokens: {rows:?}"
     );
 }
+
+/// The job of [`job_args`] without the Python function: rewards from the faulty fixture plugin.
+fn faulty_run(dir: &Path, extra: &[&str]) -> std::process::Output {
+    let inst = install(&["libverl_fsdp.so", "libfaulty_plugin.so"]);
+    let mut args: Vec<String> = vec![
+        "--plugin".into(),
+        inst.path()
+            .join("libfaulty_plugin.so")
+            .display()
+            .to_string(),
+    ];
+    args.extend(job_args(dir, &[]).into_iter().filter(|a| {
+        !a.starts_with("custom_reward_function.") && !a.starts_with("plugins.reward.python")
+    }));
+    args.push("plugins.reward.default=faulty".into());
+    args.push("plugins.reward.isolate=true".into());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    std::process::Command::new(inst.path().join("verl"))
+        .args(&args)
+        .current_dir(dir)
+        .env_remove("VERL_PLUGIN_PATH")
+        .env("VERL_FILE_LOGGER_ROOT", dir.join("logs"))
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn an_isolated_plugin_that_aborts_or_hangs_costs_its_worker_not_the_job() {
+    // Isolated and well-behaved, it scores as in-process (the response length).
+    let tmp = tempfile::tempdir().unwrap();
+    let o = faulty_run(tmp.path(), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for l in std::fs::read_to_string(tmp.path().join("rollouts/1.jsonl"))
+        .unwrap()
+        .lines()
+    {
+        let r: Value = serde_json::from_str(l).unwrap();
+        assert_eq!(
+            r["score"].as_f64(),
+            Some(r["output"].as_str().unwrap().len() as f64),
+            "{r}"
+        );
+    }
+    let cases: [(&str, &[&str], &[&str]); 2] = [
+        (
+            "abort",
+            &[],
+            &["reward plugin `faulty`", "isolated", "crashed", "SIGABRT"],
+        ),
+        (
+            "hang",
+            &["plugins.reward.timeout_s=2"],
+            &["reward plugin `faulty`", "timeout of 2 s"],
+        ),
+    ];
+    for (mode, limits, needles) in cases {
+        let kw = format!("+custom_reward_function.reward_kwargs.faulty={mode}");
+        let mut extra: Vec<&str> = vec![&kw];
+        extra.extend_from_slice(limits);
+        let tmp = tempfile::tempdir().unwrap();
+        let o = faulty_run(tmp.path(), &extra);
+        // The host ends the step with an error; it was not taken down with the worker.
+        assert_eq!(o.status.code(), Some(1), "{mode}: {}", stderr(&o));
+        let err = stderr(&o);
+        for n in needles {
+            assert!(err.contains(n), "{mode}: missing `{n}` in:\n{err}");
+        }
+        extra.push("plugins.reward.on_error=zero");
+        let tmp = tempfile::tempdir().unwrap();
+        let o = faulty_run(tmp.path(), &extra);
+        assert!(o.status.success(), "{mode} (on_error=zero): {}", stderr(&o));
+        let m: Value = serde_json::from_str(
+            std::fs::read_to_string(metrics_file(tmp.path()))
+                .unwrap()
+                .lines()
+                .next()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            m["data"]["reward/error_ratio"].as_f64(),
+            Some(1.0),
+            "{mode}: {m}"
+        );
+    }
+}

@@ -562,9 +562,31 @@ pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Res
     };
     let mut reward_clients = Vec::new();
     for (name, f) in &plugins.rewards {
-        let client = f
-            .create_reward(&reward_init(), &models)
-            .with_context(|| format!("creating reward plugin `{name}` ({})", f.name()))?;
+        let client = if cfg.plugins.reward.isolate {
+            let Some(lib) = f.library() else {
+                bail!("plugins.reward.isolate=true: reward plugin `{name}` is linked into this process, not a library a worker can load");
+            };
+            let verl = std::env::current_exe().context("locating the verl binary")?;
+            super::reward::PluginClient::Isolated(Box::new(
+                crate::isolated_reward::IsolatedReward::start(
+                    verl,
+                    lib,
+                    name,
+                    reward_init(),
+                    super::reward::limits(cfg),
+                )
+                .with_context(|| {
+                    format!(
+                        "creating reward plugin `{name}` ({}) in a worker process",
+                        f.name()
+                    )
+                })?,
+            ))
+        } else {
+            f.create_reward(&reward_init(), &models)
+                .with_context(|| format!("creating reward plugin `{name}` ({})", f.name()))?
+                .into()
+        };
         reward_clients.push((name.clone(), client));
     }
     let mut roles = Roles {

@@ -24,6 +24,11 @@ pub trait BackendFactory {
 /// Creates a reward role, lending it the job's models.
 pub trait RewardFactory {
     fn name(&self) -> &str;
+    /// The plugin's library, for running it in a worker process (`plugins.reward.isolate`);
+    /// `None` for a plugin linked into this process.
+    fn library(&self) -> Option<&std::path::Path> {
+        None
+    }
     fn create_reward(&self, init: &InitArgs, models: &SharedModels)
         -> anyhow::Result<RewardClient>;
 }
@@ -49,6 +54,9 @@ impl BackendFactory for LoadedPlugin {
 impl RewardFactory for LoadedPlugin {
     fn name(&self) -> &str {
         &self.header.name
+    }
+    fn library(&self) -> Option<&std::path::Path> {
+        Some(&self.path)
     }
     fn create_reward(
         &self,

@@ -58,8 +58,44 @@ pub(crate) struct RewardOutput {
     pub metrics: Vec<(String, f64)>,
 }
 
+/// A reward plugin's role: in this process, or in a worker process (`plugins.reward.isolate`).
+pub(crate) enum PluginClient {
+    InProcess(RewardClient),
+    Isolated(Box<crate::isolated_reward::IsolatedReward>),
+}
+
+impl From<RewardClient> for PluginClient {
+    fn from(c: RewardClient) -> Self {
+        PluginClient::InProcess(c)
+    }
+}
+
+impl PluginClient {
+    fn score(&mut self, batch: &Batch, options: &ScoreOptions) -> anyhow::Result<Batch> {
+        match self {
+            PluginClient::InProcess(c) => Ok(c.score(batch, options)?),
+            PluginClient::Isolated(c) => c.score(batch, options),
+        }
+    }
+}
+
+/// The timeout, limits and failure policy of worker processes (`plugins.reward.*`).
+pub(crate) fn limits(cfg: &Config) -> python_reward::Limits {
+    let r = &cfg.plugins.reward;
+    python_reward::Limits {
+        timeout: std::time::Duration::from_secs_f64(r.timeout_s.max(0.001)),
+        memory_mb: r.memory_mb,
+        cpu_s: r.cpu_s,
+        on_error: if r.on_error == "zero" {
+            python_reward::OnError::Zero
+        } else {
+            python_reward::OnError::Fail
+        },
+    }
+}
+
 pub(crate) struct RewardRouter {
-    clients: Vec<(String, RewardClient)>,
+    clients: Vec<(String, PluginClient)>,
     models: SharedModels,
     /// Rows without a route go to the reward model (`reward_model.enable` with a score head and
     /// `plugins.reward.default` left at `rewards`).
@@ -155,16 +191,7 @@ pub(crate) fn python_reward(cfg: &Config) -> anyhow::Result<Option<PythonReward>
         .unwrap_or_else(|| "python3".into());
     let kwargs = serde_json::to_value(&f.reward_kwargs)
         .context("custom_reward_function.reward_kwargs is not JSON")?;
-    let limits = python_reward::Limits {
-        timeout: std::time::Duration::from_secs_f64(r.timeout_s.max(0.001)),
-        memory_mb: r.memory_mb,
-        cpu_s: r.cpu_s,
-        on_error: if r.on_error == "zero" {
-            python_reward::OnError::Zero
-        } else {
-            python_reward::OnError::Fail
-        },
-    };
+    let limits = limits(cfg);
     let reward = PythonReward::start(
         python.into(),
         &crate::paths::expand_home(path),
@@ -182,7 +209,7 @@ pub(crate) fn python_reward(cfg: &Config) -> anyhow::Result<Option<PythonReward>
 
 impl RewardRouter {
     pub fn new(
-        clients: Vec<(String, RewardClient)>,
+        clients: Vec<(String, PluginClient)>,
         models: SharedModels,
         cfg: &Config,
     ) -> anyhow::Result<Self> {
@@ -325,9 +352,24 @@ impl RewardRouter {
             };
             let (name, client) = &mut self.clients[client];
             let batch = sub_batch(input, &idx);
-            let res = client.score(&batch, &self.options).with_context(|| {
-                format!("reward plugin `{name}` failed to score {} rows", idx.len())
-            })?;
+            let res = match client.score(&batch, &self.options) {
+                Ok(res) => res,
+                // on_error: zero: the rows keep score 0 and are counted.
+                Err(e) if self.count_errors => {
+                    tracing::warn!(
+                        "reward plugin `{name}`: {e:#}; its {} rows score 0",
+                        idx.len()
+                    );
+                    failed += idx.len();
+                    continue;
+                }
+                Err(e) => {
+                    return Err(e.context(format!(
+                        "reward plugin `{name}` failed to score {} rows",
+                        idx.len()
+                    )))
+                }
+            };
             let scores = res.tensor::<f32>(col::SCORES)?;
             if scores.data.len() != idx.len() {
                 return Err(TrainerError::RewardCount {
@@ -679,7 +721,10 @@ mod tests {
     fn routes_by_data_source_and_puts_the_score_on_the_last_valid_token() {
         let cfg = Config::from_overrides(&["plugins.reward.routes={b: other}"]).unwrap();
         let mut router = RewardRouter::new(
-            vec![("rewards".into(), client()), ("other".into(), client())],
+            vec![
+                ("rewards".into(), client().into()),
+                ("other".into(), client().into()),
+            ],
             SharedModels::default(),
             &cfg,
         )
@@ -707,7 +752,7 @@ mod tests {
     fn an_unloaded_route_names_the_data_source_and_the_plugin() {
         let cfg = Config::from_overrides(&["plugins.reward.routes={b: missing}"]).unwrap();
         let mut router = RewardRouter::new(
-            vec![("rewards".into(), client())],
+            vec![("rewards".into(), client().into())],
             SharedModels::default(),
             &cfg,
         )

@@ -554,6 +554,7 @@ pub static RULES: &[Rule] = &[
     Rule::acts("plugins.reward.timeout_s", "seconds a Python reward call may take before its worker is killed", PY_LIMITS),
     Rule::acts("plugins.reward.memory_mb", "address-space limit of each Python reward worker", PY_LIMITS),
     Rule::acts("plugins.reward.cpu_s", "CPU-time limit of each Python reward worker", PY_LIMITS),
+    Rule::acts("plugins.reward.isolate", "reward plugin libraries run in worker processes under the timeout and limits", &["tests/tests/python_reward.rs::an_isolated_plugin_that_aborts_or_hangs_costs_its_worker_not_the_job"]),
     Rule::acts("plugins.reward.on_error", "fail: a failed reward ends the step; zero: its rows score 0, counted in reward/error_ratio", PY_LIMITS).checked(on_error),
 ];
 

@@ -795,4 +795,7 @@ pub struct RewardRouting {
     /// `fail`: a failed reward ends the step with its error; `zero`: its rows score 0 and are
     /// counted in `reward/error_ratio`.
     pub on_error: String,
+    /// Run reward plugin libraries in worker processes under the limits above (Python reward
+    /// functions always are).
+    pub isolate: bool,
 }

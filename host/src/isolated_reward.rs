@@ -134,28 +134,7 @@ impl IsolatedReward {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        let (mem, cpu) = (self.limits.memory_mb, self.limits.cpu_s);
-        // SAFETY: only setrlimit between fork and exec.
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(move || {
-                if let Some(mb) = mem {
-                    let l = libc::rlimit {
-                        rlim_cur: mb * 1024 * 1024,
-                        rlim_max: mb * 1024 * 1024,
-                    };
-                    libc::setrlimit(libc::RLIMIT_AS, &l);
-                }
-                if let Some(s) = cpu {
-                    let l = libc::rlimit {
-                        rlim_cur: s,
-                        rlim_max: s + 5,
-                    };
-                    libc::setrlimit(libc::RLIMIT_CPU, &l);
-                }
-                Ok(())
-            });
-        }
+        crate::python_reward::apply_limits(&mut cmd, &self.limits);
         let mut child = cmd
             .spawn()
             .with_context(|| format!("starting a worker for {}", self.what()))?;
@@ -198,24 +177,7 @@ impl IsolatedReward {
                 )
             }
             Err(RecvTimeoutError::Disconnected) => {
-                let status = w.child.wait().ok();
-                let how = match status.and_then(|s| {
-                    use std::os::unix::process::ExitStatusExt;
-                    s.signal()
-                }) {
-                    Some(6) => "was killed by SIGABRT (6)".to_string(),
-                    Some(9) => "was killed by SIGKILL (9)".to_string(),
-                    Some(11) => "was killed by SIGSEGV (11)".to_string(),
-                    Some(24) => format!(
-                        "was killed by SIGXCPU (24): the CPU-time limit of {} s (plugins.reward.cpu_s)",
-                        self.limits.cpu_s.unwrap_or(0)
-                    ),
-                    Some(sig) => format!("was killed by signal {sig}"),
-                    None => format!(
-                        "exited ({})",
-                        status.map(|s| s.to_string()).unwrap_or_default()
-                    ),
-                };
+                let how = crate::python_reward::ended(w.child.wait().ok(), &self.limits);
                 bail!("{} crashed during {call}: the worker {how}", self.what())
             }
         }

@@ -344,9 +344,11 @@ fn reader_thread(
     })
 }
 
-fn signal_name(sig: i32) -> String {
+/// `signal N (NAME)` for the signals a crashed process usually dies of.
+pub(crate) fn signal_name(sig: i32) -> String {
     let name = match sig {
         libc::SIGKILL => "SIGKILL",
+        libc::SIGXCPU => "SIGXCPU",
         libc::SIGTERM => "SIGTERM",
         libc::SIGINT => "SIGINT",
         libc::SIGSEGV => "SIGSEGV",

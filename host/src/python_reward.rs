@@ -189,14 +189,54 @@ pub struct PythonReward {
     workers: Vec<Option<Worker>>,
 }
 
-fn signal_name(sig: i32) -> &'static str {
-    match sig {
-        6 => "SIGABRT",
-        9 => "SIGKILL",
-        11 => "SIGSEGV",
-        24 => "SIGXCPU",
-        15 => "SIGTERM",
-        _ => "a signal",
+/// The worker's address-space and CPU-time limits, set in the child before it runs.
+pub(crate) fn apply_limits(cmd: &mut Command, limits: &Limits) {
+    let (mem, cpu) = (limits.memory_mb, limits.cpu_s);
+    // SAFETY: only async-signal-safe calls (setrlimit) between fork and exec.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(move || {
+            if let Some(mb) = mem {
+                let lim = libc::rlimit {
+                    rlim_cur: mb * 1024 * 1024,
+                    rlim_max: mb * 1024 * 1024,
+                };
+                libc::setrlimit(libc::RLIMIT_AS, &lim);
+            }
+            if let Some(s) = cpu {
+                let lim = libc::rlimit {
+                    rlim_cur: s,
+                    rlim_max: s + 5,
+                };
+                libc::setrlimit(libc::RLIMIT_CPU, &lim);
+            }
+            Ok(())
+        });
+    }
+}
+
+/// How a worker ended: the signal that killed it (and the limit, for SIGXCPU) or its exit status.
+pub(crate) fn ended(status: Option<std::process::ExitStatus>, limits: &Limits) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match status.and_then(|s| s.signal()) {
+        Some(sig) => format!(
+            "was killed by {}{}",
+            crate::launch::signal_name(sig),
+            if sig == 24 {
+                format!(
+                    ": the CPU-time limit of {} s (plugins.reward.cpu_s)",
+                    limits.cpu_s.unwrap_or(0)
+                )
+            } else {
+                String::new()
+            }
+        ),
+        None => format!(
+            "exited ({})",
+            status
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "unknown status".into())
+        ),
     }
 }
 
@@ -268,28 +308,7 @@ impl PythonReward {
                 },
             );
         }
-        let (mem, cpu) = (self.limits.memory_mb, self.limits.cpu_s);
-        // SAFETY: only async-signal-safe calls (setrlimit) between fork and exec.
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(move || {
-                if let Some(mb) = mem {
-                    let lim = libc::rlimit {
-                        rlim_cur: mb * 1024 * 1024,
-                        rlim_max: mb * 1024 * 1024,
-                    };
-                    libc::setrlimit(libc::RLIMIT_AS, &lim);
-                }
-                if let Some(s) = cpu {
-                    let lim = libc::rlimit {
-                        rlim_cur: s,
-                        rlim_max: s + 5,
-                    };
-                    libc::setrlimit(libc::RLIMIT_CPU, &lim);
-                }
-                Ok(())
-            });
-        }
+        apply_limits(&mut cmd, &self.limits);
         let mut child = cmd.spawn().with_context(|| {
             format!(
                 "starting {} for custom_reward_function (set VERL_PYTHON or plugins.reward.python)",
@@ -354,30 +373,7 @@ impl PythonReward {
                 )
             }
             Err(RecvTimeoutError::Disconnected) => {
-                let status = w.child.wait().ok();
-                let how = match status.and_then(|s| {
-                    use std::os::unix::process::ExitStatusExt;
-                    s.signal()
-                }) {
-                    Some(sig) => format!(
-                        "was killed by {} ({sig}){}",
-                        signal_name(sig),
-                        if sig == 24 {
-                            format!(
-                                ": the CPU-time limit of {} s (plugins.reward.cpu_s)",
-                                self.limits.cpu_s.unwrap_or(0)
-                            )
-                        } else {
-                            String::new()
-                        }
-                    ),
-                    None => format!(
-                        "exited ({})",
-                        status
-                            .map(|s| s.to_string())
-                            .unwrap_or_else(|| "unknown status".into())
-                    ),
-                };
+                let how = ended(w.child.wait().ok(), &self.limits);
                 let tail: Vec<String> = w
                     .stderr
                     .lock()

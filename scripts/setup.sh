@@ -62,7 +62,8 @@ fi
 # report in its end-to-end test.
 if [ "${1:-}" = "--tests" ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
   sudo=""
-  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then sudo="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
   echo "[setup] installing chromium (headless browser for the report test; one time, ~1 min)"
   if ! { $sudo apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
       || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends chromium >/dev/null; }; }; then

@@ -106,11 +106,7 @@ pub fn generate(
         }
         rows.push(ids.into_iter().map(i64::from).collect());
     }
-    let pad = tok
-        .pad_token_id()
-        .map(i64::from)
-        .or_else(|| tok.eos_token_ids().first().map(|&e| e as i64))
-        .unwrap_or(0);
+    let pad = i64::from(tok.padding_id());
     let refs: Vec<&[i64]> = rows.iter().map(|r| r.as_slice()).collect();
     let batch = verl_plugin_api::contract::prompt_batch(&refs, pad);
 

@@ -41,11 +41,7 @@ impl ScoringModel {
                 dir.display()
             )
         })?;
-        let pad_id = tokenizer
-            .pad_token_id()
-            .or(tokenizer.eos_token_id())
-            .map(i64::from)
-            .unwrap_or(0);
+        let pad_id = i64::from(tokenizer.padding_id());
         Ok(ScoringModel {
             tokenizer,
             max_length: max_length.map(|m| m.max(1)),
@@ -177,11 +173,7 @@ impl GenerationModel {
             .iter()
             .map(|&i| i as i64)
             .collect();
-        let pad_id = tokenizer
-            .pad_token_id()
-            .map(i64::from)
-            .or(eos_ids.first().copied())
-            .unwrap_or(0);
+        let pad_id = i64::from(tokenizer.padding_id());
         Ok(GenerationModel {
             tokenizer,
             pad_id,

@@ -473,10 +473,7 @@ pub fn run_sft(backend: &LoadedPlugin, cfg: &SftConfig) -> anyhow::Result<SftSum
             model_dir.display()
         )
     })?;
-    let pad = tok
-        .pad_token_id()
-        .or_else(|| tok.eos_token_ids().first().copied())
-        .unwrap_or(0) as i64;
+    let pad = i64::from(tok.padding_id());
     let train = tokenize(cfg, &tok, &cfg.data.train_files.paths()).context("data.train_files")?;
     let val = match &cfg.data.val_files {
         Some(v) => tokenize(cfg, &tok, &v.paths()).context("data.val_files")?,

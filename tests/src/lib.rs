@@ -193,3 +193,26 @@ pub fn python() -> PathBuf {
 pub fn py_script(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("py").join(name)
 }
+
+/// The one metrics JSONL the file logger wrote under `dir` (its `VERL_FILE_LOGGER_ROOT`).
+pub fn metrics_jsonl(dir: &Path) -> PathBuf {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "jsonl") {
+                found.push(p);
+            }
+        }
+    }
+    assert_eq!(
+        found.len(),
+        1,
+        "expected one metrics file under {}, found {found:?}",
+        dir.display()
+    );
+    found.remove(0)
+}

@@ -2,7 +2,7 @@
 //! scores a GRPO job; rewards that hang, crash or eat memory end the step with one error naming
 //! the function and the limit, or, with `plugins.reward.on_error=zero`, score 0 and are counted.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 use verl_e2e::*;
@@ -88,21 +88,6 @@ fn verl_run(dir: &Path, extra: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-fn metrics_file(dir: &Path) -> PathBuf {
-    let mut stack = vec![dir.join("logs")];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "jsonl") {
-                return p;
-            }
-        }
-    }
-    panic!("no metrics under {}", dir.display());
-}
-
 #[test]
 fn a_grpo_job_scores_with_the_users_python_file() {
     let tmp = tempfile::tempdir().unwrap();
@@ -149,7 +134,7 @@ fn a_grpo_job_scores_with_the_users_python_file() {
         assert_eq!(r["chars"].as_f64(), Some(n as f64), "{r}");
     }
     let m: Value = serde_json::from_str(
-        std::fs::read_to_string(metrics_file(dir))
+        std::fs::read_to_string(metrics_jsonl(&dir.join("logs")))
             .unwrap()
             .lines()
             .next()
@@ -201,7 +186,7 @@ fn a_hanging_crashing_or_hungry_reward_ends_the_step_by_name_or_scores_zero() {
         let o = verl_run(tmp.path(), &extra);
         assert!(o.status.success(), "{name} (on_error=zero): {}", stderr(&o));
         let m: Value = serde_json::from_str(
-            std::fs::read_to_string(metrics_file(tmp.path()))
+            std::fs::read_to_string(metrics_jsonl(&tmp.path().join("logs")))
                 .unwrap()
                 .lines()
                 .next()
@@ -335,7 +320,7 @@ fn an_isolated_plugin_that_aborts_or_hangs_costs_its_worker_not_the_job() {
         let o = faulty_run(tmp.path(), &extra);
         assert!(o.status.success(), "{mode} (on_error=zero): {}", stderr(&o));
         let m: Value = serde_json::from_str(
-            std::fs::read_to_string(metrics_file(tmp.path()))
+            std::fs::read_to_string(metrics_jsonl(&tmp.path().join("logs")))
                 .unwrap()
                 .lines()
                 .next()

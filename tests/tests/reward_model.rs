@@ -416,7 +416,7 @@ trainer:
     }
 
     // critic/score/* are those scores.
-    let metrics = std::fs::read_to_string(find_jsonl(&root.join("logs"))).unwrap();
+    let metrics = std::fs::read_to_string(metrics_jsonl(&root.join("logs"))).unwrap();
     let step1: Value = metrics
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
@@ -429,21 +429,6 @@ trainer:
         / rows.len() as f64;
     let logged = step1["data"]["critic/score/mean"].as_f64().unwrap();
     assert!((logged - mean).abs() < 1e-6, "{logged} vs {mean}");
-}
-
-fn find_jsonl(dir: &Path) -> PathBuf {
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "jsonl") {
-                return p;
-            }
-        }
-    }
-    panic!("no metrics file under {}", dir.display());
 }
 
 #[test]

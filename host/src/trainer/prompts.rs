@@ -52,11 +52,7 @@ impl PromptEncoder {
             .iter()
             .map(|&i| i as i64)
             .collect();
-        let pad_id = tokenizer
-            .pad_token_id()
-            .map(i64::from)
-            .or(eos_ids.first().copied())
-            .unwrap_or(0);
+        let pad_id = i64::from(tokenizer.padding_id());
         Ok(PromptEncoder {
             tokenizer,
             chat,

@@ -668,6 +668,13 @@ impl Tokenizer {
         self.pad_id
     }
 
+    /// The id to pad batches with: the pad token, else the first eos id, else 0.
+    pub fn padding_id(&self) -> u32 {
+        self.pad_id
+            .or(self.eos_token_ids.first().copied())
+            .unwrap_or(0)
+    }
+
     /// `padding_side` from tokenizer_config.json, if declared.
     pub fn padding_side(&self) -> Option<&str> {
         self.padding_side.as_deref()

@@ -6,7 +6,7 @@
 * varlen: the stream's queries as they are (one segment per row: the group's first row owns the
   prompt's queries, the others only their responses), keys/values gathered per row without padding,
   and flash attention's variable-length kernel with a bottom-right causal mask (what the actor runs
-  in bf16/fp16 on CUDA; `VERL_VARLEN_ATTENTION=0` keeps the rows).
+  in bf16/fp16 on CUDA).
 
     python3 bench/varlen_probe.py [--arch 0.5b|1.5b] [--groups 2] [--n 8] [--prompt 256] [--response 512]
 

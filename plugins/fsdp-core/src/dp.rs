@@ -19,14 +19,6 @@ use verl_plugin_api::InitArgs;
 
 use crate::error::{FsdpError, Result, TorchContext};
 
-/// `VERL_FSDP_OVERLAP=0` keeps a multi-rank GPU job's collectives on the default stream, each
-/// one waited for where it is issued (no overlap with compute); anything else, or unset, overlaps.
-pub const OVERLAP_VAR: &str = "VERL_FSDP_OVERLAP";
-
-fn overlap_wanted(value: Option<&str>) -> bool {
-    !matches!(value.map(str::trim), Some("0" | "false" | "off"))
-}
-
 pub struct Dp {
     pub rank: usize,
     pub size: usize,
@@ -146,12 +138,10 @@ impl Dp {
                 ))
             }
         };
-        if overlap_wanted(std::env::var(OVERLAP_VAR).ok().as_deref()) {
-            // Collectives on a stream of their own: parameter gathers prefetched one unit ahead
-            // and gradient reduce-scatters run while the default stream computes.
-            comm.use_own_stream()
-                .map_err(comm_err("communicator stream"))?;
-        }
+        // Collectives on a stream of their own: parameter gathers prefetched one unit ahead and
+        // gradient reduce-scatters run while the default stream computes.
+        comm.use_own_stream()
+            .map_err(comm_err("communicator stream"))?;
         Ok(Dp {
             rank,
             size: world,
@@ -306,16 +296,6 @@ impl Dp {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn overlap_is_on_unless_turned_off() {
-        for on in [None, Some("1"), Some(""), Some("yes")] {
-            assert!(overlap_wanted(on), "{on:?}");
-        }
-        for off in ["0", "false", "off", " 0 "] {
-            assert!(!overlap_wanted(Some(off)), "{off}");
-        }
-    }
 
     /// One rank: the async collectives are copies, complete when they return.
     #[test]

@@ -99,13 +99,10 @@ impl ChunkedLmHead {
     }
 
     /// Whether the fused CUDA kernels compute the statistics (and their gradient): hidden states
-    /// on a CUDA device in fp32/bf16/f16, unless `VERL_HEAD_KERNEL=0`. The torch path (CPU, fp64)
-    /// computes the same quantities with separate ops.
+    /// on a CUDA device in fp32/bf16/f16. The torch path (CPU, fp64) computes the same quantities
+    /// with separate ops.
     fn fused(&self, hidden: &Tensor) -> bool {
-        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        hidden.kind() != Kind::Double
-            && verl_torch_ext::row_kernels_available(hidden.device())
-            && *ENABLED.get_or_init(|| std::env::var("VERL_HEAD_KERNEL").as_deref() != Ok("0"))
+        hidden.kind() != Kind::Double && verl_torch_ext::row_kernels_available(hidden.device())
     }
 
     /// fp32 logits of a chunk, no autograd (the GEMM writes fp32 straight from its accumulator).
@@ -317,11 +314,8 @@ impl ChunkedLmHead {
         let acc_kind = work_kind(weight);
         // Under the model's gradient-accumulation fusion the head's weight gradient goes
         // straight into its .grad, as the projections' do.
-        static INTO: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let into_grad = verl_nn::accumulating_into_grad()
-            && weight.requires_grad()
-            && weight.is_leaf()
-            && *INTO.get_or_init(|| std::env::var("VERL_LM_HEAD_GRAD_INTO").as_deref() != Ok("0"));
+        let into_grad =
+            verl_nn::accumulating_into_grad() && weight.requires_grad() && weight.is_leaf();
         if let Some(kept) = &mut kept {
             if into_grad && self.product_applies(hidden, weight, kept) {
                 let push = self.push_product(
@@ -477,12 +471,8 @@ impl ChunkedLmHead {
     /// Whether the backward can take the head's weight gradient as one product (see
     /// [`ChunkedLmHead::push_product`]): every chunk's logits were kept, `hidden` is a 16-bit CUDA
     /// tensor that needs a gradient, and the keep budget also covers the whole `[N, V]` logits
-    /// gradient (in `hidden`'s dtype) on top of the kept logits. `VERL_LM_HEAD_PRODUCT=0` turns it off.
+    /// gradient (in `hidden`'s dtype) on top of the kept logits.
     fn product_applies(&self, hidden: &Tensor, weight: &Tensor, kept: &[ChunkConstants]) -> bool {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if !*ON.get_or_init(|| std::env::var("VERL_LM_HEAD_PRODUCT").as_deref() != Ok("0")) {
-            return false;
-        }
         if !(hidden.requires_grad()
             && matches!(hidden.device(), tch::Device::Cuda(_))
             && matches!(hidden.kind(), Kind::BFloat16 | Kind::Half)

@@ -175,12 +175,19 @@ impl HostHomes {
     }
 }
 
+static HOMES_ON_CPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes moves on the CPU go through [`HostHomes`] too, for this process (every move then copies,
+/// as on a GPU): what the offload tests check on a machine without one.
+#[doc(hidden)]
+pub fn use_host_homes_on_cpu() {
+    HOMES_ON_CPU.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether moves go through [`HostHomes`]: on a GPU, and on the CPU in this crate's unit tests or
-/// with `VERL_OFFLOAD_HOMES_ON_CPU=1` (the integration tests: every move then copies, as on a GPU).
+/// after [`use_host_homes_on_cpu`].
 fn homes_apply(device: Device) -> bool {
-    device.is_cuda()
-        || cfg!(test)
-        || std::env::var("VERL_OFFLOAD_HOMES_ON_CPU").as_deref() == Ok("1")
+    device.is_cuda() || cfg!(test) || HOMES_ON_CPU.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// [`move_tensor`] over `tensors` (labelled), through `homes` on a GPU, assuming `contents` of

@@ -273,7 +273,7 @@ impl TpTrainer {
     ) -> Result<Vec<Option<(Tensor, T)>>> {
         // The projection weights' gradients go straight into their accumulator slices.
         let targets = self.grad_targets()?;
-        self.model.set_grad_targets(targets);
+        self.model.set_grad_targets(Some(targets));
         let (grads, slot) = (&self.grads, &self.slot);
         let mut sink = |i: usize, g: &Tensor| Self::accumulate(grads, slot, i, g);
         let model = &self.model;
@@ -284,13 +284,8 @@ impl TpTrainer {
     }
 
     /// Per parameter, its fp32 accumulator slice in the parameter's local shape, for the matrices
-    /// (the decoder layers' projection weights take it; see [`TpModel::set_grad_targets`]), or
-    /// `None` with `VERL_GRAD_ACCUM_FUSION=0`.
-    fn grad_targets(&self) -> Result<Option<Vec<Option<Tensor>>>> {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if !*ON.get_or_init(|| std::env::var("VERL_GRAD_ACCUM_FUSION").as_deref() != Ok("0")) {
-            return Ok(None);
-        }
+    /// (the decoder layers' projection weights take it; see [`TpModel::set_grad_targets`]).
+    fn grad_targets(&self) -> Result<Vec<Option<Tensor>>> {
         let mut out = Vec::with_capacity(self.slot.len());
         for (i, &(f, off, n)) in self.slot.iter().enumerate() {
             let shape = self.model.params[i].local.size();
@@ -305,7 +300,7 @@ impl TpTrainer {
                     .ctx("gradient accumulator slice")?,
             ));
         }
-        Ok(Some(out))
+        Ok(out)
     }
 
     /// The end of a mini-batch: gradients summed over the data-parallel ranks, the global norm

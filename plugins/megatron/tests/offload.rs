@@ -3,8 +3,8 @@
 //! with offloading exactly as without it (bit-identical log-probs, metrics, generations, exported
 //! weights), and between calls every offloaded tensor sits on the host — exactly the parameters,
 //! gradient buffers and optimizer state (masters, moments) of the rank. Ranks run as threads; on
-//! the CPU the host is the device, but with `VERL_OFFLOAD_HOMES_ON_CPU=1` (set by every test here)
-//! the moves go through the host homes and copy, as on a GPU.
+//! the CPU the host is the device, but with `offload::use_host_homes_on_cpu` (called by every test
+//! here) the moves go through the host homes and copy, as on a GPU.
 
 mod support;
 
@@ -25,7 +25,7 @@ use support::*;
 
 /// Moves through the host homes on the CPU too (a move to the "device" copies).
 fn homes_on_cpu() {
-    std::env::set_var("VERL_OFFLOAD_HOMES_ON_CPU", "1");
+    verl_megatron::offload::use_host_homes_on_cpu();
 }
 
 fn all_offload(on: bool) -> Value {

@@ -118,16 +118,6 @@ impl Drop for AccumulateIntoGrad {
     }
 }
 
-/// `VERL_FUSED_QKV_GRAD=1`: under gradient-accumulation fusion the q/k/v projections' gradients
-/// go into their `.grad` as row views of one tensor, one GEMM per micro-batch
-/// ([`verl_torch_ext::linear_blocks_accumulating`]). Off by default: on the 1.5B bench (H100) its
-/// update's kernels took as long (traced: 5.53 against 5.52 s) with the same peak held by tensors
-/// (36.6 GiB), while the allocator's cache kept 2.7 GiB more (device reading 41.5 against 38.8 GiB).
-fn fused_qkv_grad() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VERL_FUSED_QKV_GRAD").as_deref() == Ok("1"))
-}
-
 /// Whether this thread is inside a [`crate::Transformer`] forward + `backward()` whose
 /// parameter gradients accumulate straight into `.grad` (gradient-accumulation fusion, see
 /// [`crate::Transformer::set_grad_accumulation_fusion`]) with autograd recording: code that
@@ -176,33 +166,6 @@ pub(crate) fn decode_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Resul
 pub(crate) struct RmsNorm {
     pub weight: Tensor,
     pub eps: f64,
-}
-
-/// Whether CUDA RMSNorms use libtorch's fused kernel (`at::rms_norm`: one kernel forward and
-/// one backward, normalising and scaling in fp32 with one rounding) instead of HF's op sequence
-/// (seven kernels, the normalised value rounded to the input dtype before the scale). Off with
-/// `VERL_FUSED_RMSNORM=0`; CPU always runs HF's sequence.
-fn fused_rms_norm() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VERL_FUSED_RMSNORM").as_deref() != Ok("0"))
-}
-
-/// Whether forwards add the residual and apply the decoder layers' RMSNorms in one kernel on CUDA
-/// in bf16/fp16: [`verl_torch_ext::add_rms_norm`] without autograd,
-/// [`verl_torch_ext::add_rms_norm_autograd`] (one backward kernel too) under it. Off with
-/// `VERL_FUSED_ADD_NORM=0`.
-fn fused_add_norm() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VERL_FUSED_ADD_NORM").as_deref() != Ok("0"))
-}
-
-/// Whether training forwards gather a shared prompt's keys/values into each sample's sequence
-/// with [`verl_torch_ext::gather_rows`] (a backward summing each token's readers in one kernel,
-/// no atomics) instead of `index_select` (whose backward is `index_add_`). Off with
-/// `VERL_GATHER_ROWS=0`.
-fn fused_gather() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VERL_GATHER_ROWS").as_deref() != Ok("0"))
 }
 
 /// The residual stream between decoder layers: hidden states, possibly with the last block's
@@ -262,7 +225,6 @@ impl RmsNorm {
             && self.weight.kind() == kind
             && delta.is_none_or(|d| d.kind() == kind && d.size() == x.size())
             && verl_torch_ext::row_kernels_available(x.device())
-            && fused_add_norm()
             && !(verl_torch_ext::grad_enabled()
                 && (x.requires_grad()
                     || self.weight.requires_grad()
@@ -271,7 +233,7 @@ impl RmsNorm {
 
     /// Whether [`verl_torch_ext::add_rms_norm_autograd`] can add and normalise `x` (+ `delta`)
     /// under autograd (a training forward): as [`RmsNorm::fusable`] but recorded, for hidden
-    /// sizes its backward takes; off with `VERL_FUSED_ADD_NORM=0` too.
+    /// sizes its backward takes.
     fn fusable_with_grad(&self, x: &Tensor, delta: Option<&Tensor>) -> bool {
         verl_torch_ext::grad_enabled()
             && (x.requires_grad()
@@ -279,7 +241,6 @@ impl RmsNorm {
                 || delta.is_some_and(|d| d.requires_grad()))
             && delta.is_none_or(|d| d.kind() == x.kind() && d.size() == x.size())
             && verl_torch_ext::add_rms_norm_autograd_applies(x, &self.weight)
-            && fused_add_norm()
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -288,15 +249,11 @@ impl RmsNorm {
 }
 
 /// RMSNorm of `x` over its last dimension, scaled by `weight` (differentiable): libtorch's fused
-/// `rms_norm` on CUDA when `x` is in the weight's dtype (off with `VERL_FUSED_RMSNORM=0`), else
+/// `rms_norm` on CUDA when `x` is in the weight's dtype, else
 /// HF's formulation (the mean square in fp32, the normalised value cast back, then the weight).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let kind = x.kind();
-    if matches!(x.device(), Device::Cuda(_))
-        && kind == weight.kind()
-        && kind != Kind::Double
-        && fused_rms_norm()
-    {
+    if matches!(x.device(), Device::Cuda(_)) && kind == weight.kind() && kind != Kind::Double {
         let dim = weight.size();
         return Ok(x.f_rms_norm(dim.as_slice(), Some(weight), eps)?);
     }
@@ -310,9 +267,10 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(weight.f_mul(&normed)?)
 }
 
-/// Rotary position embedding: inverse frequencies (fp32) computed once from the config.
+/// Rotary position embedding: inverse frequencies (fp32) computed once from the config, in
+/// transformers' operation order (so the tables are bit-identical to HF's and every backend's).
 #[derive(Debug)]
-pub(crate) struct Rope {
+pub struct Rope {
     inv_freq: Tensor,
 }
 
@@ -401,10 +359,8 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 
 /// Whether a shared-prompt forward's attention can run through flash attention's varlen kernel
 /// ([`VarlenRows`]): `q` `[1, heads, N, D]` half-precision on a CUDA GPU of compute capability 8.0
-/// or newer (FlashAttention-2's), a head size the kernel takes (a multiple of 8, at most 256), and
-/// `VERL_VARLEN_ATTENTION` not `0` (which keeps the padded rows, for comparisons).
+/// or newer (FlashAttention-2's) and a head size the kernel takes (a multiple of 8, at most 256).
 fn varlen_applies(q: &Tensor, head_dim: i64) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let Device::Cuda(index) = q.device() else {
         return false;
     };
@@ -412,7 +368,6 @@ fn varlen_applies(q: &Tensor, head_dim: i64) -> bool {
         && matches!(q.kind(), Kind::BFloat16 | Kind::Half)
         && head_dim % 8 == 0
         && head_dim <= 256
-        && *ON.get_or_init(|| std::env::var("VERL_VARLEN_ATTENTION").as_deref() != Ok("0"))
 }
 
 /// Rotary position embedding `x · cos + rotate_half(x) · sin`: `x` `[B, heads, T, D]`,
@@ -428,10 +383,8 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// [`apply_rope`] in one CUDA kernel, bit-identical to the five torch ops: where nothing needs a
 /// gradient (generation and scoring forwards) [`verl_torch_ext::rope`], else
 /// [`verl_torch_ext::rope_autograd`], whose backward is one kernel too (training forwards).
-/// `None` where it does not apply (CPU, a gradient for cos/sin, other layouts,
-/// `VERL_FUSED_ROPE=0`).
+/// `None` where it does not apply (CPU, a gradient for cos/sin, other layouts).
 fn fused_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let applies = matches!(x.device(), Device::Cuda(_))
         && !cos.requires_grad()
         && !sin.requires_grad()
@@ -441,8 +394,7 @@ fn fused_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Tensor>> 
         && cos.size() == sin.size()
         && cos.kind() == x.kind()
         && sin.kind() == x.kind()
-        && verl_torch_ext::row_kernels_available(x.device())
-        && *ON.get_or_init(|| std::env::var("VERL_FUSED_ROPE").as_deref() != Ok("0"));
+        && verl_torch_ext::row_kernels_available(x.device());
     if !applies {
         return Ok(None);
     }
@@ -965,7 +917,7 @@ impl Attention {
             if consistent.is_none() && self.window.is_none() && varlen_applies(q, self.head_dim) {
                 let kv = |x: &Tensor| -> Result<Tensor> {
                     let s = AttentionRows::stream(x)?;
-                    if s.requires_grad() && verl_torch_ext::grad_enabled() && fused_gather() {
+                    if s.requires_grad() && verl_torch_ext::grad_enabled() {
                         return Ok(verl_torch_ext::gather_rows(
                             &s,
                             &vl.kv_gather,
@@ -1136,13 +1088,9 @@ impl Attention {
     /// On CUDA, q/k/v as one GEMM over the concatenated weights (and biases), recorded by
     /// autograd where the weights need gradients: the same GEMM shape as a generation engine's
     /// fused projection, one launch instead of three forward and one input-gradient GEMM instead
-    /// of three (and their sum) backward. `None` off CUDA, with mixed biases, or with
-    /// `VERL_FUSED_QKV=0`.
+    /// of three (and their sum) backward. `None` off CUDA or with mixed biases.
     fn qkv_concatenated(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if !matches!(x.device(), Device::Cuda(_))
-            || !*ON.get_or_init(|| std::env::var("VERL_FUSED_QKV").as_deref() != Ok("0"))
-        {
+        if !matches!(x.device(), Device::Cuda(_)) {
             return Ok(None);
         }
         let (q, k, v) = (&self.q_proj, &self.k_proj, &self.v_proj);
@@ -1151,40 +1099,12 @@ impl Attention {
             (None, None, None) => None,
             _ => return Ok(None),
         };
-        if q.weight.requires_grad() && accumulating_into_grad() && fused_qkv_grad() {
-            // Gradient-accumulation fusion: the blocks' gradients go straight into their .grad.
-            return Ok(Some(verl_torch_ext::linear_blocks_accumulating(
-                x,
-                &[&q.weight, &k.weight, &v.weight],
-                biases.as_ref().map(|b| b.as_slice()),
-            )?));
-        }
         let bias = match biases {
             Some(b) => Some(Tensor::f_cat(&b, 0)?),
             None => None,
         };
         let w = Tensor::f_cat(&[&q.weight, &k.weight, &v.weight], 0)?;
         Ok(Some(x.f_linear(&w, bias.as_ref())?))
-    }
-
-    /// Under gradient-accumulation fusion on CUDA with `VERL_FUSED_QKV_GRAD=1`, gives the q/k/v
-    /// weights (and biases) without gradients zero ones laid out as
-    /// [`Attention::qkv_concatenated`]'s backward accumulates into (see
-    /// [`verl_torch_ext::prepare_block_grads`]); a no-op otherwise.
-    pub(crate) fn prepare_qkv_grads(&self) -> Result<()> {
-        let (q, k, v) = (&self.q_proj, &self.k_proj, &self.v_proj);
-        if !matches!(q.weight.device(), Device::Cuda(_))
-            || !q.weight.requires_grad()
-            || self.tp.is_some()
-            || !fused_qkv_grad()
-        {
-            return Ok(());
-        }
-        verl_torch_ext::prepare_block_grads(&[&q.weight, &k.weight, &v.weight])?;
-        if let (Some(a), Some(b), Some(c)) = (&q.bias, &k.bias, &v.bias) {
-            verl_torch_ext::prepare_block_grads(&[a, b, c])?;
-        }
-        Ok(())
     }
 
     /// `[B, heads, T, D]` attention output -> `o_proj` over `[B, T, heads * D]`.
@@ -1206,7 +1126,7 @@ impl Attention {
 }
 
 /// `[B, n_kv, L, D]` -> `[B, n_kv * groups, L, D]`, each kv head repeated for its query group.
-fn repeat_kv(x: &Tensor, groups: i64) -> Result<Tensor> {
+pub fn repeat_kv(x: &Tensor, groups: i64) -> Result<Tensor> {
     if groups == 1 {
         return Ok(x.shallow_clone());
     }
@@ -1216,32 +1136,24 @@ fn repeat_kv(x: &Tensor, groups: i64) -> Result<Tensor> {
         .f_reshape([s[0], s[1] * groups, s[2], s[3]])?)
 }
 
-fn fused_swiglu_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VERL_FUSED_SWIGLU").as_deref() != Ok("0"))
-}
-
 /// Whether `silu(gate) * up` over a fused gate/up output `gu` runs as one CUDA kernel
 /// ([`verl_torch_ext::swiglu`], bit-identical to the two torch ops, which read the two strided
-/// halves slowly). Only reached on no-grad paths (the fused projection is never differentiated);
-/// off with `VERL_FUSED_SWIGLU=0`.
+/// halves slowly). Only reached on no-grad paths (the fused projection is never differentiated).
 fn fused_swiglu(gu: &Tensor) -> bool {
     matches!(gu.device(), Device::Cuda(_))
         && !gu.requires_grad()
         && verl_torch_ext::row_kernels_available(gu.device())
-        && fused_swiglu_on()
 }
 
 /// `silu(g) * u`: on CUDA one autograd-recorded kernel forward and one backward
 /// ([`verl_torch_ext::silu_mul`], bit-identical to the torch ops and their backward, and it keeps
-/// no `silu(g)` for the backward), else the two torch ops. Off with `VERL_FUSED_SWIGLU=0`.
+/// no `silu(g)` for the backward), else the two torch ops.
 pub fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     if matches!(g.device(), Device::Cuda(_))
         && g.size() == u.size()
         && g.kind() == u.kind()
         && matches!(g.kind(), Kind::Float | Kind::BFloat16 | Kind::Half)
         && verl_torch_ext::row_kernels_available(g.device())
-        && fused_swiglu_on()
     {
         return Ok(verl_torch_ext::silu_mul(g, u)?);
     }
@@ -1487,11 +1399,6 @@ pub(crate) struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    /// See [`Attention::prepare_qkv_grads`].
-    pub(crate) fn prepare_qkv_grads(&self) -> Result<()> {
-        self.self_attn.prepare_qkv_grads()
-    }
-
     /// Builds (`on`) or drops the decode-time fused projections of this layer (attention q/k/v,
     /// a dense MLP's gate/up; MoE experts stay unfused); returns the bytes they hold.
     pub fn fuse(&self, on: bool) -> Result<usize> {
@@ -1632,128 +1539,4 @@ impl DecoderLayer {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A shared-prompt layout as the actor builds it: per group its prompt, then each member's
-    /// response, the group's first row giving the prompt's outputs. Returns (gather, scatter,
-    /// rows, len, stream length).
-    fn shared_layout(groups: &[(usize, Vec<usize>)]) -> (Vec<i64>, Vec<i64>, i64, i64, usize) {
-        let mut parts = Vec::new(); // (prompt at, prompt len, response at, response len, owner)
-        let mut at = 0;
-        for (plen, resps) in groups {
-            let p_at = at;
-            at += plen;
-            for (j, &rl) in resps.iter().enumerate() {
-                parts.push((p_at, *plen, at, rl, j == 0));
-                at += rl;
-            }
-        }
-        let len = parts.iter().map(|p| p.1 + p.3).max().unwrap();
-        let (mut gather, mut scatter) = (Vec::new(), vec![0i64; at]);
-        for (i, &(p_at, plen, r_at, rl, owner)) in parts.iter().enumerate() {
-            gather.extend((p_at..p_at + plen).map(|k| k as i64));
-            gather.extend((r_at..r_at + rl).map(|k| k as i64));
-            gather.extend(std::iter::repeat_n(0, len - plen - rl));
-            if owner {
-                for k in 0..plen {
-                    scatter[p_at + k] = (i * len + k) as i64;
-                }
-            }
-            for j in 0..rl {
-                scatter[r_at + j] = (i * len + plen + j) as i64;
-            }
-        }
-        (gather, scatter, parts.len() as i64, len as i64, at)
-    }
-
-    #[test]
-    fn varlen_layout_of_shared_prompts() {
-        // Group 0: prompt 3, responses 2 and 1; group 1: prompt 2, response 3.
-        let (gather, scatter, rows, len, n) = shared_layout(&[(3, vec![2, 1]), (2, vec![3])]);
-        assert_eq!(n, 11);
-        let (kv, cu_q, cu_k) = varlen_layout(&gather, &scatter, rows, len).unwrap();
-        // Row 0: prompt 0..3 + response 3..5 (queries: all five); row 1: prompt + 5 (query: 5);
-        // row 2: prompt 6..8 + response 8..11 (queries: all five).
-        assert_eq!(kv, [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9, 10]);
-        assert_eq!(cu_q, [0, 5, 6, 11]);
-        assert_eq!(cu_k, [0, 5, 9, 14]);
-    }
-
-    #[test]
-    fn varlen_layout_refuses_streams_out_of_row_order() {
-        let (gather, mut scatter, rows, len, _) = shared_layout(&[(2, vec![1, 1])]);
-        // Stream order: prompt (row 0), row 0's response, row 1's response; swap the last two.
-        scatter.swap(2, 3);
-        assert!(varlen_layout(&gather, &scatter, rows, len).is_none());
-        // Outputs that skip a column of their row.
-        let (gather, mut scatter, rows, len, _) = shared_layout(&[(2, vec![2])]);
-        scatter[3] += 1;
-        assert!(varlen_layout(&gather, &scatter, rows, len).is_none());
-        // An index out of the rows.
-        let (gather, mut scatter, rows, len, _) = shared_layout(&[(2, vec![2])]);
-        scatter[3] = rows * len;
-        assert!(varlen_layout(&gather, &scatter, rows, len).is_none());
-    }
-
-    /// The varlen form's semantics (each row's queries are the last of its keys, causal from the
-    /// bottom right), computed row by row with explicit masks, equal the padded rows' attention:
-    /// the contract the flash kernel is given on CUDA.
-    #[test]
-    fn varlen_form_equals_the_padded_rows() {
-        tch::manual_seed(0);
-        let (h, kvh, d) = (4i64, 2i64, 8i64);
-        let (gather, scatter, rows, len, n) =
-            shared_layout(&[(5, vec![3, 1, 4]), (2, vec![6]), (4, vec![0, 2])]);
-        let ar = AttentionRows::from_host(&gather, &scatter, rows, len, Device::Cpu).unwrap();
-        let vl = ar
-            .varlen
-            .as_ref()
-            .expect("a shared-prompt stream has a varlen form");
-        let n = n as i64;
-        let q = Tensor::randn([n, h, d], (Kind::Double, Device::Cpu));
-        let k = Tensor::randn([n, kvh, d], (Kind::Double, Device::Cpu));
-        let v = Tensor::randn([n, kvh, d], (Kind::Double, Device::Cpu));
-        // Padded rows, as `forward_rows` runs them without the varlen form.
-        let heads = |x: Tensor| x.transpose(1, 2);
-        let padded = causal_attention(
-            &heads(ar.assemble(&q).unwrap()),
-            &heads(ar.assemble(&k).unwrap()),
-            &heads(ar.assemble(&v).unwrap()),
-        )
-        .unwrap();
-        let want = ar.disperse(&padded).unwrap().squeeze_dim(0).transpose(0, 1);
-        // Varlen, row by row.
-        let cu = |t: &Tensor| Vec::<i64>::try_from(t.to_kind(Kind::Int64)).unwrap();
-        let (cu_q, cu_k) = (cu(&vl.cu_q), cu(&vl.cu_k));
-        let kk = k.index_select(0, &vl.kv_gather);
-        let vv = v.index_select(0, &vl.kv_gather);
-        let mut outs = Vec::new();
-        for a in 0..rows as usize {
-            let (q0, nq) = (cu_q[a], cu_q[a + 1] - cu_q[a]);
-            let (k0, nk) = (cu_k[a], cu_k[a + 1] - cu_k[a]);
-            if nq == 0 {
-                continue;
-            }
-            assert!(nk >= nq, "row {a}: {nq} queries over {nk} keys");
-            let qi = Tensor::arange(nq, (Kind::Int64, Device::Cpu)).view([-1, 1]);
-            let ki = Tensor::arange(nk, (Kind::Int64, Device::Cpu)).view([1, -1]);
-            let mask = ki.le_tensor(&(qi + (nk - nq)));
-            let o = Tensor::scaled_dot_product_attention(
-                &q.narrow(0, q0, nq).transpose(0, 1).unsqueeze(0),
-                &kk.narrow(0, k0, nk).transpose(0, 1).unsqueeze(0),
-                &vv.narrow(0, k0, nk).transpose(0, 1).unsqueeze(0),
-                Some(mask),
-                0.0,
-                false,
-                None,
-                true,
-            );
-            outs.push(o.squeeze_dim(0).transpose(0, 1));
-        }
-        let got = Tensor::cat(&outs, 0);
-        assert_eq!(got.size(), [n, h, d]);
-        let diff = (&got - &want).abs().max().double_value(&[]);
-        assert!(diff < 1e-12, "varlen form vs padded rows: {diff:.3e}");
-    }
-}
+mod tests;

@@ -26,8 +26,8 @@ pub use checkpoint::{Checkpoint, LoadReport, SaveOptions};
 pub use config::{Arch, ModelConfig, MoeConfig, RopeScaling};
 pub use error::{NnError, Result};
 pub use layers::{
-    accumulating_into_grad, apply_rope, causal_attention, rms_norm, silu_mul, varlen_layout,
-    AttentionRows, VarlenRows,
+    accumulating_into_grad, apply_rope, causal_attention, repeat_kv, rms_norm, silu_mul,
+    varlen_layout, AttentionRows, Rope, VarlenRows,
 };
 pub use model::{
     linear_fp32, AttentionBackend, AttentionCall, FusedDecodeWeights, GemmTuning, HeadKind,

@@ -867,8 +867,7 @@ impl Transformer {
     /// the layers, and the LM head with fp32 logits) with [`verl_torch_ext::tune_linear`] (`wide`:
     /// over every configuration, not only the heuristic's), once per shape and process. Call it
     /// with the decode weights fused ([`Transformer::fuse_decode_weights`]) and outside a CUDA
-    /// graph capture; it synchronises the device. Nothing happens off CUDA, without cuBLASLt, or
-    /// with `VERL_TUNED_GEMMS=0`.
+    /// graph capture; it synchronises the device. Nothing happens off CUDA or without cuBLASLt.
     pub fn tune_decode_gemms(&self, rows: i64, wide: bool) -> Result<GemmTuning> {
         let mut sum = GemmTuning::default();
         if !self.device().is_cuda() || !verl_torch_ext::tuned_gemms_available() {
@@ -959,11 +958,6 @@ impl Transformer {
     {
         self.check_trainable()?;
         let _accumulate = AccumulateIntoGrad::set(self.grad_accumulation_fusion);
-        if self.grad_accumulation_fusion {
-            for layer in &self.layers {
-                layer.prepare_qkv_grads()?;
-            }
-        }
         if !self.checkpointing {
             let mut timer = crate::profile::start(self.device());
             let h = self.forward_hidden_in(input_ids, attention_mask, position_ids, None, rows)?;
@@ -1250,11 +1244,7 @@ impl Transformer {
         if let Some(tp) = &self.tp {
             return tp.embed(&self.embed_tokens, input_ids, self.padding_idx);
         }
-        static ROWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if self.embed_tokens.requires_grad()
-            && crate::layers::accumulating_into_grad()
-            && *ROWS.get_or_init(|| std::env::var("VERL_EMBED_GRAD_ROWS").as_deref() != Ok("0"))
-        {
+        if self.embed_tokens.requires_grad() && crate::layers::accumulating_into_grad() {
             // Gradient-accumulation fusion: the rows present go straight into .grad.
             let pad = (self.padding_idx >= 0).then_some(self.padding_idx);
             return Ok(verl_torch_ext::embedding_accumulating(

@@ -312,7 +312,7 @@ impl DecodeGraphs {
     /// capture (after the device has drained), none when the kernels already ran at these
     /// shapes or were warmed otherwise. Under `consistent_attention` the step's GEMMs are tuned
     /// for its batch size first (`wide`: over every cuBLASLt configuration, for the call's first
-    /// full batch; else among the heuristic's; `VERL_TUNED_GEMMS=narrow` keeps to the latter).
+    /// full batch; else among the heuristic's).
     #[allow(clippy::too_many_arguments)]
     fn capture(
         &mut self,
@@ -330,14 +330,12 @@ impl DecodeGraphs {
             // Once per batch size and process (a device synchronisation; see
             // `Transformer::tune_decode_gemms`), before the capture that bakes the choice in.
             // A failure (e.g. no memory for the reference GEMMs) leaves libtorch's GEMMs.
-            let wide = wide && std::env::var("VERL_TUNED_GEMMS").as_deref() != Ok("narrow");
             let t = Instant::now();
             match model.tune_decode_gemms(padded.s as i64, wide) {
                 Ok(g) if g.timed > 0 => tracing::info!(
                     "decode GEMMs for {} rows tuned in {:.2} s ({}): {} of the step's {} GEMM \
                      shapes run a cuBLASLt configuration faster than libtorch's (once per batch \
-                     size; kept in the tuning cache file, see VERL_TUNED_GEMMS_CACHE; \
-                     VERL_TUNED_GEMMS=0 turns this off)",
+                     size; kept in the tuning cache file, see VERL_TUNED_GEMMS_CACHE)",
                     padded.s,
                     t.elapsed().as_secs_f64(),
                     if wide {

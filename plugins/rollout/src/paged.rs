@@ -189,7 +189,7 @@ struct Engine<'a> {
     /// The last graphed decode step, not yet recorded on the host (see [`Inflight`]).
     inflight: Option<Inflight>,
     /// Async scheduling: a graphed decode step is queued before the host has recorded the step
-    /// before it (`VERL_ASYNC_DECODE=0` turns it off).
+    /// before it ([`EngineConfig::async_decode`]).
     overlap: bool,
 }
 
@@ -257,7 +257,7 @@ impl<'a> Engine<'a> {
             max_seqs: config.max_num_seqs.unwrap_or(usize::MAX),
             max_prefill: config.max_prefill_tokens,
             pool: BlockPool::new(usable + 1),
-            kv: KvPool::new(model, usable + 1, bs)?,
+            kv: KvPool::new(model, usable + 1, bs, config.paged_attention_kernel)?,
             waiting: (0..seqs.len()).collect(),
             seqs,
             groups,
@@ -265,13 +265,13 @@ impl<'a> Engine<'a> {
             first_token_at: None,
             // Every sequence decodes at once when the pool holds them all (and the batch
             // limit allows): the first decode step's graph can be captured during the prefill.
-            // `VERL_DECODE_PRECAPTURE=0` leaves it to the bucket's second use, like the others.
+            // Without `precapture_decode_graph`, at the bucket's second use, like the others.
             precapture: (usable >= all_at_once
                 && m >= PRECAPTURE_MIN_TOKENS
-                && std::env::var("VERL_DECODE_PRECAPTURE").as_deref() != Ok("0"))
-            .then(|| config.max_num_seqs.unwrap_or(usize::MAX).min(job.rows())),
+                && config.precapture_decode_graph)
+                .then(|| config.max_num_seqs.unwrap_or(usize::MAX).min(job.rows())),
             inflight: None,
-            overlap: std::env::var("VERL_ASYNC_DECODE").as_deref() != Ok("0"),
+            overlap: config.async_decode,
             // A tensor-parallel shard decodes eagerly: its collectives run outside the graph's
             // stream capture.
             graphs: if model.tp_size() > 1 {

@@ -34,8 +34,8 @@ pub(crate) struct KvPool {
     layers: Vec<LayerViews>,
     block_size: i64,
     /// Decode attention runs the CUDA paged-attention kernel (CUDA with a torch-ext build that
-    /// has it, unless `VERL_PAGED_ATTENTION_KERNEL=0`); otherwise blocks are gathered and SDPA
-    /// runs over them.
+    /// has it, when the engine asks for it); otherwise blocks are gathered and SDPA runs over
+    /// them.
     pub kernel: bool,
     /// The model's [`Transformer::consistent_attention`] (with the kernel): every attention,
     /// prefill included, runs through the kernel with one context split, one query per position,
@@ -47,7 +47,12 @@ impl KvPool {
     /// Zero-filled, so positions no sequence wrote (gathered but masked) hold finite values: a
     /// masked key still multiplies its value by weight 0, and `0 * NaN` would poison the output.
     /// A tensor-parallel shard's pool holds its own key/value heads only.
-    pub fn new(model: &Transformer, num_blocks: usize, block_size: usize) -> Result<KvPool> {
+    pub fn new(
+        model: &Transformer,
+        num_blocks: usize,
+        block_size: usize,
+        kernel: bool,
+    ) -> Result<KvPool> {
         let c = model.shard_config();
         let (nl, nkv, hd) = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim);
         let (nb, bs) = (num_blocks as i64, block_size as i64);
@@ -64,8 +69,7 @@ impl KvPool {
                 v_blocks,
             });
         }
-        let kernel = verl_torch_ext::paged_attention_available(model.device())
-            && std::env::var("VERL_PAGED_ATTENTION_KERNEL").as_deref() != Ok("0");
+        let kernel = kernel && verl_torch_ext::paged_attention_available(model.device());
         tracing::debug!(
             kernel,
             consistent = kernel && model.consistent_attention(),
@@ -417,14 +421,13 @@ impl PagedAttention<'_> {
 impl AttentionBackend for PagedAttention<'_> {
     /// Decode steps through the kernels: one launch rotates q and k and stores k and v
     /// ([`verl_torch_ext::rope_store`], bit-identical to RoPE's torch ops), then the
-    /// paged-attention kernel. Elsewhere (prefill, CPU, `VERL_FUSED_ROPE=0`) the model rotates.
+    /// paged-attention kernel. Elsewhere (prefill, CPU) the model rotates.
     fn attend_unrotated(
         &mut self,
         call: AttentionCall<'_>,
         cos: &Tensor,
         sin: &Tensor,
     ) -> verl_nn::Result<Option<Tensor>> {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let qs = call.q.size();
         let (s, t, d) = (qs[0], qs[2], qs[3]);
         let applies = t == 1
@@ -433,8 +436,7 @@ impl AttentionBackend for PagedAttention<'_> {
             && sin.size() == [s, 1, 1, d]
             && cos.kind() == call.q.kind()
             && sin.kind() == call.q.kind()
-            && verl_torch_ext::row_kernels_available(call.q.device())
-            && *ON.get_or_init(|| std::env::var("VERL_FUSED_ROPE").as_deref() != Ok("0"));
+            && verl_torch_ext::row_kernels_available(call.q.device());
         if !applies {
             return Ok(None);
         }
@@ -639,7 +641,7 @@ mod tests {
         let a: Vec<i64> = vec![5, 17, 33, 2, 90, 41, 8, 60, 12];
         let b: Vec<i64> = vec![71, 3, 3, 44];
         let (ra, rb) = (reference(&m, &a), reference(&m, &b));
-        let pool = KvPool::new(&m, 8, 3).unwrap();
+        let pool = KvPool::new(&m, 8, 3, true).unwrap();
         // Blocks out of order on purpose; block 0 is the trash block.
         let ta = [5u32, 2, 7];
         let tb = [1u32, 4];

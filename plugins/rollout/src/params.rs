@@ -150,10 +150,19 @@ pub struct EngineConfig {
     /// eagerly.
     pub cuda_graph_sizes: Option<Vec<usize>>,
     /// On CUDA, decode through fused q/k/v and gate/up projections
-    /// ([`verl_nn::Transformer::fuse_decode_weights`]; `VERL_FUSE_DECODE_WEIGHTS=0` turns it off).
-    /// Their copies take [`verl_nn::Transformer::decode_fusion_bytes`] for the call, which a KV
-    /// budget should leave free.
+    /// ([`verl_nn::Transformer::fuse_decode_weights`]). Their copies take
+    /// [`verl_nn::Transformer::decode_fusion_bytes`] for the call, which a KV budget should leave
+    /// free.
     pub fuse_weights: bool,
+    /// Decode attention through the CUDA paged-attention kernel where the build has it; `false`
+    /// gathers the blocks and runs SDPA (the reference the kernel is tested against).
+    pub paged_attention_kernel: bool,
+    /// When every sequence decodes at once, capture the first decode step's graph during the
+    /// prefill; `false` captures it at the bucket's second use, like the others.
+    pub precapture_decode_graph: bool,
+    /// Async scheduling: queue a graphed decode step before the host has recorded the one before
+    /// it; `false`: each step waits for the host.
+    pub async_decode: bool,
 }
 
 impl Default for EngineConfig {
@@ -165,7 +174,10 @@ impl Default for EngineConfig {
             max_prefill_tokens: 16384,
             cuda_graphs: true,
             cuda_graph_sizes: None,
-            fuse_weights: std::env::var("VERL_FUSE_DECODE_WEIGHTS").as_deref() != Ok("0"),
+            fuse_weights: true,
+            paged_attention_kernel: true,
+            precapture_decode_graph: true,
+            async_decode: true,
         }
     }
 }

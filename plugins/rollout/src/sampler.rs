@@ -50,13 +50,11 @@ impl Sampler {
     }
 
     /// Whether `sample` on `device` runs the fused CUDA kernel ([`verl_torch_ext::sample_rows`]):
-    /// no top-k/top-p filter, a CUDA device, and not turned off with `VERL_SAMPLING_KERNEL=0`.
+    /// no top-k/top-p filter and a CUDA device.
     pub fn uses_kernel(&self, device: tch::Device) -> bool {
-        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         self.top_k.is_none()
             && self.top_p.is_none()
             && verl_torch_ext::row_kernels_available(device)
-            && *ENABLED.get_or_init(|| std::env::var("VERL_SAMPLING_KERNEL").as_deref() != Ok("0"))
     }
 
     /// `logits`: `[R, V]` (any float kind); `uniforms`: float `[R]` in `[0, 1)` on the logits'

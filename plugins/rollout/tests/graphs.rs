@@ -1,5 +1,5 @@
-//! Decode CUDA graphs and the paged-attention kernel (GPU only; skipped with a note on a machine
-//! without CUDA): the paged engine with the kernel, and replaying captured decode steps, gives
+//! Decode CUDA graphs and the paged-attention kernel (GPU only: ignored as "needs CUDA", run by
+//! `make test-gpu`, failing on a machine without CUDA): the paged engine with the kernel, and replaying captured decode steps, gives
 //! the tokens and log-probs of the gather + SDPA path, across ragged lengths, EOS, sliding
 //! windows and batch shrinkage (many buckets).
 
@@ -7,6 +7,7 @@ use serde_json::json;
 use tch::{Device, Kind, Tensor};
 use verl_nn::{ModelConfig, ModelOptions, Transformer};
 use verl_rollout::{generate_with_config, EngineConfig, GenerationStats, SamplingParams};
+use verl_test_support::cuda::cuda_device;
 
 /// The tests here take turns: they seed libtorch's global generator and one of them flips a
 /// process-wide environment variable, so run side by side (cargo's default) each could draw the
@@ -44,7 +45,17 @@ fn run(
     params: &SamplingParams,
     graphs: bool,
 ) -> (Vec<Vec<i64>>, Tensor, GenerationStats) {
-    run_with(m, params, graphs, None)
+    run_with(m, params, graphs, None, |_| {})
+}
+
+/// [`run`] with one of the engine's reference paths chosen by `tweak`.
+fn run_tweaked(
+    m: &Transformer,
+    params: &SamplingParams,
+    graphs: bool,
+    tweak: fn(&mut EngineConfig),
+) -> (Vec<Vec<i64>>, Tensor, GenerationStats) {
+    run_with(m, params, graphs, None, tweak)
 }
 
 fn run_with(
@@ -52,6 +63,7 @@ fn run_with(
     params: &SamplingParams,
     graphs: bool,
     kv_cache_tokens: Option<usize>,
+    tweak: fn(&mut EngineConfig),
 ) -> (Vec<Vec<i64>>, Tensor, GenerationStats) {
     tch::manual_seed(1);
     let ids = Tensor::randint(300, [6, 11], (Kind::Int64, Device::Cpu));
@@ -63,12 +75,13 @@ fn run_with(
     )
     .view([6, 11]);
     let (ids, mask) = (ids.to_device(m.device()), mask.to_device(m.device()));
-    let config = EngineConfig {
+    let mut config = EngineConfig {
         block_size: 4,
         cuda_graphs: graphs,
         kv_cache_tokens,
         ..EngineConfig::default()
     };
+    tweak(&mut config);
     let (g, s) = generate_with_config(m, &ids, &mask, params, None, &config).unwrap();
     let rows = Vec::<Vec<i64>>::try_from(&g.responses.to_device(Device::Cpu)).unwrap();
     let lp = g.log_probs.expect("log-probs").to_device(Device::Cpu);
@@ -77,9 +90,8 @@ fn run_with(
 
 fn check(m: &Transformer, params: &SamplingParams) {
     // The gather + SDPA decode path (no kernel, no graphs) is the reference for both.
-    std::env::set_var("VERL_PAGED_ATTENTION_KERNEL", "0");
-    let (gathered, gathered_lp, _) = run(m, params, false);
-    std::env::remove_var("VERL_PAGED_ATTENTION_KERNEL");
+    let (gathered, gathered_lp, _) =
+        run_tweaked(m, params, false, |c| c.paged_attention_kernel = false);
     let (eager, eager_lp, es) = run(m, params, false);
     assert_eq!(gathered, eager, "the paged-attention kernel changed tokens");
     let d = (&gathered_lp - &eager_lp).abs().max().double_value(&[]);
@@ -103,9 +115,8 @@ fn check(m: &Transformer, params: &SamplingParams) {
         assert_eq!(gs.cuda_graph_steps, gs.decode_steps, "{gs:?}");
         assert_eq!(gs.cuda_graphs, 1, "{gs:?}");
         // Captured at its second use instead (the first step eager): the same tokens.
-        std::env::set_var("VERL_DECODE_PRECAPTURE", "0");
-        let (late, late_lp, ls) = run(m, params, true);
-        std::env::remove_var("VERL_DECODE_PRECAPTURE");
+        let (late, late_lp, ls) =
+            run_tweaked(m, params, true, |c| c.precapture_decode_graph = false);
         assert_eq!(ls.cuda_graph_steps + 1, ls.decode_steps, "{ls:?}");
         assert_eq!(
             eager, late,
@@ -115,9 +126,7 @@ fn check(m: &Transformer, params: &SamplingParams) {
         assert!(d < 1e-4, "log-probs differ by {d}");
     }
     // And without it (each step waits for the host), the same.
-    std::env::set_var("VERL_ASYNC_DECODE", "0");
-    let (sync, sync_lp, ss) = run(m, params, true);
-    std::env::remove_var("VERL_ASYNC_DECODE");
+    let (sync, sync_lp, ss) = run_tweaked(m, params, true, |c| c.async_decode = false);
     assert_eq!(ss.overlapped_steps, 0, "{ss:?}");
     assert_eq!(eager, sync, "synchronous graphed decode changed tokens");
     let d = (&eager_lp - &sync_lp).abs().max().double_value(&[]);
@@ -125,12 +134,10 @@ fn check(m: &Transformer, params: &SamplingParams) {
 }
 
 #[test]
-fn graphed_decode_matches_eager() {
+#[ignore = "needs CUDA"]
+fn graphed_decode_matches_eager_on_cuda() {
     let _turn = serial();
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device");
-        return;
-    }
+    cuda_device();
     let m = model(qwen2(), Kind::Float);
     let sampled = SamplingParams {
         n: 5,
@@ -159,12 +166,10 @@ fn graphed_decode_matches_eager() {
 /// batching between graphed steps, which async scheduling queues ahead of the host, give the
 /// tokens of the eager engine.
 #[test]
-fn graphed_async_decode_with_preemption_matches_eager() {
+#[ignore = "needs CUDA"]
+fn graphed_async_decode_with_preemption_matches_eager_on_cuda() {
     let _turn = serial();
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device");
-        return;
-    }
+    cuda_device();
     let m = model(qwen2(), Kind::Float);
     let params = SamplingParams {
         n: 5,
@@ -175,8 +180,8 @@ fn graphed_async_decode_with_preemption_matches_eager() {
         return_log_probs: true,
         ..SamplingParams::default()
     };
-    let (eager, eager_lp, es) = run_with(&m, &params, false, Some(240));
-    let (graphed, graphed_lp, gs) = run_with(&m, &params, true, Some(240));
+    let (eager, eager_lp, es) = run_with(&m, &params, false, Some(240), |_| {});
+    let (graphed, graphed_lp, gs) = run_with(&m, &params, true, Some(240), |_| {});
     assert!(es.preemptions > 0 && gs.preemptions > 0, "{es:?}\n{gs:?}");
     assert!(gs.overlapped_steps > 0, "{gs:?}");
     assert_eq!(eager, graphed, "graphed decode changed tokens");
@@ -264,12 +269,10 @@ fn rollout_vs_forward(m: &mut Transformer, on: bool) -> (f64, f64) {
 }
 
 #[test]
-fn consistent_attention_makes_rollout_log_probs_match_the_scoring_forward() {
+#[ignore = "needs CUDA"]
+fn consistent_attention_makes_rollout_log_probs_match_the_scoring_forward_on_cuda() {
     let _turn = serial();
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device");
-        return;
-    }
+    cuda_device();
     // bf16, head_dim 64 (the tensor-core kernel) and 32 (the CUDA-core kernel).
     for (hidden, heads) in [(256, 4), (128, 4)] {
         let mut cfg = qwen2();

@@ -55,14 +55,6 @@ extern "C" {
     fn vt_prefer_cublaslt() -> *mut c_char;
     fn vt_clear_grads(ts: *const CTensor, n: i64) -> *mut c_char;
     fn vt_grad_enabled() -> i32;
-    fn vt_prepare_block_grads(leaves: *const CTensor, n: i64) -> *mut c_char;
-    fn vt_linear_blocks_accum(
-        x: CTensor,
-        ws: *const CTensor,
-        bs: *const CTensor,
-        n: i64,
-        out: *mut *mut torch_sys::C_tensor,
-    ) -> *mut c_char;
     fn vt_embedding_accum(
         w: CTensor,
         ids: CTensor,
@@ -277,7 +269,7 @@ pub fn prefer_cublaslt() -> Result<()> {
 /// straight into their `.grad` (the weight-gradient GEMM adds into an existing `.grad`: one GEMM
 /// and one rounding per micro-batch instead of a GEMM, a rounding and a separate add; on CUDA a
 /// cuBLASLt call with device-side scale factors, since libtorch's `addmm_` there rounds a 16-bit
-/// product before adding; `VERL_LT_GRAD_ACCUM=0` keeps `addmm_`) and hands
+/// product before adding) and hands
 /// autograd no gradient for them. For `backward()` into `.grad` only: `run_backward` with respect
 /// to W or b sees no gradient. Any device.
 pub fn linear_accumulating(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
@@ -334,60 +326,6 @@ pub fn linear_pair_accumulating(
         message: "no second output returned".into(),
     })?;
     Ok((first, second))
-}
-
-/// `x cat(ws)^T (+ cat(bs))` for row blocks `ws` (and their biases; e.g. the q/k/v projections)
-/// recorded by autograd with a backward that adds the blocks' gradients straight into their
-/// `.grad`, as [`linear_accumulating`] does for one weight: the first micro-batch's weight
-/// gradient is one GEMM whose row blocks become the blocks' `.grad` (views of one tensor), and
-/// later micro-batches accumulate into all of them with one GEMM (beta = 1) and the biases with
-/// one reduction and one add, where autograd would split the concatenation's gradient and run an
-/// accumulation kernel per block and per bias. Blocks whose `.grad` something else has replaced
-/// are accumulated one by one. For `backward()` into `.grad` only. Any device.
-pub fn linear_blocks_accumulating(
-    x: &Tensor,
-    ws: &[&Tensor],
-    bs: Option<&[&Tensor]>,
-) -> Result<Tensor> {
-    if let Some(bs) = bs {
-        if bs.len() != ws.len() {
-            return Err(TorchExtError::Input {
-                what: "linear_blocks_accumulating biases",
-                expected: format!("one per block ({})", ws.len()),
-                found: bs.len().to_string(),
-            });
-        }
-    }
-    let wp: Vec<CTensor> = ws.iter().map(|t| t.as_ptr()).collect();
-    let bp: Option<Vec<CTensor>> = bs.map(|b| b.iter().map(|t| t.as_ptr()).collect());
-    let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
-    // SAFETY: live tch tensors borrowed for the call (the shim copies the handles it keeps);
-    // the shim allocates `out`.
-    let err = unsafe {
-        vt_linear_blocks_accum(
-            x.as_ptr(),
-            wp.as_ptr(),
-            bp.as_ref().map_or(std::ptr::null(), |b| b.as_ptr()),
-            wp.len() as i64,
-            &mut out,
-        )
-    };
-    adopt("linear_blocks_accum", err, out)
-}
-
-/// Where none of `leaves` (row blocks of one dtype, device and row shape: the q/k/v weights, or
-/// their biases) has a `.grad`, gives them zero gradients that are row views of one new tensor,
-/// the layout [`linear_blocks_accumulating`] accumulates into with one GEMM. Call it before the
-/// first micro-batch's forward: allocated then, the gradient sits with the other persistent
-/// tensors instead of splitting a block the backward freed (which the caching allocator would then
-/// keep split, and reserve more, for the rest of the step). A no-op where any has a `.grad` or
-/// needs none.
-pub fn prepare_block_grads(leaves: &[&Tensor]) -> Result<()> {
-    let ptrs: Vec<CTensor> = leaves.iter().map(|t| t.as_ptr()).collect();
-    // SAFETY: live tch tensors borrowed for the call.
-    check("prepare_block_grads", unsafe {
-        vt_prepare_block_grads(ptrs.as_ptr(), ptrs.len() as i64)
-    })
 }
 
 /// `embedding(w, ids)` (`padding_idx` as torch's: `None`, or a row whose gradient stays zero)
@@ -578,17 +516,14 @@ pub fn upload_slice<T: tch::kind::Element>(
 /// caching host allocator handing out new blocks; an update's trace spent 30 ms so, device idle),
 /// on another 0.03–0.15 ms, where this copy took 0.10–0.13 ms (2 MB: 0.19–0.21 ms; `cargo run
 /// --release -p verl-torch-ext --example upload_bench`). On the CPU, an owned copy of `data`.
-/// `shape` must hold `data.len()` elements. `VERL_PINNED_COLUMNS=1` takes [`upload_slice`]'s
-/// path instead.
+/// `shape` must hold `data.len()` elements.
 pub fn upload_slice_blocking<T: tch::kind::Element>(
     data: &[T],
     shape: &[i64],
     device: tch::Device,
 ) -> std::result::Result<Tensor, tch::TchError> {
-    static PINNED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let numel: i64 = shape.iter().product();
-    let pinned = *PINNED.get_or_init(|| std::env::var("VERL_PINNED_COLUMNS").as_deref() == Ok("1"));
-    if device == tch::Device::Cpu || data.is_empty() || numel != data.len() as i64 || pinned {
+    if device == tch::Device::Cpu || data.is_empty() || numel != data.len() as i64 {
         return upload_slice(data, shape, device);
     }
     // SAFETY: `data` outlives `view`, and the blocking copy has read it all before `view` goes.
@@ -1000,20 +935,33 @@ mod tests {
     use super::*;
     use tch::{Device, Kind};
 
-    /// A non-blocking copy is a copy (CPU); on CUDA the device-to-pinned-host copy of a result
-    /// still being computed holds it once an event recorded after the copy has completed, while
-    /// later queued work may still run.
+    /// `cuda:0` for the `#[ignore = "needs CUDA"]` tests (`make test-gpu`), a clear failure where
+    /// there is none. (verl-test-support's `cuda_device`, which this crate's unit tests cannot
+    /// use: it links this crate.)
+    fn cuda_device() -> Device {
+        assert!(
+            tch::Cuda::is_available(),
+            "this test needs a CUDA device and tch::Cuda::is_available() is false; it is \
+             #[ignore = \"needs CUDA\"]: run it on a GPU machine with `make test-gpu`"
+        );
+        Device::Cuda(0)
+    }
+
+    /// A non-blocking copy is a copy (CPU).
     #[test]
-    fn nonblocking_copy_and_event() {
+    fn nonblocking_copy_is_a_copy() {
         let src = Tensor::arange(10, (Kind::Int64, Device::Cpu));
         let dst = Tensor::zeros([10], (Kind::Int64, Device::Cpu));
         copy_nonblocking(&dst, &src).unwrap();
         assert!(dst.equal(&src));
-        if !tch::Cuda::is_available() {
-            eprintln!("skipped the CUDA part: no CUDA device");
-            return;
-        }
-        let dev = Device::Cuda(0);
+    }
+
+    /// On CUDA the device-to-pinned-host copy of a result still being computed holds it once an
+    /// event recorded after the copy has completed, while later queued work may still run.
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn nonblocking_copy_and_event_on_cuda() {
+        let dev = cuda_device();
         let a = Tensor::randn([2048, 2048], (Kind::Float, dev));
         let sum = a.matmul(&a).sum(Kind::Float).view([1]);
         let host = Tensor::zeros([1], (Kind::Float, Device::Cpu)).internal_pin_memory(dev);
@@ -1072,18 +1020,15 @@ mod tests {
         assert!(err.to_string().contains("fused AdamW grads"), "{err}");
     }
 
-    /// Only where a GPU is present: a captured graph replays with new inputs and matches eager.
+    /// On a GPU: a captured graph replays with new inputs and matches eager.
     #[test]
-    fn graph_replays_with_new_inputs() {
-        if !tch::Cuda::is_available() {
-            eprintln!("skipped: no CUDA device");
-            return;
-        }
+    #[ignore = "needs CUDA"]
+    fn graph_replays_with_new_inputs_on_cuda() {
+        let dev = cuda_device();
         assert!(
             cuda_graphs_compiled(),
             "CUDA present but the shim has no CUDA"
         );
-        let dev = Device::Cuda(0);
         let w = Tensor::randn([64, 64], (Kind::Float, dev));
         let x = Tensor::zeros([8, 64], (Kind::Float, dev));
         let (graph, y) = capture::<_, TorchExtError>(None, 1, || {

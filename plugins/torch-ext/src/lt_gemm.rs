@@ -7,8 +7,7 @@
 //! `~/.cache/verl-rs/tuned_gemms.txt`; `0` for none) that later processes on the same GPU model
 //! and cuBLASLt read instead of timing again (a read-back choice is checked and its rows compared
 //! again first). Inside a [`tuned_gemm_scope`], [`tuned_linear`] runs a tuned shape with its
-//! configuration and answers `None` for anything else (the caller runs libtorch). Off with
-//! `VERL_TUNED_GEMMS=0`.
+//! configuration and answers `None` for anything else (the caller runs libtorch).
 
 use std::cell::Cell;
 use std::ffi::{c_char, CStr};
@@ -45,13 +44,12 @@ thread_local! {
     static ACTIVE: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Whether cuBLASLt could be loaded for tuned GEMMs (a CUDA build whose libtorch has it) and
-/// `VERL_TUNED_GEMMS` is not `0`.
+/// Whether cuBLASLt could be loaded for tuned GEMMs (a CUDA build whose libtorch has it).
 pub fn tuned_gemms_available() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
         // SAFETY: no arguments; loads cuBLASLt once.
-        std::env::var("VERL_TUNED_GEMMS").as_deref() != Ok("0") && unsafe { vt_lt_available() } == 1
+        unsafe { vt_lt_available() == 1 }
     })
 }
 

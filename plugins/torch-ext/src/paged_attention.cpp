@@ -712,25 +712,14 @@ using namespace vt_rt;
 // head_dim 128 uncapped takes 178 registers, so only 2 blocks (8 warps) fit an SM and the loads
 // of too few warps are in flight; capped at 168 (3 blocks, no spills) it ran 85.0 -> 77.6 us at
 // S=512, context 512, 12/2 heads on an H200 (1.5B decode step 6.72 -> 6.42 ms). head_dim 64
-// already fits 4 blocks. VERL_PA_MIN_BLOCKS overrides (1..16).
-// The integer in environment variable `name` when it lies in [lo, hi], else 0.
-int env_int_in(const char* name, int lo, int hi) {
-  const char* v = std::getenv(name);
-  const int x = v ? std::atoi(v) : 0;
-  return x >= lo && x <= hi ? x : 0;
-}
-
+// already fits 4 blocks.
 int min_blocks(int head_dim) {
-  static const int forced = env_int_in("VERL_PA_MIN_BLOCKS", 1, 16);
-  if (forced > 0) return forced;
   return head_dim == 128 ? 3 : 1;
 }
 
 // Queries per thread block of the multi-query kernel: 4 at head_dim 64, 2 at 128, else 1
-// (their state fits the registers without spills); VERL_PA_MULTI_QUERIES=1..8 overrides.
+// (their state fits the registers without spills).
 int multi_queries(int head_dim) {
-  static const int forced = env_int_in("VERL_PA_MULTI_QUERIES", 1, 8);
-  if (forced > 0) return forced;
   return head_dim == 64 ? 4 : (head_dim == 128 ? 2 : 1);
 }
 
@@ -1008,12 +997,7 @@ void paged_multi(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                   aligned16(v_cache.data_ptr()) && KVH >= 1 && H % KVH == 0 &&
                   k_cache.scalar_type() == q.scalar_type() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && block_table.scalar_type() == c10::ScalarType::Long;
-  // Read once (this runs per layer and forward).
-  static const bool forced_off = [] {
-    const char* v = std::getenv("VERL_PA_MULTI_QUERY");
-    return v != nullptr && std::string(v) == "0";
-  }();
-  if (!tc || forced_off) {
+  if (!tc) {
     paged_decode(q, k_cache, v_cache, block_table.index_select(0, q_rows), seq_lens, scale, 0, out,
                  0, 1);
     return;

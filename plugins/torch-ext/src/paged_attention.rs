@@ -236,8 +236,7 @@ pub fn paged_decode_attention_out(
 /// max_blocks]` up to its context length `seq_lens[i]` (`q_rows`, `seq_lens` `[N]` int64).
 /// Returns `[N, heads, head_dim]`, bit-identical to the decode kernel over the table rows
 /// gathered per query; the tensor-core multi-query kernel loads the keys and values that a block
-/// of consecutive queries of one row shares once for all of them (`VERL_PA_MULTI_QUERY=0`: the
-/// gathered-table path).
+/// of consecutive queries of one row shares once for all of them.
 pub fn paged_multi_query_attention(
     q: &Tensor,
     k_cache: &Tensor,

@@ -139,13 +139,7 @@ void accumulate_param_grads(at::Tensor& w, at::Tensor& b, const at::Tensor& gy2,
       // On CUDA one cuBLASLt GEMM with its scale factors on the device: fp32 accumulation and
       // one rounding into .grad. libtorch's addmm_ (the fallback) rounds the product to .grad's
       // 16-bit dtype first: its results are those of a separate add.
-      // VERL_LT_GRAD_ACCUM=0: libtorch's addmm_ throughout.
-      static const bool lt_accum = [] {
-        const char* v = std::getenv("VERL_LT_GRAD_ACCUM");
-        return v == nullptr || std::string(v) != "0";
-      }();
-      if (!(lt_accum && g.is_cuda() &&
-            vt_lt::grad_into(g, gy2, x2, unit_scales(g.device())))) {
+      if (!(g.is_cuda() && vt_lt::grad_into(g, gy2, x2, unit_scales(g.device())))) {
         g.addmm_(gy2.t(), x2);
       }
     } else {
@@ -207,132 +201,6 @@ struct LinearPairAccumFn : public torch::autograd::Function<LinearPairAccumFn> {
     }
     if (gx.defined()) gx = gx.view(x.sizes());
     return {gx, none, none, none, none};
-  }
-};
-
-// The .grad tensors of `leaves` as one tensor when they lie back to back in one storage (each
-// contiguous, one dtype, in order): `[sum of rows, cols...]` over that memory. Undefined when any
-// is missing or they are apart.
-at::Tensor adjacent_grads(const std::vector<at::Tensor>& leaves) {
-  if (leaves.empty()) return at::Tensor();
-  const at::Tensor g0 = leaves[0].grad();
-  if (!g0.defined() || !g0.is_contiguous() || g0.dim() < 1) return at::Tensor();
-  int64_t rows = 0;
-  const char* next = static_cast<const char*>(g0.data_ptr());
-  for (const at::Tensor& leaf : leaves) {
-    const at::Tensor g = leaf.grad();
-    if (!g.defined() || !g.is_contiguous() || g.scalar_type() != g0.scalar_type() ||
-        g.dim() != g0.dim() || !g.sizes().slice(1).equals(g0.sizes().slice(1)) ||
-        !g.storage().is_alias_of(g0.storage()) || static_cast<const char*>(g.data_ptr()) != next) {
-      return at::Tensor();
-    }
-    next += g.nbytes();
-    rows += g.size(0);
-  }
-  std::vector<int64_t> sizes = g0.sizes().vec();
-  sizes[0] = rows;
-  std::vector<int64_t> strides(sizes.size(), 1);
-  for (size_t d = sizes.size() - 1; d > 0; --d) strides[d - 1] = strides[d] * sizes[d];
-  at::Tensor all = at::empty({0}, g0.options());
-  all.set_(g0.storage(), g0.storage_offset(), sizes, strides);
-  return all;
-}
-
-// `all` (the gradient of the blocks' concatenation, rows in the blocks' order) as the .grad of
-// `leaves`: each leaf's gradient becomes its row block of `all` (views of one tensor, so the next
-// micro-batch's accumulation is one operation again). In the leaves' dtype.
-void set_block_grads(const std::vector<at::Tensor>& leaves, const at::Tensor& all) {
-  const at::Tensor typed = all.scalar_type() == leaves[0].scalar_type()
-                               ? all
-                               : all.to(leaves[0].scalar_type());
-  int64_t row = 0;
-  for (const at::Tensor& leaf : leaves) {
-    at::Tensor l = leaf;
-    l.mutable_grad() = typed.narrow(0, row, leaf.size(0));
-    row += leaf.size(0);
-  }
-}
-
-// y = x cat(W_i)^T (+ cat(b_i)) for row blocks W_i (the q/k/v projections) whose backward adds
-// the blocks' gradients straight into their .grad: one weight-gradient GEMM over all blocks
-// accumulating (beta = 1) into their .grad where those lie back to back (which this function
-// arranges: without gradients, the blocks' .grad become row views of one new gradient), one
-// reduction and one add for the biases likewise; per block otherwise. autograd's route (a
-// concatenation of the weights, its backward split and an accumulation kernel per block, a bias
-// reduction and its add) costs a pass per block and per bias each micro-batch. The leaves get no
-// gradient through autograd: for backward() into .grad, as LinearAccumFn. `w0` is the first
-// block (an autograd input, so the result requires grad when the weights do); `w`/`b` their
-// concatenations, without history.
-struct LinearBlocksFn : public torch::autograd::Function<LinearBlocksFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& w0, const at::Tensor& w, const c10::IValue& b,
-                            const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& bs) {
-    (void)w0;
-    ctx->save_for_backward({x});
-    ctx->saved_data["w"] = w;
-    ctx->saved_data["ws"] = c10::List<at::Tensor>(ws);
-    ctx->saved_data["bs"] = c10::List<at::Tensor>(bs);
-    return at::linear(x, w, b.isTensor() ? c10::optional<at::Tensor>(b.toTensor()) : c10::nullopt);
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const at::Tensor& gy = grads[0];
-    const at::Tensor none;
-    const torch::autograd::variable_list nothing{none, none, none, none, none, none};
-    if (!gy.defined()) return nothing;
-    const at::Tensor x = ctx->get_saved_variables()[0];
-    const at::Tensor w = ctx->saved_data["w"].toTensor();
-    const auto to_vec = [](const c10::List<at::Tensor>& l) {
-      std::vector<at::Tensor> v;
-      for (size_t i = 0; i < l.size(); ++i) v.push_back(l.get(i));
-      return v;
-    };
-    const std::vector<at::Tensor> ws = to_vec(ctx->saved_data["ws"].toTensorList());
-    const std::vector<at::Tensor> bs = to_vec(ctx->saved_data["bs"].toTensorList());
-    const int64_t out = w.size(0), in = w.size(1);
-    const at::Tensor gy2 = gy.reshape({-1, out});
-    at::Tensor gx;
-    if (ctx->needs_input_grad(0)) gx = at::mm(gy2, w).view(x.sizes());
-    const at::Tensor x2 = x.reshape({-1, in});
-    // Blocks' gradients: dW = gy^T x (the GEMM accumulates), db = the column sums of gy (one
-    // reduction, then one add).
-    const auto accumulate = [&](const std::vector<at::Tensor>& leaves, bool bias) {
-      if (leaves.empty() || !leaves[0].requires_grad()) return;
-      const at::Tensor gt = gy2.t();
-      bool fresh = true;
-      for (const at::Tensor& l : leaves) fresh = fresh && !l.grad().defined();
-      if (fresh) {
-        set_block_grads(leaves, bias ? gy2.sum(0) : at::mm(gt, x2));
-        return;
-      }
-      at::Tensor all = adjacent_grads(leaves);
-      if (all.defined() && all.scalar_type() == gy2.scalar_type()) {
-        if (bias) {
-          all.add_(gy2.sum(0));
-        } else {
-          all.addmm_(gt, x2);
-        }
-        return;
-      }
-      int64_t row = 0;
-      for (const at::Tensor& leaf : leaves) {
-        const int64_t n = leaf.size(0);
-        const at::Tensor part = gt.narrow(0, row, n);
-        row += n;
-        at::Tensor g = bias ? part.sum(1) : at::mm(part, x2);
-        at::Tensor l = leaf;
-        at::Tensor& grad = l.mutable_grad();
-        if (grad.defined()) {
-          grad.add_(g);
-        } else {
-          grad = g.scalar_type() == l.scalar_type() ? g : g.to(l.scalar_type());
-        }
-      }
-    };
-    accumulate(ws, false);
-    accumulate(bs, true);
-    return {gx, none, none, none, none, none};
   }
 };
 
@@ -597,67 +465,6 @@ char* vt_linear_pair_accum(const at::Tensor* x, const at::Tensor* wa, const at::
     auto res = LinearPairAccumFn::apply(*x, *wa, *wb, iv(ba), iv(bb));
     *a_out = new at::Tensor(res[0]);
     *b_out = new at::Tensor(res[1]);
-  });
-}
-
-// Where none of the n `leaves` (row blocks, e.g. q/k/v weights or biases) has a .grad yet, gives
-// them zero gradients that are row views of one new tensor (see LinearBlocksFn). Called before a
-// forward, so the gradient lands next to the other persistent tensors, not in a hole of the
-// backward's freed activations (whose allocator blocks it would keep split for the whole step).
-char* vt_prepare_block_grads(at::Tensor** leaves, int64_t n) {
-  return vt_util::guarded([&] {
-    if (leaves == nullptr || n < 1) throw std::invalid_argument("prepare_block_grads: no leaves");
-    const std::vector<at::Tensor> list = tensor_list(leaves, n);
-    int64_t rows = 0;
-    for (const at::Tensor& l : list) {
-      if (!l.requires_grad() || l.grad().defined()) return;
-      if (l.dim() < 1 || l.scalar_type() != list[0].scalar_type() ||
-          l.device() != list[0].device() || !l.sizes().slice(1).equals(list[0].sizes().slice(1))) {
-        throw std::invalid_argument("prepare_block_grads: blocks of one dtype, device and row shape"
-                                    " expected, found " + c10::str(l.sizes()) + " " +
-                                    c10::toString(l.scalar_type()));
-      }
-      rows += l.size(0);
-    }
-    std::vector<int64_t> sizes = list[0].sizes().vec();
-    sizes[0] = rows;
-    set_block_grads(list, at::zeros(sizes, list[0].options()));
-  });
-}
-
-// See LinearBlocksFn: `*out` = x cat(ws)^T (+ cat(bs)) (a new heap tensor); `bs` null or n
-// biases.
-char* vt_linear_blocks_accum(const at::Tensor* x, at::Tensor** ws, at::Tensor** bs, int64_t n,
-                             at::Tensor** out) {
-  return vt_util::guarded([&] {
-    if (x == nullptr || ws == nullptr || out == nullptr || n < 1) {
-      throw std::invalid_argument("linear_blocks_accum: null argument or no blocks");
-    }
-    *out = nullptr;
-    const std::vector<at::Tensor> w_list = tensor_list(ws, n);
-    std::vector<at::Tensor> b_list;
-    if (bs != nullptr) b_list = tensor_list(bs, n);
-    for (size_t i = 0; i < w_list.size(); ++i) {
-      const at::Tensor& wi = w_list[i];
-      if (wi.dim() != 2 || wi.size(1) != x->size(-1) || wi.scalar_type() != w_list[0].scalar_type()) {
-        throw std::invalid_argument("linear_blocks_accum: expected weights [rows, " +
-                                    std::to_string(x->size(-1)) + "] of one dtype, found " +
-                                    c10::str(wi.sizes()) + " " + c10::toString(wi.scalar_type()));
-      }
-      if (!b_list.empty() && (b_list[i].dim() != 1 || b_list[i].size(0) != wi.size(0))) {
-        throw std::invalid_argument("linear_blocks_accum: expected bias [" +
-                                    std::to_string(wi.size(0)) + "], found " +
-                                    c10::str(b_list[i].sizes()));
-      }
-    }
-    at::Tensor w, b;
-    {
-      at::NoGradGuard no_grad;
-      w = at::cat(w_list, 0);
-      if (!b_list.empty()) b = at::cat(b_list, 0);
-    }
-    const c10::IValue bias = b.defined() ? c10::IValue(b) : c10::IValue();
-    *out = new at::Tensor(LinearBlocksFn::apply(*x, w_list[0], w, bias, w_list, b_list));
   });
 }
 

@@ -3,6 +3,7 @@
 //! backward passes sum there as autograd's accumulation would (CPU, f64: equal to 1e-12).
 
 use tch::{Device, Kind, Tensor};
+use verl_test_support::cuda::cuda_device;
 use verl_torch_ext::linear_accumulating;
 
 fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
@@ -107,78 +108,6 @@ fn linear_into_adds_each_row_blocks_gradient_into_its_accumulator() {
     assert!(e.contains("linear_into") && e.contains("3 rows"), "{e}");
 }
 
-/// `linear_blocks_accumulating` (the q/k/v projections): the forward is `x cat(W_i)^T +
-/// cat(b_i)`; over three micro-batches the blocks' `.grad` equal autograd's accumulation through
-/// the concatenation, and after the first one they are row views of one tensor (so later
-/// micro-batches accumulate with one GEMM). A block whose `.grad` was cleared is still summed
-/// correctly (block by block); blocks of other shapes are refused with the shapes named.
-#[test]
-fn blocks_accumulate_into_their_grads_like_autograd() {
-    use verl_torch_ext::linear_blocks_accumulating;
-    tch::manual_seed(8);
-    let opts = (Kind::Double, Device::Cpu);
-    let rows = [4i64, 2, 2];
-    let leaf = |r: i64, c: &[i64]| {
-        let mut s = vec![r];
-        s.extend_from_slice(c);
-        Tensor::randn(s.as_slice(), opts).set_requires_grad(true)
-    };
-    let ws: Vec<Tensor> = rows.iter().map(|&r| leaf(r, &[5])).collect();
-    let bs: Vec<Tensor> = rows.iter().map(|&r| leaf(r, &[])).collect();
-    let copy = |t: &Tensor| t.detach().copy().set_requires_grad(true);
-    let ws_ref: Vec<Tensor> = ws.iter().map(copy).collect();
-    let bs_ref: Vec<Tensor> = bs.iter().map(copy).collect();
-    let check = |what: &str| {
-        for (i, (a, b)) in ws.iter().zip(&ws_ref).enumerate() {
-            assert!(max_abs(&a.grad(), &b.grad()) < 1e-12, "{what}: W{i} grad");
-        }
-        for (i, (a, b)) in bs.iter().zip(&bs_ref).enumerate() {
-            assert!(max_abs(&a.grad(), &b.grad()) < 1e-12, "{what}: b{i} grad");
-        }
-    };
-    let step = |mb: usize| {
-        let x = Tensor::randn([2, 3, 5], opts).set_requires_grad(true);
-        let x_ref = x.detach().copy().set_requires_grad(true);
-        let g = Tensor::randn([2, 3, 8], opts);
-        let w: Vec<&Tensor> = ws.iter().collect();
-        let b: Vec<&Tensor> = bs.iter().collect();
-        let y = linear_blocks_accumulating(&x, &w, Some(&b)).unwrap();
-        let y_ref = x_ref.linear(&Tensor::cat(&ws_ref, 0), Some(&Tensor::cat(&bs_ref, 0)));
-        assert!(max_abs(&y, &y_ref) < 1e-12, "forward, micro-batch {mb}");
-        (&y * &g).sum(Kind::Double).backward();
-        (&y_ref * &g).sum(Kind::Double).backward();
-        assert!(max_abs(&x.grad(), &x_ref.grad()) < 1e-12, "x grad {mb}");
-    };
-    for mb in 0..3 {
-        step(mb);
-        check(&format!("after micro-batch {mb}"));
-        // The blocks' gradients lie back to back in one storage.
-        let base = ws[0].grad().data_ptr() as usize;
-        assert_eq!(ws[1].grad().data_ptr() as usize, base + 4 * 5 * 8);
-        assert_eq!(ws[2].grad().data_ptr() as usize, base + 6 * 5 * 8);
-        let bb = bs[0].grad().data_ptr() as usize;
-        assert_eq!(bs[2].grad().data_ptr() as usize, bb + 6 * 8);
-    }
-    // Something cleared one block's gradient (as an optimizer's zero_grad(set_to_none) of one
-    // parameter would): the blocks are summed one by one, still right.
-    verl_torch_ext::clear_grads([&ws[1], &ws_ref[1]]).unwrap();
-    step(3);
-    check("after a cleared gradient");
-    step(4);
-    check("after a cleared gradient, next micro-batch");
-    let e = linear_blocks_accumulating(
-        &Tensor::randn([3, 5], opts),
-        &[&ws[0], &Tensor::zeros([2, 4], opts)],
-        None,
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(
-        e.contains("linear_blocks_accum") && e.contains("[2, 4]"),
-        "{e}"
-    );
-}
-
 /// `embedding_accumulating`: the forward is torch's embedding; over two micro-batches with
 /// repeated ids and a padding row, `.grad` equals autograd's accumulated dense gradient (the
 /// padding row's stays zero, rows of ids never seen stay zero), and autograd hands the table
@@ -250,15 +179,16 @@ fn embedding_gradient_is_deterministic_on_cpu_threads() {
 /// In bf16, on the CPU and on a GPU: adding a micro-batch's weight gradient into `.grad` rounds
 /// once (the product accumulated in fp32, added to `.grad` in fp32, one rounding), nearer the
 /// exact sum than rounding the product to bf16 first and adding (what autograd's separate
-/// accumulation gives, and on CUDA libtorch's `addmm_` too). The GPU case is skipped without CUDA.
+/// accumulation gives, and on CUDA libtorch's `addmm_` too). The GPU case is the `_on_cuda` test.
 #[test]
 fn accumulation_into_a_bf16_grad_rounds_once() {
     rounds_once_case(Device::Cpu);
-    if tch::Cuda::is_available() {
-        rounds_once_case(Device::Cuda(0));
-    } else {
-        eprintln!("GPU case skipped: no CUDA device");
-    }
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn accumulation_into_a_bf16_grad_rounds_once_on_cuda() {
+    rounds_once_case(cuda_device());
 }
 
 fn rounds_once_case(dev: Device) {
@@ -360,14 +290,11 @@ fn pair_accumulates_like_two_linears() {
 /// of two GEMMs and autograd's separate add, and the weights' `.grad` those of two
 /// `linear_accumulating` calls.
 #[test]
+#[ignore = "needs CUDA"]
 fn pair_input_gradient_has_the_bits_of_two_gemms_and_an_add_on_cuda() {
     use verl_torch_ext::linear_pair_accumulating;
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device");
-        return;
-    }
+    let dev = cuda_device();
     tch::manual_seed(10);
-    let dev = Device::Cuda(0);
     let opts = (Kind::BFloat16, dev);
     let leaf = |t: &Tensor| t.detach().copy().set_requires_grad(true);
     let (wa0, wb0) = (

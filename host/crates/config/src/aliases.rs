@@ -252,7 +252,7 @@ fn show(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::load::defaults_tree;
+    use crate::defaults::defaults_tree;
 
     #[test]
     fn older_names_map_to_verl_0_10_names() {

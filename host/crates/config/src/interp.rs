@@ -9,8 +9,8 @@ use std::borrow::Cow;
 use serde_yaml::{Mapping, Value};
 
 use crate::error::{ConfigError, Result};
-use crate::overrides::parse_value;
 use crate::tree::{join, key_str, split_key, suggest};
+use crate::value::parse_value;
 
 /// Resolves every interpolation in `root`, returning a tree without any.
 pub(crate) fn resolve_tree(root: &Value, schema: &Value) -> Result<Value> {

@@ -16,20 +16,26 @@
 mod aliases;
 mod batch;
 mod compose;
+mod defaults;
 mod error;
 mod interp;
+mod keys;
 mod load;
 mod overrides;
+mod rule;
 mod rules;
 mod schema;
 pub mod surface;
 mod tree;
+mod value;
 
 pub use aliases::{canonical, ALIASES};
 pub use batch::{validate_batches, BatchPlan, ForwardPlan, Layout, UpdatePlan, ValidationPlan};
 pub use compose::engine_of_config_name;
+pub use defaults::defaults_tree;
 pub use error::{ConfigError, Result, SetKey};
-pub use load::{defaults_tree, ADV_ESTIMATORS};
-pub use overrides::{parse_value, Override, OverrideKind};
+pub use load::ADV_ESTIMATORS;
+pub use overrides::{Override, OverrideKind};
 pub use rules::IMPLEMENTED_ESTIMATORS;
 pub use schema::*;
+pub use value::parse_value;

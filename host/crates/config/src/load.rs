@@ -5,27 +5,16 @@ use std::sync::OnceLock;
 
 use serde_yaml::Value;
 
+use crate::defaults::defaults_tree;
 use crate::error::{ConfigError, Result};
 use crate::interp::resolve_tree;
+use crate::keys::check_keys;
 use crate::overrides::{Override, OverrideKind};
 use crate::schema::Config;
 use crate::tree::{
-    check_keys, describe, get_path, is_free_form, join, key_str, merge, schema_lookup, split_key,
+    describe, get_path, is_free_form, join, key_str, merge, schema_lookup, split_key,
     strip_markers, suggest, Origins, SchemaNode, STRING_OR_LIST,
 };
-
-const DEFAULTS_YAML: &str = include_str!("defaults.yaml");
-
-/// The schema and defaults, unresolved (interpolations still in place).
-pub fn defaults_tree() -> &'static Value {
-    static TREE: OnceLock<Value> = OnceLock::new();
-    TREE.get_or_init(|| {
-        let mut v: Value =
-            serde_yaml::from_str(DEFAULTS_YAML).expect("defaults.yaml is valid YAML (tested)");
-        strip_markers(&mut v, true);
-        v
-    })
-}
 
 /// The defaults with their interpolations resolved; the reference for type checks.
 fn resolved_defaults() -> &'static Value {

@@ -7,8 +7,8 @@
 
 use serde_yaml::Value;
 
+use crate::rule::{Rule, Verdict};
 use crate::schema::Config;
-use crate::surface::{Rule, Verdict};
 
 // Patterns for keys that recur in several sections.
 macro_rules! fsdp {
@@ -811,7 +811,7 @@ fn transformer_overrides(v: &Value, _: &Config) -> Verdict {
     };
     // The block's defaults (verl's recompute_modules / attention_backend) are no request.
     let defaults = crate::tree::get_path(
-        crate::load::defaults_tree(),
+        crate::defaults::defaults_tree(),
         &crate::tree::split_key("actor_rollout_ref.actor.megatron.override_transformer_config"),
     )
     .and_then(Value::as_mapping)

@@ -6,8 +6,6 @@ use std::sync::OnceLock;
 
 use serde_yaml::{Mapping, Value};
 
-use crate::error::ConfigError;
-
 /// Keys whose value is a free-form map handed to some engine or function as keyword arguments:
 /// any key below them is accepted (and `+key=value` may add to them).
 pub(crate) const FREE_FORM: &[&str] = &[
@@ -236,56 +234,6 @@ pub(crate) fn strip_markers(v: &mut Value, top: bool) {
         for (_, child) in m.iter_mut() {
             strip_markers(child, false);
         }
-    }
-}
-
-/// Checks every key of a user tree rooted at `prefix` against the schema; records origins.
-pub(crate) fn check_keys(
-    user: &Value,
-    defaults: &Value,
-    prefix: &mut Vec<String>,
-    origin: &str,
-    origins: &mut Origins,
-    errors: &mut Vec<ConfigError>,
-) {
-    let Some(map) = user.as_mapping() else { return };
-    for (k, v) in map {
-        let Value::String(name) = k else {
-            prefix.push(key_str(k));
-            errors.push(ConfigError::TypeMismatch {
-                key: join(prefix),
-                expected: "a string key".into(),
-                found: describe(k),
-                origin: origin.into(),
-            });
-            prefix.pop();
-            continue;
-        };
-        prefix.push(name.clone());
-        origins.record(prefix, origin);
-        match schema_lookup(defaults, prefix) {
-            SchemaNode::Unknown { index } => errors.push(match crate::surface::refusal_of_unknown(
-                defaults, prefix, index,
-            ) {
-                Some(message) => ConfigError::Refused {
-                    key: join(prefix),
-                    origin: origin.into(),
-                    message,
-                },
-                None => ConfigError::UnknownKey {
-                    key: join(prefix),
-                    origin: origin.into(),
-                    suggestion: suggest(defaults, prefix, index),
-                },
-            }),
-            SchemaNode::FreeForm => {}
-            SchemaNode::Known(d) => {
-                if d.is_mapping() && !is_free_form(name) {
-                    check_keys(v, defaults, prefix, origin, origins, errors);
-                }
-            }
-        }
-        prefix.pop();
     }
 }
 

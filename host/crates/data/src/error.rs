@@ -1,3 +1,4 @@
+use std::fmt;
 use std::path::PathBuf;
 
 /// Every failure this crate reports. Messages name the file, row, column or key involved,
@@ -174,8 +175,40 @@ pub enum DataError {
         path: PathBuf,
         row: usize,
         column: String,
-        reason: crate::math::Unboxed,
+        reason: Unboxed,
     },
 }
 
 pub type Result<T, E = DataError> = std::result::Result<T, E>;
+
+/// Why a solution has no answer verl can extract. verl's script raises on each (the whole run
+/// stops), so we refuse the row instead of writing something verl never would.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unboxed {
+    /// Neither `\boxed` nor `\fbox` occurs (verl: `TypeError` in `remove_boxed(None)`).
+    Missing,
+    /// The braces after the last `\boxed`/`\fbox` never balance (verl: `TypeError`).
+    Unclosed { from: String },
+    /// The last boxed expression is an `\fbox{..}`, or a `\boxed` not directly followed by `{`
+    /// (verl: `AssertionError` in `remove_boxed`).
+    NotBoxedBrace { found: String },
+}
+
+impl fmt::Display for Unboxed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Unboxed::Missing => write!(
+                f,
+                "no `\\boxed` or `\\fbox` (verl raises TypeError in remove_boxed)"
+            ),
+            Unboxed::Unclosed { from } => write!(
+                f,
+                "`{from}` whose braces never close (verl raises TypeError in remove_boxed)"
+            ),
+            Unboxed::NotBoxedBrace { found } => write!(
+                f,
+                "`{found}`, which is not `\\boxed{{...}}` (verl's remove_boxed asserts)"
+            ),
+        }
+    }
+}

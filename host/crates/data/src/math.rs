@@ -7,7 +7,6 @@
 //! only in the prompt and the ground truth.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -16,7 +15,7 @@ use arrow_schema::{DataType, Field, Fields, Schema};
 use serde_json::{json, Map, Value};
 
 use crate::columns::{prompt_field, reward_field, rule_rewards, strings, user_prompts, utf8};
-use crate::error::{DataError, Result};
+use crate::error::{DataError, Result, Unboxed};
 use crate::py_json;
 use crate::read::{read_table, Row};
 use crate::write::write_parquet;
@@ -32,38 +31,6 @@ const POPPED: [&str; 2] = ["problem", "solution"];
 
 const BOXED_SPACE: &str = "\\boxed ";
 const BOXED_BRACE: &str = "\\boxed{";
-
-/// Why a solution has no answer verl can extract. verl's script raises on each (the whole run
-/// stops), so we refuse the row instead of writing something verl never would.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Unboxed {
-    /// Neither `\boxed` nor `\fbox` occurs (verl: `TypeError` in `remove_boxed(None)`).
-    Missing,
-    /// The braces after the last `\boxed`/`\fbox` never balance (verl: `TypeError`).
-    Unclosed { from: String },
-    /// The last boxed expression is an `\fbox{..}`, or a `\boxed` not directly followed by `{`
-    /// (verl: `AssertionError` in `remove_boxed`).
-    NotBoxedBrace { found: String },
-}
-
-impl fmt::Display for Unboxed {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Unboxed::Missing => write!(
-                f,
-                "no `\\boxed` or `\\fbox` (verl raises TypeError in remove_boxed)"
-            ),
-            Unboxed::Unclosed { from } => write!(
-                f,
-                "`{from}` whose braces never close (verl raises TypeError in remove_boxed)"
-            ),
-            Unboxed::NotBoxedBrace { found } => write!(
-                f,
-                "`{found}`, which is not `\\boxed{{...}}` (verl's remove_boxed asserts)"
-            ),
-        }
-    }
-}
 
 /// At most 60 characters of `s` on one line (line breaks shown as `\n`), with `...` when cut:
 /// enough to find the spot in a solution, and the error stays one line.

@@ -43,6 +43,7 @@ mod generations;
 mod logger;
 pub mod numpy_random;
 pub mod plot;
+mod sink;
 pub mod tfevents;
 mod tracking;
 mod validation;
@@ -57,9 +58,10 @@ pub use generations::{
 };
 pub use logger::{
     check_loggers, default_columns, jsonl_line, Column, ConsoleSink, JsonlSink, LoggerOptions,
-    MetricsLogger, Sink, TensorboardSink,
+    MetricsLogger, TensorboardSink,
 };
 pub use plot::{plot_run, RunHistory};
+pub use sink::Sink;
 pub use tracking::{check_tracking, TrackingOptions, TrackingSink, SIDECAR_LOGGERS};
 pub use validation::{
     process_validation_metrics, validation_metrics, InfoColumn, ValidationTable, BOOTSTRAP_SEED,

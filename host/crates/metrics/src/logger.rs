@@ -10,27 +10,9 @@ use serde_json::{Number, Value};
 
 use crate::error::{io, MetricsError, Result};
 use crate::generations::{tensorboard_text, ValGeneration, VAL_GENERATIONS_KEY};
+use crate::sink::Sink;
 use crate::tfevents::EventWriter;
 use crate::tracking::{check_tracking, TrackingOptions, TrackingSink};
-
-/// A destination for per-step metrics.
-pub trait Sink: Send {
-    /// verl's backend name (`console`, `file`, `tensorboard`, `wandb`, ...) or the caller's own.
-    fn name(&self) -> &str;
-    /// Record `metrics` at `step`; durable (flushed) before returning, except for the Python-client loggers,
-    /// which are durable after `finish`.
-    fn log(&mut self, step: u64, metrics: &[(String, f64)]) -> Result<()>;
-    /// Record the validation samples of `step` (`trainer.log_val_generations`), as verl's backend of the same
-    /// name does; backends verl logs none to (console, file) keep the default, which does nothing.
-    fn log_generations(&mut self, step: u64, samples: &[ValGeneration]) -> Result<()> {
-        let _ = (step, samples);
-        Ok(())
-    }
-    /// Flush and close what is open.
-    fn finish(&mut self) -> Result<()> {
-        Ok(())
-    }
-}
 
 /// verl loggers that verl-rs does not provide: selecting one is an error.
 const UNSUPPORTED: [&str; 4] = ["vemlp_wandb", "clearml", "trackio", "rl_insight"];

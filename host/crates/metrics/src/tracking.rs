@@ -18,7 +18,7 @@ use serde_json::{json, Number, Value};
 
 use crate::error::{MetricsError, Result};
 use crate::generations::ValGeneration;
-use crate::logger::Sink;
+use crate::sink::Sink;
 
 /// The `trainer.logger` values served by a sidecar, with the Python package each imports.
 pub const SIDECAR_LOGGERS: [(&str, &str); 3] = [

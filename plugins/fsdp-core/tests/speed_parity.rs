@@ -18,6 +18,8 @@ use verl_nn::{HeadKind, ModelConfig, ModelOptions, SaveOptions, Transformer};
 use verl_plugin_api::{
     col, testing, Batch, GenerateOptions, InitArgs, LogProbOptions, Role, UpdateOptions,
 };
+use verl_test_support::cuda::cuda_device;
+use verl_test_support::{merge, Lcg};
 
 const VOCAB: i64 = 40;
 const PL: usize = 6;
@@ -49,17 +51,6 @@ fn model(tied: bool, head: HeadKind, seed: i64) -> Transformer {
         },
     )
     .unwrap()
-}
-
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
 }
 
 /// Left-padded prompts of 1..=6 tokens and right-padded responses of 0..=7 tokens (row 0 has a
@@ -458,15 +449,12 @@ fn surrogate_backward_equals_full_logits_backward() {
 /// On a GPU in bf16 under gradient-accumulation fusion, two micro-batches: the LM head's weight
 /// gradient taken in the backward as one product GEMM into `.grad` (every chunk's logits kept)
 /// against the chunked path (nothing kept: a GEMM per chunk into an fp32 buffer, added into
-/// `.grad`), both against an fp32 run of the same weights. Tied and untied heads. Skipped without
-/// CUDA.
+/// `.grad`), both against an fp32 run of the same weights. Tied and untied heads. Needs
+/// CUDA (`make test-gpu`).
 #[test]
+#[ignore = "needs CUDA"]
 fn lm_head_product_backward_matches_the_chunked_one_on_cuda() {
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device");
-        return;
-    }
-    let dev = Device::Cuda(0);
+    let dev = cuda_device();
     let b = share_prompts(&batch(8, 23), 2);
     let s_cpu = seqs(&b);
     let s = Sequences::from_batch(&b, "test", dev).unwrap();
@@ -598,17 +586,6 @@ fn model_dir() -> tempfile::TempDir {
     m.save_pretrained(dir.path(), &SaveOptions::default())
         .unwrap();
     dir
-}
-
-fn merge(base: &mut Value, patch: &Value) {
-    match (base, patch) {
-        (Value::Object(b), Value::Object(p)) => {
-            for (k, v) in p {
-                merge(b.entry(k.clone()).or_insert(Value::Null), v);
-            }
-        }
-        (b, p) => *b = p.clone(),
-    }
 }
 
 fn plugin_config(dir: &std::path::Path, patch: Value) -> Value {

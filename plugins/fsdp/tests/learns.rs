@@ -8,11 +8,12 @@ use std::time::Instant;
 
 use serde_json::json;
 use verl_fsdp::FsdpPlugin;
-use verl_nn::{ModelConfig, ModelOptions, SaveOptions, Transformer};
+use verl_nn::{HeadKind, ModelOptions, Transformer};
 use verl_plugin_api::client::ActorClient;
 use verl_plugin_api::{
     col, testing, Batch, GenerateOptions, InitArgs, LogProbOptions, Role, UpdateOptions,
 };
+use verl_test_support::model::{model_dir, qwen2_config};
 
 const VOCAB: i64 = 48;
 const N: usize = 8;
@@ -21,26 +22,11 @@ const PROMPTS: [&[i64]; 4] = [&[5, 6, 7, 8], &[9, 10], &[11, 12, 13], &[20, 30, 
 
 /// A random qwen2-shaped checkpoint (plus a stand-in tokenizer file) in a temp dir.
 fn tiny_model() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig::from_value(
-        json!({
-            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-            "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128,
-            "tie_word_embeddings": false, "initializer_range": 0.2,
-            "pad_token_id": 0, "eos_token_id": 1,
-        }),
-        "inline/config.json",
+    model_dir(
+        qwen2_config(VOCAB, 32, 64, 2, 128, false),
+        Some(0),
+        HeadKind::CausalLm,
     )
-    .unwrap();
-    tch::manual_seed(0);
-    let model = Transformer::new(cfg, &ModelOptions::default()).unwrap();
-    model
-        .save_pretrained(dir.path(), &SaveOptions::default())
-        .unwrap();
-    std::fs::write(dir.path().join("tokenizer_config.json"), "{}\n").unwrap();
-    dir
 }
 
 /// verl's actor defaults (clip 0.2, token-mean, grad_clip 1, AdamW wd 0.01); `mini_batches`
@@ -205,7 +191,7 @@ fn grpo_learns_a_first_token_bandit() {
 /// time of one step's generate / compute_log_prob / update. `cargo test --test learns -- --ignored
 /// --nocapture`; `VERL_LEARNS_THREADS` sets torch's intra-op threads.
 #[test]
-#[ignore]
+#[ignore = "measurement, not a check: run by name with --ignored --nocapture"]
 fn sweep_learning_rates_and_time_the_step() {
     if let Some(t) = std::env::var("VERL_LEARNS_THREADS")
         .ok()
@@ -236,26 +222,15 @@ fn sweep_learning_rates_and_time_the_step() {
 
 /// A random model of the quickstart's shape (vocab 512, hidden 128, 2 layers).
 fn quickstart_model() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig::from_value(
-        json!({
-            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-            "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
-            "tie_word_embeddings": false, "initializer_range": 0.02,
-            "pad_token_id": 0, "eos_token_id": 1,
-        }),
-        "inline/config.json",
-    )
-    .unwrap();
-    tch::manual_seed(0);
-    let model = Transformer::new(cfg, &ModelOptions::default()).unwrap();
-    model
-        .save_pretrained(dir.path(), &SaveOptions::default())
-        .unwrap();
-    std::fs::write(dir.path().join("tokenizer_config.json"), "{}\n").unwrap();
-    dir
+    let config = json!({
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+        "tie_word_embeddings": false, "initializer_range": 0.02,
+        "pad_token_id": 0, "eos_token_id": 1,
+    });
+    model_dir(config, Some(0), HeadKind::CausalLm)
 }
 
 fn ms(f: impl FnOnce()) -> f64 {
@@ -268,7 +243,7 @@ fn ms(f: impl FnOnce()) -> f64 {
 /// response 20 tokens, 4 mini-batches of 32 rows, micro 32) against compute_log_prob on the same
 /// rows (micro 64), split into forward, forward+backward, and optimizer steps.
 #[test]
-#[ignore]
+#[ignore = "measurement, not a check: run by name with --ignored --nocapture"]
 fn time_update_against_compute_log_prob() {
     if let Some(t) = std::env::var("VERL_LEARNS_THREADS")
         .ok()

@@ -1,5 +1,6 @@
-//! The same computations on a CUDA device (skipped where none is available): the chunked LM head in bf16
-//! against full fp32 logits at a realistic vocabulary size, and the policy / agg losses against the CPU.
+//! The same computations on a CUDA device (ignored as "needs CUDA": `make test-gpu`): the chunked
+//! LM head in bf16 against full fp32 logits at a realistic vocabulary size, and the policy / agg
+//! losses against the CPU.
 
 mod common;
 
@@ -8,21 +9,14 @@ use verl_losses::{
     logprobs_from_logits, ActorInputs, ActorLoss, ActorLossConfig, ChunkedLmHead, LossScale,
     MaskCounts, Normaliser, PolicyLossSection,
 };
+use verl_test_support::cuda::cuda_device;
 
 use common::{max_rel_err, to_vec, Lcg};
 
-fn cuda() -> Option<Device> {
-    if tch::Cuda::is_available() {
-        Some(Device::Cuda(0))
-    } else {
-        eprintln!("SKIPPED: no CUDA device visible to libtorch");
-        None
-    }
-}
-
 #[test]
+#[ignore = "needs CUDA"]
 fn chunked_bf16_lm_head_matches_fp32_full_logits_on_cuda() {
-    let Some(dev) = cuda() else { return };
+    let dev = cuda_device();
     tch::manual_seed(0);
     let (n, h, v) = (4096i64, 512i64, 32000i64);
     let hidden32 = (Tensor::randn([n, h], (Kind::Float, dev)) * 0.5).set_requires_grad(true);
@@ -58,8 +52,9 @@ fn chunked_bf16_lm_head_matches_fp32_full_logits_on_cuda() {
 }
 
 #[test]
-fn actor_loss_on_cuda_matches_cpu_in_f64() {
-    let Some(dev) = cuda() else { return };
+#[ignore = "needs CUDA"]
+fn actor_loss_matches_cpu_in_f64_on_cuda() {
+    let dev = cuda_device();
     let (b, t) = (8i64, 16i64);
     let mut rng = Lcg(5);
     let old = rng.tensor(&[b, t], 1.0) - 1.0;
@@ -118,8 +113,9 @@ fn actor_loss_on_cuda_matches_cpu_in_f64() {
 /// in one more, the head's GEMMs by hand): in fp32 they must match full-logits autograd in fp64,
 /// entropy term and temperature included, across several chunks.
 #[test]
-fn fused_lm_head_matches_full_logits_autograd_in_fp32() {
-    let Some(dev) = cuda() else { return };
+#[ignore = "needs CUDA"]
+fn fused_lm_head_matches_full_logits_autograd_in_fp32_on_cuda() {
+    let dev = cuda_device();
     tch::manual_seed(4);
     let (n, h, v) = (300i64, 64i64, 5000i64);
     let hidden = Tensor::randn([n, h], (Kind::Float, dev));
@@ -166,8 +162,9 @@ fn fused_lm_head_matches_full_logits_autograd_in_fp32() {
 /// the weight's gradient sums the head's and the embedding's, as full-logits autograd on the
 /// CPU computes it; a bf16 weight gets it in bf16.
 #[test]
-fn fused_surrogate_with_a_tied_weight_matches_the_cpu() {
-    let Some(dev) = cuda() else { return };
+#[ignore = "needs CUDA"]
+fn fused_surrogate_with_a_tied_weight_matches_the_cpu_on_cuda() {
+    let dev = cuda_device();
     tch::manual_seed(5);
     let (n, h, v) = (260i64, 32i64, 3000i64);
     let w0 = Tensor::randn([v, h], (Kind::Float, Device::Cpu)) * 0.2;
@@ -208,8 +205,9 @@ fn fused_surrogate_with_a_tied_weight_matches_the_cpu() {
 /// Logits kept from the forward for the backward (a budget for two of three chunks) give the
 /// same log-probs and bit-identical gradients as recomputing them.
 #[test]
-fn kept_logits_give_the_recomputed_gradients() {
-    let Some(dev) = cuda() else { return };
+#[ignore = "needs CUDA"]
+fn kept_logits_give_the_recomputed_gradients_on_cuda() {
+    let dev = cuda_device();
     tch::manual_seed(6);
     let (n, h, v) = (300i64, 64i64, 4000i64);
     let hidden = (Tensor::randn([n, h], (Kind::Float, dev)) * 0.5).to_kind(Kind::BFloat16);

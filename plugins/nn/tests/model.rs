@@ -9,6 +9,7 @@ use tch::{Kind, Tensor};
 use verl_nn::{
     HeadKind, ModelConfig, ModelOptions, NnError, ParamGate, SaveOptions, Transformer, Unit,
 };
+use verl_test_support::cuda::cuda_device;
 
 fn config(extra: serde_json::Value) -> ModelConfig {
     let mut v = json!({
@@ -484,14 +485,11 @@ fn sharded_save_and_dtype_conversion() {
 }
 
 /// The same weights on CUDA give the CPU logits, cached decoding and checkpointed gradients there
-/// agree with their plain counterparts, and bf16 runs. Skips without a CUDA device.
+/// agree with their plain counterparts, and bf16 runs. Needs CUDA (`make test-gpu`).
 #[test]
-fn cuda_matches_cpu() {
-    if !tch::Cuda::is_available() {
-        eprintln!("SKIP: no CUDA device; CPU/CUDA agreement not checked");
-        return;
-    }
-    let cuda = tch::Device::Cuda(0);
+#[ignore = "needs CUDA"]
+fn cuda_matches_cpu_on_cuda() {
+    let cuda = cuda_device();
     for extra in [
         json!({"model_type": "qwen2", "tie_word_embeddings": true}),
         json!({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
@@ -678,12 +676,9 @@ fn packed_rows_match_unshared_sequences() {
 /// The same on CUDA: flash/efficient attention over the rows, and the paged decode kernel
 /// (consistent attention, one query per stream token) where nothing needs a gradient.
 #[test]
+#[ignore = "needs CUDA"]
 fn packed_rows_match_unshared_sequences_on_cuda() {
-    if !tch::Cuda::is_available() {
-        eprintln!("SKIP: no CUDA device; packed rows on CUDA not checked");
-        return;
-    }
-    check_packed(tch::Device::Cuda(0), false, 1e-4);
+    check_packed(cuda_device(), false, 1e-4);
     check_packed(tch::Device::Cuda(0), true, 1e-4);
 }
 
@@ -692,12 +687,9 @@ fn packed_rows_match_unshared_sequences_on_cuda() {
 /// padded rows' (dense SDPA) to bf16 rounding, and a wrong varlen form changes them (so the
 /// kernel really ran).
 #[test]
-fn packed_rows_varlen_matches_padded_rows_on_cuda_bf16() {
-    if !tch::Cuda::is_available() {
-        eprintln!("SKIP: no CUDA device; varlen attention not checked");
-        return;
-    }
-    let dev = tch::Device::Cuda(0);
+#[ignore = "needs CUDA"]
+fn packed_rows_varlen_matches_padded_rows_bf16_on_cuda() {
+    let dev = cuda_device();
     let (dir, _) = saved(json!({"model_type": "qwen2"}));
     let m = Transformer::from_pretrained(
         dir.path(),
@@ -901,16 +893,12 @@ fn grad_accumulation_fusion_matches_autograd_accumulation() {
     grad_accumulation_fusion_case(tch::Device::Cpu);
 }
 
-/// The same on a GPU, where the fused path also takes the embedding's rows straight into `.grad`
-/// (and, with `VERL_FUSED_QKV_GRAD=1`, the q/k/v projections into their `.grad` as views of one
-/// tensor). Skipped without CUDA.
+/// The same on a GPU, where the fused path also takes the embedding's rows straight into `.grad`.
+/// Needs CUDA (`make test-gpu`).
 #[test]
+#[ignore = "needs CUDA"]
 fn grad_accumulation_fusion_matches_autograd_accumulation_on_cuda() {
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device");
-        return;
-    }
-    grad_accumulation_fusion_case(tch::Device::Cuda(0));
+    grad_accumulation_fusion_case(cuda_device());
 }
 
 fn grad_accumulation_fusion_case(device: tch::Device) {

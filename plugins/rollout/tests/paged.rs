@@ -9,6 +9,7 @@ use verl_rollout::{
     generate_with_config, generate_with_stats, v1, EngineConfig, FinishReason, Generation,
     GenerationStats, SamplingParams,
 };
+use verl_test_support::cuda::cuda_device;
 
 const VOCAB: i64 = 512;
 
@@ -428,14 +429,11 @@ fn bf16_model_generates() {
 }
 
 /// On CUDA (pinned non-blocking uploads, flash/efficient SDPA): fp32 matches the dense engine,
-/// a tight pool still completes identically, bf16 sampling is deterministic. Skips without CUDA.
+/// a tight pool still completes identically, bf16 sampling is deterministic. Needs CUDA.
 #[test]
-fn cuda_paged_matches_dense() {
-    if !tch::Cuda::is_available() {
-        eprintln!("SKIP: no CUDA device; CUDA paged engine not checked");
-        return;
-    }
-    let cuda = tch::Device::Cuda(0);
+#[ignore = "needs CUDA"]
+fn cuda_paged_matches_dense_on_cuda() {
+    let cuda = cuda_device();
     let load = |dtype| {
         tch::manual_seed(11);
         let cfg = ModelConfig::from_value(qwen2_config(), "inline/config.json").unwrap();

@@ -1,22 +1,24 @@
 //! Decode GEMMs through cuBLASLt with a timed algorithm: every tuned shape gives libtorch's bits
 //! (at its own rows and as rows of a training-size GEMM), eagerly and replayed from a CUDA graph;
 //! untuned shapes are left to the caller; tuning refuses to run inside a capture. GPU tests, run
-//! under the GEMM settings of `consistent_attention` (cuBLASLt, 1 KiB workspace); they skip
-//! where there is no CUDA device.
+//! under the GEMM settings of `consistent_attention` (cuBLASLt, 1 KiB workspace), ignored
+//! ("needs CUDA") and run by `make test-gpu`; they fail where there is no CUDA device.
 
 use std::sync::Once;
 
 use tch::{Device, Kind, Tensor};
+use verl_test_support::cuda::cuda_device;
 use verl_torch_ext::{
     capture, forget_tuned_linears, tune_linear, tuned_gemm_scope, tuned_gemms_available,
     tuned_linear, tuned_linear_report,
 };
 
-fn gpu() -> Option<Device> {
-    if !tch::Cuda::is_available() || !tuned_gemms_available() {
-        eprintln!("skipped: no CUDA device or no cuBLASLt");
-        return None;
-    }
+fn gpu() -> Device {
+    let dev = cuda_device();
+    assert!(
+        tuned_gemms_available(),
+        "a CUDA device but no cuBLASLt: the tuned GEMMs are unavailable"
+    );
     static SETUP: Once = Once::new();
     SETUP.call_once(|| {
         // What the FSDP actor sets under `consistent_attention` before its first GEMM.
@@ -29,7 +31,7 @@ fn gpu() -> Option<Device> {
         std::env::set_var("VERL_TUNED_GEMMS_CACHE", &file);
         verl_torch_ext::prefer_cublaslt().unwrap();
     });
-    Some(Device::Cuda(0))
+    dev
 }
 
 fn torch_gemm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, fp32: bool) -> Tensor {
@@ -45,8 +47,9 @@ fn bits_equal(a: &Tensor, b: &Tensor) -> bool {
 }
 
 #[test]
-fn tuned_gemms_give_libtorchs_rows_eagerly_and_from_a_graph() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn tuned_gemms_give_libtorchs_rows_eagerly_and_from_a_graph_on_cuda() {
+    let dev = gpu();
     let _g = tch::no_grad_guard();
     tch::manual_seed(3);
     // Qwen2.5-0.5B and 1.5B decode projections (fused q/k/v + bias, o, fused gate/up, down) and
@@ -155,8 +158,9 @@ fn tuned_gemms_give_libtorchs_rows_eagerly_and_from_a_graph() {
 }
 
 #[test]
-fn where_libtorchs_small_batch_rows_differ_a_tuned_choice_gives_the_training_sizes() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn where_libtorchs_small_batch_rows_differ_a_tuned_choice_gives_the_training_sizes_on_cuda() {
+    let dev = gpu();
     let _g = tch::no_grad_guard();
     // fp32-logits LM heads (the quickstart's tiny one, Qwen2.5-0.5B's) at 1 and 2 rows: libtorch
     // picks other kernels there than for a training-size GEMM, and its rows can differ.
@@ -195,8 +199,9 @@ fn where_libtorchs_small_batch_rows_differ_a_tuned_choice_gives_the_training_siz
 }
 
 #[test]
-fn untuned_shapes_are_left_to_libtorch_and_a_capture_cannot_tune() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn untuned_shapes_are_left_to_libtorch_and_a_capture_cannot_tune_on_cuda() {
+    let dev = gpu();
     let _g = tch::no_grad_guard();
     let w = Tensor::randn([384, 256], (Kind::BFloat16, dev));
     let x = Tensor::randn([24, 256], (Kind::BFloat16, dev));

@@ -1,22 +1,31 @@
 //! `cuda_memory_stats`: the caching allocator's statistics (`torch.cuda.memory_allocated`,
 //! `max_memory_allocated`, `memory_reserved`, `max_memory_reserved`) and what `cuda_empty_cache`
-//! would hand back to the driver, read without releasing anything (GPU; on a machine without one
-//! only the call's failure-free path runs).
+//! would hand back to the driver, read without releasing anything (GPU: `…_on_cuda`, run by
+//! `make test-gpu`; without one only the call's failure-free path runs).
 
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
+use verl_test_support::cuda::cuda_device;
 use verl_torch_ext::{cuda_empty_cache, cuda_memory_stats, CudaMemoryStats};
 
+/// Without a device: nothing was ever allocated (or no statistics). Only checks something where
+/// there is no GPU; on a GPU machine it says so and returns (the `_on_cuda` test below is the
+/// check there).
 #[test]
-fn statistics_follow_allocations_and_the_releasable_cache() {
-    if !tch::Cuda::is_available() {
-        // Nothing was ever allocated (or no statistics without a device).
-        assert_eq!(
-            cuda_memory_stats(0).unwrap_or_default(),
-            CudaMemoryStats::default()
-        );
+fn statistics_are_empty_without_a_device() {
+    if tch::Cuda::is_available() {
+        eprintln!("not applicable: this machine has a GPU (see the `_on_cuda` test)");
         return;
     }
-    let dev = Device::Cuda(0);
+    assert_eq!(
+        cuda_memory_stats(0).unwrap_or_default(),
+        CudaMemoryStats::default()
+    );
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn statistics_follow_allocations_and_the_releasable_cache_on_cuda() {
+    let dev = cuda_device();
     let _warm = Tensor::zeros([1], (Kind::Float, dev));
     cuda_empty_cache().unwrap();
     let base = cuda_memory_stats(0).unwrap();

@@ -1,8 +1,10 @@
 //! The fused row kernels: NVRTC compiles them for sm_80 and sm_90 on any machine; on a GPU they
 //! match the torch formulas (sampling's inverse CDF, log-softmax, entropy and their gradient by
-//! autograd). The GPU tests skip where there is no CUDA device.
+//! autograd). The GPU tests are `…_on_cuda`, ignored ("needs CUDA") and run by `make test-gpu`;
+//! the NVRTC ones need torch-ext built with the CUDA headers (`bash scripts/setup.sh`), no GPU.
 
 use tch::{Device, Kind, Tensor};
+use verl_test_support::cuda::cuda_device;
 use verl_torch_ext::{
     add_rms_norm, add_rms_norm_accumulating, add_rms_norm_autograd, add_rms_norm_autograd_applies,
     cuda_graphs_compiled, gather_rows, gather_rows_inverse, rope, rope_autograd, rope_store,
@@ -12,10 +14,7 @@ use verl_torch_ext::{
 
 #[test]
 fn compiles_for_ampere_and_hopper() {
-    if !cuda_graphs_compiled() {
-        eprintln!("skipped: torch-ext built without CUDA headers");
-        return;
-    }
+    assert_cuda_build();
     for arch in [80, 90] {
         let log = row_kernels_compile_check(arch).unwrap_or_else(|e| panic!("sm_{arch}: {e}"));
         assert!(
@@ -29,27 +28,49 @@ fn compiles_for_ampere_and_hopper() {
     }
 }
 
-/// The driver's compute capability where there is a GPU, and none where there is not.
-#[test]
-fn cuda_arch_is_the_devices_or_none() {
-    let arch = verl_torch_ext::cuda_arch(0);
-    if tch::Cuda::is_available() {
-        let a = arch.expect("a GPU has a compute capability");
-        assert!((50..=200).contains(&a), "compute capability {a}");
-        assert_eq!(verl_torch_ext::cuda_arch(0), Some(a), "cached value");
-    } else {
-        assert_eq!(arch, None);
-    }
+/// torch-ext built with the CUDA headers (what `bash scripts/setup.sh` sets up; no GPU needed),
+/// or a failure saying so.
+fn assert_cuda_build() {
+    assert!(
+        cuda_graphs_compiled(),
+        "this test needs torch-ext built with the CUDA headers (not a GPU): it was built without \
+         them (VERL_TORCH_EXT_NO_CUDA set, or no cuda_runtime.h found; `bash scripts/setup.sh` \
+         installs them)"
+    );
 }
 
-fn gpu() -> Option<Device> {
-    let d = Device::cuda_if_available();
-    if row_kernels_available(d) {
-        Some(d)
-    } else {
-        eprintln!("skipped: no CUDA device");
-        None
+/// No compute capability where there is no GPU. Only checks something without one; on a GPU
+/// machine it says so and returns (the `_on_cuda` test is the check there).
+#[test]
+fn cuda_arch_is_none_without_a_device() {
+    if tch::Cuda::is_available() {
+        eprintln!("not applicable: this machine has a GPU (see the `_on_cuda` test)");
+        return;
     }
+    let arch = verl_torch_ext::cuda_arch(0);
+    assert_eq!(arch, None);
+}
+
+/// The driver's compute capability where there is a GPU.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_arch_is_the_devices_on_cuda() {
+    cuda_device();
+    let arch = verl_torch_ext::cuda_arch(0);
+    let a = arch.expect("a GPU has a compute capability");
+    assert!((50..=200).contains(&a), "compute capability {a}");
+    assert_eq!(verl_torch_ext::cuda_arch(0), Some(a), "cached value");
+}
+
+/// The GPU, where the row kernels run (or a failure saying why not).
+fn gpu() -> Device {
+    let d = cuda_device();
+    assert!(
+        row_kernels_available(d),
+        "a CUDA device but the row kernels are unavailable on it (torch-ext built without the \
+         CUDA headers?)"
+    );
+    d
 }
 
 fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
@@ -72,8 +93,9 @@ fn torch_inverse_cdf(logits: &Tensor, u: &Tensor, t: f64) -> Tensor {
 }
 
 #[test]
-fn sampling_matches_the_inverse_cdf_and_greedy_argmax() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn sampling_matches_the_inverse_cdf_and_greedy_argmax_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(11);
     for (rows, vocab, t) in [(7i64, 151_936i64, 1.0f64), (300, 1000, 0.7), (1, 5, 1.3)] {
         let logits = Tensor::randn([rows, vocab], (Kind::Float, dev)) * 3.0;
@@ -138,8 +160,9 @@ fn sampling_matches_the_inverse_cdf_and_greedy_argmax() {
 }
 
 #[test]
-fn stats_and_gradient_match_autograd() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn stats_and_gradient_match_autograd_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(12);
     for (rows, vocab, t) in [(64i64, 151_936i64, 1.0f64), (33, 777, 0.6), (16, 4096, 0.7)] {
         let logits = Tensor::randn([rows, vocab], (Kind::Float, dev)) * 2.0;
@@ -206,8 +229,9 @@ fn stats_and_gradient_match_autograd() {
 }
 
 #[test]
-fn bad_inputs_name_the_argument() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn bad_inputs_name_the_argument_on_cuda() {
+    let dev = gpu();
     let logits = Tensor::zeros([4, 10], (Kind::BFloat16, dev));
     let e = sample_rows(&logits, None, 1.0, false)
         .unwrap_err()
@@ -229,8 +253,9 @@ fn bad_inputs_name_the_argument() {
 /// from a transposed (non-contiguous) input as the attention layer passes it, written in that
 /// input's layout.
 #[test]
-fn rope_is_bit_identical_to_the_torch_ops() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn rope_is_bit_identical_to_the_torch_ops_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(13);
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
         for (b, h, t, d, wide) in [
@@ -295,8 +320,9 @@ fn bits_equal(a: &Tensor, b: &Tensor) -> bool {
 /// projection view, with the output and the gradient in that view's memory layout; also from a
 /// narrow (non-dense) view, and a gradient that arrives strided.
 #[test]
-fn rope_autograd_matches_the_torch_ops_and_their_backward() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn rope_autograd_matches_the_torch_ops_and_their_backward_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(23);
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
         for (b, h, t, d) in [(3i64, 5i64, 7i64, 64i64), (16, 14, 96, 64), (2, 4, 9, 128)] {
@@ -364,8 +390,9 @@ fn rope_autograd_matches_the_torch_ops_and_their_backward() {
 /// The training SwiGLU (recorded by autograd) against `silu(gate) * up` under autograd:
 /// output and both gradients bit-identical in every dtype, on the vectorised and scalar paths.
 #[test]
-fn silu_mul_matches_the_torch_ops_and_their_backward() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn silu_mul_matches_the_torch_ops_and_their_backward_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(29);
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
         for shape in [
@@ -419,8 +446,9 @@ fn silu_mul_matches_the_torch_ops_and_their_backward() {
 /// vectorised path (16-bit dtypes, I % 8 == 0), the scalar path (odd I, fp32) and a strided row
 /// view (a narrow of a wider projection output); bad shapes name the argument.
 #[test]
-fn swiglu_is_bit_identical_to_the_torch_ops() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn swiglu_is_bit_identical_to_the_torch_ops_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(17);
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
         for (rows, inter) in [(512i64, 8960i64), (3, 13), (7, 64), (1, 24)] {
@@ -464,8 +492,9 @@ fn swiglu_is_bit_identical_to_the_torch_ops() {
 /// of the other rows of the call (a subset of rows gives the same bits); the element-wise path
 /// (a hidden size that is not a multiple of 8) and the plain norm (no delta) too; bad inputs named.
 #[test]
-fn add_rms_norm_matches_the_sum_and_norm() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn add_rms_norm_matches_the_sum_and_norm_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(23);
     for kind in [Kind::BFloat16, Kind::Half, Kind::Float] {
         for (rows, hidden) in [(512i64, 1536i64), (37, 896), (5, 4096), (9, 100), (3, 8)] {
@@ -557,8 +586,9 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
 /// the norm unused, and without a delta; hidden sizes taking each of the backward's register
 /// layouts (one, two and four 8-element chunks per thread).
 #[test]
-fn add_rms_norm_autograd_matches_fp64_autograd() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn add_rms_norm_autograd_matches_fp64_autograd_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(31);
     let eps = 1e-6;
     for kind in [Kind::BFloat16, Kind::Half] {
@@ -661,8 +691,9 @@ fn add_rms_norm_autograd_matches_fp64_autograd() {
 /// micro-batches (made on the first; one rounding each), as fp64 autograd accumulates it; autograd
 /// itself hands the weight nothing.
 #[test]
-fn add_rms_norm_accumulating_sums_the_weight_gradient_into_grad() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn add_rms_norm_accumulating_sums_the_weight_gradient_into_grad_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(37);
     let eps = 1e-6;
     for (kind, hidden) in [
@@ -727,8 +758,9 @@ fn add_rms_norm_accumulating_sums_the_weight_gradient_into_grad() {
 /// never read) as the fp64 `index_add` does, to the dtype's rounding, on the vector path
 /// (16-bit, 8 | row length) and the element path (fp32, odd row length).
 #[test]
-fn gather_rows_backward_sums_each_rows_readers() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn gather_rows_backward_sums_each_rows_readers_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(37);
     // 5 stream rows: 0..2 a prompt read by three sequences, 3 read once, 4 never read.
     let index: Vec<i64> = vec![0, 1, 2, 3, 0, 1, 2, 0, 1, 2];
@@ -773,8 +805,9 @@ fn gather_rows_backward_sums_each_rows_readers() {
 /// q rotated bit-identically, k rotated and v copied into exactly their slots (every other cache
 /// row untouched), from q/k/v slices of one fused projection output as the model passes them.
 #[test]
-fn rope_store_equals_rope_then_the_cache_write() {
-    let Some(dev) = gpu() else { return };
+#[ignore = "needs CUDA"]
+fn rope_store_equals_rope_then_the_cache_write_on_cuda() {
+    let dev = gpu();
     tch::manual_seed(19);
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
         for (s, h, kvh, d) in [(5i64, 4i64, 2i64, 64i64), (512, 12, 2, 128), (3, 14, 2, 64)] {
@@ -831,19 +864,22 @@ fn rope_store_equals_rope_then_the_cache_write() {
 /// `inject_grads` with `b_into_grad`: b's gradient `gb · g` goes into `b.grad` (written on the
 /// first backward, added in one rounding after), a's still through autograd; a non-leaf `b` is
 /// refused. Runs on the CPU wherever the extension was built with CUDA (the function's
-/// requirement; libtorch's in-place op in row blocks there) and on a GPU where there is one (one
-/// kernel there), in bf16 and fp16.
+/// requirement; libtorch's in-place op in row blocks there) and on a GPU in the `_on_cuda` test
+/// (one kernel there), in bf16 and fp16.
 #[test]
 fn inject_grads_into_grad_adds_into_the_leafs_grad() {
-    if !cuda_graphs_compiled() {
-        eprintln!("skipped: torch-ext built without CUDA headers");
-        return;
-    }
+    assert_cuda_build();
     for kind in [Kind::BFloat16, Kind::Half] {
         inject_into_grad_case(Device::Cpu, kind);
-        if let Some(dev) = gpu() {
-            inject_into_grad_case(dev, kind);
-        }
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn inject_grads_into_grad_adds_into_the_leafs_grad_on_cuda() {
+    let dev = gpu();
+    for kind in [Kind::BFloat16, Kind::Half] {
+        inject_into_grad_case(dev, kind);
     }
 }
 
@@ -910,17 +946,20 @@ fn inject_into_grad_case(dev: Device, kind: Kind) {
 /// gets its own gradient either way. Against the product in f64, within one rounding of the dtype.
 #[test]
 fn inject_grads_product_adds_the_product_into_grad() {
-    if !cuda_graphs_compiled() {
-        eprintln!("skipped: torch-ext built without CUDA headers");
-        return;
-    }
+    assert_cuda_build();
     for kind in [Kind::BFloat16, Kind::Half] {
         inject_product_case(Device::Cpu, kind, 40, 24, 33);
-        if let Some(dev) = gpu() {
-            inject_product_case(dev, kind, 40, 24, 33);
-            // The LM head's shape class: a long vocabulary side, more tokens than one tile.
-            inject_product_case(dev, kind, 3000, 64, 700);
-        }
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA"]
+fn inject_grads_product_adds_the_product_into_grad_on_cuda() {
+    let dev = gpu();
+    for kind in [Kind::BFloat16, Kind::Half] {
+        inject_product_case(dev, kind, 40, 24, 33);
+        // The LM head's shape class: a long vocabulary side, more tokens than one tile.
+        inject_product_case(dev, kind, 3000, 64, 700);
     }
 }
 

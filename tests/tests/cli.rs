@@ -477,14 +477,11 @@ fn completions_and_version() {
 
 #[test]
 fn data_gsm8k_writes_verl_format_parquet() {
-    let shared = repo().parent().unwrap().join("shared/data/gsm8k");
-    let shared = std::env::var_os("VERL_SHARED_DIR")
-        .map(|d| PathBuf::from(d).join("data/gsm8k"))
-        .unwrap_or(shared);
-    if !shared.join("test.jsonl").exists() {
-        eprintln!("SKIP: {} not found (set VERL_SHARED_DIR)", shared.display());
+    // Absent: a skip, or a failure under VERL_REQUIRE_SHARED=1 (CI).
+    let Some(test) = verl_test_support::shared_path("data/gsm8k/test.jsonl") else {
         return;
-    }
+    };
+    let shared = test.parent().unwrap();
     let out = tempfile::tempdir().unwrap();
     let o = run(
         &verl_bin(),

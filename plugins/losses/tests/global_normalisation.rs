@@ -42,7 +42,7 @@ fn batch() -> Batch {
     let mask = Tensor::from_slice(&m).reshape([B, T]);
     let old_log_prob = rng.tensor(&[B, T], 1.0).f_sub_scalar(1.5).unwrap();
     // Sequence-level advantages of mixed sign, like GRPO's.
-    let adv_rows: Vec<f64> = (0..B).map(|_| rng.next() * 2.0).collect();
+    let adv_rows: Vec<f64> = (0..B).map(|_| rng.signed() * 2.0).collect();
     let advantages = Tensor::from_slice(&adv_rows)
         .reshape([B, 1])
         .expand([B, T], false)

@@ -12,7 +12,7 @@ use verl_losses::{
     Normaliser, PolicyInputs, PolicyLoss, PolicyLossSection, ValueInputs,
 };
 
-use common::{max_rel_err, shared_dir, tensor_f64, to_vec};
+use common::{max_rel_err, shared_path, tensor_f64, to_vec};
 
 const OURS: [&str; 5] = [
     "policy_loss",
@@ -162,14 +162,10 @@ fn flat(v: &Value) -> Vec<f64> {
 
 #[test]
 fn every_owned_golden_case_matches_verl() {
-    let path = shared_dir().join("golden/verl_core_algos.json");
-    if !path.exists() {
-        eprintln!(
-            "SKIPPED: {} not found (set VERL_SHARED_DIR to the shared reference-data directory)",
-            path.display()
-        );
+    // Absent: a skip, or a failure under VERL_REQUIRE_SHARED=1 (CI).
+    let Some(path) = shared_path("golden/verl_core_algos.json") else {
         return;
-    }
+    };
     let text = std::fs::read_to_string(&path).expect("read golden file");
     let doc: Value = serde_json::from_str(&text).expect("golden file is JSON");
     let cases = doc["cases"].as_array().expect("`cases` is an array");

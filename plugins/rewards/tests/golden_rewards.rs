@@ -1,22 +1,13 @@
 //! Parity with verl 0.9.1: every row of `golden/rewards_verl.jsonl` (verl's own scores on real
 //! GSM8K model solutions and MATH-style answers) must be reproduced exactly.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use serde_json::Value;
 use verl_rewards::{default_compute_score, Gsm8kMethod, ScoreOptions};
+use verl_test_support::shared_path;
 
 const GOLDEN: &str = "golden/rewards_verl.jsonl";
-
-/// `$VERL_SHARED_DIR`, else `<workspace root>/../shared`.
-fn shared_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("VERL_SHARED_DIR") {
-        return PathBuf::from(dir);
-    }
-    // This crate lives at <workspace>/plugins/rewards.
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared")
-}
 
 fn str_field<'a>(row: &'a Value, key: &str, line: usize) -> &'a str {
     row.get(key).and_then(Value::as_str).unwrap_or_else(|| {
@@ -35,14 +26,10 @@ fn snippet(s: &str) -> String {
 
 #[test]
 fn golden_rewards_match_verl() {
-    let path = shared_dir().join(GOLDEN);
-    if !path.exists() {
-        println!(
-            "SKIPPED golden_rewards_match_verl: {} not found (set VERL_SHARED_DIR)",
-            path.display()
-        );
+    // Absent: a skip, or a failure under VERL_REQUIRE_SHARED=1 (CI).
+    let Some(path) = shared_path(GOLDEN) else {
         return;
-    }
+    };
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
 

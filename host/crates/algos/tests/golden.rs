@@ -2,14 +2,14 @@
 //! recomputed and compared output by output, element by element, within 1e-6 relative.
 //!
 //! The file lives in the shared reference directory (`$VERL_SHARED_DIR`, else `<workspace>/../shared`); when it
-//! is absent the test prints why and passes, since the repository must build without it.
+//! is absent the test prints why and passes, since the repository must build without it (with
+//! `VERL_REQUIRE_SHARED=1`, as in CI, it fails instead).
 //!
 //! `golden/seqlen_balancing.json` (in this crate, written by `golden/gen_seqlen_balancing.py` from verl's own
 //! `seqlen_balancing.py`) holds the sequence-length balancing cases; those compare exactly: partitions index
 //! for index, metrics bit for bit, and verl's assertion failures as errors.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use verl_algos::{
@@ -37,21 +37,11 @@ const REL_TOL: f64 = 1e-6;
 /// Lets an exact zero in the reference match a result that is zero up to rounding.
 const ABS_FLOOR: f64 = 1e-12;
 
-fn shared_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("VERL_SHARED_DIR") {
-        return PathBuf::from(dir);
-    }
-    // The workspace root is the nearest ancestor whose Cargo.toml declares `[workspace]`.
-    let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let root = manifest_dir
-        .ancestors()
-        .find(|dir| {
-            std::fs::read_to_string(dir.join("Cargo.toml"))
-                .is_ok_and(|toml| toml.contains("[workspace]"))
-        })
-        .unwrap_or(manifest_dir);
-    root.join("..").join("shared")
-}
+/// The shared reference data, one helper for every crate's tests (std only, included by path):
+/// skipped when absent, a failure under `VERL_REQUIRE_SHARED=1` (CI).
+#[allow(dead_code)]
+#[path = "../../../../crates/test-support/src/shared.rs"]
+mod shared;
 
 type Outputs = BTreeMap<String, Grid<f64>>;
 
@@ -296,14 +286,11 @@ fn compare(label: &str, expected: &serde_json::Map<String, Value>, got: &Outputs
 
 #[test]
 fn every_owned_golden_case_matches_verl() {
-    let path = shared_dir().join("golden").join("verl_core_algos.json");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        println!(
-            "SKIPPED: golden file {} not found (set VERL_SHARED_DIR to the shared directory)",
-            path.display()
-        );
+    let Some(path) = shared::shared_path("golden/verl_core_algos.json") else {
         return;
     };
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: cannot read: {e}", path.display()));
     let doc: Value = serde_json::from_str(&text)
         .unwrap_or_else(|e| panic!("{}: invalid JSON: {e}", path.display()));
     let cases = doc["cases"]

@@ -1,17 +1,10 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
-
 use tch::{Kind, Tensor};
 
-/// `$VERL_SHARED_DIR`, else `<workspace root>/../shared`.
-pub fn shared_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("VERL_SHARED_DIR") {
-        return PathBuf::from(dir);
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared")
-}
+#[allow(unused_imports)] // each test binary uses a different subset
+pub use verl_test_support::{shared_path, Lcg};
 
 /// A float64 tensor from a (possibly nested) JSON array of numbers.
 pub fn tensor_f64(v: &serde_json::Value) -> Tensor {
@@ -52,23 +45,4 @@ pub fn max_rel_err(got: &[f64], want: &[f64], floor: f64) -> f64 {
         .zip(want)
         .map(|(g, w)| (g - w).abs() / w.abs().max(floor))
         .fold(0.0, f64::max)
-}
-
-/// Deterministic pseudo-random numbers (no extra dependency): a 64-bit LCG mapped to [-1, 1).
-pub struct Lcg(pub u64);
-
-impl Lcg {
-    pub fn next(&mut self) -> f64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-    }
-
-    pub fn tensor(&mut self, shape: &[i64], scale: f64) -> Tensor {
-        let n: i64 = shape.iter().product();
-        let v: Vec<f64> = (0..n).map(|_| self.next() * scale).collect();
-        Tensor::from_slice(&v).reshape(shape)
-    }
 }

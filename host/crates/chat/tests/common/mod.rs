@@ -20,32 +20,15 @@ pub fn workspace_root() -> PathBuf {
     here.join("../../..")
 }
 
-/// `$VERL_SHARED_DIR`, else `<workspace root>/../shared`; `None` (after printing why) when
-/// it does not exist, so tests can skip.
-pub fn shared_dir() -> Option<PathBuf> {
-    let dir = match std::env::var_os("VERL_SHARED_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => workspace_root().join("../shared"),
-    };
-    if dir.is_dir() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "SKIP: shared reference data not found at {} (set VERL_SHARED_DIR)",
-            dir.display()
-        );
-        None
-    }
-}
+/// The shared reference data, one helper for every crate's tests (std only, included by path):
+/// skipped when absent, a failure under `VERL_REQUIRE_SHARED=1` (CI).
+#[path = "../../../../../crates/test-support/src/shared.rs"]
+mod shared;
 
+/// `rel` under `$VERL_SHARED_DIR`, else `<workspace root>/../shared`; `None` (after printing
+/// why) when it does not exist, so tests can skip, or a panic under `VERL_REQUIRE_SHARED=1`.
 pub fn shared_file(rel: &str) -> Option<PathBuf> {
-    let path = shared_dir()?.join(rel);
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!("SKIP: {} not found", path.display());
-        None
-    }
+    shared::shared_path(rel)
 }
 
 /// A readable report of where two strings first differ.

@@ -9,25 +9,15 @@ use arrow_select::concat::concat_batches;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use verl_data::{Message, Origin, RewardModel, Sample};
 
-/// `$VERL_SHARED_DIR`, else `<workspace>/../shared`; `None` (after saying so) when absent.
-pub fn shared_dir() -> Option<PathBuf> {
-    let dir = match std::env::var_os("VERL_SHARED_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../../shared"),
-    };
-    if dir.join("data/gsm8k").is_dir() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "SKIP: shared reference data not found at {} (set VERL_SHARED_DIR)",
-            dir.display()
-        );
-        None
-    }
-}
+/// The shared reference data, one helper for every crate's tests (std only, included by path):
+/// skipped when absent, a failure under `VERL_REQUIRE_SHARED=1` (CI).
+#[path = "../../../../../crates/test-support/src/shared.rs"]
+mod shared;
 
+/// `$VERL_SHARED_DIR`, else `<workspace>/../shared`, `data/gsm8k`; `None` (after saying so) when
+/// absent, or a panic under `VERL_REQUIRE_SHARED=1`.
 pub fn gsm8k_dir() -> Option<PathBuf> {
-    shared_dir().map(|d| d.join("data/gsm8k"))
+    shared::shared_path("data/gsm8k")
 }
 
 pub fn read_parquet(path: &Path) -> RecordBatch {

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use crate::dist::HostGroup;
+use super::reduce::Ranks;
 
 /// The rows one rank contributes, column-wise (floats as bits so gathering is exact).
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
@@ -110,21 +110,20 @@ pub(crate) fn dump_generations(
     dir: &str,
     step: u64,
     rows: DumpRows,
-    group: Option<&HostGroup>,
+    ranks: Ranks<'_>,
 ) -> anyhow::Result<Option<PathBuf>> {
-    let all = match group {
-        None => rows,
-        Some(g) => {
-            let parts = g.all_gather_json(&rows)?;
-            if g.rank() != 0 {
-                return Ok(None);
-            }
-            let mut all = DumpRows::default();
-            for p in parts {
-                all.append(p);
-            }
-            all
+    let all = if ranks.is_single() {
+        rows
+    } else {
+        let parts = ranks.gather(rows)?;
+        if !ranks.is_first() {
+            return Ok(None);
         }
+        let mut all = DumpRows::default();
+        for p in parts {
+            all.append(p);
+        }
+        all
     };
     let dir = Path::new(dir);
     std::fs::create_dir_all(dir)
@@ -195,7 +194,7 @@ mod tests {
         let mut rows = DumpRows::default();
         rows.push("p".into(), "o".into(), "1".into(), 1.0, []);
         let sub = dir.path().join("gen");
-        let path = dump_generations(sub.to_str().unwrap(), 12, rows, None)
+        let path = dump_generations(sub.to_str().unwrap(), 12, rows, Ranks::default())
             .unwrap()
             .unwrap();
         assert_eq!(path, sub.join("12.jsonl"));

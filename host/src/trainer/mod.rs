@@ -6,23 +6,35 @@
 //! `verl_metrics`, `verl_checkpoint`, `verl_data`, `verl_chat`); tensors and weights stay in the
 //! plugins. One process runs one data-parallel rank (`FitOptions::rank`) on its slice of whole
 //! prompt groups; batch-wide statistics, metrics and validation span all ranks through the host's
-//! collectives (`crate::dist::HostGroup`).
+//! collectives (`crate::dist::HostGroup`), every one of them a method of `reduce::Ranks`.
+//!
+//! `fit.rs` is the loop; `setup.rs` builds a run, `checkpoint.rs` saves and resumes it;
+//! `step.rs` is one step, phase by phase; `workers.rs` holds the roles, their phase calls and
+//! the phases' clock; `rollout.rs` generates and scores; `validate.rs` validates.
 
+mod checkpoint;
 mod dump;
 mod error;
 mod fit;
 mod plugins;
 mod prompts;
+mod reduce;
 pub mod reward;
 pub mod reward_model;
+mod rollout;
 mod rollout_corr;
+mod setup;
+mod step;
+mod validate;
+mod workers;
 
 pub use error::TrainerError;
-pub use fit::{data_config, fit, FitOptions, FitSummary};
+pub use fit::{fit, FitOptions, FitSummary};
 pub use plugins::{BackendFactory, InProcessBackend, InProcessReward, JobPlugins, RewardFactory};
 pub use prompts::tokenizer_dir;
 pub use reward::{CUSTOM_REWARD_FUNCTION, REWARD_MODEL};
 pub use rollout_corr::rollout_correction;
+pub use setup::data_config;
 
 /// The reward plugin names the job routes to: `plugins.reward.default`, then each distinct
 /// target of `plugins.reward.routes`. The CLI loads each and passes it as `(name, plugin)` in
@@ -39,7 +51,10 @@ pub fn reward_plugin_names(cfg: &verl_config::Config) -> Vec<String> {
 }
 
 #[cfg(test)]
-mod tests {
+mod tests;
+
+#[cfg(test)]
+mod names_tests {
     #[test]
     fn reward_plugin_names_lists_default_then_distinct_routes() {
         let cfg = verl_config::Config::from_overrides(&[

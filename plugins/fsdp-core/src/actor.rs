@@ -5,8 +5,7 @@ use std::path::{Path, PathBuf};
 
 use tch::{Device, Kind, Tensor};
 use verl_losses::{
-    fetch_scalars, ActorInputs, ActorLoss, ActorLossConfig, ChunkedLmHead, DeferredMetrics,
-    LossScale, MaskCounts, Normaliser,
+    fetch_scalars, ActorLoss, ActorLossConfig, ChunkedLmHead, DeferredMetrics, Normaliser,
 };
 use verl_nn::{HeadKind, ModelOptions, SaveOptions, Transformer};
 use verl_plugin_api::{
@@ -19,17 +18,20 @@ use crate::config::{
     RolloutEngineSection, TrainerSection,
 };
 use crate::data::{
-    chunks, column, equalize_micro_batches, index_tensor, micro_batches, to_f32_vec, MicroBatch,
-    Sequences,
+    column, equalize_micro_batches, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences,
 };
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::forward::{head_chunk_tokens, layout_token_stats, lm_head, per_micro_batch_layout};
+use crate::generation::{derive_seed, GenerateCall};
 use crate::host_params::HostParams;
-use crate::metrics::MetricAcc;
 use crate::packing::{prompt_group_micro_batches, Padding, PromptGroups, RowLayout};
 use crate::shard::{MemoryStats, Offload};
 use crate::train::{Sharding, TrainableModel};
+use crate::update::{
+    run_update, total_training_steps, ActorUpdateInputs, MicroOutcome,
+    MiniBatch as UpdateMiniBatch, UpdateEngine, UpdateRole, UpdateSpec,
+};
 
 mod budget;
 pub use budget::{kv_budget, same_micro_batch_count, same_rows_on_every_rank, KvBudget};
@@ -505,44 +507,22 @@ impl FsdpActor {
     }
 
     fn do_generate(&mut self, prompts: &Batch, o: &GenerateOptions) -> Result<Batch> {
-        const CALL: &str = "Actor.generate";
-        let ids = column::<i64>(prompts, CALL, col::PROMPTS, self.device)?;
-        let mask = column::<i64>(prompts, CALL, col::PROMPT_MASK, self.device)?;
-        let seed = o
-            .seed
-            .unwrap_or_else(|| derive_seed(self.seed, self.generate_calls));
+        let seed = derive_seed(self.seed, self.generate_calls);
+        let eos = self.model().config().eos_token_ids.clone();
+        let call = GenerateCall::new(prompts, o, self.device, &eos, seed)?;
         self.generate_calls += 1;
-        let eos = if o.eos_token_ids.is_empty() {
-            self.model().config().eos_token_ids.clone()
-        } else {
-            o.eos_token_ids.clone()
-        };
-        let params = verl_rollout::SamplingParams {
-            n: o.n.max(1) as usize,
-            max_new_tokens: o.max_new_tokens as usize,
-            temperature: o.temperature,
-            top_p: o.top_p,
-            top_k: o.top_k,
-            do_sample: o.do_sample,
-            seed: Some(seed),
-            row_offset: o.row_offset,
-            eos_token_ids: eos,
-            pad_token_id: o.pad_token_id,
-            ignore_eos: o.ignore_eos,
-            return_log_probs: o.return_log_probs,
-        };
         // Hybrid engine: the engine reads the live training weights; its KV cache lives only for
         // this call and is dropped before returning. The KV budget is taken once the weights are
         // resident (gathered, on several ranks), so they count as memory in use.
         let (engine_keys, device) = (self.engine.clone(), self.device);
         let (gen, meta) = self.run_model(|model| {
-            let budget = kv_budget(model, device, &engine_keys, &mask, &params)?;
+            let budget = kv_budget(model, device, &engine_keys, &call.mask, &call.params)?;
             let (gen, stats) = tch::no_grad(|| {
                 verl_rollout::generate_with_config(
                     model,
-                    &ids,
-                    &mask,
-                    &params,
+                    &call.ids,
+                    &call.mask,
+                    &call.params,
                     None,
                     &budget.config,
                 )
@@ -550,48 +530,7 @@ impl FsdpActor {
             .map_err(|e| FsdpError::Api(ApiError::failed(format!("generation: {e}"))))?;
             Ok((gen, budget.metrics(&stats)))
         })?;
-        let rows = gen.prompt_index.len();
-        let index = Tensor::f_from_slice(&gen.prompt_index)
-            .and_then(|t| t.f_to_device(self.device))
-            .ctx("prompt index")?;
-        let mut out = Batch::new();
-        let pl = ids.size()[1] as usize;
-        let rl = o.max_new_tokens as usize;
-        out.insert_tensor(
-            col::PROMPTS,
-            &[rows, pl],
-            &i64_vec(&ids.f_index_select(0, &index).ctx("repeat prompts")?)?,
-        );
-        out.insert_tensor(
-            col::PROMPT_MASK,
-            &[rows, pl],
-            &i64_vec(&mask.f_index_select(0, &index).ctx("repeat masks")?)?,
-        );
-        out.insert_tensor(col::RESPONSES, &[rows, rl], &i64_vec(&gen.responses)?);
-        out.insert_tensor(
-            col::RESPONSE_MASK,
-            &[rows, rl],
-            &i64_vec(&gen.response_mask)?,
-        );
-        out.insert_tensor(col::PROMPT_INDEX, &[rows], &gen.prompt_index);
-        if let Some(lp) = &gen.log_probs {
-            out.insert_tensor(
-                col::ROLLOUT_LOG_PROBS,
-                &[rows, rl],
-                &to_f32_vec(lp, "rollout log-probs")?,
-            );
-        }
-        let reasons: Vec<&str> = gen
-            .finish_reasons
-            .iter()
-            .map(|r| match r {
-                verl_rollout::FinishReason::Stop => "stop",
-                verl_rollout::FinishReason::Length => "length",
-            })
-            .collect();
-        out.insert_strings(col::FINISH_REASON, &reasons);
-        out.set_meta(&meta);
-        Ok(out)
+        call.into_batch(&gen, &meta)
     }
 
     fn do_log_prob(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {
@@ -648,203 +587,48 @@ impl FsdpActor {
             )));
         };
         let device = self.device;
-        let seqs = Sequences::from_batch(batch, CALL, device)?;
-        let adv = column::<f32>(batch, CALL, col::ADVANTAGES, device)?;
-        let ref_lp = match batch.contains(col::REF_LOG_PROBS) {
-            true => Some(column::<f32>(batch, CALL, col::REF_LOG_PROBS, device)?),
-            false => None,
-        };
-        let temperature = o.temperature.unwrap_or(self.default_temperature);
-        let kept_logits_bytes = kept_logits_budget(device);
-        let total = o
-            .extra
-            .get("total_training_steps")
-            .and_then(|v| v.as_i64())
-            .or(self.trainer_total_steps);
-        let lr = train.lr(total)?;
-        let dp = &self.dp;
-        same_rows_on_every_rank(dp, seqs.rows(), CALL)?;
-        let rows: Vec<usize> = (0..seqs.rows()).collect();
-        let lengths = seqs.row_lengths()?;
-        let minis = chunks(&rows, plan.mini_batch_rows);
-        let PolicyAnchor {
-            on_policy,
-            old_log_probs: old_lp,
-            is_weights: is_w,
-        } = policy_anchor(batch, CALL, device, &adv, (minis.len(), plan.epochs), o)?;
-        let need_entropy =
-            plan.calculate_entropy || plan.loss.needs_entropy() || entropy_metric_requested(o);
-        let (padding, head_chunk) = (self.padding, self.head_chunk);
+        let inputs = ActorUpdateInputs::from_batch(
+            batch,
+            CALL,
+            device,
+            o,
+            |rows| (rows.div_ceil(plan.mini_batch_rows.max(1)), plan.epochs),
+            plan.calculate_entropy || plan.loss.needs_entropy(),
+        )?;
+        let lr = train.lr(total_training_steps(o, self.trainer_total_steps))?;
+        same_rows_on_every_rank(&self.dp, inputs.seqs.rows(), CALL)?;
         // Shared prompts: micro-batches keep a prompt's rows together.
-        let groups = match padding {
-            Padding::SharedPrompt => Some(PromptGroups::of(&seqs)?),
+        let groups = match self.padding {
+            Padding::SharedPrompt => Some(PromptGroups::of(&inputs.seqs)?),
             Padding::Keep | Padding::Remove => None,
         };
-        let mut acc = MetricAcc::default();
-        let fail = |train: &mut TrainableModel, e: FsdpError| -> FsdpError {
-            let _ = train.zero_grad();
-            e
+        let mut engine = ActorEngine {
+            train,
+            dp: &self.dp,
+            plan,
+            lengths: inputs.seqs.row_lengths()?,
+            inputs: &inputs,
+            groups: groups.as_ref(),
+            padding: self.padding,
+            head_chunk: self.head_chunk,
+            temperature: o.temperature.unwrap_or(self.default_temperature),
+            kept_logits_bytes: kept_logits_budget(device),
+            device,
         };
-        for epoch in 0..plan.epochs {
-            for (mi, mini) in minis.iter().enumerate() {
-                let mini_idx = index_tensor(mini, device)?;
-                let mut counts = MaskCounts::of_mask(
-                    &seqs
-                        .response_mask
-                        .f_index_select(0, &mini_idx)
-                        .ctx("mini-batch mask")?,
-                )?;
-                let mut c = [counts.tokens, counts.seqs];
-                dp.all_reduce_sum(&mut c)?;
-                counts = MaskCounts {
-                    tokens: c[0],
-                    seqs: c[1],
-                };
-                if counts.tokens == 0.0 {
-                    tracing::warn!(
-                        step = o.global_step,
-                        epoch,
-                        mini_batch = mi,
-                        "mini-batch has no response tokens; skipped"
-                    );
-                    continue;
-                }
-                // Gradients are summed over ranks (reduce-scatter SUM), never averaged: with the
-                // global counts the per-rank losses then add up to the one-rank loss exactly.
-                let norm = Normaliser::Global(LossScale::new(counts, 1));
-                train.zero_grad()?;
-                let mut mini_entropy: Option<f64> = None;
-                const BUDGET_KEY: &str = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu";
-                let parts = match &groups {
-                    Some(g) => {
-                        prompt_group_micro_batches(mini, g, &lengths, plan.micro, BUDGET_KEY)?
-                    }
-                    None => micro_batches(mini, &lengths, plan.micro, BUDGET_KEY)?,
-                };
-                let parts = same_micro_batch_count(dp, parts)?;
-                let prepare = |part: &[usize]| -> Result<(Tensor, RowLayout)> {
-                    Ok((
-                        index_tensor(part, device)?,
-                        RowLayout::new(&seqs, part, padding)?,
-                    ))
-                };
-                let mut next = parts.first().map(|mb| prepare(&mb.rows)).transpose()?;
-                // Each micro-batch's loss and metrics, fetched together after the last one is
-                // queued: the host never waits for the device in between, so it stays ahead.
-                let mut pending: Vec<(usize, Tensor, DeferredMetrics)> = Vec::new();
-                for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
-                    let mut timer = verl_nn::profile::start(device);
-                    let dummy = *dummy;
-                    let (idx, layout) = match next.take() {
-                        Some(v) => v,
-                        None => prepare(part)?,
-                    };
-                    let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
-                    let (old, a) = (pick(&old_lp)?, pick(&adv)?);
-                    let r = ref_lp.as_ref().map(pick).transpose()?;
-                    let w = is_w.as_ref().map(pick).transpose()?;
-                    // Taken before the call: on several ranks the head unit holds its full values
-                    // while the loss runs.
-                    let weight = lm_head(&train.model)?;
-                    verl_nn::profile::lap(&mut timer, "train/micro_prep");
-                    let res =
-                        train.forward_backward_layout_with(dp, &layout, "actor loss", |hidden| {
-                            actor_micro_batch_loss(
-                                &layout,
-                                hidden,
-                                &weight,
-                                &MicroBatchLoss {
-                                    loss: &plan.loss,
-                                    norm: &norm,
-                                    old: &old,
-                                    advantages: &a,
-                                    ref_log_prob: r.as_ref(),
-                                    rollout_is_weights: w.as_ref(),
-                                    on_policy,
-                                    dummy,
-                                    need_entropy,
-                                    temperature,
-                                    chunk_tokens: head_chunk,
-                                    kept_logits_bytes,
-                                },
-                            )
-                        });
-                    let (loss, m) = match res {
-                        Ok(v) => v,
-                        Err(e) => return Err(fail(train, e)),
-                    };
-                    // The next micro-batch is laid out on the host while the device still runs
-                    // this one's backward.
-                    next = parts.get(ui + 1).map(|mb| prepare(&mb.rows)).transpose()?;
-                    let mut timer = verl_nn::profile::start(device);
-                    if dummy {
-                        continue;
-                    }
-                    train.after_backward()?;
-                    verl_nn::profile::lap(&mut timer, "train/after_backward");
-                    pending.push((ui, loss.f_detach().ctx("loss value")?, m));
-                }
-                // A non-finite loss or metric is reported (naming its micro-batch) before the
-                // optimizer step can apply it.
-                let values = fetch_scalars(
-                    &pending
-                        .iter()
-                        .flat_map(|(_, l, m)| std::iter::once(l).chain(m.device_values()))
-                        .collect::<Vec<_>>(),
-                )
-                .map_err(FsdpError::from);
-                let values = match values {
-                    Ok(v) => v,
-                    Err(e) => return Err(fail(train, e)),
-                };
-                let mut at = 0;
-                for (ui, _, m) in pending {
-                    let n = 1 + m.device_len();
-                    let loss_value = values[at];
-                    let m = m.with_values(&values[at + 1..at + n]);
-                    at += n;
-                    for (name, v) in m.iter().chain([(&"loss".to_string(), &loss_value)]) {
-                        if !v.is_finite() {
-                            return Err(fail(
-                                train,
-                                FsdpError::NonFinite {
-                                    role: "actor",
-                                    step: o.global_step,
-                                    epoch,
-                                    mini_batch: mi,
-                                    micro: format!(", micro-batch {ui}"),
-                                    metric: name.clone(),
-                                    value: *v,
-                                },
-                            ));
-                        }
-                    }
-                    for (name, v) in &m {
-                        match name.as_str() {
-                            "actor/pg_loss" | "actor/kl_loss" => acc.add(name, *v),
-                            "actor/entropy" => *mini_entropy.get_or_insert(0.0) += v,
-                            _ => acc.push(name, *v),
-                        }
-                    }
-                }
-                if let Some(e) = mini_entropy {
-                    // Each rank holds its share of the mini-batch entropy (global normaliser).
-                    let mut e = [e];
-                    dp.all_reduce_sum(&mut e)?;
-                    acc.push_global("actor/entropy", e[0]);
-                }
-                let mut timer = verl_nn::profile::start(device);
-                let grad_norm =
-                    train.finish_mini_batch(dp, lr, "actor", o.global_step, epoch, mi)?;
-                verl_nn::profile::lap(&mut timer, "train/optimizer_step");
-                acc.push_global("actor/grad_norm", grad_norm);
-            }
-        }
-        train.zero_grad()?;
+        let mut acc = run_update(
+            &mut engine,
+            &UpdateSpec {
+                role: UpdateRole::Actor,
+                global_step: o.global_step,
+                epochs: plan.epochs,
+                mini_batch_rows: plan.mini_batch_rows,
+                response_mask: &inputs.seqs.response_mask,
+                lr,
+            },
+        )?;
         train.updates += 1;
-        acc.push_global("actor/lr", lr);
-        crate::metrics::push_gpu_memory(&mut acc, dp, device)?;
-        acc.reduce(dp)?;
+        crate::metrics::push_gpu_memory(&mut acc, &self.dp, device)?;
+        acc.reduce(&self.dp)?;
         if let Some(r) = verl_nn::profile::take_report() {
             tracing::info!("actor update phases (VERL_PROFILE):\n{r}");
         }
@@ -937,26 +721,136 @@ pub fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A per-call seed from the role's base seed and call counter (splitmix64 of both), so a resumed run
-/// samples what an uninterrupted one would.
-fn derive_seed(base: u64, call: u64) -> u64 {
-    let mut z = base
-        ^ call
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            .wrapping_add(0x632B_E59B_D9B4_E019);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// The FSDP actor in the shared update loop: each micro-batch's forward and backward through the
+/// sharded model (shared prompts laid out once), its loss through the chunked LM head; losses and
+/// metrics are fetched once per mini-batch, so the host never waits for the device in between.
+struct ActorEngine<'a> {
+    train: &'a mut TrainableModel,
+    dp: &'a Dp,
+    plan: &'a UpdatePlan,
+    inputs: &'a ActorUpdateInputs,
+    lengths: Vec<i64>,
+    groups: Option<&'a PromptGroups>,
+    padding: Padding,
+    head_chunk: i64,
+    temperature: f64,
+    kept_logits_bytes: u64,
+    device: Device,
 }
 
-fn i64_vec(t: &Tensor) -> Result<Vec<i64>> {
-    let flat = t
-        .f_to_device(Device::Cpu)
-        .and_then(|x| x.f_to_kind(Kind::Int64))
-        .and_then(|x| x.f_contiguous())
-        .and_then(|x| x.f_view([-1]))
-        .ctx("tensor to host")?;
-    Vec::<i64>::try_from(&flat).ctx("tensor to host")
+impl UpdateEngine for ActorEngine<'_> {
+    type Error = FsdpError;
+
+    fn dp(&self) -> &Dp {
+        self.dp
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        self.train.zero_grad()
+    }
+
+    fn forward_backward(&mut self, mini: &UpdateMiniBatch<'_>) -> Result<Vec<MicroOutcome>> {
+        const BUDGET_KEY: &str = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu";
+        let (device, seqs, padding) = (self.device, &self.inputs.seqs, self.padding);
+        let parts = match self.groups {
+            Some(g) => prompt_group_micro_batches(
+                mini.rows,
+                g,
+                &self.lengths,
+                self.plan.micro,
+                BUDGET_KEY,
+            )?,
+            None => micro_batches(mini.rows, &self.lengths, self.plan.micro, BUDGET_KEY)?,
+        };
+        let parts = same_micro_batch_count(self.dp, parts)?;
+        let prepare = |part: &[usize]| -> Result<(Tensor, RowLayout)> {
+            Ok((
+                index_tensor(part, device)?,
+                RowLayout::new(seqs, part, padding)?,
+            ))
+        };
+        let mut next = parts.first().map(|mb| prepare(&mb.rows)).transpose()?;
+        let on_policy = self.inputs.anchor.on_policy;
+        // Each micro-batch's loss and metrics, fetched together after the last one is queued.
+        let mut pending: Vec<(usize, Tensor, DeferredMetrics)> = Vec::new();
+        for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
+            let mut timer = verl_nn::profile::start(device);
+            let dummy = *dummy;
+            let (idx, layout) = match next.take() {
+                Some(v) => v,
+                None => prepare(part)?,
+            };
+            let micro = self.inputs.micro(&idx)?;
+            let terms = micro.terms();
+            // Taken before the call: on several ranks the head unit holds its full values while
+            // the loss runs.
+            let weight = lm_head(&self.train.model)?;
+            verl_nn::profile::lap(&mut timer, "train/micro_prep");
+            let (loss, m) = self.train.forward_backward_layout_with(
+                self.dp,
+                &layout,
+                "actor loss",
+                |hidden| {
+                    actor_micro_batch_loss(
+                        &layout,
+                        hidden,
+                        &weight,
+                        &MicroBatchLoss {
+                            loss: &self.plan.loss,
+                            norm: mini.norm,
+                            old: terms.old,
+                            advantages: terms.advantages,
+                            ref_log_prob: terms.ref_log_prob,
+                            rollout_is_weights: terms.rollout_is_weights,
+                            on_policy,
+                            dummy,
+                            need_entropy: self.inputs.need_entropy,
+                            temperature: self.temperature,
+                            chunk_tokens: self.head_chunk,
+                            kept_logits_bytes: self.kept_logits_bytes,
+                        },
+                    )
+                },
+            )?;
+            // The next micro-batch is laid out on the host while the device still runs this
+            // one's backward.
+            next = parts.get(ui + 1).map(|mb| prepare(&mb.rows)).transpose()?;
+            let mut timer = verl_nn::profile::start(device);
+            if dummy {
+                continue;
+            }
+            self.train.after_backward()?;
+            verl_nn::profile::lap(&mut timer, "train/after_backward");
+            pending.push((ui, loss.f_detach().ctx("loss value")?, m));
+        }
+        let values = fetch_scalars(
+            &pending
+                .iter()
+                .flat_map(|(_, l, m)| std::iter::once(l).chain(m.device_values()))
+                .collect::<Vec<_>>(),
+        )?;
+        let mut at = 0;
+        let mut out = Vec::with_capacity(pending.len());
+        for (ui, _, m) in pending {
+            let n = 1 + m.device_len();
+            out.push(MicroOutcome {
+                micro: ui,
+                loss: Some(values[at]),
+                metrics: m.with_values(&values[at + 1..at + n]).into_iter().collect(),
+            });
+            at += n;
+        }
+        Ok(out)
+    }
+
+    fn optimizer_step(&mut self, lr: f64, step: u64, mini: &UpdateMiniBatch<'_>) -> Result<f64> {
+        let mut timer = verl_nn::profile::start(self.device);
+        let grad_norm = self
+            .train
+            .finish_mini_batch(self.dp, lr, "actor", step, mini.epoch, mini.index)?;
+        verl_nn::profile::lap(&mut timer, "train/optimizer_step");
+        Ok(grad_norm)
+    }
 }
 
 impl Actor for FsdpActor {

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use tch::{Device, Tensor};
-use verl_losses::{CriticLoss, CriticLossConfig, LossScale, MaskCounts, Normaliser, ValueInputs};
+use verl_losses::{CriticLoss, CriticLossConfig};
 use verl_nn::HeadKind;
 use verl_plugin_api::{
     col, Batch, Critic, DataParallel, InitArgs, Metrics, Result as ApiResult, UpdateOptions,
@@ -17,14 +17,17 @@ use crate::config::{
     self, micro_batching, section, CriticSection, LogProbSection, MicroBatching, ModelSection,
     TrainerSection,
 };
-use crate::data::{chunks, column, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences};
+use crate::data::{index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences};
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::forward::{layout_values, per_micro_batch_layout};
-use crate::metrics::MetricAcc;
 use crate::packing::{Padding, RowLayout};
 use crate::shard::{MemoryStats, Offload};
 use crate::train::{Sharding, TrainableModel};
+use crate::update::{
+    run_update, total_training_steps, CriticUpdateInputs, MicroOutcome,
+    MiniBatch as UpdateMiniBatch, UpdateEngine, UpdateRole, UpdateSpec,
+};
 
 pub struct FsdpCritic {
     train: TrainableModel,
@@ -155,145 +158,35 @@ impl FsdpCritic {
     fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
         const CALL: &str = "Critic.update";
         let device = self.device;
-        let seqs = Sequences::from_batch(batch, CALL, device)?;
-        let old_values = column::<f32>(batch, CALL, col::VALUES, device)?;
-        let returns = column::<f32>(batch, CALL, col::RETURNS, device)?;
-        let total = o
-            .extra
-            .get("total_training_steps")
-            .and_then(|v| v.as_i64())
-            .or(self.trainer_total_steps);
-        let lr = self.train.lr(total)?;
-        let dp = &self.dp;
-        same_rows_on_every_rank(dp, seqs.rows(), CALL)?;
-        let rows: Vec<usize> = (0..seqs.rows()).collect();
-        let lengths = seqs.row_lengths()?;
-        let mut acc = MetricAcc::default();
-        let train = &mut self.train;
-        let fail = |train: &mut TrainableModel, e: FsdpError| -> FsdpError {
-            let _ = train.zero_grad();
-            e
+        let inputs = CriticUpdateInputs::from_batch(batch, CALL, device)?;
+        let lr = self
+            .train
+            .lr(total_training_steps(o, self.trainer_total_steps))?;
+        same_rows_on_every_rank(&self.dp, inputs.seqs.rows(), CALL)?;
+        let mut engine = CriticEngine {
+            train: &mut self.train,
+            dp: &self.dp,
+            lengths: inputs.seqs.row_lengths()?,
+            inputs: &inputs,
+            micro: self.update_micro,
+            loss: &self.loss,
+            padding: self.padding,
+            device,
         };
-        for epoch in 0..self.epochs {
-            for (mi, mini) in chunks(&rows, self.mini_batch_rows).iter().enumerate() {
-                let mini_idx = index_tensor(mini, device)?;
-                let counts = MaskCounts::of_mask(
-                    &seqs
-                        .response_mask
-                        .f_index_select(0, &mini_idx)
-                        .ctx("mini-batch mask")?,
-                )?;
-                let mut c = [counts.tokens, counts.seqs];
-                dp.all_reduce_sum(&mut c)?;
-                if c[0] == 0.0 {
-                    tracing::warn!(
-                        step = o.global_step,
-                        epoch,
-                        mini_batch = mi,
-                        "mini-batch has no response tokens; skipped"
-                    );
-                    continue;
-                }
-                // Gradients are summed over ranks, so the loss is not scaled by the DP size.
-                let norm = Normaliser::Global(LossScale::new(
-                    MaskCounts {
-                        tokens: c[0],
-                        seqs: c[1],
-                    },
-                    1,
-                ));
-                train.zero_grad()?;
-                let parts = micro_batches(
-                    mini,
-                    &lengths,
-                    self.update_micro,
-                    "critic.ppo_max_token_len_per_gpu",
-                )?;
-                let parts = same_micro_batch_count(dp, parts)?;
-                let padding = self.padding;
-                let prepare = |part: &[usize]| -> Result<(Tensor, RowLayout)> {
-                    Ok((
-                        index_tensor(part, device)?,
-                        RowLayout::new(&seqs, part, padding)?,
-                    ))
-                };
-                let mut next = parts.first().map(|mb| prepare(&mb.rows)).transpose()?;
-                for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
-                    let dummy = *dummy;
-                    let (idx, layout) = match next.take() {
-                        Some(v) => v,
-                        None => prepare(part)?,
-                    };
-                    let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
-                    let (v_old, ret) = (pick(&old_values)?, pick(&returns)?);
-                    let loss_fn = &self.loss;
-                    let res = train.forward_backward_with(
-                        dp,
-                        &layout.input_ids,
-                        layout.model_mask(),
-                        Some(&layout.position_ids),
-                        "critic loss",
-                        |out| {
-                            let vpreds = layout
-                                .scatter(&layout.gather(out)?)
-                                .ctx("values at response positions")?;
-                            let out = loss_fn.compute(
-                                &ValueInputs {
-                                    vpreds: &vpreds,
-                                    returns: &ret,
-                                    values: &v_old,
-                                    response_mask: &layout.response_mask,
-                                },
-                                &norm,
-                            )?;
-                            let loss = if dummy {
-                                out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
-                            } else {
-                                out.loss
-                            };
-                            Ok((loss, out.metrics))
-                        },
-                    );
-                    let m = match res {
-                        Ok((_, m)) => m,
-                        Err(e) => return Err(fail(train, e)),
-                    };
-                    // Laid out on the host while the device runs this micro-batch's backward.
-                    next = parts.get(ui + 1).map(|mb| prepare(&mb.rows)).transpose()?;
-                    if dummy {
-                        continue;
-                    }
-                    for (name, v) in m.named() {
-                        if !v.is_finite() {
-                            return Err(fail(
-                                train,
-                                FsdpError::NonFinite {
-                                    role: "critic",
-                                    step: o.global_step,
-                                    epoch,
-                                    mini_batch: mi,
-                                    micro: format!(", micro-batch {ui}"),
-                                    metric: name,
-                                    value: v,
-                                },
-                            ));
-                        }
-                    }
-                    train.after_backward()?;
-                    acc.add("critic/vf_loss", m.vf_loss);
-                    acc.push("critic/vf_clipfrac", m.vf_clipfrac);
-                    acc.push("critic/vpred_mean", m.vpred_mean);
-                }
-                let grad_norm =
-                    train.finish_mini_batch(dp, lr, "critic", o.global_step, epoch, mi)?;
-                acc.push_global("critic/grad_norm", grad_norm);
-            }
-        }
-        train.zero_grad()?;
-        train.updates += 1;
-        acc.push_global("critic/lr", lr);
-        crate::metrics::push_gpu_memory(&mut acc, dp, device)?;
-        acc.reduce(dp)?;
+        let mut acc = run_update(
+            &mut engine,
+            &UpdateSpec {
+                role: UpdateRole::Critic,
+                global_step: o.global_step,
+                epochs: self.epochs,
+                mini_batch_rows: self.mini_batch_rows,
+                response_mask: &inputs.seqs.response_mask,
+                lr,
+            },
+        )?;
+        self.train.updates += 1;
+        crate::metrics::push_gpu_memory(&mut acc, &self.dp, device)?;
+        acc.reduce(&self.dp)?;
         Ok(acc.into_metrics())
     }
 
@@ -305,6 +198,89 @@ impl FsdpCritic {
     /// On several ranks an error ends the group: the others' collectives fail naming this rank.
     fn spmd<T>(&self, r: Result<T>) -> Result<T> {
         r.map_err(|e| self.dp.fail(e))
+    }
+}
+
+/// The FSDP critic in the shared update loop: each micro-batch's forward and backward through the
+/// sharded value model, the value loss at the response positions.
+struct CriticEngine<'a> {
+    train: &'a mut TrainableModel,
+    dp: &'a Dp,
+    inputs: &'a CriticUpdateInputs,
+    lengths: Vec<i64>,
+    micro: MicroBatching,
+    loss: &'a CriticLoss,
+    padding: Padding,
+    device: Device,
+}
+
+impl UpdateEngine for CriticEngine<'_> {
+    type Error = FsdpError;
+
+    fn dp(&self) -> &Dp {
+        self.dp
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        self.train.zero_grad()
+    }
+
+    fn forward_backward(&mut self, mini: &UpdateMiniBatch<'_>) -> Result<Vec<MicroOutcome>> {
+        let (device, seqs, padding) = (self.device, &self.inputs.seqs, self.padding);
+        let parts = micro_batches(
+            mini.rows,
+            &self.lengths,
+            self.micro,
+            "critic.ppo_max_token_len_per_gpu",
+        )?;
+        let parts = same_micro_batch_count(self.dp, parts)?;
+        let prepare = |part: &[usize]| -> Result<(Tensor, RowLayout)> {
+            Ok((
+                index_tensor(part, device)?,
+                RowLayout::new(seqs, part, padding)?,
+            ))
+        };
+        let mut next = parts.first().map(|mb| prepare(&mb.rows)).transpose()?;
+        let mut out = Vec::new();
+        for (ui, MicroBatch { rows: part, dummy }) in parts.iter().enumerate() {
+            let dummy = *dummy;
+            let (idx, layout) = match next.take() {
+                Some(v) => v,
+                None => prepare(part)?,
+            };
+            let micro = self.inputs.micro(&idx)?;
+            let loss_fn = self.loss;
+            let (_, metrics) = self.train.forward_backward_with(
+                self.dp,
+                &layout.input_ids,
+                layout.model_mask(),
+                Some(&layout.position_ids),
+                "critic loss",
+                |out| {
+                    let vpreds = layout
+                        .scatter(&layout.gather(out)?)
+                        .ctx("values at response positions")?;
+                    micro.loss(loss_fn, mini.norm, &vpreds, &layout.response_mask, dummy)
+                },
+            )?;
+            // Laid out on the host while the device runs this micro-batch's backward.
+            next = parts.get(ui + 1).map(|mb| prepare(&mb.rows)).transpose()?;
+            if dummy {
+                continue;
+            }
+            self.train.after_backward()?;
+            out.push(MicroOutcome {
+                micro: ui,
+                metrics,
+                loss: None,
+            });
+        }
+        Ok(out)
+    }
+
+    fn optimizer_step(&mut self, lr: f64, step: u64, mini: &UpdateMiniBatch<'_>) -> Result<f64> {
+        self.train
+            .finish_mini_batch(self.dp, lr, "critic", step, mini.epoch, mini.index)
     }
 }
 

@@ -19,6 +19,7 @@ pub mod data;
 pub mod dp;
 pub mod error;
 pub mod forward;
+pub mod generation;
 pub mod host_params;
 pub mod metrics;
 pub mod optim;
@@ -29,6 +30,7 @@ pub mod shard;
 #[cfg(test)]
 mod test_model;
 pub mod train;
+pub mod update;
 pub mod validate;
 
 use verl_plugin_api::{

@@ -19,14 +19,9 @@ use verl_fsdp_core::config::{
     self, micro_batching, section, ActorSection, LogProbSection, MicroBatching, ModelSection,
     RolloutEngineSection, TrainerSection,
 };
-use verl_fsdp_core::data::{
-    chunks, column, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences,
-};
+use verl_fsdp_core::data::{index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences};
 use verl_fsdp_core::forward::head_chunk_tokens;
-use verl_fsdp_core::metrics::MetricAcc;
-use verl_losses::{
-    ActorInputs, ActorLoss, ActorLossConfig, ChunkedLmHead, LossScale, MaskCounts, Normaliser,
-};
+use verl_losses::{ActorLoss, ActorLossConfig, ChunkedLmHead};
 use verl_nn::{HeadKind, ModelConfig, SaveOptions, Transformer};
 use verl_plugin_api::{
     col, Actor, Batch, DataParallel, Error as ApiError, GenerateOptions, InitArgs, LogProbOptions,
@@ -35,8 +30,8 @@ use verl_plugin_api::{
 
 use crate::common::{
     self, assemble, check_temperature, compute_dtype, copy_tokenizer_files, forward_micro_batches,
-    from_last_stage, gather_live_model, i64_vec, megatron_section, metrics_from_last_stage,
-    same_micro_batch_count, same_rows_on_every_rank,
+    gather_live_model, megatron_section, metrics_from_last_stage, same_micro_batch_count,
+    same_rows_on_every_rank,
 };
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::offload::{move_params, on_device, HostHomes, Need, Offload, Place};
@@ -45,6 +40,11 @@ use crate::pipeline::MicroInput;
 use crate::rollout::RolloutTp;
 use crate::tp::TpModel;
 use crate::train::TpTrainer;
+use verl_fsdp_core::generation::{derive_seed, GenerateCall};
+use verl_fsdp_core::update::{
+    run_update, total_training_steps, zero_if_dummy, ActorUpdateInputs, MicroOutcome,
+    MiniBatch as UpdateMiniBatch, NonFiniteAt, UpdateEngine, UpdateRole, UpdateSpec,
+};
 
 enum Weights {
     Train(Box<TpTrainer>),
@@ -365,32 +365,10 @@ impl MegatronActor {
     }
 
     fn do_generate(&mut self, prompts: &Batch, o: &GenerateOptions) -> Result<Batch> {
-        const CALL: &str = "Actor.generate";
-        let ids = column::<i64>(prompts, CALL, col::PROMPTS, self.device)?;
-        let mask = column::<i64>(prompts, CALL, col::PROMPT_MASK, self.device)?;
-        let seed = o
-            .seed
-            .unwrap_or_else(|| derive_seed(self.seed, self.generate_calls));
+        let seed = derive_seed(self.seed, self.generate_calls);
+        let eos = self.model().config().eos_token_ids.clone();
+        let call = GenerateCall::new(prompts, o, self.device, &eos, seed)?;
         self.generate_calls += 1;
-        let eos = if o.eos_token_ids.is_empty() {
-            self.model().config().eos_token_ids.clone()
-        } else {
-            o.eos_token_ids.clone()
-        };
-        let params = verl_rollout::SamplingParams {
-            n: o.n.max(1) as usize,
-            max_new_tokens: o.max_new_tokens as usize,
-            temperature: o.temperature,
-            top_p: o.top_p,
-            top_k: o.top_k,
-            do_sample: o.do_sample,
-            seed: Some(seed),
-            row_offset: o.row_offset,
-            eos_token_ids: eos,
-            pad_token_id: o.pad_token_id,
-            ignore_eos: o.ignore_eos,
-            return_log_probs: o.return_log_probs,
-        };
         let (device, engine) = (self.device, self.engine.clone());
         let sharded = matches!(self.rollout_tp, RolloutTp::Sharded) && self.par.tp.size > 1;
         let tp = self.par.tp.clone();
@@ -398,7 +376,7 @@ impl MegatronActor {
         // The FSDP backend's engine configuration: KV pool from gpu_memory_utilization, CUDA
         // graphs unless enforce_eager, max_num_seqs / max_num_batched_tokens.
         let mut budget =
-            verl_fsdp_core::actor::kv_budget(model, device, &engine, &mask, &params)
+            verl_fsdp_core::actor::kv_budget(model, device, &engine, &call.mask, &call.params)
                 .map_err(|e| MegatronError::Api(ApiError::failed(format!("KV budget: {e}"))))?;
         if sharded {
             // The shards run the engine in lock-step: one pool size for the whole group (each
@@ -411,52 +389,17 @@ impl MegatronActor {
             budget.config.kv_cache_tokens = Some(tokens[0] as usize);
         }
         let (gen, stats) = tch::no_grad(|| {
-            verl_rollout::generate_with_config(model, &ids, &mask, &params, None, &budget.config)
+            verl_rollout::generate_with_config(
+                model,
+                &call.ids,
+                &call.mask,
+                &call.params,
+                None,
+                &budget.config,
+            )
         })
         .map_err(|e| MegatronError::Api(ApiError::failed(format!("generation: {e}"))))?;
-        let meta = budget.metrics(&stats);
-        let rows = gen.prompt_index.len();
-        let index = Tensor::f_from_slice(&gen.prompt_index)
-            .and_then(|t| t.f_to_device(self.device))
-            .ctx("prompt index")?;
-        let mut out = Batch::new();
-        let pl = ids.size()[1] as usize;
-        let rl = o.max_new_tokens as usize;
-        out.insert_tensor(
-            col::PROMPTS,
-            &[rows, pl],
-            &i64_vec(&ids.f_index_select(0, &index).ctx("repeat prompts")?)?,
-        );
-        out.insert_tensor(
-            col::PROMPT_MASK,
-            &[rows, pl],
-            &i64_vec(&mask.f_index_select(0, &index).ctx("repeat masks")?)?,
-        );
-        out.insert_tensor(col::RESPONSES, &[rows, rl], &i64_vec(&gen.responses)?);
-        out.insert_tensor(
-            col::RESPONSE_MASK,
-            &[rows, rl],
-            &i64_vec(&gen.response_mask)?,
-        );
-        out.insert_tensor(col::PROMPT_INDEX, &[rows], &gen.prompt_index);
-        if let Some(lp) = &gen.log_probs {
-            out.insert_tensor(
-                col::ROLLOUT_LOG_PROBS,
-                &[rows, rl],
-                &to_f32_vec(lp, "rollout log-probs")?,
-            );
-        }
-        let reasons: Vec<&str> = gen
-            .finish_reasons
-            .iter()
-            .map(|r| match r {
-                verl_rollout::FinishReason::Stop => "stop",
-                verl_rollout::FinishReason::Length => "length",
-            })
-            .collect();
-        out.insert_strings(col::FINISH_REASON, &reasons);
-        out.set_meta(&meta);
-        Ok(out)
+        Ok(call.into_batch(&gen, &budget.metrics(&stats))?)
     }
 
     fn do_log_prob(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {
@@ -526,264 +469,50 @@ impl MegatronActor {
             )));
         };
         let device = self.device;
-        let seqs = Sequences::from_batch(batch, CALL, device)?;
-        let adv = column::<f32>(batch, CALL, col::ADVANTAGES, device)?;
-        let ref_lp = match batch.contains(col::REF_LOG_PROBS) {
-            true => Some(column::<f32>(batch, CALL, col::REF_LOG_PROBS, device)?),
-            false => None,
-        };
-        let temperature = o.temperature.unwrap_or(self.default_temperature);
-        check_temperature(temperature)?;
-        // fp32 LM-head logits kept from each micro-batch's forward for its backward (TP = 1), as
-        // the FSDP backend's update keeps them: one head GEMM per chunk less.
-        let kept_logits_bytes = verl_fsdp_core::actor::kept_logits_budget(device);
-        let total = o
-            .extra
-            .get("total_training_steps")
-            .and_then(|v| v.as_i64())
-            .or(self.trainer_total_steps);
-        let lr = train.lr(total)?;
-        let par = &self.par;
-        let dp = &par.dp_meta;
-        same_rows_on_every_rank(dp, seqs.rows(), CALL)?;
-        let rows: Vec<usize> = (0..seqs.rows()).collect();
-        let lengths = seqs.row_lengths()?;
-        let minis = chunks(&rows, plan.mini_batch_rows);
-        let verl_fsdp_core::actor::PolicyAnchor {
-            on_policy,
-            old_log_probs: old_lp,
-            is_weights: is_w,
-        } = verl_fsdp_core::actor::policy_anchor(
+        let inputs = ActorUpdateInputs::from_batch(
             batch,
             CALL,
             device,
-            &adv,
-            (minis.len(), plan.epochs),
             o,
+            |rows| (rows.div_ceil(plan.mini_batch_rows.max(1)), plan.epochs),
+            plan.calculate_entropy || plan.loss.needs_entropy(),
         )?;
-        let need_entropy = plan.calculate_entropy
-            || plan.loss.needs_entropy()
-            || verl_fsdp_core::actor::entropy_metric_requested(o);
-        let mut acc = MetricAcc::default();
+        let temperature = o.temperature.unwrap_or(self.default_temperature);
+        check_temperature(temperature)?;
+        let lr = train.lr(total_training_steps(o, self.trainer_total_steps))?;
+        let par = &self.par;
+        same_rows_on_every_rank(&par.dp_meta, inputs.seqs.rows(), CALL)?;
         self.rollout_model = None;
         // Only this update's routing counts enter its metrics.
         train.model.take_moe_load()?;
-        for epoch in 0..plan.epochs {
-            for (mi, mini) in minis.iter().enumerate() {
-                let mini_idx = index_tensor(mini, device)?;
-                let counts = MaskCounts::of_mask(
-                    &seqs
-                        .response_mask
-                        .f_index_select(0, &mini_idx)
-                        .ctx("mini-batch mask")?,
-                )?;
-                let mut c = [counts.tokens, counts.seqs];
-                dp.all_reduce_sum(&mut c)?;
-                if c[0] == 0.0 {
-                    tracing::warn!(
-                        step = o.global_step,
-                        epoch,
-                        mini_batch = mi,
-                        "mini-batch has no response tokens; skipped"
-                    );
-                    continue;
-                }
-                // Gradients are summed over data-parallel ranks, so the loss is normalised by the
-                // global counts and not divided by the data-parallel size.
-                let norm = Normaliser::Global(LossScale::new(
-                    MaskCounts {
-                        tokens: c[0],
-                        seqs: c[1],
-                    },
-                    1,
-                ));
-                train.zero_grad()?;
-                let mut mini_entropy: Option<f64> = None;
-                let parts = micro_batches(
-                    mini,
-                    &lengths,
-                    plan.micro,
-                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-                )?;
-                let parts = same_micro_batch_count(dp, parts)?;
-                let moe = common::moe_micro(&train.model, dp, &parts)?;
-                struct Micro {
-                    sub: Sequences,
-                    old: Tensor,
-                    adv: Tensor,
-                    ref_lp: Option<Tensor>,
-                    is_w: Option<Tensor>,
-                    dummy: bool,
-                }
-                let micros = parts
-                    .iter()
-                    .map(|MicroBatch { rows: part, dummy }| {
-                        let idx = index_tensor(part, device)?;
-                        let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
-                        Ok(Micro {
-                            sub: seqs.select(&idx)?,
-                            old: pick(&old_lp)?,
-                            adv: pick(&adv)?,
-                            ref_lp: ref_lp.as_ref().map(pick).transpose()?,
-                            is_w: is_w.as_ref().map(pick).transpose()?,
-                            dummy: *dummy,
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let inputs: Vec<MicroInput> = micros
-                    .iter()
-                    .zip(&moe)
-                    .map(|(m, &moe)| MicroInput {
-                        ids: &m.sub.input_ids,
-                        mask: &m.sub.attention_mask,
-                        positions: &m.sub.position_ids,
-                        moe,
-                    })
-                    .collect();
-                let res = train.forward_backward_pipelined(par, &inputs, |ui, model, hidden| {
-                    let Micro {
-                        sub,
-                        old,
-                        adv: a,
-                        ref_lp: r,
-                        is_w: w,
-                        dummy,
-                    } = &micros[ui];
-                    let h = sub.response_slice(hidden)?;
-                    let loss_of = |lp: &Tensor, ent: Option<&Tensor>| {
-                        let old_used = if on_policy {
-                            lp.f_detach()
-                                .map_err(|source| verl_losses::LossError::Torch {
-                                    op: "detach",
-                                    source,
-                                })?
-                        } else {
-                            old.shallow_clone()
-                        };
-                        plan.loss.compute(
-                            &ActorInputs {
-                                old_log_prob: &old_used,
-                                log_prob: lp,
-                                advantages: a,
-                                response_mask: &sub.response_mask,
-                                entropy: ent,
-                                ref_log_prob: r.as_ref(),
-                                rollout_is_weights: w.as_ref(),
-                            },
-                            &norm,
-                        )
-                    };
-                    let (loss, metrics) = match model.whole_lm_head() {
-                        // The loss through the chunked head: a surrogate whose gradient with
-                        // respect to the hidden states and the head is the loss's.
-                        Some(weight) => {
-                            let (hf, t) = flat_head_inputs(&h, &sub.responses)?;
-                            let shape = sub.responses.size();
-                            let head = ChunkedLmHead::new(
-                                head_chunk_tokens(weight.size()[0]),
-                                temperature,
-                                need_entropy,
-                            )
-                            .with_kept_logits(kept_logits_bytes);
-                            let mut metrics = None;
-                            let (surrogate, _) =
-                                head.loss_and_surrogate(&hf, weight, &t, |lp, ent| {
-                                    let torch = |source| verl_losses::LossError::Torch {
-                                        op: "actor loss inputs",
-                                        source,
-                                    };
-                                    let lp = lp.f_view(shape.as_slice()).map_err(torch)?;
-                                    let ent = match ent {
-                                        Some(e) => Some(e.f_view(shape.as_slice()).map_err(torch)?),
-                                        None => None,
-                                    };
-                                    let out = loss_of(&lp, ent.as_ref())?;
-                                    metrics = Some(out.metrics);
-                                    Ok(out.loss)
-                                })?;
-                            let metrics = metrics.ok_or_else(|| {
-                                MegatronError::Api(verl_plugin_api::Error::failed(
-                                    "the actor loss was not computed",
-                                ))
-                            })?;
-                            (surrogate, metrics)
-                        }
-                        None => {
-                            let (lp, ent) =
-                                model.token_stats(&h, &sub.responses, temperature, need_entropy)?;
-                            let out = loss_of(&lp, ent.as_ref())?;
-                            (out.loss, out.metrics)
-                        }
-                    };
-                    let loss = if *dummy {
-                        loss.f_mul_scalar(0.0).ctx("zero padding loss")?
-                    } else {
-                        loss
-                    };
-                    Ok((loss, metrics))
-                });
-                let results = match res {
-                    Ok(v) => v,
-                    Err(e) => {
-                        let _ = train.zero_grad();
-                        return Err(e);
-                    }
-                };
-                // Only the last pipeline stage sees the losses; it tells the others about a
-                // non-finite one, so every stage skips the step and fails alike.
-                let mut bad: Option<(usize, String, String)> = None;
-                'micro: for (ui, r) in results.into_iter().enumerate() {
-                    let Some((loss, m)) = r else { continue };
-                    if micros[ui].dummy {
-                        continue;
-                    }
-                    let loss_value = loss.f_double_value(&[]).ctx("loss value")?;
-                    for (name, v) in m.iter().chain([(&"loss".to_string(), &loss_value)]) {
-                        if !v.is_finite() {
-                            bad = Some((ui, name.clone(), v.to_string()));
-                            break 'micro;
-                        }
-                    }
-                    for (name, v) in &m {
-                        match name.as_str() {
-                            "actor/pg_loss" | "actor/kl_loss" => acc.add(name, *v),
-                            "actor/entropy" => *mini_entropy.get_or_insert(0.0) += v,
-                            _ => acc.push(name, *v),
-                        }
-                    }
-                }
-                if let Some((ui, metric, value)) =
-                    from_last_stage(par, &bad, "broadcast (non-finite loss report)")?
-                {
-                    let _ = train.zero_grad();
-                    return Err(MegatronError::NonFinite {
-                        role: "actor",
-                        step: o.global_step,
-                        epoch,
-                        mini_batch: mi,
-                        micro: format!(", micro-batch {ui}"),
-                        metric,
-                        value: value.parse().unwrap_or(f64::NAN),
-                    });
-                }
-                if let Some(e) = mini_entropy {
-                    let mut e = [e];
-                    dp.all_reduce_sum(&mut e)?;
-                    acc.push_global("actor/entropy", e[0]);
-                }
-                let grad_norm =
-                    train.finish_mini_batch(par, lr, "actor", o.global_step, epoch, mi)?;
-                acc.push_global("actor/grad_norm", grad_norm);
-            }
-        }
-        train.zero_grad()?;
+        let mut engine = ActorEngine {
+            train,
+            par,
+            plan,
+            lengths: inputs.seqs.row_lengths()?,
+            inputs: &inputs,
+            temperature,
+            // fp32 LM-head logits kept from each micro-batch's forward for its backward (TP = 1),
+            // as the FSDP backend's update keeps them: one head GEMM per chunk less.
+            kept_logits_bytes: verl_fsdp_core::actor::kept_logits_budget(device),
+        };
+        let mut acc = run_update(
+            &mut engine,
+            &UpdateSpec {
+                role: UpdateRole::Actor,
+                global_step: o.global_step,
+                epochs: plan.epochs,
+                mini_batch_rows: plan.mini_batch_rows,
+                response_mask: &inputs.seqs.response_mask,
+                lr,
+            },
+        )?;
         train.updates += 1;
-        acc.push_global("actor/lr", lr);
         for (name, v) in common::moe_load_metrics(&train.model, par)? {
             acc.push_global(&name, v);
         }
-        verl_fsdp_core::metrics::push_gpu_memory(&mut acc, dp, device)?;
-        acc.reduce(dp)?;
+        verl_fsdp_core::metrics::push_gpu_memory(&mut acc, &par.dp_meta, device)?;
+        acc.reduce(&par.dp_meta)?;
         metrics_from_last_stage(par, acc.into_metrics())
     }
 
@@ -839,18 +568,6 @@ fn frozen() -> MegatronError {
     ))
 }
 
-/// A per-call seed from the role's base seed and call counter (splitmix64 of both), so a resumed run
-/// samples what an uninterrupted one would.
-fn derive_seed(base: u64, call: u64) -> u64 {
-    let mut z = base
-        ^ call
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            .wrapping_add(0x632B_E59B_D9B4_E019);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// Response hidden states `[rows, R, H]` and targets `[rows, R]` as `[rows * R, H]` and
 /// `[rows * R]`, for [`ChunkedLmHead`].
 fn flat_head_inputs(hidden: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
@@ -863,6 +580,150 @@ fn flat_head_inputs(hidden: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor
         .and_then(|t| t.f_contiguous())
         .ctx("flatten response tokens")?;
     Ok((hidden, targets))
+}
+
+/// The Megatron actor in the shared update loop: a mini-batch's micro-batches through the
+/// pipeline schedule (one stage per rank, tensor-parallel layers), the loss on the last stage
+/// through the chunked LM head where the head is whole on the rank, else through the
+/// tensor-parallel head's token statistics.
+struct ActorEngine<'a> {
+    train: &'a mut TpTrainer,
+    par: &'a Parallel,
+    plan: &'a UpdatePlan,
+    inputs: &'a ActorUpdateInputs,
+    lengths: Vec<i64>,
+    temperature: f64,
+    kept_logits_bytes: u64,
+}
+
+impl UpdateEngine for ActorEngine<'_> {
+    type Error = MegatronError;
+
+    fn dp(&self) -> &verl_fsdp_core::dp::Dp {
+        &self.par.dp_meta
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        self.train.zero_grad()
+    }
+
+    fn forward_backward(&mut self, mini: &UpdateMiniBatch<'_>) -> Result<Vec<MicroOutcome>> {
+        let (plan, inputs, par) = (self.plan, self.inputs, self.par);
+        let device = inputs.seqs.response_mask.device();
+        let parts = micro_batches(
+            mini.rows,
+            &self.lengths,
+            plan.micro,
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        )?;
+        let parts = same_micro_batch_count(&par.dp_meta, parts)?;
+        let moe = common::moe_micro(&self.train.model, &par.dp_meta, &parts)?;
+        let micros = parts
+            .iter()
+            .map(|MicroBatch { rows: part, dummy }| {
+                let idx = index_tensor(part, device)?;
+                Ok((inputs.seqs.select(&idx)?, inputs.micro(&idx)?, *dummy))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let model_inputs: Vec<MicroInput> = micros
+            .iter()
+            .zip(&moe)
+            .map(|((sub, _, _), &moe)| MicroInput {
+                ids: &sub.input_ids,
+                mask: &sub.attention_mask,
+                positions: &sub.position_ids,
+                moe,
+            })
+            .collect();
+        let (temperature, need_entropy) = (self.temperature, inputs.need_entropy);
+        let kept_logits_bytes = self.kept_logits_bytes;
+        let on_policy = inputs.anchor.on_policy;
+        let results =
+            self.train
+                .forward_backward_pipelined(par, &model_inputs, |ui, model, hidden| {
+                    let (sub, micro, dummy) = &micros[ui];
+                    let terms = micro.terms();
+                    let h = sub.response_slice(hidden)?;
+                    let loss_of = |lp: &Tensor, ent: Option<&Tensor>| {
+                        terms.loss(
+                            &plan.loss,
+                            mini.norm,
+                            on_policy,
+                            lp,
+                            ent,
+                            &sub.response_mask,
+                        )
+                    };
+                    let (loss, metrics) = match model.whole_lm_head() {
+                        // The loss through the chunked head: a surrogate whose gradient with
+                        // respect to the hidden states and the head is the loss's.
+                        Some(weight) => {
+                            let (hf, t) = flat_head_inputs(&h, &sub.responses)?;
+                            let shape = sub.responses.size();
+                            let head = ChunkedLmHead::new(
+                                head_chunk_tokens(weight.size()[0]),
+                                temperature,
+                                need_entropy,
+                            )
+                            .with_kept_logits(kept_logits_bytes);
+                            let mut metrics = None;
+                            let (surrogate, _) =
+                                head.loss_and_surrogate(&hf, weight, &t, |lp, ent| {
+                                    let torch = |source| verl_losses::LossError::Torch {
+                                        op: "actor loss inputs",
+                                        source,
+                                    };
+                                    let lp = lp.f_view(shape.as_slice()).map_err(torch)?;
+                                    let ent = match ent {
+                                        Some(e) => Some(e.f_view(shape.as_slice()).map_err(torch)?),
+                                        None => None,
+                                    };
+                                    let (loss, m) = loss_of(&lp, ent.as_ref())?;
+                                    metrics = Some(m.resolve()?);
+                                    Ok(loss)
+                                })?;
+                            let metrics = metrics.ok_or_else(|| {
+                                MegatronError::Api(verl_plugin_api::Error::failed(
+                                    "the actor loss was not computed",
+                                ))
+                            })?;
+                            (surrogate, metrics)
+                        }
+                        None => {
+                            let (lp, ent) =
+                                model.token_stats(&h, &sub.responses, temperature, need_entropy)?;
+                            let (loss, m) = loss_of(&lp, ent.as_ref())?;
+                            (loss, m.resolve()?)
+                        }
+                    };
+                    Ok((zero_if_dummy(loss, *dummy)?, metrics))
+                })?;
+        // Only the last pipeline stage sees the losses.
+        let mut out = Vec::new();
+        for (ui, r) in results.into_iter().enumerate() {
+            let Some((loss, metrics)) = r else { continue };
+            if micros[ui].2 {
+                continue;
+            }
+            out.push(MicroOutcome {
+                micro: ui,
+                loss: Some(loss.f_double_value(&[]).ctx("loss value")?),
+                metrics: metrics.into_iter().collect(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// The last stage tells the others about a non-finite value, so every stage skips the step
+    /// and fails alike.
+    fn agree(&self, bad: Option<NonFiniteAt>) -> Result<Option<NonFiniteAt>> {
+        common::non_finite_from_last_stage(self.par, bad)
+    }
+
+    fn optimizer_step(&mut self, lr: f64, step: u64, mini: &UpdateMiniBatch<'_>) -> Result<f64> {
+        self.train
+            .finish_mini_batch(self.par, lr, "actor", step, mini.epoch, mini.index)
+    }
 }
 
 impl Actor for MegatronActor {

@@ -9,6 +9,7 @@ use verl_comm::ReduceOp;
 use verl_fsdp_core::config::{parse_dtype, section, MicroBatching};
 use verl_fsdp_core::data::{index_tensor, micro_batches, MicroBatch, Sequences};
 use verl_fsdp_core::dp::Dp;
+use verl_fsdp_core::update::NonFiniteAt;
 use verl_nn::{Checkpoint, HeadKind, ModelConfig, ModelOptions, Transformer};
 use verl_plugin_api::InitArgs;
 
@@ -367,17 +368,6 @@ pub fn moe_load_metrics(model: &TpModel, par: &Parallel) -> Result<Vec<(String, 
     Ok(load.metrics())
 }
 
-/// `[rows, len]` int64 data of a tensor, row-major.
-pub fn i64_vec(t: &Tensor) -> Result<Vec<i64>> {
-    let flat = t
-        .f_to_device(Device::Cpu)
-        .and_then(|x| x.f_to_kind(Kind::Int64))
-        .and_then(|x| x.f_contiguous())
-        .and_then(|x| x.f_view([-1]))
-        .ctx("tensor to host")?;
-    Vec::<i64>::try_from(&flat).ctx("tensor to host")
-}
-
 pub fn check_temperature(temperature: f64) -> Result<()> {
     if temperature.is_finite() && temperature > 0.0 {
         return Ok(());
@@ -403,6 +393,22 @@ pub fn from_last_stage<T: serde::Serialize + serde::de::DeserializeOwned>(
     let v = serde_json::to_value(value).map_err(|e| internal_json(what, e))?;
     let got = par.pp.broadcast_json(&v, par.pp.size - 1, what)?;
     serde_json::from_value(got).map_err(|e| internal_json(what, e))
+}
+
+/// The last pipeline stage's report of a mini-batch's first non-finite value, on every stage
+/// (the other stages compute no loss).
+pub fn non_finite_from_last_stage(
+    par: &Parallel,
+    bad: Option<NonFiniteAt>,
+) -> Result<Option<NonFiniteAt>> {
+    // The value travels as text: JSON has no NaN or infinity.
+    let wire = bad.map(|b| (b.micro, b.metric, b.value.to_string()));
+    let got = from_last_stage(par, &wire, "broadcast (non-finite loss report)")?;
+    Ok(got.map(|(micro, metric, value)| NonFiniteAt {
+        micro,
+        metric,
+        value: value.parse().unwrap_or(f64::NAN),
+    }))
 }
 
 fn internal_json(what: &str, e: serde_json::Error) -> MegatronError {

@@ -4,16 +4,13 @@
 
 use std::path::Path;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 use verl_fsdp_core::config::{
     self, micro_batching, section, CriticSection, LogProbSection, MicroBatching, ModelSection,
     TrainerSection,
 };
-use verl_fsdp_core::data::{
-    chunks, column, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences,
-};
-use verl_fsdp_core::metrics::MetricAcc;
-use verl_losses::{CriticLoss, CriticLossConfig, LossScale, MaskCounts, Normaliser, ValueInputs};
+use verl_fsdp_core::data::{index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences};
+use verl_losses::{CriticLoss, CriticLossConfig};
 use verl_nn::{HeadKind, ModelConfig};
 use verl_plugin_api::{
     col, Batch, Critic, DataParallel, InitArgs, Metrics, Result as ApiResult, UpdateOptions,
@@ -21,14 +18,18 @@ use verl_plugin_api::{
 };
 
 use crate::common::{
-    self, compute_dtype, forward_micro_batches, from_last_stage, megatron_section,
-    metrics_from_last_stage, same_micro_batch_count, same_rows_on_every_rank,
+    self, compute_dtype, forward_micro_batches, megatron_section, metrics_from_last_stage,
+    same_micro_batch_count, same_rows_on_every_rank,
 };
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::offload::{on_device, Need, Offload, Place};
 use crate::parallel::Parallel;
 use crate::pipeline::MicroInput;
 use crate::train::TpTrainer;
+use verl_fsdp_core::update::{
+    run_update, total_training_steps, CriticUpdateInputs, MicroOutcome,
+    MiniBatch as UpdateMiniBatch, NonFiniteAt, UpdateEngine, UpdateRole, UpdateSpec,
+};
 
 pub struct MegatronCritic {
     train: TpTrainer,
@@ -206,164 +207,129 @@ impl MegatronCritic {
     fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
         const CALL: &str = "Critic.update";
         let device = self.device;
-        let seqs = Sequences::from_batch(batch, CALL, device)?;
-        let old_values = column::<f32>(batch, CALL, col::VALUES, device)?;
-        let returns = column::<f32>(batch, CALL, col::RETURNS, device)?;
-        let total = o
-            .extra
-            .get("total_training_steps")
-            .and_then(|v| v.as_i64())
-            .or(self.trainer_total_steps);
-        let lr = self.train.lr(total)?;
+        let inputs = CriticUpdateInputs::from_batch(batch, CALL, device)?;
+        let lr = self
+            .train
+            .lr(total_training_steps(o, self.trainer_total_steps))?;
         let par = &self.par;
-        let dp = &par.dp_meta;
-        same_rows_on_every_rank(dp, seqs.rows(), CALL)?;
-        let rows: Vec<usize> = (0..seqs.rows()).collect();
-        let lengths = seqs.row_lengths()?;
-        let mut acc = MetricAcc::default();
+        same_rows_on_every_rank(&par.dp_meta, inputs.seqs.rows(), CALL)?;
         let train = &mut self.train;
         // Only this update's routing counts enter its metrics.
         train.model.take_moe_load()?;
-        for epoch in 0..self.epochs {
-            for (mi, mini) in chunks(&rows, self.mini_batch_rows).iter().enumerate() {
-                let mini_idx = index_tensor(mini, device)?;
-                let counts = MaskCounts::of_mask(
-                    &seqs
-                        .response_mask
-                        .f_index_select(0, &mini_idx)
-                        .ctx("mini-batch mask")?,
-                )?;
-                let mut c = [counts.tokens, counts.seqs];
-                dp.all_reduce_sum(&mut c)?;
-                if c[0] == 0.0 {
-                    tracing::warn!(
-                        step = o.global_step,
-                        epoch,
-                        mini_batch = mi,
-                        "mini-batch has no response tokens; skipped"
-                    );
-                    continue;
-                }
-                let norm = Normaliser::Global(LossScale::new(
-                    MaskCounts {
-                        tokens: c[0],
-                        seqs: c[1],
-                    },
-                    1,
-                ));
-                train.zero_grad()?;
-                let parts = micro_batches(
-                    mini,
-                    &lengths,
-                    self.update_micro,
-                    "critic.ppo_max_token_len_per_gpu",
-                )?;
-                let parts = same_micro_batch_count(dp, parts)?;
-                let moe = common::moe_micro(&train.model, dp, &parts)?;
-                struct Micro {
-                    sub: Sequences,
-                    old: Tensor,
-                    ret: Tensor,
-                    dummy: bool,
-                }
-                let micros = parts
-                    .iter()
-                    .map(|MicroBatch { rows: part, dummy }| {
-                        let idx = index_tensor(part, device)?;
-                        let pick = |t: &Tensor| t.f_index_select(0, &idx).ctx("micro-batch rows");
-                        Ok(Micro {
-                            sub: seqs.select(&idx)?,
-                            old: pick(&old_values)?,
-                            ret: pick(&returns)?,
-                            dummy: *dummy,
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let inputs: Vec<MicroInput> = micros
-                    .iter()
-                    .zip(&moe)
-                    .map(|(m, &moe)| MicroInput {
-                        ids: &m.sub.input_ids,
-                        mask: &m.sub.attention_mask,
-                        positions: &m.sub.position_ids,
-                        moe,
-                    })
-                    .collect();
-                let loss_fn = &self.loss;
-                let res = train.forward_backward_pipelined(par, &inputs, |ui, model, hidden| {
-                    let m = &micros[ui];
-                    let vpreds = model
-                        .values(&m.sub.response_slice(hidden)?)?
-                        .f_to_kind(Kind::Float)
-                        .ctx("values to fp32")?;
-                    let out = loss_fn.compute(
-                        &ValueInputs {
-                            vpreds: &vpreds,
-                            returns: &m.ret,
-                            values: &m.old,
-                            response_mask: &m.sub.response_mask,
-                        },
-                        &norm,
-                    )?;
-                    let loss = if m.dummy {
-                        out.loss.f_mul_scalar(0.0).ctx("zero padding loss")?
-                    } else {
-                        out.loss
-                    };
-                    Ok((loss, out.metrics))
-                });
-                let results = match res {
-                    Ok(v) => v,
-                    Err(e) => {
-                        let _ = train.zero_grad();
-                        return Err(e);
-                    }
-                };
-                // Only the last pipeline stage sees the losses; it tells the others about a
-                // non-finite one, so every stage skips the step and fails alike.
-                let mut bad: Option<(usize, String, String)> = None;
-                for (ui, r) in results.into_iter().enumerate() {
-                    let Some((_, m)) = r else { continue };
-                    if micros[ui].dummy {
-                        continue;
-                    }
-                    if let Some((name, v)) = m.named().into_iter().find(|(_, v)| !v.is_finite()) {
-                        bad = Some((ui, name, v.to_string()));
-                        break;
-                    }
-                    acc.add("critic/vf_loss", m.vf_loss);
-                    acc.push("critic/vf_clipfrac", m.vf_clipfrac);
-                    acc.push("critic/vpred_mean", m.vpred_mean);
-                }
-                if let Some((ui, metric, value)) =
-                    from_last_stage(par, &bad, "broadcast (non-finite loss report)")?
-                {
-                    let _ = train.zero_grad();
-                    return Err(MegatronError::NonFinite {
-                        role: "critic",
-                        step: o.global_step,
-                        epoch,
-                        mini_batch: mi,
-                        micro: format!(", micro-batch {ui}"),
-                        metric,
-                        value: value.parse().unwrap_or(f64::NAN),
-                    });
-                }
-                let grad_norm =
-                    train.finish_mini_batch(par, lr, "critic", o.global_step, epoch, mi)?;
-                acc.push_global("critic/grad_norm", grad_norm);
-            }
-        }
-        train.zero_grad()?;
+        let mut engine = CriticEngine {
+            train,
+            par,
+            lengths: inputs.seqs.row_lengths()?,
+            inputs: &inputs,
+            micro: self.update_micro,
+            loss: &self.loss,
+        };
+        let mut acc = run_update(
+            &mut engine,
+            &UpdateSpec {
+                role: UpdateRole::Critic,
+                global_step: o.global_step,
+                epochs: self.epochs,
+                mini_batch_rows: self.mini_batch_rows,
+                response_mask: &inputs.seqs.response_mask,
+                lr,
+            },
+        )?;
         train.updates += 1;
-        acc.push_global("critic/lr", lr);
         // The critic's MoE metrics sit under `critic/` (the actor reports the plain `moe/` ones).
         for (name, v) in common::moe_load_metrics(&train.model, par)? {
             acc.push_global(&format!("critic/{name}"), v);
         }
-        verl_fsdp_core::metrics::push_gpu_memory(&mut acc, dp, device)?;
-        acc.reduce(dp)?;
+        verl_fsdp_core::metrics::push_gpu_memory(&mut acc, &par.dp_meta, device)?;
+        acc.reduce(&par.dp_meta)?;
         metrics_from_last_stage(par, acc.into_metrics())
+    }
+}
+
+/// The Megatron critic in the shared update loop: a mini-batch's micro-batches through the
+/// pipeline schedule, the value loss on the last stage.
+struct CriticEngine<'a> {
+    train: &'a mut TpTrainer,
+    par: &'a Parallel,
+    inputs: &'a CriticUpdateInputs,
+    lengths: Vec<i64>,
+    micro: MicroBatching,
+    loss: &'a CriticLoss,
+}
+
+impl UpdateEngine for CriticEngine<'_> {
+    type Error = MegatronError;
+
+    fn dp(&self) -> &verl_fsdp_core::dp::Dp {
+        &self.par.dp_meta
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        self.train.zero_grad()
+    }
+
+    fn forward_backward(&mut self, mini: &UpdateMiniBatch<'_>) -> Result<Vec<MicroOutcome>> {
+        let (inputs, par) = (self.inputs, self.par);
+        let device = inputs.seqs.response_mask.device();
+        let parts = micro_batches(
+            mini.rows,
+            &self.lengths,
+            self.micro,
+            "critic.ppo_max_token_len_per_gpu",
+        )?;
+        let parts = same_micro_batch_count(&par.dp_meta, parts)?;
+        let moe = common::moe_micro(&self.train.model, &par.dp_meta, &parts)?;
+        let micros = parts
+            .iter()
+            .map(|MicroBatch { rows: part, dummy }| {
+                let idx = index_tensor(part, device)?;
+                Ok((inputs.seqs.select(&idx)?, inputs.micro(&idx)?, *dummy))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let model_inputs: Vec<MicroInput> = micros
+            .iter()
+            .zip(&moe)
+            .map(|((sub, _, _), &moe)| MicroInput {
+                ids: &sub.input_ids,
+                mask: &sub.attention_mask,
+                positions: &sub.position_ids,
+                moe,
+            })
+            .collect();
+        let loss_fn = self.loss;
+        let results =
+            self.train
+                .forward_backward_pipelined(par, &model_inputs, |ui, model, hidden| {
+                    let (sub, micro, dummy) = &micros[ui];
+                    let vpreds = model
+                        .values(&sub.response_slice(hidden)?)?
+                        .f_to_kind(Kind::Float)
+                        .ctx("values to fp32")?;
+                    Ok(micro.loss(loss_fn, mini.norm, &vpreds, &sub.response_mask, *dummy)?)
+                })?;
+        // Only the last pipeline stage sees the losses.
+        let mut out = Vec::new();
+        for (ui, r) in results.into_iter().enumerate() {
+            let Some((_, metrics)) = r else { continue };
+            if micros[ui].2 {
+                continue;
+            }
+            out.push(MicroOutcome {
+                micro: ui,
+                metrics,
+                loss: None,
+            });
+        }
+        Ok(out)
+    }
+
+    fn agree(&self, bad: Option<NonFiniteAt>) -> Result<Option<NonFiniteAt>> {
+        common::non_finite_from_last_stage(self.par, bad)
+    }
+
+    fn optimizer_step(&mut self, lr: f64, step: u64, mini: &UpdateMiniBatch<'_>) -> Result<f64> {
+        self.train
+            .finish_mini_batch(self.par, lr, "critic", step, mini.epoch, mini.index)
     }
 }
 

@@ -80,31 +80,24 @@ pub fn actor_micro_batch_loss(
             Some(e) => Some(layout.scatter(e).map_err(torch)?),
             None => None,
         };
-        let old_used = if m.on_policy {
-            lp.f_detach().map_err(torch)?
-        } else {
-            m.old.shallow_clone()
+        let terms = crate::update::ActorTerms {
+            old: m.old,
+            advantages: m.advantages,
+            ref_log_prob: m.ref_log_prob,
+            rollout_is_weights: m.rollout_is_weights,
         };
-        let (loss, metrics_out) = m.loss.compute_deferred(
-            &ActorInputs {
-                old_log_prob: &old_used,
-                log_prob: &lp,
-                advantages: m.advantages,
-                response_mask: &layout.response_mask,
-                entropy: ent.as_ref(),
-                ref_log_prob: m.ref_log_prob,
-                rollout_is_weights: m.rollout_is_weights,
-            },
+        let (loss, metrics_out) = terms.loss(
+            m.loss,
             m.norm,
+            m.on_policy,
+            &lp,
+            ent.as_ref(),
+            &layout.response_mask,
         )?;
         metrics = Some(metrics_out);
         Ok(loss)
     })?;
-    let loss = if m.dummy {
-        surrogate.f_mul_scalar(0.0).ctx("zero padding loss")?
-    } else {
-        surrogate
-    };
+    let loss = crate::update::zero_if_dummy(surrogate, m.dummy)?;
     let metrics = metrics
         .ok_or_else(|| FsdpError::Api(ApiError::failed("the actor loss was not computed")))?;
     Ok((loss, metrics))

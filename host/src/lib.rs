@@ -2,19 +2,15 @@
 //! environment doctor, and the command implementations. It must never link libtorch: tensors
 //! live in plugins, the host sees token ids, masks and per-token floats in `Batch`es.
 
-pub mod ab;
 pub mod checks;
+pub mod commands;
 pub mod dist;
-pub mod doctor;
-pub mod generate_cmd;
 pub mod isolated_reward;
 pub mod launch;
 pub mod loader;
 pub mod models;
 pub mod paths;
-pub mod plugin_new;
 pub mod python_reward;
-pub mod reward_cmd;
 pub mod torchlib;
 pub mod trainer;
 

@@ -1,6 +1,7 @@
 //! `verl doctor`: a structured ✓/✗/! report of what a run needs, each ✗ with the command that fixes it.
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use crate::loader::Loader;
 use crate::torchlib;
@@ -34,7 +35,7 @@ impl Check {
 }
 
 /// Run every check.
-pub fn run(loader: &Loader) -> Vec<Check> {
+pub fn checks(loader: &Loader) -> Vec<Check> {
     let mut out = Vec::new();
     let torch = torchlib::find();
     match &torch {
@@ -225,4 +226,33 @@ fn nccl_check(torch: Option<&torchlib::TorchLib>) -> Check {
         "libnccl not found: multi-GPU runs unavailable (CPU ranks still work)",
         Some("pip install nvidia-nccl-cu13   # or install libnccl2".into()),
     )
+}
+
+fn mark(s: &Status) -> &'static str {
+    match s {
+        Status::Ok => "✓",
+        Status::Warn => "!",
+        Status::Fail => "✗",
+    }
+}
+
+/// `verl doctor`: every check, each problem with its fix; fails when one fails.
+pub fn run() -> ExitCode {
+    let loader = Loader::new(&[]);
+    let checks = checks(&loader);
+    let mut failed = false;
+    for c in &checks {
+        println!("{} {:<9} {}", mark(&c.status), c.what, c.detail);
+        if let Some(fix) = &c.fix {
+            if c.status != Status::Ok {
+                println!("  fix: {fix}");
+            }
+        }
+        failed |= c.status == Status::Fail;
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
 }

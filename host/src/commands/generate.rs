@@ -2,13 +2,117 @@
 //! the tokenizer and chat template in the host, and the plugin's generation engine).
 
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use verl_chat::{ChatOptions, Tokenizer};
 use verl_config::Config;
 use verl_plugin_api::{col, Batch, GenerateOptions, InitArgs, Role};
 
-use crate::loader::LoadedPlugin;
+use super::single_plugin;
+use crate::loader::{LoadedPlugin, Loader};
+
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    /// An HF model folder (config.json, safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// A prompt (repeatable).
+    #[arg(long, conflicts_with = "prompts")]
+    prompt: Vec<String>,
+    /// A JSONL file of prompts (strings, or objects with `prompt`/`text`).
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Apply the model's chat template (each prompt as one user message).
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: u32,
+    /// Samples per prompt.
+    #[arg(long, default_value_t = 1)]
+    n: u32,
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    #[arg(long, default_value_t = -1)]
+    top_k: i64,
+    /// Greedy decoding (no sampling).
+    #[arg(long)]
+    greedy: bool,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Print the log-prob of each generated token.
+    #[arg(long)]
+    logprobs: bool,
+    /// Print one JSON object per response instead of text.
+    #[arg(long)]
+    json: bool,
+    /// `cpu` or `cuda`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Extra verl config overrides for the backend, e.g. `actor_rollout_ref.model.dtype=bfloat16`.
+    #[arg(long = "set")]
+    overrides: Vec<String>,
+}
+
+/// `verl generate`: the prompts' responses, as text or JSON lines.
+pub fn run(plugins: &[String], a: &GenerateArgs) -> anyhow::Result<ExitCode> {
+    let prompts = match (&a.prompts, a.prompt.is_empty()) {
+        (Some(file), _) => read_prompts_jsonl(file)?,
+        (None, false) => a.prompt.clone(),
+        (None, true) => bail!("give --prompt TEXT (repeatable) or --prompts FILE.jsonl"),
+    };
+    let mut loader = Loader::new(&[]);
+    let spec = single_plugin(
+        plugins,
+        "fsdp",
+        "`verl generate` takes one backend --plugin",
+    )?;
+    let backend = loader.load(&spec)?;
+    let req = GenerateRequest {
+        model: a.model.clone(),
+        prompts: prompts.clone(),
+        chat: a.chat,
+        options: verl_plugin_api::GenerateOptions {
+            n: a.n,
+            max_new_tokens: a.max_new_tokens,
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.top_k,
+            do_sample: !a.greedy,
+            seed: a.seed,
+            return_log_probs: true,
+            ..Default::default()
+        },
+        device: a.device.clone(),
+        overrides: a.overrides.clone(),
+    };
+    let out = generate(&backend, &req)?;
+    for g in &out {
+        if a.json {
+            println!("{}", serde_json::to_string(g)?);
+            continue;
+        }
+        println!("### prompt {}: {}", g.prompt_index, prompts[g.prompt_index]);
+        println!("{}", g.text);
+        if a.logprobs {
+            if let Some(lp) = &g.log_probs {
+                let parts: Vec<String> = g
+                    .token_ids
+                    .iter()
+                    .zip(lp)
+                    .map(|(t, l)| format!("{t}:{l:.4}"))
+                    .collect();
+                println!("logprobs: {}", parts.join(" "));
+            }
+        }
+        if let Some(r) = &g.finish_reason {
+            println!("(finish: {r}, {} tokens)", g.token_ids.len());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
 
 /// What to generate and how.
 #[derive(Debug, Clone)]

@@ -7,9 +7,61 @@
 //! safetensors format directly: an 8-byte header length, a JSON header, the little-endian data.
 
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use serde_json::json;
+
+#[derive(clap::Args)]
+pub struct InitModelArgs {
+    /// The HF folder to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Data files whose text trains the tokenizer (repeatable).
+    #[arg(long, required = true)]
+    data: Vec<PathBuf>,
+    #[arg(long, default_value_t = 512)]
+    vocab: usize,
+    #[arg(long, default_value_t = 128)]
+    hidden: usize,
+    #[arg(long, default_value_t = 256)]
+    intermediate: usize,
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    #[arg(long, default_value_t = 256)]
+    max_positions: usize,
+    #[arg(long, default_value_t = 0.02)]
+    init_std: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// `verl init-model`: writes the folder and says what it holds.
+pub fn run(a: &InitModelArgs) -> anyhow::Result<ExitCode> {
+    let spec = ModelSpec {
+        vocab: a.vocab,
+        hidden: a.hidden,
+        intermediate: a.intermediate,
+        layers: a.layers,
+        heads: a.heads,
+        kv_heads: a.kv_heads,
+        max_positions: a.max_positions,
+        init_std: a.init_std,
+        seed: a.seed,
+    };
+    let o = init_model(&a.out, &a.data, &spec)?;
+    println!(
+        "{} (vocab {}, {} parameters)",
+        o.dir.display(),
+        o.vocab,
+        o.parameters
+    );
+    Ok(ExitCode::SUCCESS)
+}
 
 /// Special tokens, in id order: pad, then the ChatML markers (`<|im_end|>` is EOS).
 pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];

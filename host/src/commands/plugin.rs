@@ -1,11 +1,155 @@
-//! `verl plugin new reward NAME`: the skeleton of a reward plugin, the one in
+//! `verl plugin`: a plugin's header and compatibility (`inspect`), the plugins on the plugin path
+//! (`list`), and `new reward NAME`: the skeleton of a reward plugin, the one in
 //! `examples/reward-plugin` (a [`verl_plugin_api::RowReward`] with its unit test) under a new name.
 
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use anyhow::{bail, Context};
+use clap::Subcommand;
 
-const EXAMPLE_LIB: &str = include_str!("../../examples/reward-plugin/src/lib.rs");
+use crate::{LoadError, Loader};
+
+#[derive(Subcommand)]
+pub enum PluginCmd {
+    /// Print a plugin's header (name, version, kind, roles, build) and check it can be loaded.
+    Inspect { plugin: String },
+    /// List the plugins on the plugin path.
+    List,
+    /// Start a plugin crate: `verl plugin new reward NAME [--dir DIR] [--api-path PLUGIN_API]`
+    /// writes the skeleton of `examples/reward-plugin` (a row scorer and its unit test).
+    New {
+        /// What kind of plugin: `reward`.
+        kind: String,
+        name: String,
+        /// Where the crate folder is created.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// The verl-rs checkout's `plugin-api` folder to depend on.
+        #[arg(long)]
+        api_path: Option<PathBuf>,
+    },
+}
+
+pub fn run(cmd: &PluginCmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        PluginCmd::Inspect { plugin } => inspect(plugin),
+        PluginCmd::List => list(),
+        PluginCmd::New {
+            kind,
+            name,
+            dir,
+            api_path,
+        } => {
+            if kind != "reward" {
+                bail!("`verl plugin new {kind}`: the skeleton is for reward plugins (`verl plugin new reward NAME`); a backend starts from plugins/fsdp");
+            }
+            let krate = new_reward(name, dir, api_path.as_deref())?;
+            println!(
+                "{} (cargo test; cargo build --release; verl --plugin target/release/lib{}.so run job.yaml plugins.reward.default={name})",
+                krate.display(),
+                name.replace('-', "_")
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn inspect(spec: &str) -> anyhow::Result<ExitCode> {
+    let mut loader = Loader::new(&[]);
+    let i = loader.inspect(spec)?;
+    let h = &i.header;
+    println!("path          {}", i.path.display());
+    println!("name          {}", h.name);
+    println!("version       {}", h.version);
+    println!("kind          {}", h.kind);
+    if !h.description.is_empty() {
+        println!("description   {}", h.description);
+    }
+    println!(
+        "plugin-api    {} (this verl: {})",
+        h.api_version,
+        verl_plugin_api::API_VERSION
+    );
+    println!("roles");
+    for c in &h.capabilities {
+        let state = if c.implemented {
+            "ready"
+        } else {
+            "not implemented"
+        };
+        let note = if c.note.is_empty() {
+            String::new()
+        } else {
+            format!(" — {}", c.note)
+        };
+        println!("  {:<10} {state}{note}", c.role.as_str());
+    }
+    println!("build");
+    println!(
+        "  libtorch   {}",
+        h.build
+            .libtorch
+            .as_deref()
+            .unwrap_or("none (does not link libtorch)")
+    );
+    println!("  device     {}", h.build.device);
+    if let Some(cuda) = &h.build.cuda {
+        println!("  cuda       {cuda}");
+    }
+    println!("  profile    {}", h.build.profile);
+    println!("  target     {}", h.build.target);
+    if let Some(t) = &i.torch {
+        println!(
+            "libtorch      {} preloaded from {} ({})",
+            t.version.as_deref().unwrap_or("unknown version"),
+            t.lib_dir.display(),
+            t.found_by
+        );
+        if let (Some(built), Some(found)) = (h.build.libtorch.as_deref(), t.base_version()) {
+            if built.split('+').next() != Some(found) {
+                bail!(
+                    "{}: plugin `{}` was built against libtorch {built} but the libtorch found is {found}; install torch=={built} or rebuild the plugin",
+                    i.path.display(),
+                    h.name
+                );
+            }
+        }
+    }
+    if let Err(why) = &i.compatible {
+        bail!(
+            "{}: plugin `{}` is incompatible: {why}; rebuild it against verl-plugin-api {}",
+            i.path.display(),
+            h.name,
+            verl_plugin_api::API_VERSION
+        );
+    }
+    // Full handshake: the root module's layout and initialisation.
+    loader.load(spec)?;
+    println!("compatible    yes (header, plugin-api semver and root-module layout checked)");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn list() -> anyhow::Result<ExitCode> {
+    let loader = Loader::new(&[]);
+    for f in loader.discover() {
+        match loader.inspect(&f.display().to_string()) {
+            Ok(i) => println!(
+                "{} {:<10} {:<8} {:<8} {}",
+                if i.compatible.is_ok() { "✓" } else { "✗" },
+                i.header.name,
+                i.header.version,
+                i.header.kind.to_string(),
+                i.path.display()
+            ),
+            Err(LoadError::NotAPlugin { .. }) => {}
+            Err(e) => println!("✗ {e}"),
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+const EXAMPLE_LIB: &str = include_str!("../../../examples/reward-plugin/src/lib.rs");
 
 fn camel(name: &str) -> String {
     name.split(['_', '-'])

@@ -1,14 +1,166 @@
 //! `verl reward score`: score a JSONL file with a reward plugin (accuracy per data_source), or
-//! with a reward model (`--model`: one score per row).
+//! with a reward model (`--model`: one score per row). Also the hidden `verl __reward-worker`
+//! that serves an isolated reward plugin (`plugins.reward.isolate`).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use anyhow::{bail, Context};
+use clap::Subcommand;
 use verl_plugin_api::{col, Batch, InitArgs, Role, ScoreOptions};
 
-use crate::loader::LoadedPlugin;
+use super::single_plugin;
+use crate::loader::{LoadedPlugin, Loader};
+
+#[derive(Subcommand)]
+pub enum RewardCmd {
+    /// Score a JSONL file (`data_source`, `solution_str`, `ground_truth`[, `extra_info`]) and
+    /// print accuracy per data_source. The reward plugin is `--plugin` (default: `rewards`).
+    ///
+    /// With `--model RM_DIR`: score `{prompt, response}` rows with a reward model
+    /// (`*ForSequenceClassification`, `Qwen2ForRewardModel`) held by a backend plugin (`--plugin`,
+    /// default `fsdp`); `prompt` is a string or a chat list of {role, content}.
+    Score {
+        input: PathBuf,
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Reward kwargs as JSON, e.g. '{"method": "flexible"}'.
+        #[arg(long, default_value = "null")]
+        kwargs: String,
+        #[arg(long, default_value_t = 256)]
+        batch_size: usize,
+        /// A reward model's HF folder: score each row with it.
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// With --model: render prompt + response as a chat with the model's own template.
+        #[arg(long, requires = "model")]
+        chat: bool,
+        /// With --model: print one JSON object per row (`{"row", "score"}`).
+        #[arg(long, requires = "model")]
+        json: bool,
+        /// With --model: `cpu` or `cuda`.
+        #[arg(long, default_value = "cpu", requires = "model")]
+        device: String,
+        /// With --model: bfloat16, float32 or float16.
+        #[arg(long, default_value = "float32", requires = "model")]
+        dtype: String,
+        /// With --model: cut each input to this many tokens (from the right).
+        #[arg(long, requires = "model")]
+        max_length: Option<usize>,
+    },
+}
+
+pub fn run(plugins: &[String], cmd: &RewardCmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        RewardCmd::Score {
+            input,
+            out,
+            kwargs,
+            batch_size,
+            model: Some(model),
+            chat,
+            json,
+            device,
+            dtype,
+            max_length,
+        } => {
+            if out.is_some() || kwargs != "null" {
+                bail!("--out and --kwargs belong to reward plugins; with --model the scores are printed (--json for one object per row)");
+            }
+            let req = ModelScoreRequest {
+                model: model.clone(),
+                chat: *chat,
+                device: device.clone(),
+                dtype: dtype.clone(),
+                max_length: *max_length,
+                batch_size: *batch_size,
+            };
+            reward_score_model(plugins, input, &req, *json)
+        }
+        RewardCmd::Score {
+            input,
+            out,
+            kwargs,
+            batch_size,
+            ..
+        } => reward_score(plugins, input, out.as_deref(), kwargs, *batch_size),
+    }
+}
+
+/// `verl __reward-worker PLUGIN`: serves a reward plugin's score calls over stdin/stdout.
+pub fn worker(plugin: &str) -> anyhow::Result<ExitCode> {
+    crate::isolated_reward::serve(plugin)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn reward_score_model(
+    plugins: &[String],
+    input: &Path,
+    req: &ModelScoreRequest,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let mut loader = Loader::new(&[]);
+    let spec = single_plugin(
+        plugins,
+        "fsdp",
+        "`verl reward score --model` takes one --plugin (a backend)",
+    )?;
+    let backend = loader.load(&spec)?;
+    let scores = score_file_with_model(&backend, input, req)?;
+    for (i, s) in scores.iter().enumerate() {
+        if json {
+            println!("{}", serde_json::json!({"row": i, "score": s}));
+        } else {
+            println!("{i}\t{s}");
+        }
+    }
+    if !json {
+        let mean = scores.iter().map(|&s| s as f64).sum::<f64>() / scores.len() as f64;
+        println!("rows {}, mean score {mean:.6}", scores.len());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn reward_score(
+    plugins: &[String],
+    input: &Path,
+    out: Option<&Path>,
+    kwargs: &str,
+    batch_size: usize,
+) -> anyhow::Result<ExitCode> {
+    let kwargs: serde_json::Value = serde_json::from_str(kwargs)
+        .context("--kwargs must be JSON, e.g. '{\"method\": \"flexible\"}'")?;
+    let mut loader = Loader::new(&[]);
+    let spec = single_plugin(plugins, "rewards", "`verl reward score` takes one --plugin")?;
+    let plugin = loader.load(&spec)?;
+    let stats = score_file(&plugin, input, out, kwargs, batch_size)?;
+    println!(
+        "{:<40} {:>7} {:>10} {:>9}",
+        "data_source", "rows", "mean", "accuracy"
+    );
+    let (mut rows, mut correct) = (0usize, 0usize);
+    for (src, s) in &stats {
+        println!(
+            "{:<40} {:>7} {:>10.4} {:>9.4}",
+            src,
+            s.rows,
+            s.score_sum / s.rows as f64,
+            s.correct as f64 / s.rows as f64
+        );
+        rows += s.rows;
+        correct += s.correct;
+    }
+    println!(
+        "{:<40} {:>7} {:>10} {:>9.4}",
+        "all",
+        rows,
+        "",
+        correct as f64 / rows as f64
+    );
+    Ok(ExitCode::SUCCESS)
+}
 
 /// One input row. `solution_str` (verl's name) or `response` holds the text to score.
 #[derive(Debug, serde::Deserialize)]

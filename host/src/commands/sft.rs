@@ -10,6 +10,7 @@
 //! `Actor.call("sft_update" | "sft_eval")`; this module owns data, schedule and bookkeeping only.
 
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -17,11 +18,43 @@ use serde::Deserialize;
 use serde_yaml::Value;
 use verl_chat::{ChatOptions, Tokenizer};
 use verl_config::{Override, OverrideKind};
-use verl_host::paths::expand_home;
 use verl_metrics::{LoggerOptions, MetricsLogger};
 use verl_plugin_api::{client::ActorClient, col, Batch, InitArgs, Role};
 
-use verl_host::LoadedPlugin;
+use super::single_plugin;
+use crate::paths::expand_home;
+use crate::{LoadedPlugin, Loader};
+
+/// `verl sft JOB.yaml [overrides]` on the backend `model.strategy` names (or `--plugin`).
+pub fn run(plugins: &[String], job: &Path, overrides: &[String]) -> anyhow::Result<ExitCode> {
+    let cfg = SftConfig::load(job, overrides)?;
+    let mut loader = Loader::new(&[]);
+    let spec = single_plugin(
+        plugins,
+        &cfg.model.strategy.replace("fsdp2", "fsdp"),
+        "`verl sft` takes one backend --plugin",
+    )?;
+    let backend = loader
+        .load(&spec)
+        .with_context(|| format!("loading backend `{spec}` (model.strategy / --plugin)"))?;
+    let s = run_sft(&backend, &cfg)?;
+    println!(
+        "done          {} SFT step(s) in {:.1}s, train/loss {}, val/loss {}",
+        s.steps,
+        s.seconds,
+        s.last_train_loss
+            .map(|l| format!("{l:.4}"))
+            .unwrap_or_else(|| "-".into()),
+        s.val_loss
+            .map(|l| format!("{l:.4}"))
+            .unwrap_or_else(|| "-".into())
+    );
+    if let Some(p) = &s.metrics_file {
+        println!("metrics       {}", p.display());
+    }
+    println!("model         {}", s.final_model.display());
+    Ok(ExitCode::SUCCESS)
+}
 
 /// verl's `sft_trainer.yaml` keys this trainer reads (others there are accepted and ignored, so a
 /// verl SFT config runs unchanged), with verl's defaults.

@@ -12,7 +12,7 @@ pub mod report;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitCode};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -20,6 +20,77 @@ use serde::{Deserialize, Serialize};
 use verl_config::Config;
 
 use compare::Steps;
+use report::Report;
+
+use super::run::RunArgs;
+
+#[derive(clap::Args)]
+pub struct AbArgs {
+    /// A job file and/or overrides common to both arms (as `verl run` takes them).
+    #[arg(value_name = "[JOB.yaml] [KEY=VALUE]")]
+    args: Vec<String>,
+    /// Arm a: `fsdp`, `megatron`, a backend plugin (path or name) and/or overrides, space-separated.
+    #[arg(long)]
+    a: String,
+    /// Arm b, as --a.
+    #[arg(long)]
+    b: String,
+    /// Training steps of each arm.
+    #[arg(long, default_value_t = 3)]
+    steps: u64,
+    /// Where the arms run and the report goes.
+    #[arg(long, default_value = "runs/ab")]
+    out: PathBuf,
+    /// Relative tolerance of the verdicts (default: 1e-5 when both arms compute in fp32, 5e-2
+    /// otherwise).
+    #[arg(long)]
+    rtol: Option<f64>,
+}
+
+/// `verl ab`: both arms, then the report (`--plugin`s go to both arms).
+pub fn run(plugins: &[String], args: &AbArgs) -> anyhow::Result<ExitCode> {
+    let run_args = RunArgs {
+        args: args.args.clone(),
+        config_name: None,
+        config_path: None,
+        dry_run: false,
+    };
+    let (job, common) = run_args.job()?;
+    let req = AbRequest {
+        job: job.clone(),
+        common,
+        a: ArmSpec::parse(&args.a).context("--a")?,
+        b: ArmSpec::parse(&args.b).context("--b")?,
+        steps: args.steps.max(1),
+        out: args.out.clone(),
+        rtol: args.rtol,
+        verl: std::env::current_exe().context("locating the verl binary")?,
+        plugins: plugins.to_vec(),
+    };
+    let (a, b, ca, cb) = req.run_arms()?;
+    let rtol = req.tolerance(&ca, &cb);
+    let report = Report {
+        a: &a,
+        b: &b,
+        job: job
+            .map(|j| j.display().to_string())
+            .unwrap_or_else(|| "verl's defaults".into()),
+        steps: req.steps,
+        rtol,
+        machine: machine(),
+        diffs: compare::compare(&a.metrics, &b.metrics, rtol),
+        timings: compare::phases(&a.metrics, &b.metrics, compare::Kind::Timing),
+        perf: compare::phases(&a.metrics, &b.metrics, compare::Kind::Perf),
+    };
+    let html = args.out.join("report.html");
+    std::fs::write(&html, report.html()).with_context(|| format!("writing {}", html.display()))?;
+    let json = args.out.join("summary.json");
+    std::fs::write(&json, serde_json::to_string_pretty(&report.summary_json())?)
+        .with_context(|| format!("writing {}", json.display()))?;
+    print!("{}", report.console());
+    println!("\nreport: {}\nsummary: {}", html.display(), json.display());
+    Ok(ExitCode::SUCCESS)
+}
 
 /// One side of the comparison: a backend (name or library path) and/or overrides.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

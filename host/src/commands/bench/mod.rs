@@ -7,15 +7,18 @@
 //! finished), followed by the plugin's `memory` call, which synchronises the device first (the
 //! update returns only metrics). Its cost (microseconds) is inside the phase's time.
 
+use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use verl_config::Config;
-use verl_host::Loader;
 use verl_plugin_api::{
     col, contract, Batch, GenerateOptions, InitArgs, LogProbOptions, Role, UpdateOptions,
 };
+
+use super::single_plugin;
+use crate::Loader;
 
 /// Benchmarks.
 #[derive(clap::Subcommand)]
@@ -382,8 +385,16 @@ fn meta_f64(b: &Batch, key: &str) -> Option<f64> {
     b.meta().get(key).and_then(Value::as_f64)
 }
 
-/// Runs the benchmark; `plugins` is the CLI's `--plugin` list (default `fsdp`).
-pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
+/// `verl bench SUBCOMMAND`; `plugins` is the CLI's `--plugin` list.
+pub fn run(plugins: &[String], cmd: &BenchCmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        BenchCmd::Grpo(a) => grpo(plugins, a)?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs the GRPO benchmark; `plugins` is the CLI's `--plugin` list (default `fsdp`).
+pub fn grpo(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     let s = shape(&a.arch)?;
     if a.prompts == 0 || a.n == 0 || a.prompt_len == 0 || a.response_len == 0 || a.steps == 0 {
         bail!("--prompts, --n, --prompt-len, --response-len and --steps must be at least 1");
@@ -393,11 +404,11 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
             "without --ignore-eos responses may stop early; the FLOP/byte models assume full length"
         );
     }
-    let spec = match plugins {
-        [] => "fsdp".to_string(),
-        [one] => one.clone(),
-        _ => bail!("`verl bench grpo` takes one backend --plugin"),
-    };
+    let spec = single_plugin(
+        plugins,
+        "fsdp",
+        "`verl bench grpo` takes one backend --plugin",
+    )?;
     let mut loader = Loader::new(&[]);
     let backend = loader.load(&spec)?;
 
@@ -500,7 +511,7 @@ pub fn run(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
                 .join(", ")
         );
     }
-    let bypass = match verl_host::trainer::rollout_correction(&cfg)? {
+    let bypass = match crate::trainer::rollout_correction(&cfg)? {
         None => false,
         Some(c) if c.bypass_mode => true,
         Some(_) => anyhow::bail!(
@@ -1036,7 +1047,7 @@ struct BenchRm {
 
 impl BenchRm {
     fn create(
-        backend: &verl_host::LoadedPlugin,
+        backend: &crate::LoadedPlugin,
         arch: &str,
         cfg: &Config,
         dir: &std::path::Path,
@@ -1051,8 +1062,7 @@ impl BenchRm {
         }]);
         c["num_labels"] = json!(1);
         std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&c)?)?;
-        let spec =
-            verl_host::trainer::reward_model::reward_model_spec(cfg, &dir.to_string_lossy(), 1);
+        let spec = crate::trainer::reward_model::reward_model_spec(cfg, &dir.to_string_lossy(), 1);
         let offload = spec.offload;
         let mut init = InitArgs::new(Role::RewardModel, serde_json::to_value(cfg)?);
         init.extra = json!({"reward_model": spec, "random_init": {"seed": seed + 1}});

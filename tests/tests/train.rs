@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 use verl_e2e::*;
+use verl_test_support::Lcg;
 
 const CORPUS: &[&str] = &[
     "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?",
@@ -16,18 +17,6 @@ const CORPUS: &[&str] = &[
 ];
 const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
-
-/// A deterministic pseudo-random f32 stream (no RNG crate needed).
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-    }
-}
 
 /// A tiny Qwen2-shaped HF folder: trained BPE tokenizer, ChatML template, random safetensors.
 fn write_model(dir: &Path) {
@@ -61,7 +50,13 @@ fn write_model(dir: &Path) {
     let mut add = |name: String, shape: Vec<usize>, ones: bool| {
         let n: usize = shape.iter().product();
         let vals: Vec<f32> = (0..n)
-            .map(|_| if ones { 1.0 } else { rng.next() })
+            .map(|_| {
+                if ones {
+                    1.0
+                } else {
+                    (rng.unit24() - 0.5) * 0.2
+                }
+            })
             .collect();
         let bytes = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         tensors.push((name, shape, bytes));

@@ -7,47 +7,24 @@ use std::path::Path;
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 use verl_fsdp::FsdpPlugin;
-use verl_nn::{HeadKind, ModelConfig, ModelOptions, SaveOptions, Transformer};
+use verl_nn::{HeadKind, ModelOptions, Transformer};
 use verl_plugin_api::client::{ActorClient, CriticClient};
 use verl_plugin_api::{
     col, testing, Batch, GenerateOptions, InitArgs, LogProbOptions, Role, UpdateOptions,
     ValueOptions,
 };
+use verl_test_support::model::{model_dir, qwen2_config};
+use verl_test_support::{merge, Lcg};
 
 const VOCAB: i64 = 48;
 
 /// A random qwen2-shaped checkpoint (plus a stand-in tokenizer file) in a temp dir.
 fn tiny_model() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig::from_value(
-        json!({
-            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-            "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128,
-            "tie_word_embeddings": false, "initializer_range": 0.2,
-            "pad_token_id": 0, "eos_token_id": 1,
-        }),
-        "inline/config.json",
+    model_dir(
+        qwen2_config(VOCAB, 32, 64, 2, 128, false),
+        None,
+        HeadKind::CausalLm,
     )
-    .unwrap();
-    let model = Transformer::new(cfg, &ModelOptions::default()).unwrap();
-    model
-        .save_pretrained(dir.path(), &SaveOptions::default())
-        .unwrap();
-    std::fs::write(dir.path().join("tokenizer_config.json"), "{}\n").unwrap();
-    dir
-}
-
-fn merge(base: &mut Value, patch: &Value) {
-    match (base, patch) {
-        (Value::Object(b), Value::Object(p)) => {
-            for (k, v) in p {
-                merge(b.entry(k.clone()).or_insert(Value::Null), v);
-            }
-        }
-        (b, p) => *b = p.clone(),
-    }
 }
 
 fn config(model: &Path, patch: Value) -> Value {
@@ -88,18 +65,6 @@ fn f32s(b: &Batch, name: &str) -> Vec<f32> {
 
 fn i64s(b: &Batch, name: &str) -> Vec<i64> {
     b.tensor::<i64>(name).unwrap().data
-}
-
-/// A small deterministic generator for test data.
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
 }
 
 const PL: usize = 5;

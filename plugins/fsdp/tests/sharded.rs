@@ -11,12 +11,14 @@ use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 use verl_comm::StoreServer;
 use verl_fsdp::{FsdpActor, FsdpPlugin};
-use verl_nn::{HeadKind, ModelConfig, ModelOptions, SaveOptions, Transformer};
+use verl_nn::HeadKind;
 use verl_plugin_api::client::{ActorClient, CriticClient};
 use verl_plugin_api::{
     col, testing, Actor, Batch, InitArgs, LogProbOptions, Rendezvous, Role, UpdateOptions,
     ValueOptions,
 };
+use verl_test_support::model::{model_dir, qwen2_config};
+use verl_test_support::{merge, Lcg};
 
 const VOCAB: i64 = 40;
 const PL: usize = 4;
@@ -28,44 +30,7 @@ const TOL: f64 = 1e-5;
 /// A random qwen2-shaped checkpoint with `head` (a value head for the critic, so that no rank has
 /// to initialise one at random).
 fn tiny_model(tied: bool, head: HeadKind) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig::from_value(
-        json!({
-            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-            "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 40,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
-            "tie_word_embeddings": tied, "initializer_range": 0.2,
-            "pad_token_id": 0, "eos_token_id": 1,
-        }),
-        "inline/config.json",
-    )
-    .unwrap();
-    tch::manual_seed(5);
-    let model = Transformer::new(
-        cfg,
-        &ModelOptions {
-            head,
-            ..ModelOptions::default()
-        },
-    )
-    .unwrap();
-    model
-        .save_pretrained(dir.path(), &SaveOptions::default())
-        .unwrap();
-    std::fs::write(dir.path().join("tokenizer_config.json"), "{}\n").unwrap();
-    dir
-}
-
-fn merge(base: &mut Value, patch: &Value) {
-    match (base, patch) {
-        (Value::Object(b), Value::Object(p)) => {
-            for (k, v) in p {
-                merge(b.entry(k.clone()).or_insert(Value::Null), v);
-            }
-        }
-        (b, p) => *b = p.clone(),
-    }
+    model_dir(qwen2_config(VOCAB, 16, 40, 2, 64, tied), Some(5), head)
 }
 
 /// One mini-batch of the whole global batch, one row per micro-batch: the same micro-batches at
@@ -163,21 +128,6 @@ impl Job {
             }
         }
         out.into_iter().map(|v| v.unwrap()).collect()
-    }
-}
-
-/// A small deterministic generator for test data.
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() % 10_000) as f32 / 10_000.0
     }
 }
 

@@ -13,9 +13,11 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 use verl_comm::StoreServer;
-use verl_nn::{HeadKind, ModelConfig, ModelOptions, SaveOptions, Transformer};
+use verl_nn::HeadKind;
 use verl_plugin_api::client::ActorClient;
 use verl_plugin_api::{col, Batch, InitArgs, LogProbOptions, Rendezvous, Role, UpdateOptions};
+use verl_test_support::model::{model_dir, qwen2_config};
+pub use verl_test_support::{merge, Lcg};
 
 pub const VOCAB: i64 = 40;
 pub const PL: usize = 4;
@@ -36,71 +38,23 @@ pub fn tiny_model(tied: bool, head: HeadKind) -> tempfile::TempDir {
 
 /// [`tiny_model`] with `layers` decoder layers.
 pub fn tiny_model_with_layers(tied: bool, head: HeadKind, layers: i64) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig::from_value(
-        json!({
-            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-            "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 40,
-            "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
-            "tie_word_embeddings": tied, "initializer_range": 0.2,
-            "pad_token_id": 0, "eos_token_id": 1,
-        }),
-        "inline/config.json",
-    )
-    .unwrap();
-    tch::manual_seed(5);
-    let model = Transformer::new(
-        cfg,
-        &ModelOptions {
-            head,
-            ..ModelOptions::default()
-        },
-    )
-    .unwrap();
-    model
-        .save_pretrained(dir.path(), &SaveOptions::default())
-        .unwrap();
-    std::fs::write(dir.path().join("tokenizer_config.json"), "{}\n").unwrap();
-    dir
+    model_dir(qwen2_config(VOCAB, 16, 40, layers, 64, tied), Some(5), head)
 }
 
 /// A random Mixtral-shaped checkpoint: the tiny model's attention with two decoder layers whose
 /// MLPs are sparse MoE blocks of 4 experts (40 columns each, divisible by TP = 2), top-2 routing,
 /// `router_aux_loss_coef` 0.02.
 pub fn tiny_mixtral() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig::from_value(
-        json!({
-            "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
-            "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 40,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
-            "tie_word_embeddings": false, "initializer_range": 0.2,
-            "pad_token_id": 0, "eos_token_id": 1,
-        }),
-        "inline/config.json",
-    )
-    .unwrap();
-    tch::manual_seed(7);
-    let model = Transformer::new(cfg, &ModelOptions::default()).unwrap();
-    model
-        .save_pretrained(dir.path(), &SaveOptions::default())
-        .unwrap();
-    std::fs::write(dir.path().join("tokenizer_config.json"), "{}\n").unwrap();
-    dir
-}
-
-pub fn merge(base: &mut Value, patch: &Value) {
-    match (base, patch) {
-        (Value::Object(b), Value::Object(p)) => {
-            for (k, v) in p {
-                merge(b.entry(k.clone()).or_insert(Value::Null), v);
-            }
-        }
-        (b, p) => *b = p.clone(),
-    }
+    let config = json!({
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+        "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 40,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
+        "tie_word_embeddings": false, "initializer_range": 0.2,
+        "pad_token_id": 0, "eos_token_id": 1,
+    });
+    model_dir(config, Some(7), HeadKind::CausalLm)
 }
 
 /// One mini-batch of the whole global batch, one row per micro-batch, fp32 everywhere; the
@@ -206,20 +160,6 @@ impl Job {
             }
         }
         out.into_iter().map(|v| v.unwrap()).collect()
-    }
-}
-
-pub struct Lcg(pub u64);
-impl Lcg {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    pub fn unit(&mut self) -> f32 {
-        (self.next() % 10_000) as f32 / 10_000.0
     }
 }
 

@@ -10,7 +10,7 @@
 //!
 //! `fit.rs` is the loop; `setup.rs` builds a run, `checkpoint.rs` saves and resumes it;
 //! `step.rs` is one step, phase by phase; `workers.rs` holds the roles, their phase calls and
-//! the phases' clock; `rollout.rs` generates and scores; `validate.rs` validates.
+//! the phases' clock (`verl bench grpo` runs its step through the same); `rollout.rs` generates and scores; `validate.rs` validates.
 
 mod checkpoint;
 mod dump;
@@ -35,6 +35,8 @@ pub use prompts::tokenizer_dir;
 pub use reward::{CUSTOM_REWARD_FUNCTION, REWARD_MODEL};
 pub use rollout_corr::rollout_correction;
 pub use setup::data_config;
+pub(crate) use step::on_policy_old_log_prob_unused;
+pub(crate) use workers::{PhaseEnd, Timed, Workers};
 
 /// The reward plugin names the job routes to: `plugins.reward.default`, then each distinct
 /// target of `plugins.reward.routes`. The CLI loads each and passes it as `(name, plugin)` in

@@ -187,8 +187,11 @@ impl<'a> Trainer<'a> {
         let cfg = self.cfg;
         let bypass = self.algo.bypass;
         s.skip_old = bypass
-            || (on_policy_old_log_prob_unused(cfg, &self.plan.actor)
-                && cfg.trainer.critic_warmup <= self.global_step
+            || (on_policy_old_log_prob_unused(
+                cfg,
+                self.plan.actor.ppo_epochs,
+                self.plan.actor.mini_batches_per_step,
+            ) && cfg.trainer.critic_warmup <= self.global_step
                 && !cfg.actor_rollout_ref.rollout.calculate_log_probs);
         if bypass {
             let (rows, width) = (
@@ -533,11 +536,12 @@ pub(super) fn rollout_probs_diff(
 /// `trainer.skip_on_policy_old_log_prob` (verl-rs extension, default true) not turned off.
 pub(crate) fn on_policy_old_log_prob_unused(
     cfg: &verl_config::Config,
-    actor: &verl_config::UpdatePlan,
+    ppo_epochs: u64,
+    mini_batches_per_step: u64,
 ) -> bool {
     cfg.trainer.skip_on_policy_old_log_prob
-        && actor.ppo_epochs == 1
-        && actor.mini_batches_per_step == 1
+        && ppo_epochs == 1
+        && mini_batches_per_step == 1
         && !cfg.algorithm.use_kl_in_reward
 }
 

@@ -15,7 +15,7 @@ use verl_data::DataLoaderState;
 use verl_plugin_api::client::ActorClient;
 
 use super::error::TrainerError;
-use super::fit::Trainer;
+use super::reduce::Ranks;
 use super::workers::Workers;
 use crate::dist::HostGroup;
 
@@ -136,26 +136,28 @@ impl Checkpoints {
             loader,
         })
     }
-}
 
-impl Trainer<'_> {
-    /// verl's `_save_checkpoint` of this step (of `epoch`): the roles fill `actor/` and
-    /// `critic/`, then the loader position and the loop state, then the tracker file
-    /// (atomically, by the checkpoint crate).
-    pub(super) fn save_checkpoint(&mut self, epoch: u64) -> anyhow::Result<()> {
-        let step = self.global_step;
-        let coef = self.algo.kl_ctrl.value();
+    /// verl's `_save_checkpoint` of step `step` (of `epoch`, with the KL controller at
+    /// `kl_coef`): the roles fill `actor/` and `critic/`, then the loader position and the loop
+    /// state, then the tracker file (atomically, by the checkpoint crate).
+    pub(super) fn save(
+        &self,
+        workers: &mut Workers,
+        step: u64,
+        epoch: u64,
+        kl_coef: f64,
+        loader: &DataLoaderState,
+        ranks: Ranks<'_>,
+    ) -> anyhow::Result<()> {
         let state = TrainerState {
             global_step: step,
             epoch,
-            kl_coef: coef,
-            kl_coef_bits: coef.to_bits(),
+            kl_coef,
+            kl_coef_bits: kl_coef.to_bits(),
         };
-        let loader = self.loader.state();
-        let (ckpt, workers) = (&self.checkpoints, &mut self.workers);
-        match self.ranks.group() {
-            None => save_local(ckpt, workers, step, &loader, &state),
-            Some(g) => save_spmd(ckpt, workers, step, &loader, &state, g),
+        match ranks.group() {
+            None => save_local(self, workers, step, loader, &state),
+            Some(g) => save_spmd(self, workers, step, loader, &state, g),
         }
     }
 }

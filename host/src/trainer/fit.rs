@@ -1,75 +1,46 @@
 //! The loop itself: verl's `RayPPOTrainer.fit` on one data-parallel rank. [`fit`] sets the run
-//! up (`setup.rs`, which resumes through `checkpoint.rs`), validates before training, then runs
-//! one [`Trainer::step`] (`step.rs`) per batch of prompts. Across ranks (`FitOptions::group`)
-//! every batch-wide quantity is reduced through [`Ranks`] (`reduce.rs`).
+//! up ([`Trainer::setup`], from the parts in `setup.rs`, resuming through `checkpoint.rs`),
+//! validates before training, then runs one `Trainer::step` (`step.rs`) per batch of prompts.
+//! Across ranks (`FitOptions::group`) every batch-wide quantity is reduced through [`Ranks`]
+//! (`reduce.rs`).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use verl_config::{BatchPlan, Config};
-use verl_data::{DataConfig, DataLoader, Dataset};
-use verl_metrics::{LoggerOptions, MetricsLogger, ValGeneration};
-use verl_plugin_api::Rendezvous;
+use verl_config::{validate_batches, BatchPlan, Config, Layout};
+use verl_data::{DataConfig, DataLoader, Dataset, LoaderOptions, Split};
+use verl_metrics::{MetricsLogger, ValGeneration};
 
 use super::checkpoint::Checkpoints;
+use super::options::{FitOptions, FitSummary};
 use super::plugins::JobPlugins;
-use super::prompts::PromptEncoder;
+use super::prompts::{tokenizer_dir, PromptEncoder};
 use super::reduce::Ranks;
 use super::reward::RewardRouter;
-use super::setup::{Algorithm, DataLayout};
+use super::setup::{
+    check_ranks, create_logger, create_roles, data_config, load_split, Algorithm, DataLayout,
+};
 use super::workers::Workers;
-use crate::dist::HostGroup;
 
-/// How this process takes part in the job.
-#[derive(Debug, Clone)]
-pub struct FitOptions {
-    /// Data-parallel rank of this process; it trains on its slice of whole prompt groups.
-    pub rank: u32,
-    pub world_size: u32,
-    /// The GPU index of this rank on its node (torchrun's `LOCAL_RANK`).
-    pub local_rank: u32,
-    /// Where the backend's communicator meets its peers (world > 1).
-    pub rendezvous: Option<Rendezvous>,
-    /// The job's ranks, for the host-side collectives; required when `world_size > 1`.
-    pub group: Option<Arc<HostGroup>>,
-    /// Where metrics go; `None`: `trainer.logger` with verl's file locations. Only rank 0 logs.
-    pub logger: Option<LoggerOptions>,
-    /// One progress line per step on stderr.
-    pub progress: bool,
-}
-
-impl Default for FitOptions {
-    fn default() -> Self {
-        FitOptions {
-            rank: 0,
-            world_size: 1,
-            local_rank: 0,
-            rendezvous: None,
-            group: None,
-            logger: None,
-            progress: true,
-        }
+/// Runs the PPO/GRPO loop the config describes and returns when `trainer.total_training_steps`
+/// (or `trainer.total_epochs`) is done.
+pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Result<FitSummary> {
+    // Roles, data, the checkpoint to resume from, loggers.
+    let mut trainer = Trainer::setup(cfg, plugins, opts)?;
+    if trainer.validate_before_training()? {
+        return trainer.finish();
     }
-}
-
-/// What a finished `fit` reports.
-#[derive(Debug, Clone, Default)]
-pub struct FitSummary {
-    /// The last global step trained (the resumed step when nothing was left to train).
-    pub global_step: u64,
-    /// `trainer.total_training_steps` as resolved (override or epochs × batches per epoch).
-    pub total_training_steps: u64,
-    /// The checkpoint step this run resumed from.
-    pub resumed_from: Option<u64>,
-    /// Steps saved by this run.
-    pub checkpoints: Vec<u64>,
-    /// The last step's metrics, as logged.
-    pub last_metrics: Vec<(String, f64)>,
-    /// The last validation's metrics.
-    pub last_validation: Option<Vec<(String, f64)>>,
-    /// The JSONL metrics file, when the `file` logger is on.
-    pub jsonl_path: Option<PathBuf>,
-    pub plan: Option<BatchPlan>,
+    trainer.global_step += 1;
+    while trainer.global_step <= trainer.total_steps {
+        let Some(data) = trainer.loader.next_batch() else {
+            break;
+        };
+        trainer.step(&data)?;
+        if trainer.is_last_step() {
+            break;
+        }
+        trainer.global_step += 1;
+    }
+    trainer.finish()
 }
 
 /// A run in progress: the job, this rank's roles and reward functions, the data, the loggers,
@@ -96,26 +67,89 @@ pub(super) struct Trainer<'a> {
     pub(super) dp: DataLayout,
 }
 
-/// Runs the PPO/GRPO loop the config describes and returns when `trainer.total_training_steps`
-/// (or `trainer.total_epochs`) is done.
-pub fn fit(cfg: &Config, plugins: &JobPlugins, opts: &FitOptions) -> anyhow::Result<FitSummary> {
-    // Roles, data, the checkpoint to resume from, loggers.
-    let mut trainer = Trainer::setup(cfg, plugins, opts)?;
-    if trainer.validate_before_training()? {
-        return trainer.finish();
-    }
-    trainer.global_step += 1;
-    while trainer.global_step <= trainer.total_steps {
-        let Some(data) = trainer.loader.next_batch() else {
-            break;
+impl<'a> Trainer<'a> {
+    /// Checks the job against this process's place in it, then builds everything a run needs,
+    /// resuming from the checkpoint `trainer.resume_mode` picks.
+    pub(super) fn setup(
+        cfg: &'a Config,
+        plugins: &JobPlugins,
+        opts: &'a FitOptions,
+    ) -> anyhow::Result<Self> {
+        let t = &cfg.trainer;
+        let (rank, world) = (opts.rank, opts.world_size.max(1));
+        let ranks = check_ranks(opts)?;
+        let dp = DataLayout::new(cfg, rank, world)?;
+        ranks.set_data_ranks(&dp.holds_data)?;
+        let plan = validate_batches(
+            cfg,
+            Layout {
+                world_size: world as u64,
+                ..Layout::data_parallel(dp.dp_size as u64)
+            },
+        )?;
+        let mut algo = Algorithm::new(cfg)?;
+
+        let enc = PromptEncoder::new(cfg, &tokenizer_dir(cfg))?;
+        let dcfg = data_config(cfg)?;
+        let train_ds = Arc::new(load_split(
+            &cfg.data.train_files.to_vec(),
+            &dcfg,
+            Split::Train,
+            &enc,
+        )?);
+        let wants_val = t.test_freq > 0 || t.val_before_train || t.val_only;
+        let val_ds = if wants_val {
+            Some(Arc::new(load_split(
+                &cfg.data.val_files.to_vec(),
+                &dcfg,
+                Split::Val,
+                &enc,
+            )?))
+        } else {
+            None
         };
-        trainer.step(&data)?;
-        if trainer.is_last_step() {
-            break;
-        }
-        trainer.global_step += 1;
+
+        let (mut workers, rewards) = create_roles(cfg, plugins, opts)?;
+        let checkpoints = Checkpoints::new(cfg, world);
+        let resumed = checkpoints.resume(cfg, &mut workers, &mut algo.kl_ctrl)?;
+
+        let loader = DataLoader::with_options(
+            train_ds,
+            LoaderOptions::train(&dcfg, Some(t.total_epochs)),
+            resumed.loader,
+        )?;
+        let total_steps = t
+            .total_training_steps
+            .unwrap_or_else(|| loader.total_steps(t.total_epochs));
+        let (logger, jsonl_path) = create_logger(cfg, opts)?;
+        let summary = FitSummary {
+            global_step: resumed.global_step,
+            total_training_steps: total_steps,
+            resumed_from: resumed.from,
+            jsonl_path,
+            plan: Some(plan.clone()),
+            ..FitSummary::default()
+        };
+        Ok(Trainer {
+            cfg,
+            opts,
+            ranks,
+            dp,
+            plan,
+            algo,
+            enc,
+            dcfg,
+            val_ds,
+            workers,
+            rewards,
+            checkpoints,
+            loader,
+            logger,
+            global_step: resumed.global_step,
+            total_steps,
+            summary,
+        })
     }
-    trainer.finish()
 }
 
 impl Trainer<'_> {

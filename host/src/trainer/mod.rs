@@ -16,6 +16,7 @@ mod checkpoint;
 mod dump;
 mod error;
 mod fit;
+mod options;
 mod plugins;
 mod prompts;
 mod reduce;
@@ -29,7 +30,8 @@ mod validate;
 mod workers;
 
 pub use error::TrainerError;
-pub use fit::{fit, FitOptions, FitSummary};
+pub use fit::fit;
+pub use options::{FitOptions, FitSummary};
 pub use plugins::{BackendFactory, InProcessBackend, InProcessReward, JobPlugins, RewardFactory};
 pub use prompts::tokenizer_dir;
 pub use reward::{CUSTOM_REWARD_FUNCTION, REWARD_MODEL};

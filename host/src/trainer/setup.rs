@@ -1,22 +1,20 @@
-//! Everything a run needs before its first step, in verl's order (its `__init__`, `init_workers`
-//! and `_load_checkpoint`): the ranks' layout and batch plan, the algorithm, the data, the roles
-//! and reward functions, the checkpoint to resume from, the loggers.
+//! The parts of a run that exist before its first step (verl's `__init__` and `init_workers`):
+//! the ranks' layout, the algorithm, the data, the roles and reward functions, the loggers.
+//! `Trainer::setup` (`fit.rs`) puts them together.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use verl_algos::{AdvantageEstimator, AdvantageParams, KlController, KlPenalty, RolloutCorrection};
-use verl_config::{validate_batches, Config, Layout};
-use verl_data::{DataLoader, Dataset, LoaderOptions, Sample, Split};
+use verl_config::Config;
+use verl_data::{Dataset, Sample, Split};
 use verl_metrics::{LoggerOptions, MetricsLogger};
 use verl_plugin_api::{InitArgs, Role};
 
-use super::checkpoint::Checkpoints;
 use super::error::TrainerError;
-use super::fit::{FitOptions, FitSummary, Trainer};
+use super::options::FitOptions;
 use super::plugins::JobPlugins;
-use super::prompts::{tokenizer_dir, PromptEncoder};
+use super::prompts::PromptEncoder;
 use super::reduce::Ranks;
 use super::reward::{PluginClient, RewardRouter};
 use super::workers::Workers;
@@ -34,93 +32,8 @@ pub(super) struct Algorithm {
     pub(super) bypass: bool,
 }
 
-impl<'a> Trainer<'a> {
-    /// Checks the job against this process's place in it, then builds everything a run needs,
-    /// resuming from the checkpoint `trainer.resume_mode` picks.
-    pub(super) fn setup(
-        cfg: &'a Config,
-        plugins: &JobPlugins,
-        opts: &'a FitOptions,
-    ) -> anyhow::Result<Self> {
-        let t = &cfg.trainer;
-        let (rank, world) = (opts.rank, opts.world_size.max(1));
-        let ranks = check_ranks(opts)?;
-        let dp = DataLayout::new(cfg, rank, world)?;
-        ranks.set_data_ranks(&dp.holds_data)?;
-        let plan = validate_batches(
-            cfg,
-            Layout {
-                world_size: world as u64,
-                ..Layout::data_parallel(dp.dp_size as u64)
-            },
-        )?;
-        let mut algo = Algorithm::new(cfg)?;
-
-        let enc = PromptEncoder::new(cfg, &tokenizer_dir(cfg))?;
-        let dcfg = data_config(cfg)?;
-        let train_ds = Arc::new(load_split(
-            &cfg.data.train_files.to_vec(),
-            &dcfg,
-            Split::Train,
-            &enc,
-        )?);
-        let wants_val = t.test_freq > 0 || t.val_before_train || t.val_only;
-        let val_ds = if wants_val {
-            Some(Arc::new(load_split(
-                &cfg.data.val_files.to_vec(),
-                &dcfg,
-                Split::Val,
-                &enc,
-            )?))
-        } else {
-            None
-        };
-
-        let (mut workers, rewards) = create_roles(cfg, plugins, opts)?;
-        let checkpoints = Checkpoints::new(cfg, world);
-        let resumed = checkpoints.resume(cfg, &mut workers, &mut algo.kl_ctrl)?;
-
-        let loader = DataLoader::with_options(
-            train_ds,
-            LoaderOptions::train(&dcfg, Some(t.total_epochs)),
-            resumed.loader,
-        )?;
-        let total_steps = t
-            .total_training_steps
-            .unwrap_or_else(|| loader.total_steps(t.total_epochs));
-        let (logger, jsonl_path) = create_logger(cfg, opts)?;
-        let summary = FitSummary {
-            global_step: resumed.global_step,
-            total_training_steps: total_steps,
-            resumed_from: resumed.from,
-            jsonl_path,
-            plan: Some(plan.clone()),
-            ..FitSummary::default()
-        };
-        Ok(Trainer {
-            cfg,
-            opts,
-            ranks,
-            dp,
-            plan,
-            algo,
-            enc,
-            dcfg,
-            val_ds,
-            workers,
-            rewards,
-            checkpoints,
-            loader,
-            logger,
-            global_step: resumed.global_step,
-            total_steps,
-            summary,
-        })
-    }
-}
-
 /// The collectives' group must be the one `FitOptions` says this rank is in.
-fn check_ranks(opts: &FitOptions) -> anyhow::Result<Ranks<'_>> {
+pub(super) fn check_ranks(opts: &FitOptions) -> anyhow::Result<Ranks<'_>> {
     let (rank, world) = (opts.rank, opts.world_size.max(1));
     let group = opts.group.as_deref();
     match group {
@@ -149,7 +62,7 @@ fn check_ranks(opts: &FitOptions) -> anyhow::Result<Ranks<'_>> {
 }
 
 impl Algorithm {
-    fn new(cfg: &Config) -> anyhow::Result<Self> {
+    pub(super) fn new(cfg: &Config) -> anyhow::Result<Self> {
         let estimator: AdvantageEstimator = cfg.algorithm.adv_estimator.parse()?;
         if estimator.needs_values() && !cfg.need_critic() {
             return Err(TrainerError::Config {
@@ -178,7 +91,7 @@ impl Algorithm {
 
 /// verl's `init_workers`: the backend's actor, reference and critic, the reward models it lends,
 /// and the reward plugins (in worker processes with `plugins.reward.isolate`).
-fn create_roles(
+pub(super) fn create_roles(
     cfg: &Config,
     plugins: &JobPlugins,
     opts: &FitOptions,
@@ -271,7 +184,7 @@ fn create_roles(
 
 /// Rank 0's metrics logger (`FitOptions::logger`, else `trainer.logger` where verl puts its
 /// files), and the JSONL file it writes when the `file` logger is on.
-fn create_logger(
+pub(super) fn create_logger(
     cfg: &Config,
     opts: &FitOptions,
 ) -> anyhow::Result<(Option<MetricsLogger>, Option<PathBuf>)> {
@@ -326,7 +239,7 @@ pub fn data_config(cfg: &Config) -> anyhow::Result<verl_data::DataConfig> {
     })
 }
 
-fn load_split(
+pub(super) fn load_split(
     files: &[String],
     dcfg: &verl_data::DataConfig,
     split: Split,

@@ -421,7 +421,13 @@ impl<'a> Trainer<'a> {
         {
             return Ok(());
         }
-        self.timed("save_checkpoint", |t| t.save_checkpoint(epoch))?;
+        self.timed("save_checkpoint", |t| {
+            let loader = t.loader.state();
+            let coef = t.algo.kl_ctrl.value();
+            let (step, ranks) = (t.global_step, t.ranks);
+            t.checkpoints
+                .save(&mut t.workers, step, epoch, coef, &loader, ranks)
+        })?;
         self.summary.checkpoints.push(self.global_step);
         Ok(())
     }

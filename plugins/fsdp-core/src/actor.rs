@@ -1,12 +1,10 @@
 //! The Actor role (policy: generate, log-probs, PPO update, checkpoints, HF export) and the Reference
 //! role (the same model class, frozen: log-probs only).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
-use verl_losses::{
-    fetch_scalars, ActorLoss, ActorLossConfig, ChunkedLmHead, DeferredMetrics, Normaliser,
-};
+use verl_losses::{fetch_scalars, ActorLoss, ChunkedLmHead, DeferredMetrics, Normaliser};
 use verl_nn::{HeadKind, ModelOptions, SaveOptions, Transformer};
 use verl_plugin_api::{
     col, Actor, Batch, DataParallel, Error as ApiError, GenerateOptions, InitArgs, LogProbOptions,
@@ -14,11 +12,11 @@ use verl_plugin_api::{
 };
 
 use crate::config::{
-    self, micro_batching, section, ActorSection, LogProbSection, MicroBatching, ModelSection,
+    self, section, ActorSection, ActorSettings, ActorUpdatePlan, LogProbSection, ModelSection,
     RolloutEngineSection, TrainerSection,
 };
 use crate::data::{
-    column, equalize_micro_batches, index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences,
+    column, equalize_micro_batches, index_tensor, micro_batches, MicroBatch, Sequences,
 };
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
@@ -29,8 +27,8 @@ use crate::packing::{prompt_group_micro_batches, Padding, PromptGroups, RowLayou
 use crate::shard::{MemoryStats, Offload};
 use crate::train::{Sharding, TrainableModel};
 use crate::update::{
-    run_update, total_training_steps, ActorUpdateInputs, MicroOutcome,
-    MiniBatch as UpdateMiniBatch, UpdateEngine, UpdateRole, UpdateSpec,
+    log_prob_batch, run_update, total_training_steps, ActorUpdateInputs, MicroOutcome,
+    MiniBatch as UpdateMiniBatch, UpdateEngine,
 };
 
 mod budget;
@@ -48,31 +46,12 @@ enum Weights {
     Frozen(Box<Transformer>),
 }
 
-/// Settings of the PPO update, resolved from `actor_rollout_ref.actor`.
-struct UpdatePlan {
-    /// Rows per mini-batch on this rank: `ppo_mini_batch_size × rollout.n / dp_size`.
-    mini_batch_rows: usize,
-    epochs: usize,
-    micro: MicroBatching,
-    calculate_entropy: bool,
-    loss: ActorLoss,
-}
-
 pub struct FsdpActor {
-    role: &'static str,
+    /// Paths, log-prob micro-batching, the update plan and the generation seeds.
+    settings: ActorSettings,
     weights: Weights,
     dp: Dp,
     device: Device,
-    model_dir: PathBuf,
-    tokenizer_dir: PathBuf,
-    log_prob_micro: MicroBatching,
-    log_prob_key: &'static str,
-    default_temperature: f64,
-    update: Option<UpdatePlan>,
-    trainer_total_steps: Option<i64>,
-    /// Base of the per-call generation seeds; with `generate_calls` it is this role's RNG state.
-    seed: u64,
-    generate_calls: u64,
     /// `actor_rollout_ref.model.use_remove_padding` and `actor_rollout_ref.actor.use_prefix_grouper`
     /// (for the actor's and the reference's passes, as verl).
     padding: Padding,
@@ -336,29 +315,25 @@ impl FsdpActor {
                 None
             };
             return Ok(FsdpActor {
-                role: "reference",
                 weights: Weights::Frozen(Box::new(model)),
                 dp,
                 device,
-                model_dir,
-                tokenizer_dir,
-                log_prob_micro: micro_batching(
-                    reference.log_prob_use_dynamic_bsz,
-                    reference.log_prob_max_token_len_per_gpu,
-                    reference.log_prob_micro_batch_size_per_gpu,
-                    reference.log_prob_micro_batch_size,
-                    dp_size,
-                ),
-                log_prob_key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                default_temperature,
-                update: None,
-                trainer_total_steps: trainer.total_training_steps,
-                seed: fsdp.seed,
-                generate_calls: 0,
                 padding,
                 head_chunk,
                 engine,
                 host_params,
+                settings: ActorSettings {
+                    role: "reference",
+                    model_dir,
+                    tokenizer_dir,
+                    log_prob_micro: reference.micro_batching(dp_size),
+                    log_prob_key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                    default_temperature,
+                    update: None,
+                    trainer_total_steps: trainer.total_training_steps,
+                    seed: fsdp.seed,
+                    generate_calls: 0,
+                },
             });
         }
         let precision = actor
@@ -379,27 +354,7 @@ impl FsdpActor {
                  needs the CUDA paged-attention kernel; attention runs as usual"
             );
         }
-        let n = actor.rollout_n.or(rollout.n).unwrap_or(1).max(1);
-        let mini = (actor.ppo_mini_batch_size * n) as usize / dp.size;
-        if mini == 0 {
-            return Err(FsdpError::config(
-                "actor_rollout_ref.actor.ppo_mini_batch_size",
-                format!(
-                    "at least one row per rank (× rollout.n {n} / dp size {})",
-                    dp.size
-                ),
-                actor.ppo_mini_batch_size,
-            ));
-        }
-        if actor.ppo_epochs == 0 {
-            return Err(FsdpError::config(
-                "actor_rollout_ref.actor.ppo_epochs",
-                "at least 1",
-                0,
-            ));
-        }
-        let loss_cfg: ActorLossConfig = section(cfg, "actor_rollout_ref.actor")?;
-        let loss = ActorLoss::from_config(&loss_cfg)?;
+        let plan = ActorUpdatePlan::resolve(cfg, &actor, &rollout, dp.size)?;
         let head_chunk = head_chunk_tokens(model.config().vocab_size);
         let offload = Offload {
             params: actor.fsdp_config.param_offload,
@@ -431,41 +386,25 @@ impl FsdpActor {
             },
         )?;
         Ok(FsdpActor {
-            role: "actor",
             weights: Weights::Train(Box::new(train)),
             dp,
             device,
-            model_dir,
-            tokenizer_dir,
-            log_prob_micro: micro_batching(
-                rollout.log_prob_use_dynamic_bsz,
-                rollout.log_prob_max_token_len_per_gpu,
-                rollout.log_prob_micro_batch_size_per_gpu,
-                rollout.log_prob_micro_batch_size,
-                dp_size,
-            ),
-            log_prob_key: "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-            default_temperature,
-            update: Some(UpdatePlan {
-                mini_batch_rows: mini,
-                epochs: actor.ppo_epochs as usize,
-                micro: micro_batching(
-                    actor.use_dynamic_bsz,
-                    actor.ppo_max_token_len_per_gpu,
-                    actor.ppo_micro_batch_size_per_gpu,
-                    actor.ppo_micro_batch_size,
-                    dp_size,
-                ),
-                calculate_entropy: actor.calculate_entropy,
-                loss,
-            }),
-            trainer_total_steps: trainer.total_training_steps,
-            seed: actor.fsdp_config.seed,
-            generate_calls: 0,
             padding,
             head_chunk,
             engine,
             host_params: None,
+            settings: ActorSettings {
+                role: "actor",
+                model_dir,
+                tokenizer_dir,
+                log_prob_micro: rollout.micro_batching(dp_size),
+                log_prob_key: "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                default_temperature,
+                update: Some(plan),
+                trainer_total_steps: trainer.total_training_steps,
+                seed: actor.fsdp_config.seed,
+                generate_calls: 0,
+            },
         })
     }
 
@@ -507,10 +446,10 @@ impl FsdpActor {
     }
 
     fn do_generate(&mut self, prompts: &Batch, o: &GenerateOptions) -> Result<Batch> {
-        let seed = derive_seed(self.seed, self.generate_calls);
+        let seed = derive_seed(self.settings.seed, self.settings.generate_calls);
         let eos = self.model().config().eos_token_ids.clone();
         let call = GenerateCall::new(prompts, o, self.device, &eos, seed)?;
-        self.generate_calls += 1;
+        self.settings.generate_calls += 1;
         // Hybrid engine: the engine reads the live training weights; its KV cache lives only for
         // this call and is dropped before returning. The KV budget is taken once the weights are
         // resident (gathered, on several ranks), so they count as memory in use.
@@ -557,7 +496,7 @@ impl FsdpActor {
     fn log_prob_on_device(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {
         let seqs = Sequences::from_batch(batch, "Actor.compute_log_prob", self.device)?;
         let outputs = if o.with_entropy { 2 } else { 1 };
-        let (micro, key) = (self.log_prob_micro, self.log_prob_key);
+        let (micro, key) = (self.settings.log_prob_micro, self.settings.log_prob_key);
         let (padding, chunk) = (self.padding, self.head_chunk);
         let res = self.run_model(|model| {
             per_micro_batch_layout(&seqs, micro, padding, key, outputs, |layout| {
@@ -566,36 +505,23 @@ impl FsdpActor {
                 Ok(std::iter::once(lp).chain(ent).collect())
             })
         })?;
-        let (rows, rl) = (seqs.rows(), seqs.response_len as usize);
-        let mut out = Batch::new();
-        out.insert_tensor(
-            col::LOG_PROBS,
-            &[rows, rl],
-            &to_f32_vec(&res[0], "log-probs")?,
-        );
-        if o.with_entropy {
-            out.insert_tensor(col::ENTROPY, &[rows, rl], &to_f32_vec(&res[1], "entropy")?);
-        }
-        Ok(out)
+        log_prob_batch(
+            seqs.rows(),
+            seqs.response_len as usize,
+            &res[0],
+            res.get(1).filter(|_| o.with_entropy),
+        )
     }
 
     fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
         const CALL: &str = "Actor.update";
-        let (Weights::Train(train), Some(plan)) = (&mut self.weights, &self.update) else {
-            return Err(FsdpError::Api(ApiError::not_implemented(
-                "the reference policy is frozen; only the actor role can be trained",
-            )));
+        let plan = self.settings.trainable()?;
+        let Weights::Train(train) = &mut self.weights else {
+            unreachable!("a role with an update plan is trainable")
         };
         let device = self.device;
-        let inputs = ActorUpdateInputs::from_batch(
-            batch,
-            CALL,
-            device,
-            o,
-            |rows| (rows.div_ceil(plan.mini_batch_rows.max(1)), plan.epochs),
-            plan.calculate_entropy || plan.loss.needs_entropy(),
-        )?;
-        let lr = train.lr(total_training_steps(o, self.trainer_total_steps))?;
+        let inputs = plan.inputs(batch, device, o)?;
+        let lr = train.lr(total_training_steps(o, self.settings.trainer_total_steps))?;
         same_rows_on_every_rank(&self.dp, inputs.seqs.rows(), CALL)?;
         // Shared prompts: micro-batches keep a prompt's rows together.
         let groups = match self.padding {
@@ -611,21 +537,11 @@ impl FsdpActor {
             groups: groups.as_ref(),
             padding: self.padding,
             head_chunk: self.head_chunk,
-            temperature: o.temperature.unwrap_or(self.default_temperature),
+            temperature: o.temperature.unwrap_or(self.settings.default_temperature),
             kept_logits_bytes: kept_logits_budget(device),
             device,
         };
-        let mut acc = run_update(
-            &mut engine,
-            &UpdateSpec {
-                role: UpdateRole::Actor,
-                global_step: o.global_step,
-                epochs: plan.epochs,
-                mini_batch_rows: plan.mini_batch_rows,
-                response_mask: &inputs.seqs.response_mask,
-                lr,
-            },
-        )?;
+        let mut acc = run_update(&mut engine, &plan.spec(o, &inputs, lr))?;
         train.updates += 1;
         crate::metrics::push_gpu_memory(&mut acc, &self.dp, device)?;
         acc.reduce(&self.dp)?;
@@ -636,13 +552,13 @@ impl FsdpActor {
     }
 
     fn rng_state(&self) -> serde_json::Value {
-        serde_json::json!({"seed": self.seed, "generate_calls": self.generate_calls})
+        serde_json::json!({"seed": self.settings.seed, "generate_calls": self.settings.generate_calls})
     }
 
     fn do_save(&mut self, dir: &Path) -> Result<()> {
         let state = self.rng_state();
         match &mut self.weights {
-            Weights::Train(t) => t.save_on(&self.dp, dir, self.role, state),
+            Weights::Train(t) => t.save_on(&self.dp, dir, self.settings.role, state),
             Weights::Frozen(_) => Err(FsdpError::Api(ApiError::not_implemented(
                 "the reference policy is frozen: it is rebuilt from the model path, not checkpointed",
             ))),
@@ -650,7 +566,7 @@ impl FsdpActor {
     }
 
     fn do_load(&mut self, dir: &Path) -> Result<()> {
-        let role = self.role;
+        let role = self.settings.role;
         let extra = match &mut self.weights {
             Weights::Train(t) => t.load(dir, role)?,
             Weights::Frozen(_) => {
@@ -660,10 +576,10 @@ impl FsdpActor {
             }
         };
         if let Some(calls) = extra.get("generate_calls").and_then(|v| v.as_u64()) {
-            self.generate_calls = calls;
+            self.settings.generate_calls = calls;
         }
         if let Some(seed) = extra.get("seed").and_then(|v| v.as_u64()) {
-            self.seed = seed;
+            self.settings.seed = seed;
         }
         Ok(())
     }
@@ -678,9 +594,9 @@ impl FsdpActor {
             Ok(())
         })?;
         if rank0 {
-            copy_tokenizer_files(&self.tokenizer_dir, dir)?;
-            if self.tokenizer_dir != self.model_dir {
-                copy_tokenizer_files(&self.model_dir, dir)?;
+            copy_tokenizer_files(&self.settings.tokenizer_dir, dir)?;
+            if self.settings.tokenizer_dir != self.settings.model_dir {
+                copy_tokenizer_files(&self.settings.model_dir, dir)?;
             }
         }
         self.dp.barrier("export barrier")
@@ -727,7 +643,7 @@ pub fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<()> {
 struct ActorEngine<'a> {
     train: &'a mut TrainableModel,
     dp: &'a Dp,
-    plan: &'a UpdatePlan,
+    plan: &'a ActorUpdatePlan,
     inputs: &'a ActorUpdateInputs,
     lengths: Vec<i64>,
     groups: Option<&'a PromptGroups>,
@@ -905,7 +821,7 @@ impl Actor for FsdpActor {
             _ => {
                 return Err(ApiError::not_implemented(format!(
                     "{} call `{method}` (the actor role answers `sft_update`, `sft_eval`, `calibrate` and `memory`; the reference `calibrate` and `memory`)",
-                    self.role
+                    self.settings.role
                 )))
             }
         };

@@ -424,6 +424,167 @@ pub fn micro_batching(
     }
 }
 
+impl LogProbSection {
+    /// How this section's log-prob (or value) forwards split a batch into micro-batches.
+    pub fn micro_batching(&self, dp_size: usize) -> MicroBatching {
+        micro_batching(
+            self.log_prob_use_dynamic_bsz,
+            self.log_prob_max_token_len_per_gpu,
+            self.log_prob_micro_batch_size_per_gpu,
+            self.log_prob_micro_batch_size,
+            dp_size,
+        )
+    }
+}
+
+/// Rows per mini-batch on one data-parallel rank: verl's `ppo_mini_batch_size × rollout.n /
+/// dp_size`, at least one; and the epochs, at least one. `prefix` names the keys.
+fn mini_batch_rows(
+    prefix: &str,
+    ppo_mini_batch_size: u64,
+    n: u64,
+    ppo_epochs: u64,
+    dp_size: usize,
+) -> Result<(usize, usize)> {
+    let mini = (ppo_mini_batch_size * n) as usize / dp_size;
+    if mini == 0 {
+        return Err(FsdpError::config(
+            format!("{prefix}.ppo_mini_batch_size"),
+            format!(
+                "at least one row per data-parallel rank (× rollout.n {n} / dp size {dp_size})"
+            ),
+            ppo_mini_batch_size,
+        ));
+    }
+    if ppo_epochs == 0 {
+        return Err(FsdpError::config(
+            format!("{prefix}.ppo_epochs"),
+            "at least 1",
+            0,
+        ));
+    }
+    Ok((mini, ppo_epochs as usize))
+}
+
+/// Settings of an actor's PPO update, resolved from `actor_rollout_ref.actor`.
+pub struct ActorUpdatePlan {
+    /// Rows per mini-batch on this rank: `ppo_mini_batch_size × rollout.n / dp_size`.
+    pub mini_batch_rows: usize,
+    pub epochs: usize,
+    pub micro: MicroBatching,
+    pub calculate_entropy: bool,
+    pub loss: verl_losses::ActorLoss,
+}
+
+impl ActorUpdatePlan {
+    pub fn resolve(
+        cfg: &Value,
+        actor: &ActorSection,
+        rollout: &LogProbSection,
+        dp_size: usize,
+    ) -> Result<ActorUpdatePlan> {
+        const PREFIX: &str = "actor_rollout_ref.actor";
+        let n = actor.rollout_n.or(rollout.n).unwrap_or(1).max(1);
+        let (mini_batch_rows, epochs) = mini_batch_rows(
+            PREFIX,
+            actor.ppo_mini_batch_size,
+            n,
+            actor.ppo_epochs,
+            dp_size,
+        )?;
+        let loss_cfg: verl_losses::ActorLossConfig = section(cfg, PREFIX)?;
+        Ok(ActorUpdatePlan {
+            mini_batch_rows,
+            epochs,
+            micro: micro_batching(
+                actor.use_dynamic_bsz,
+                actor.ppo_max_token_len_per_gpu,
+                actor.ppo_micro_batch_size_per_gpu,
+                actor.ppo_micro_batch_size,
+                dp_size,
+            ),
+            calculate_entropy: actor.calculate_entropy,
+            loss: verl_losses::ActorLoss::from_config(&loss_cfg)?,
+        })
+    }
+}
+
+/// What an actor or reference role keeps besides its model and its process groups.
+pub struct ActorSettings {
+    /// `actor` or `reference`.
+    pub role: &'static str,
+    pub model_dir: PathBuf,
+    pub tokenizer_dir: PathBuf,
+    /// Micro-batching of log-prob forwards, and the key its token budget comes from.
+    pub log_prob_micro: MicroBatching,
+    pub log_prob_key: &'static str,
+    /// `rollout.temperature`: what log-probs and updates divide the logits by unless a call says.
+    pub default_temperature: f64,
+    /// The PPO update (none for the frozen reference).
+    pub update: Option<ActorUpdatePlan>,
+    pub trainer_total_steps: Option<i64>,
+    /// Base of the per-call generation seeds; with `generate_calls` it is this role's RNG state.
+    pub seed: u64,
+    pub generate_calls: u64,
+}
+
+/// Settings of the critic's value forwards and PPO update, resolved from `critic`.
+pub struct CriticUpdatePlan {
+    pub forward_micro: MicroBatching,
+    pub update_micro: MicroBatching,
+    pub mini_batch_rows: usize,
+    pub epochs: usize,
+    pub loss: verl_losses::CriticLoss,
+}
+
+impl CriticUpdatePlan {
+    pub fn resolve(
+        cfg: &Value,
+        critic: &CriticSection,
+        rollout: &LogProbSection,
+        dp_size: usize,
+    ) -> Result<CriticUpdatePlan> {
+        let n = critic.rollout_n.or(rollout.n).unwrap_or(1).max(1);
+        let (mini_batch_rows, epochs) = mini_batch_rows(
+            "critic",
+            critic.ppo_mini_batch_size,
+            n,
+            critic.ppo_epochs,
+            dp_size,
+        )?;
+        let loss_cfg: verl_losses::CriticLossConfig = section(cfg, "critic")?;
+        Ok(CriticUpdatePlan {
+            forward_micro: micro_batching(
+                critic.use_dynamic_bsz,
+                critic.forward_max_token_len_per_gpu,
+                critic.forward_micro_batch_size_per_gpu,
+                critic.forward_micro_batch_size,
+                dp_size,
+            ),
+            update_micro: micro_batching(
+                critic.use_dynamic_bsz,
+                critic.ppo_max_token_len_per_gpu,
+                critic.ppo_micro_batch_size_per_gpu,
+                critic.ppo_micro_batch_size,
+                dp_size,
+            ),
+            mini_batch_rows,
+            epochs,
+            loss: verl_losses::CriticLoss::from_config(&loss_cfg)?,
+        })
+    }
+}
+
+/// The critic's model folder: `critic.model.path`, else the actor's.
+pub fn critic_model_dir(critic: &CriticSection, actor_model: &ModelSection) -> Result<PathBuf> {
+    let (key, path) = if critic.model.path.is_empty() {
+        ("actor_rollout_ref.model.path", actor_model.path.as_str())
+    } else {
+        ("critic.model.path", critic.model.path.as_str())
+    };
+    model_dir(key, path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,20 +4,20 @@
 use std::path::Path;
 
 use tch::{Device, Tensor};
-use verl_losses::{CriticLoss, CriticLossConfig};
+use verl_losses::CriticLoss;
 use verl_nn::HeadKind;
 use verl_plugin_api::{
-    col, Batch, Critic, DataParallel, InitArgs, Metrics, Result as ApiResult, UpdateOptions,
+    Batch, Critic, DataParallel, InitArgs, Metrics, Result as ApiResult, UpdateOptions,
     ValueOptions,
 };
 
 use crate::actor::load_model;
 use crate::actor::{same_micro_batch_count, same_rows_on_every_rank};
 use crate::config::{
-    self, micro_batching, section, CriticSection, LogProbSection, MicroBatching, ModelSection,
+    self, section, CriticSection, CriticUpdatePlan, LogProbSection, MicroBatching, ModelSection,
     TrainerSection,
 };
-use crate::data::{index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences};
+use crate::data::{index_tensor, micro_batches, MicroBatch, Sequences};
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::forward::{layout_values, per_micro_batch_layout};
@@ -26,18 +26,15 @@ use crate::shard::{MemoryStats, Offload};
 use crate::train::{Sharding, TrainableModel};
 use crate::update::{
     run_update, total_training_steps, CriticUpdateInputs, MicroOutcome,
-    MiniBatch as UpdateMiniBatch, UpdateEngine, UpdateRole, UpdateSpec,
+    MiniBatch as UpdateMiniBatch, UpdateEngine,
 };
 
 pub struct FsdpCritic {
     train: TrainableModel,
     dp: Dp,
     device: Device,
-    forward_micro: MicroBatching,
-    update_micro: MicroBatching,
-    mini_batch_rows: usize,
-    epochs: usize,
-    loss: CriticLoss,
+    /// Micro-batching of the value forwards and the update, mini-batches, epochs, the loss.
+    plan: CriticUpdatePlan,
     trainer_total_steps: Option<i64>,
     /// `critic.model.use_remove_padding`.
     padding: Padding,
@@ -56,33 +53,12 @@ impl FsdpCritic {
         let critic: CriticSection = section(cfg, "critic")?;
         let actor_model: ModelSection = section(cfg, "actor_rollout_ref.model")?;
         let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
-        let (key, path) = if critic.model.path.is_empty() {
-            ("actor_rollout_ref.model.path", actor_model.path.as_str())
-        } else {
-            ("critic.model.path", critic.model.path.as_str())
-        };
-        let dir = config::model_dir(key, path)?;
+        let dir = config::critic_model_dir(&critic, &actor_model)?;
         let fsdp = critic.model.fsdp_config.clone().unwrap_or_default();
         let precision = fsdp.precision("critic.model.fsdp_config")?;
         let mut model = load_model(&dir, device, precision.compute, HeadKind::Value, fsdp.seed)?;
         model.set_activation_checkpointing(critic.model.enable_gradient_checkpointing);
-        let n = critic.rollout_n.or(rollout.n).unwrap_or(1).max(1);
-        let mini = (critic.ppo_mini_batch_size * n) as usize / dp.size;
-        if mini == 0 {
-            return Err(FsdpError::config(
-                "critic.ppo_mini_batch_size",
-                format!(
-                    "at least one row per rank (× rollout.n {n} / dp size {})",
-                    dp.size
-                ),
-                critic.ppo_mini_batch_size,
-            ));
-        }
-        if critic.ppo_epochs == 0 {
-            return Err(FsdpError::config("critic.ppo_epochs", "at least 1", 0));
-        }
-        let loss_cfg: CriticLossConfig = section(cfg, "critic")?;
-        let loss = CriticLoss::from_config(&loss_cfg)?;
+        let plan = CriticUpdatePlan::resolve(cfg, &critic, &rollout, dp.size)?;
         let offload = Offload {
             params: fsdp.param_offload,
             optimizer: fsdp.optimizer_offload,
@@ -109,23 +85,7 @@ impl FsdpCritic {
             train,
             dp,
             device,
-            forward_micro: micro_batching(
-                critic.use_dynamic_bsz,
-                critic.forward_max_token_len_per_gpu,
-                critic.forward_micro_batch_size_per_gpu,
-                critic.forward_micro_batch_size,
-                dp_size,
-            ),
-            update_micro: micro_batching(
-                critic.use_dynamic_bsz,
-                critic.ppo_max_token_len_per_gpu,
-                critic.ppo_micro_batch_size_per_gpu,
-                critic.ppo_micro_batch_size,
-                dp_size,
-            ),
-            mini_batch_rows: mini,
-            epochs: critic.ppo_epochs as usize,
-            loss,
+            plan,
             trainer_total_steps: trainer.total_training_steps,
             padding: Padding::from_flag(critic.model.use_remove_padding.unwrap_or(false)),
         })
@@ -133,7 +93,7 @@ impl FsdpCritic {
 
     fn do_values(&mut self, batch: &Batch) -> Result<Batch> {
         let seqs = Sequences::from_batch(batch, "Critic.compute_values", self.device)?;
-        let (micro, padding) = (self.forward_micro, self.padding);
+        let (micro, padding) = (self.plan.forward_micro, self.padding);
         let res = self.train.with_full(&self.dp, |model| {
             per_micro_batch_layout(
                 &seqs,
@@ -144,15 +104,7 @@ impl FsdpCritic {
                 |layout| Ok(vec![layout_values(model, layout)?]),
             )
         })?;
-        // verl: only action tokens have values.
-        let v = res[0].f_mul(&seqs.response_mask).ctx("mask values")?;
-        let mut out = Batch::new();
-        out.insert_tensor(
-            col::VALUES,
-            &[seqs.rows(), seqs.response_len as usize],
-            &to_f32_vec(&v, "values")?,
-        );
-        Ok(out)
+        crate::update::values_batch(&seqs, &res[0])
     }
 
     fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
@@ -168,22 +120,12 @@ impl FsdpCritic {
             dp: &self.dp,
             lengths: inputs.seqs.row_lengths()?,
             inputs: &inputs,
-            micro: self.update_micro,
-            loss: &self.loss,
+            micro: self.plan.update_micro,
+            loss: &self.plan.loss,
             padding: self.padding,
             device,
         };
-        let mut acc = run_update(
-            &mut engine,
-            &UpdateSpec {
-                role: UpdateRole::Critic,
-                global_step: o.global_step,
-                epochs: self.epochs,
-                mini_batch_rows: self.mini_batch_rows,
-                response_mask: &inputs.seqs.response_mask,
-                lr,
-            },
-        )?;
+        let mut acc = run_update(&mut engine, &self.plan.spec(o, &inputs, lr))?;
         self.train.updates += 1;
         crate::metrics::push_gpu_memory(&mut acc, &self.dp, device)?;
         acc.reduce(&self.dp)?;

@@ -224,6 +224,21 @@ impl Sequences {
         })
     }
 
+    /// `n` zero fp32 `[rows, R]` buffers for per-token outputs (log-probs, entropy, values) that
+    /// micro-batches fill in.
+    pub fn output_buffers(&self, n: usize) -> Result<Vec<Tensor>> {
+        let device = self.input_ids.device();
+        (0..n)
+            .map(|_| {
+                Tensor::f_zeros(
+                    [self.rows() as i64, self.response_len],
+                    (Kind::Float, device),
+                )
+                .ctx("output buffer")
+            })
+            .collect()
+    }
+
     /// The head output `[rows, T, ...]` narrowed to the positions that predict response tokens
     /// (`P - 1 .. P + R - 1`): verl's `logits[:, -R-1:-1]`.
     pub fn response_slice(&self, out: &Tensor) -> Result<Tensor> {

@@ -105,15 +105,7 @@ where
 {
     let parts = padding.forward_micro_batches(seqs, batching, budget_key)?;
     let device = seqs.input_ids.device();
-    let mut out: Vec<Tensor> = (0..outputs)
-        .map(|_| {
-            Tensor::f_zeros(
-                [seqs.rows() as i64, seqs.response_len],
-                (Kind::Float, device),
-            )
-            .ctx("output buffer")
-        })
-        .collect::<Result<_>>()?;
+    let mut out = seqs.output_buffers(outputs)?;
     for part in parts {
         let layout = RowLayout::new(seqs, &part, padding)?;
         let res = f(&layout)?;
@@ -157,15 +149,7 @@ where
     let lengths = seqs.row_lengths()?;
     let parts = micro_batches(&rows, &lengths, batching, budget_key)?;
     let device = seqs.input_ids.device();
-    let mut out: Vec<Tensor> = (0..outputs)
-        .map(|_| {
-            Tensor::f_zeros(
-                [seqs.rows() as i64, seqs.response_len],
-                (Kind::Float, device),
-            )
-            .ctx("output buffer")
-        })
-        .collect::<Result<_>>()?;
+    let mut out = seqs.output_buffers(outputs)?;
     for part in parts {
         let idx = index_tensor(&part, device)?;
         let sub = seqs.select(&idx)?;

@@ -312,6 +312,22 @@ pub enum ScheduleKind {
     Cosine,
 }
 
+/// The learning rate after `updates` optimizer updates, the schedule built on first use from `cfg`
+/// (at `key`) so the host can pass the run's total step count with the first update
+/// (`UpdateOptions.extra.total_training_steps`, else `fallback_total`).
+pub fn scheduled_lr(
+    schedule: &mut Option<LrSchedule>,
+    cfg: &OptimSection,
+    key: &str,
+    fallback_total: Option<i64>,
+    updates: u64,
+) -> Result<f64> {
+    if schedule.is_none() {
+        *schedule = Some(LrSchedule::from_config(cfg, key, fallback_total)?);
+    }
+    Ok(schedule.as_ref().map_or(0.0, |s| s.lr(updates)))
+}
+
 /// verl's `get_constant_schedule_with_warmup` / `get_cosine_schedule_with_warmup`, stepped once per
 /// `update` call (verl's worker steps its scheduler after each `update_policy`).
 #[derive(Debug, Clone, PartialEq)]

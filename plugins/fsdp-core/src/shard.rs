@@ -636,7 +636,10 @@ pub enum What {
 }
 
 impl What {
-    fn prefix(self) -> &'static str {
+    pub const ALL: [What; 3] = [What::Master, What::ExpAvg, What::ExpAvgSq];
+
+    /// The prefix of this tensor's names in an optimizer checkpoint file.
+    pub fn prefix(self) -> &'static str {
         match self {
             What::Master => "",
             What::ExpAvg => "exp_avg.",

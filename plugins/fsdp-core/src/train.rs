@@ -532,14 +532,13 @@ impl TrainableModel {
     /// The LR schedule, built on first use so the host can pass the total step count with the first
     /// update (`UpdateOptions.extra.total_training_steps`).
     pub fn lr(&mut self, fallback_total: Option<i64>) -> Result<f64> {
-        if self.schedule.is_none() {
-            self.schedule = Some(LrSchedule::from_config(
-                &self.optim_cfg,
-                &self.optim_key,
-                fallback_total,
-            )?);
-        }
-        Ok(self.schedule.as_ref().expect("set above").lr(self.updates))
+        crate::optim::scheduled_lr(
+            &mut self.schedule,
+            &self.optim_cfg,
+            &self.optim_key,
+            fallback_total,
+            self.updates,
+        )
     }
 
     /// Clears the gradients. `.grad` is dropped (torch's `zero_grad(set_to_none=True)`, as verl's

@@ -17,7 +17,8 @@ use verl_losses::{
 use verl_plugin_api::{col, Batch, UpdateOptions};
 
 use crate::actor::{entropy_metric_requested, policy_anchor, PolicyAnchor};
-use crate::data::{chunks, column, index_tensor, Sequences};
+use crate::config::{ActorSettings, ActorUpdatePlan, CriticUpdatePlan};
+use crate::data::{chunks, column, index_tensor, to_f32_vec, Sequences};
 use crate::dp::Dp;
 use crate::error::{FsdpError, Result, TorchContext};
 use crate::metrics::MetricAcc;
@@ -251,6 +252,93 @@ pub fn total_training_steps(o: &UpdateOptions, trainer_total: Option<i64>) -> Op
         .or(trainer_total)
 }
 
+impl ActorSettings {
+    /// The update plan of a trainable actor; the frozen reference has none.
+    pub fn trainable(&self) -> Result<&ActorUpdatePlan> {
+        self.update.as_ref().ok_or_else(|| {
+            FsdpError::Api(verl_plugin_api::Error::not_implemented(
+                "the reference policy is frozen; only the actor role can be trained",
+            ))
+        })
+    }
+}
+
+impl ActorUpdatePlan {
+    /// The update's inputs from its batch.
+    pub fn inputs(
+        &self,
+        batch: &Batch,
+        device: Device,
+        o: &UpdateOptions,
+    ) -> Result<ActorUpdateInputs> {
+        ActorUpdateInputs::from_batch(
+            batch,
+            "Actor.update",
+            device,
+            o,
+            |rows| (rows.div_ceil(self.mini_batch_rows.max(1)), self.epochs),
+            self.calculate_entropy || self.loss.needs_entropy(),
+        )
+    }
+
+    pub fn spec<'a>(
+        &self,
+        o: &UpdateOptions,
+        inputs: &'a ActorUpdateInputs,
+        lr: f64,
+    ) -> UpdateSpec<'a> {
+        UpdateSpec {
+            role: UpdateRole::Actor,
+            global_step: o.global_step,
+            epochs: self.epochs,
+            mini_batch_rows: self.mini_batch_rows,
+            response_mask: &inputs.seqs.response_mask,
+            lr,
+        }
+    }
+}
+
+impl CriticUpdatePlan {
+    pub fn spec<'a>(
+        &self,
+        o: &UpdateOptions,
+        inputs: &'a CriticUpdateInputs,
+        lr: f64,
+    ) -> UpdateSpec<'a> {
+        UpdateSpec {
+            role: UpdateRole::Critic,
+            global_step: o.global_step,
+            epochs: self.epochs,
+            mini_batch_rows: self.mini_batch_rows,
+            response_mask: &inputs.seqs.response_mask,
+            lr,
+        }
+    }
+}
+
+/// A log-prob call's output columns: `[rows, R]` log-probs, and the entropy when asked for.
+pub fn log_prob_batch(
+    rows: usize,
+    response_len: usize,
+    log_probs: &Tensor,
+    entropy: Option<&Tensor>,
+) -> Result<Batch> {
+    let mut out = Batch::new();
+    out.insert_tensor(
+        col::LOG_PROBS,
+        &[rows, response_len],
+        &to_f32_vec(log_probs, "log-probs")?,
+    );
+    if let Some(e) = entropy {
+        out.insert_tensor(
+            col::ENTROPY,
+            &[rows, response_len],
+            &to_f32_vec(e, "entropy")?,
+        );
+    }
+    Ok(out)
+}
+
 /// An actor update's batch columns on the device and what anchors its ratio.
 pub struct ActorUpdateInputs {
     pub seqs: Sequences,
@@ -379,6 +467,19 @@ pub fn zero_if_dummy(loss: Tensor, dummy: bool) -> Result<Tensor> {
         true => loss.f_mul_scalar(0.0).ctx("zero padding loss"),
         false => Ok(loss),
     }
+}
+
+/// A critic's `values` column from its `[rows, R]` predictions: only response tokens have values
+/// (verl's), the others are zero.
+pub fn values_batch(seqs: &Sequences, values: &Tensor) -> Result<Batch> {
+    let v = values.f_mul(&seqs.response_mask).ctx("mask values")?;
+    let mut out = Batch::new();
+    out.insert_tensor(
+        col::VALUES,
+        &[seqs.rows(), seqs.response_len as usize],
+        &to_f32_vec(&v, "values")?,
+    );
+    Ok(out)
 }
 
 /// A critic update's batch columns on the device.

@@ -11,20 +11,20 @@
 //! generation model is kept between calls and rebuilt after each update (with `param_offload` it is
 //! dropped at the end of every call: [`crate::offload`]).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use tch::{Device, Tensor};
 use verl_comm::ReduceOp;
 use verl_fsdp_core::config::{
-    self, micro_batching, section, ActorSection, LogProbSection, MicroBatching, ModelSection,
+    self, section, ActorSection, ActorSettings, ActorUpdatePlan, LogProbSection, ModelSection,
     RolloutEngineSection, TrainerSection,
 };
-use verl_fsdp_core::data::{index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences};
+use verl_fsdp_core::data::{index_tensor, micro_batches, MicroBatch, Sequences};
 use verl_fsdp_core::forward::head_chunk_tokens;
-use verl_losses::{ActorLoss, ActorLossConfig, ChunkedLmHead};
+use verl_losses::ChunkedLmHead;
 use verl_nn::{HeadKind, ModelConfig, SaveOptions, Transformer};
 use verl_plugin_api::{
-    col, Actor, Batch, DataParallel, Error as ApiError, GenerateOptions, InitArgs, LogProbOptions,
+    Actor, Batch, DataParallel, Error as ApiError, GenerateOptions, InitArgs, LogProbOptions,
     Metrics, Result as ApiResult, UpdateOptions,
 };
 
@@ -42,8 +42,8 @@ use crate::tp::TpModel;
 use crate::train::TpTrainer;
 use verl_fsdp_core::generation::{derive_seed, GenerateCall};
 use verl_fsdp_core::update::{
-    run_update, total_training_steps, zero_if_dummy, ActorUpdateInputs, MicroOutcome,
-    MiniBatch as UpdateMiniBatch, NonFiniteAt, UpdateEngine, UpdateRole, UpdateSpec,
+    log_prob_batch, run_update, total_training_steps, zero_if_dummy, ActorUpdateInputs,
+    MicroOutcome, MiniBatch as UpdateMiniBatch, NonFiniteAt, UpdateEngine,
 };
 
 enum Weights {
@@ -51,30 +51,12 @@ enum Weights {
     Frozen(Box<TpModel>),
 }
 
-/// Settings of the PPO update, resolved from `actor_rollout_ref.actor`.
-struct UpdatePlan {
-    /// Rows per mini-batch on this rank: `ppo_mini_batch_size × rollout.n / dp_size`.
-    mini_batch_rows: usize,
-    epochs: usize,
-    micro: MicroBatching,
-    calculate_entropy: bool,
-    loss: ActorLoss,
-}
-
 pub struct MegatronActor {
-    role: &'static str,
+    /// Paths, log-prob micro-batching, the update plan and the generation seeds.
+    settings: ActorSettings,
     weights: Weights,
     par: Parallel,
     device: Device,
-    model_dir: PathBuf,
-    tokenizer_dir: PathBuf,
-    log_prob_micro: MicroBatching,
-    log_prob_key: &'static str,
-    default_temperature: f64,
-    update: Option<UpdatePlan>,
-    trainer_total_steps: Option<i64>,
-    seed: u64,
-    generate_calls: u64,
     /// The model generation runs on (this rank's shard, or the gathered TP=1 copy); `None` when
     /// stale.
     rollout_model: Option<Transformer>,
@@ -146,53 +128,30 @@ impl MegatronActor {
             let r: LogProbSection = section(cfg, "actor_rollout_ref.ref")?;
             model.set_requires_grad(false)?;
             return MegatronActor {
-                role,
                 weights: Weights::Frozen(Box::new(model)),
                 par,
                 device,
-                model_dir,
-                tokenizer_dir,
-                log_prob_micro: micro_batching(
-                    r.log_prob_use_dynamic_bsz,
-                    r.log_prob_max_token_len_per_gpu,
-                    r.log_prob_micro_batch_size_per_gpu,
-                    r.log_prob_micro_batch_size,
-                    dp_size,
-                ),
-                log_prob_key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                default_temperature,
-                update: None,
-                trainer_total_steps: trainer.total_training_steps,
-                seed: mg.seed,
-                generate_calls: 0,
                 rollout_model: None,
                 rollout_tp,
                 engine: section(cfg, "actor_rollout_ref.rollout")?,
                 offload,
                 homes: HostHomes::default(),
+                settings: ActorSettings {
+                    role,
+                    model_dir,
+                    tokenizer_dir,
+                    log_prob_micro: r.micro_batching(dp_size),
+                    log_prob_key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                    default_temperature,
+                    update: None,
+                    trainer_total_steps: trainer.total_training_steps,
+                    seed: mg.seed,
+                    generate_calls: 0,
+                },
             }
             .offloaded_at_start();
         }
-        let n = actor.rollout_n.or(rollout.n).unwrap_or(1).max(1);
-        let mini = (actor.ppo_mini_batch_size * n) as usize / dp_size;
-        if mini == 0 {
-            return Err(MegatronError::config(
-                "actor_rollout_ref.actor.ppo_mini_batch_size",
-                format!(
-                    "at least one row per data-parallel rank (× rollout.n {n} / dp size {dp_size})"
-                ),
-                actor.ppo_mini_batch_size,
-            ));
-        }
-        if actor.ppo_epochs == 0 {
-            return Err(MegatronError::config(
-                "actor_rollout_ref.actor.ppo_epochs",
-                "at least 1",
-                0,
-            ));
-        }
-        let loss_cfg: ActorLossConfig = section(cfg, "actor_rollout_ref.actor")?;
-        let loss = ActorLoss::from_config(&loss_cfg)?;
+        let plan = ActorUpdatePlan::resolve(cfg, &actor, &rollout, dp_size)?;
         let train = TpTrainer::new(
             model,
             actor.optim.clone(),
@@ -201,42 +160,26 @@ impl MegatronActor {
             &par,
         )?;
         MegatronActor {
-            role,
             weights: Weights::Train(Box::new(train)),
             par,
             device,
-            model_dir,
-            tokenizer_dir,
-            log_prob_micro: micro_batching(
-                rollout.log_prob_use_dynamic_bsz,
-                rollout.log_prob_max_token_len_per_gpu,
-                rollout.log_prob_micro_batch_size_per_gpu,
-                rollout.log_prob_micro_batch_size,
-                dp_size,
-            ),
-            log_prob_key: "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-            default_temperature,
-            update: Some(UpdatePlan {
-                mini_batch_rows: mini,
-                epochs: actor.ppo_epochs as usize,
-                micro: micro_batching(
-                    actor.use_dynamic_bsz,
-                    actor.ppo_max_token_len_per_gpu,
-                    actor.ppo_micro_batch_size_per_gpu,
-                    actor.ppo_micro_batch_size,
-                    dp_size,
-                ),
-                calculate_entropy: actor.calculate_entropy,
-                loss,
-            }),
-            trainer_total_steps: trainer.total_training_steps,
-            seed: mg.seed,
-            generate_calls: 0,
             rollout_model: None,
             rollout_tp,
             engine: section(cfg, "actor_rollout_ref.rollout")?,
             offload,
             homes: HostHomes::default(),
+            settings: ActorSettings {
+                role,
+                model_dir,
+                tokenizer_dir,
+                log_prob_micro: rollout.micro_batching(dp_size),
+                log_prob_key: "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                default_temperature,
+                update: Some(plan),
+                trainer_total_steps: trainer.total_training_steps,
+                seed: mg.seed,
+                generate_calls: 0,
+            },
         }
         .offloaded_at_start()
     }
@@ -365,10 +308,10 @@ impl MegatronActor {
     }
 
     fn do_generate(&mut self, prompts: &Batch, o: &GenerateOptions) -> Result<Batch> {
-        let seed = derive_seed(self.seed, self.generate_calls);
+        let seed = derive_seed(self.settings.seed, self.settings.generate_calls);
         let eos = self.model().config().eos_token_ids.clone();
         let call = GenerateCall::new(prompts, o, self.device, &eos, seed)?;
-        self.generate_calls += 1;
+        self.settings.generate_calls += 1;
         let (device, engine) = (self.device, self.engine.clone());
         let sharded = matches!(self.rollout_tp, RolloutTp::Sharded) && self.par.tp.size > 1;
         let tp = self.par.tp.clone();
@@ -411,8 +354,8 @@ impl MegatronActor {
             model,
             &self.par,
             &seqs,
-            self.log_prob_micro,
-            self.log_prob_key,
+            self.settings.log_prob_micro,
+            self.settings.log_prob_key,
             outputs,
             |sub, hidden| {
                 let hidden = sub.response_slice(hidden)?;
@@ -441,45 +384,32 @@ impl MegatronActor {
                 Ok(std::iter::once(lp).chain(ent).collect())
             },
         )?;
-        let (rows, rl) = (seqs.rows(), seqs.response_len as usize);
         // Padding positions hold 0, as verl's (and the FSDP backend's) padding-free forward
         // returns them.
         let masked = |t: &Tensor| t.f_mul(&seqs.response_mask).ctx("mask log-probs");
-        let mut out = Batch::new();
-        out.insert_tensor(
-            col::LOG_PROBS,
-            &[rows, rl],
-            &to_f32_vec(&masked(&res[0])?, "log-probs")?,
-        );
-        if o.with_entropy {
-            out.insert_tensor(
-                col::ENTROPY,
-                &[rows, rl],
-                &to_f32_vec(&masked(&res[1])?, "entropy")?,
-            );
-        }
-        Ok(out)
+        let entropy = match o.with_entropy {
+            true => Some(masked(&res[1])?),
+            false => None,
+        };
+        Ok(log_prob_batch(
+            seqs.rows(),
+            seqs.response_len as usize,
+            &masked(&res[0])?,
+            entropy.as_ref(),
+        )?)
     }
 
     fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
         const CALL: &str = "Actor.update";
-        let (Weights::Train(train), Some(plan)) = (&mut self.weights, &self.update) else {
-            return Err(MegatronError::Api(ApiError::not_implemented(
-                "the reference policy is frozen; only the actor role can be trained",
-            )));
+        let plan = self.settings.trainable()?;
+        let Weights::Train(train) = &mut self.weights else {
+            unreachable!("a role with an update plan is trainable")
         };
         let device = self.device;
-        let inputs = ActorUpdateInputs::from_batch(
-            batch,
-            CALL,
-            device,
-            o,
-            |rows| (rows.div_ceil(plan.mini_batch_rows.max(1)), plan.epochs),
-            plan.calculate_entropy || plan.loss.needs_entropy(),
-        )?;
-        let temperature = o.temperature.unwrap_or(self.default_temperature);
+        let inputs = plan.inputs(batch, device, o)?;
+        let temperature = o.temperature.unwrap_or(self.settings.default_temperature);
         check_temperature(temperature)?;
-        let lr = train.lr(total_training_steps(o, self.trainer_total_steps))?;
+        let lr = train.lr(total_training_steps(o, self.settings.trainer_total_steps))?;
         let par = &self.par;
         same_rows_on_every_rank(&par.dp_meta, inputs.seqs.rows(), CALL)?;
         self.rollout_model = None;
@@ -496,17 +426,7 @@ impl MegatronActor {
             // as the FSDP backend's update keeps them: one head GEMM per chunk less.
             kept_logits_bytes: verl_fsdp_core::actor::kept_logits_budget(device),
         };
-        let mut acc = run_update(
-            &mut engine,
-            &UpdateSpec {
-                role: UpdateRole::Actor,
-                global_step: o.global_step,
-                epochs: plan.epochs,
-                mini_batch_rows: plan.mini_batch_rows,
-                response_mask: &inputs.seqs.response_mask,
-                lr,
-            },
-        )?;
+        let mut acc = run_update(&mut engine, &plan.spec(o, &inputs, lr))?;
         train.updates += 1;
         for (name, v) in common::moe_load_metrics(&train.model, par)? {
             acc.push_global(&name, v);
@@ -517,24 +437,24 @@ impl MegatronActor {
     }
 
     fn do_save(&mut self, dir: &Path) -> Result<()> {
-        let extra = serde_json::json!({"seed": self.seed, "generate_calls": self.generate_calls});
+        let extra = serde_json::json!({"seed": self.settings.seed, "generate_calls": self.settings.generate_calls});
         match &self.weights {
-            Weights::Train(t) => crate::ckpt::save(t, &self.par, dir, self.role, extra),
+            Weights::Train(t) => crate::ckpt::save(t, &self.par, dir, self.settings.role, extra),
             Weights::Frozen(_) => Err(frozen()),
         }
     }
 
     fn do_load(&mut self, dir: &Path) -> Result<()> {
         let extra = match &mut self.weights {
-            Weights::Train(t) => crate::ckpt::load(t, &self.par, dir, self.role)?,
+            Weights::Train(t) => crate::ckpt::load(t, &self.par, dir, self.settings.role)?,
             Weights::Frozen(_) => return Err(frozen()),
         };
         self.rollout_model = None;
         if let Some(calls) = extra.get("generate_calls").and_then(|v| v.as_u64()) {
-            self.generate_calls = calls;
+            self.settings.generate_calls = calls;
         }
         if let Some(seed) = extra.get("seed").and_then(|v| v.as_u64()) {
-            self.seed = seed;
+            self.settings.seed = seed;
         }
         Ok(())
     }
@@ -553,9 +473,9 @@ impl MegatronActor {
                 &weights,
             )?;
             full.save_pretrained(dir, &SaveOptions::default())?;
-            copy_tokenizer_files(&self.tokenizer_dir, dir)?;
-            if self.tokenizer_dir != self.model_dir {
-                copy_tokenizer_files(&self.model_dir, dir)?;
+            copy_tokenizer_files(&self.settings.tokenizer_dir, dir)?;
+            if self.settings.tokenizer_dir != self.settings.model_dir {
+                copy_tokenizer_files(&self.settings.model_dir, dir)?;
             }
         }
         self.par.barrier("export barrier")
@@ -589,7 +509,7 @@ fn flat_head_inputs(hidden: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor
 struct ActorEngine<'a> {
     train: &'a mut TpTrainer,
     par: &'a Parallel,
-    plan: &'a UpdatePlan,
+    plan: &'a ActorUpdatePlan,
     inputs: &'a ActorUpdateInputs,
     lengths: Vec<i64>,
     temperature: f64,
@@ -778,7 +698,7 @@ impl Actor for MegatronActor {
             }
             _ => Err(MegatronError::Api(ApiError::not_implemented(format!(
                 "megatron {} call `{method}` (it answers `calibrate` and `memory`)",
-                self.role
+                self.settings.role
             )))),
         };
         Ok(self.spmd(r)?)

@@ -29,9 +29,11 @@ pub const OPTIM_FILE: &str = "optim.safetensors";
 pub const MODEL_DIR: &str = "model";
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> MegatronError + '_ {
-    move |source| MegatronError::Io {
-        path: path.to_path_buf(),
-        source,
+    move |source| {
+        MegatronError::from(verl_fsdp_core::FsdpError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 }
 

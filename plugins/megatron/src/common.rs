@@ -295,15 +295,7 @@ pub fn forward_micro_batches(
             moe: MoeMicro::NONE,
         })
         .collect();
-    let mut out: Vec<Tensor> = (0..outputs)
-        .map(|_| {
-            Tensor::f_zeros(
-                [seqs.rows() as i64, seqs.response_len],
-                (Kind::Float, device),
-            )
-            .ctx("output buffer")
-        })
-        .collect::<Result<_>>()?;
+    let mut out = seqs.output_buffers(outputs)?;
     forward_only(model, &par.pp, &micro, &mut |i, hidden| {
         let (idx, sub, dummy) = &subs[i];
         if *dummy {

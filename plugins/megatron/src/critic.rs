@@ -6,14 +6,14 @@ use std::path::Path;
 
 use tch::{Device, Kind};
 use verl_fsdp_core::config::{
-    self, micro_batching, section, CriticSection, LogProbSection, MicroBatching, ModelSection,
+    self, section, CriticSection, CriticUpdatePlan, LogProbSection, MicroBatching, ModelSection,
     TrainerSection,
 };
-use verl_fsdp_core::data::{index_tensor, micro_batches, to_f32_vec, MicroBatch, Sequences};
-use verl_losses::{CriticLoss, CriticLossConfig};
+use verl_fsdp_core::data::{index_tensor, micro_batches, MicroBatch, Sequences};
+use verl_losses::CriticLoss;
 use verl_nn::{HeadKind, ModelConfig};
 use verl_plugin_api::{
-    col, Batch, Critic, DataParallel, InitArgs, Metrics, Result as ApiResult, UpdateOptions,
+    Batch, Critic, DataParallel, InitArgs, Metrics, Result as ApiResult, UpdateOptions,
     ValueOptions,
 };
 
@@ -28,18 +28,15 @@ use crate::pipeline::MicroInput;
 use crate::train::TpTrainer;
 use verl_fsdp_core::update::{
     run_update, total_training_steps, CriticUpdateInputs, MicroOutcome,
-    MiniBatch as UpdateMiniBatch, NonFiniteAt, UpdateEngine, UpdateRole, UpdateSpec,
+    MiniBatch as UpdateMiniBatch, NonFiniteAt, UpdateEngine,
 };
 
 pub struct MegatronCritic {
     train: TpTrainer,
     par: Parallel,
     device: Device,
-    forward_micro: MicroBatching,
-    update_micro: MicroBatching,
-    mini_batch_rows: usize,
-    epochs: usize,
-    loss: CriticLoss,
+    /// Micro-batching of the value forwards and the update, mini-batches, epochs, the loss.
+    plan: CriticUpdatePlan,
     trainer_total_steps: Option<i64>,
     /// `critic.megatron.param_offload` / `grad_offload` / `optimizer_offload`
     /// ([`crate::offload`]).
@@ -54,12 +51,7 @@ impl MegatronCritic {
         let critic: CriticSection = section(cfg, "critic")?;
         let actor_model: ModelSection = section(cfg, "actor_rollout_ref.model")?;
         let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
-        let (key, path) = if critic.model.path.is_empty() {
-            ("actor_rollout_ref.model.path", actor_model.path.as_str())
-        } else {
-            ("critic.model.path", critic.model.path.as_str())
-        };
-        let dir = config::model_dir(key, path)?;
+        let dir = config::critic_model_dir(&critic, &actor_model)?;
         let model_cfg = ModelConfig::from_dir(&dir)?;
         let prefix = "critic.megatron";
         let mg = megatron_section(cfg, prefix, None)?;
@@ -84,22 +76,7 @@ impl MegatronCritic {
             aux_loss_coeff,
         )?;
         common::apply_recompute(&mut model, &mg, prefix)?;
-        let n = critic.rollout_n.or(rollout.n).unwrap_or(1).max(1);
-        let mini = (critic.ppo_mini_batch_size * n) as usize / dp_size;
-        if mini == 0 {
-            return Err(MegatronError::config(
-                "critic.ppo_mini_batch_size",
-                format!(
-                    "at least one row per data-parallel rank (× rollout.n {n} / dp size {dp_size})"
-                ),
-                critic.ppo_mini_batch_size,
-            ));
-        }
-        if critic.ppo_epochs == 0 {
-            return Err(MegatronError::config("critic.ppo_epochs", "at least 1", 0));
-        }
-        let loss_cfg: CriticLossConfig = section(cfg, "critic")?;
-        let loss = CriticLoss::from_config(&loss_cfg)?;
+        let plan = CriticUpdatePlan::resolve(cfg, &critic, &rollout, dp_size)?;
         let train = TpTrainer::new(
             model,
             critic.optim.clone(),
@@ -111,23 +88,7 @@ impl MegatronCritic {
             train,
             par,
             device,
-            forward_micro: micro_batching(
-                critic.use_dynamic_bsz,
-                critic.forward_max_token_len_per_gpu,
-                critic.forward_micro_batch_size_per_gpu,
-                critic.forward_micro_batch_size,
-                dp_size,
-            ),
-            update_micro: micro_batching(
-                critic.use_dynamic_bsz,
-                critic.ppo_max_token_len_per_gpu,
-                critic.ppo_micro_batch_size_per_gpu,
-                critic.ppo_micro_batch_size,
-                dp_size,
-            ),
-            mini_batch_rows: mini,
-            epochs: critic.ppo_epochs as usize,
-            loss,
+            plan,
             trainer_total_steps: trainer.total_training_steps,
             offload: Offload::of(&mg),
         };
@@ -185,7 +146,7 @@ impl MegatronCritic {
             model,
             &self.par,
             &seqs,
-            self.forward_micro,
+            self.plan.forward_micro,
             "critic.forward_max_token_len_per_gpu",
             1,
             |sub, h| {
@@ -193,15 +154,7 @@ impl MegatronCritic {
                 Ok(vec![v.f_to_kind(Kind::Float).ctx("values to fp32")?])
             },
         )?;
-        // verl: only action tokens have values.
-        let v = res[0].f_mul(&seqs.response_mask).ctx("mask values")?;
-        let mut out = Batch::new();
-        out.insert_tensor(
-            col::VALUES,
-            &[seqs.rows(), seqs.response_len as usize],
-            &to_f32_vec(&v, "values")?,
-        );
-        Ok(out)
+        Ok(verl_fsdp_core::update::values_batch(&seqs, &res[0])?)
     }
 
     fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
@@ -221,20 +174,10 @@ impl MegatronCritic {
             par,
             lengths: inputs.seqs.row_lengths()?,
             inputs: &inputs,
-            micro: self.update_micro,
-            loss: &self.loss,
+            micro: self.plan.update_micro,
+            loss: &self.plan.loss,
         };
-        let mut acc = run_update(
-            &mut engine,
-            &UpdateSpec {
-                role: UpdateRole::Critic,
-                global_step: o.global_step,
-                epochs: self.epochs,
-                mini_batch_rows: self.mini_batch_rows,
-                response_mask: &inputs.seqs.response_mask,
-                lr,
-            },
-        )?;
+        let mut acc = run_update(&mut engine, &self.plan.spec(o, &inputs, lr))?;
         train.updates += 1;
         // The critic's MoE metrics sit under `critic/` (the actor reports the plain `moe/` ones).
         for (name, v) in common::moe_load_metrics(&train.model, par)? {

@@ -3,21 +3,13 @@
 
 use std::path::PathBuf;
 
-use verl_plugin_api::{Error as ApiError, ErrorKind};
+use verl_plugin_api::Error as ApiError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MegatronError {
     /// A call into the torch extension (CUDA allocator, kernels) failed.
     #[error("torch extension: {0}")]
     Ext(#[from] verl_torch_ext::TorchExtError),
-
-    /// A config key holds a value this backend cannot use.
-    #[error("config key `{key}`: expected {expected}, found {found}")]
-    Config {
-        key: String,
-        expected: String,
-        found: String,
-    },
 
     /// The parallel layout does not fit the world size or the model (the message shows the
     /// arithmetic and the values that would work).
@@ -28,40 +20,6 @@ pub enum MegatronError {
     /// parallelism, ...).
     #[error("config key `{key}`: {what} is not implemented by the megatron backend yet")]
     Unsupported { key: String, what: String },
-
-    /// An input column is unusable (beyond what the ABI contract checks already caught).
-    #[error("{call}: column `{column}`: expected {expected}, found {found}")]
-    Input {
-        call: &'static str,
-        column: String,
-        expected: String,
-        found: String,
-    },
-
-    /// A loss or gradient norm is NaN/inf: the optimizer step was not taken, the weights are unchanged.
-    #[error(
-        "{role} update, global step {step}, epoch {epoch}, mini-batch {mini_batch}{micro}: `{metric}` is not finite ({value}); the optimizer step was skipped and the weights are unchanged"
-    )]
-    NonFinite {
-        role: &'static str,
-        step: u64,
-        epoch: usize,
-        mini_batch: usize,
-        micro: String,
-        metric: String,
-        value: f64,
-    },
-
-    /// A checkpoint folder is missing a file or holds something else than this backend wrote.
-    #[error("checkpoint {path}: {message}")]
-    Checkpoint { path: PathBuf, message: String },
-
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
 
     /// A collective of one of the parallel groups failed; when another rank failed first, `source`
     /// names it and carries its message.
@@ -99,18 +57,15 @@ impl MegatronError {
         expected: impl Into<String>,
         found: impl ToString,
     ) -> Self {
-        MegatronError::Config {
-            key: key.into(),
-            expected: expected.into(),
-            found: found.to_string(),
-        }
+        verl_fsdp_core::FsdpError::config(key, expected, found).into()
     }
 
     pub fn checkpoint(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
-        MegatronError::Checkpoint {
+        verl_fsdp_core::FsdpError::Checkpoint {
             path: path.into(),
             message: message.into(),
         }
+        .into()
     }
 
     /// True when this error only repeats another rank's failure.
@@ -162,10 +117,6 @@ impl From<MegatronError> for ApiError {
         match e {
             MegatronError::Api(inner) => inner,
             MegatronError::Shared(inner) => (*inner).into(),
-            MegatronError::Input { .. } => {
-                ApiError::with_kind(ErrorKind::InvalidInput, e.to_string())
-            }
-            MegatronError::Io { .. } => ApiError::with_kind(ErrorKind::Io, e.to_string()),
             MegatronError::Unsupported { .. } => ApiError::not_implemented(e.to_string()),
             other => ApiError::failed(other.to_string()),
         }

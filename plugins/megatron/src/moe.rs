@@ -732,12 +732,12 @@ impl EpMoe {
     fn check(&self, x: &Tensor, valid: Option<&Tensor>) -> Result<(Tensor, Vec<bool>)> {
         let size = x.size();
         if size.last().copied() != Some(self.spec.hidden) {
-            return Err(MegatronError::Input {
+            return Err(MegatronError::from(verl_fsdp_core::FsdpError::Input {
                 call: "expert-parallel moe",
                 column: "hidden_states".into(),
                 expected: format!("[.., {}] (hidden_size)", self.spec.hidden),
                 found: format!("{size:?}"),
-            });
+            }));
         }
         let xs = x.f_reshape([-1, self.spec.hidden]).ctx("flatten tokens")?;
         let n = xs.size()[0];
@@ -745,12 +745,12 @@ impl EpMoe {
             None => vec![true; n as usize],
             Some(v) => {
                 if v.size()[..] != size[..size.len() - 1] {
-                    return Err(MegatronError::Input {
+                    return Err(MegatronError::from(verl_fsdp_core::FsdpError::Input {
                         call: "expert-parallel moe",
                         column: "valid token mask".into(),
                         expected: format!("shape {:?}", &size[..size.len() - 1]),
                         found: format!("{:?}", v.size()),
-                    });
+                    }));
                 }
                 let v = v
                     .f_reshape([-1])

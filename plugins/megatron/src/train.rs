@@ -77,17 +77,7 @@ impl Flat {
     }
 }
 
-/// What an optimizer-side tensor holds (for checkpoints).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum What {
-    Master,
-    ExpAvg,
-    ExpAvgSq,
-}
-
-impl What {
-    pub const ALL: [What; 3] = [What::Master, What::ExpAvg, What::ExpAvgSq];
-}
+pub use verl_fsdp_core::shard::What;
 
 pub struct TpTrainer {
     pub model: TpModel,
@@ -223,18 +213,13 @@ impl TpTrainer {
     /// The LR schedule, built on first use so the host can pass the total step count with the first
     /// update (`UpdateOptions.extra.total_training_steps`).
     pub fn lr(&mut self, fallback_total: Option<i64>) -> Result<f64> {
-        if self.schedule.is_none() {
-            self.schedule = Some(LrSchedule::from_config(
-                &self.optim_cfg,
-                &self.optim_key,
-                fallback_total,
-            )?);
-        }
-        Ok(self
-            .schedule
-            .as_ref()
-            .map(|s| s.lr(self.updates))
-            .unwrap_or(0.0))
+        Ok(verl_fsdp_core::optim::scheduled_lr(
+            &mut self.schedule,
+            &self.optim_cfg,
+            &self.optim_key,
+            fallback_total,
+            self.updates,
+        )?)
     }
 
     pub fn zero_grad(&mut self) -> Result<()> {
@@ -374,7 +359,7 @@ impl TpTrainer {
         let norm = stage[0].sqrt();
         if !norm.is_finite() {
             self.zero_grad()?;
-            return Err(MegatronError::NonFinite {
+            return Err(MegatronError::from(verl_fsdp_core::FsdpError::NonFinite {
                 role,
                 step,
                 epoch,
@@ -382,7 +367,7 @@ impl TpTrainer {
                 micro: String::new(),
                 metric: format!("{role}/grad_norm"),
                 value: norm,
-            });
+            }));
         }
         if self.grad_clip > 0.0 {
             let coef = self.grad_clip / (norm + 1e-6);

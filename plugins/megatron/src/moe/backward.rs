@@ -84,12 +84,12 @@ impl EpMoe {
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
     ) -> Result<MoeGrad> {
         if grad_y.size() != x.size() {
-            return Err(MegatronError::Input {
+            return Err(MegatronError::from(verl_fsdp_core::FsdpError::Input {
                 call: "expert-parallel moe backward",
                 column: "output gradient".into(),
                 expected: format!("the input's shape {:?}", x.size()),
                 found: format!("{:?}", grad_y.size()),
-            });
+            }));
         }
         let f = self.run(x, valid, true)?;
         let gy = grad_y

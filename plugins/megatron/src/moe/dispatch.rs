@@ -35,14 +35,14 @@ impl EpMoe {
         let mut per_expert: Vec<Vec<i64>> = vec![Vec::new(); e];
         let mut counts = vec![0i64; 2 * e];
         for (flat, &x) in sel.iter().enumerate() {
-            let slot = per_expert
-                .get_mut(x as usize)
-                .ok_or_else(|| MegatronError::Input {
+            let slot = per_expert.get_mut(x as usize).ok_or_else(|| {
+                MegatronError::from(verl_fsdp_core::FsdpError::Input {
                     call: "expert-parallel moe",
                     column: "router output".into(),
                     expected: format!("expert ids below {e}"),
                     found: x.to_string(),
-                })?;
+                })
+            })?;
             slot.push(flat as i64);
             counts[x as usize] += 1;
             if valid[flat / k] {

@@ -182,6 +182,7 @@ const LENGTHS: [(usize, usize); 8] = [
     (2, 2),
 ];
 
+/// `trainer.balance_batch` on one rank.
 #[test]
 fn one_rank_keeps_its_rows_in_verls_balanced_order() {
     let cfg = job(&[]);
@@ -205,6 +206,7 @@ fn one_rank_keeps_its_rows_in_verls_balanced_order() {
     assert_eq!(m["global_seqlen/mean"], 48.0);
 }
 
+/// `trainer.balance_batch` across data-parallel ranks.
 #[test]
 fn ranks_trade_whole_prompt_groups_until_their_work_is_equal() {
     use verl_store::{StoreClient, StoreServer};

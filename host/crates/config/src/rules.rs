@@ -53,10 +53,10 @@ macro_rules! role {
 const FIT_GRPO: &str =
     "host/tests/trainer_fit.rs::grpo_three_steps_log_verl_metrics_checkpoint_and_match_the_batch_plan";
 const FIT_GAE: &str = "host/tests/trainer_fit.rs::gae_resume_from_step_two_continues_identically";
-const FIT_DATA: &str = "host/src/trainer/fit.rs::tests::data_keys_reach_the_data_loader";
-const FIT_ROLLOUT: &str = "host/src/trainer/fit.rs::tests::rollout_keys_reach_generation";
+const FIT_DATA: &str = "host/src/trainer/tests.rs::data_keys_reach_the_data_loader";
+const FIT_ROLLOUT: &str = "host/src/trainer/tests.rs::rollout_keys_reach_generation";
 const FIT_ALGO: &str =
-    "host/src/trainer/fit.rs::tests::algorithm_keys_reach_the_advantage_and_kl_settings";
+    "host/src/trainer/tests.rs::algorithm_keys_reach_the_advantage_and_kl_settings";
 const PROMPTS: &str =
     "host/src/trainer/prompts.rs::tests::prompt_keys_choose_the_tokenizer_and_the_template";
 const SECTIONS: &str =
@@ -95,7 +95,7 @@ const RM_POOL: &str = "a separate GPU pool for the reward model";
 const RM_POOL_INSTEAD: &str = "leave reward.reward_model.enable_resource_pool=false: the reward model is colocated with the actor and its weights leave the GPU between reward phases (reward.reward_model.rollout.free_cache_engine)";
 const RM_ENGINE: &str = "a vLLM/SGLang server setting of verl's reward-model replicas; verl-rs runs the reward model as a backend role (one copy per rank, micro-batched by reward_model.micro_batch_size_per_gpu / forward_max_token_len_per_gpu)";
 const RM_TESTS: &[&str] = &["tests/tests/reward_model.rs::grpo_trains_against_a_reward_model_with_another_tokenizer_beside_a_rule_reward", "tests/tests/reward_model.rs::a_pure_rust_genrm_plugin_judges_with_the_hosts_generation_model"];
-const RM_SWITCH: &str = "host/src/trainer/reward.rs::tests::the_reward_model_reads_the_response_in_its_own_template_cut_to_max_length";
+const RM_SWITCH: &str = "host/src/trainer/reward/tests.rs::the_reward_model_reads_the_response_in_its_own_template_cut_to_max_length";
 const RM_MICRO: &str =
     "plugins/fsdp-core/src/reward_model.rs::tests::micro_batching_leaves_the_scores_as_they_are";
 const RM_SPEC: &str =
@@ -475,7 +475,7 @@ pub static RULES: &[Rule] = &[
     Rule::acts("reward.reward_manager.name", "verl's reward manager: naive, dapo (naive + the overlong penalty of reward.reward_kwargs), or batch (custom_reward_function called with lists)", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused", "host/src/python_reward.rs::tests::the_batch_manager_calls_the_function_once_with_lists"]).checked(reward_manager),
     Rule::acts("reward.reward_manager.source", "register: verl's built-in managers", &["host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused"]).checked(reward_manager_source),
     Rule::refused("reward.reward_manager.module.*", "a custom Python reward manager", CUSTOM_FN_INSTEAD),
-    Rule::acts("reward.reward_kwargs", "the dapo reward manager's overlong_buffer_cfg {enable, len, penalty_factor, log} and max_resp_len", &["host/src/trainer/reward.rs::tests::dapo_overlong_penalties_equal_verls_golden_cases", "host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused"]).checked(reward_kwargs),
+    Rule::acts("reward.reward_kwargs", "the dapo reward manager's overlong_buffer_cfg {enable, len, penalty_factor, log} and max_resp_len", &["host/src/trainer/reward/tests.rs::dapo_overlong_penalties_equal_verls_golden_cases", "host/crates/config/tests/layouts.rs::reward_managers_other_than_naive_and_dapo_are_refused"]).checked(reward_kwargs),
     Rule::acts("reward.num_workers", "Python reward worker processes (custom_reward_function); rule and plugin rewards score in the host", PY_TESTS),
     Rule::refused("reward.sandbox_fusion.url", "code execution in a Sandbox Fusion service", "leave it null"),
     Rule::harmless("reward.sandbox_fusion.*", "a Sandbox Fusion limit (the sandbox itself is refused)"),
@@ -523,9 +523,9 @@ pub static RULES: &[Rule] = &[
     Rule::acts("trainer.default_local_dir", "the checkpoint folder", &[FIT_GRPO]),
     Rule::acts("trainer.max_actor_ckpt_to_keep", "keeps only the newest actor checkpoints", &["host/tests/trainer_fit.rs::checkpoints_are_kept_and_resumed_as_the_trainer_keys_say"]),
     Rule::acts("trainer.max_critic_ckpt_to_keep", "keeps only the newest critic checkpoints", &["host/tests/trainer_fit.rs::checkpoints_are_kept_and_resumed_as_the_trainer_keys_say"]),
-    Rule::acts("trainer.balance_batch", "reorders each step's responses by verl's workload (one rank: verl's order, which sets the mini-batches; several ranks: whole prompt groups traded until the work is equal, verl's PrefixGrouper rule)", &["host/tests/trainer_fit.rs::balance_batch_reorders_the_batch_like_verl", "host/src/trainer/fit.rs::tests::ranks_trade_whole_prompt_groups_until_their_work_is_equal", "host/crates/algos/tests/golden.rs::seqlen_balanced_partitions_match_verl"]),
+    Rule::acts("trainer.balance_batch", "reorders each step's responses by verl's workload (one rank: verl's order, which sets the mini-batches; several ranks: whole prompt groups traded until the work is equal, verl's PrefixGrouper rule)", &["host/tests/trainer_fit.rs::balance_batch_reorders_the_batch_like_verl", "host/src/trainer/tests.rs::ranks_trade_whole_prompt_groups_until_their_work_is_equal", "host/crates/algos/tests/golden.rs::seqlen_balanced_partitions_match_verl"]),
     Rule::acts("trainer.device", "cpu or cuda", &["plugins/fsdp/tests/roles.rs::config_errors_name_the_key"]).checked(device),
-    Rule::acts("trainer.seed", "verl-rs: the seed of sampling and of the data order (when data.seed is null)", &["host/src/trainer/fit.rs::tests::call_seeds_depend_on_step_and_purpose_only"]),
+    Rule::acts("trainer.seed", "verl-rs: the seed of sampling and of the data order (when data.seed is null)", &["host/src/trainer/tests.rs::call_seeds_depend_on_step_and_purpose_only"]),
     Rule::acts("trainer.skip_on_policy_old_log_prob", "verl-rs: skips the old-log-prob pass on on-policy steps", &["tests/tests/train.rs::on_policy_steps_skip_the_old_log_prob_pass_without_changing_any_metric"]),
     Rule::refused("trainer.default_hdfs_dir", "copying checkpoints to HDFS", "copy trainer.default_local_dir yourself"),
     Rule::refused("trainer.del_local_ckpt_after_load", "deleting the local checkpoint after resuming", "leave it false"),
@@ -549,7 +549,7 @@ pub static RULES: &[Rule] = &[
     Rule::acts("plugins.search_path", "folders searched for plugins first", &["tests/tests/surface.rs::plugins_search_path_is_searched_before_the_binary_dir"]),
     Rule::acts("plugins.backend", "the backend plugin (null: from the strategy)", &["host/crates/config/tests/load.rs::megatron_job_maps_to_the_megatron_plugin"]),
     Rule::acts("plugins.reward.default", "the reward plugin of unrouted data sources", &["host/crates/config/tests/load.rs::ppo_job_with_plugin_routing"]),
-    Rule::acts("plugins.reward.routes", "data_source -> reward plugin", &["host/src/trainer/reward.rs::tests::routes_by_data_source_and_puts_the_score_on_the_last_valid_token"]),
+    Rule::acts("plugins.reward.routes", "data_source -> reward plugin", &["host/src/trainer/reward/tests.rs::routes_by_data_source_and_puts_the_score_on_the_last_valid_token"]),
     Rule::acts("plugins.reward.python", "the Python that runs custom_reward_function (null: $VERL_PYTHON, else python3)", PY_TESTS),
     Rule::acts("plugins.reward.timeout_s", "seconds a Python reward call may take before its worker is killed", PY_LIMITS),
     Rule::acts("plugins.reward.memory_mb", "address-space limit of each Python reward worker", PY_LIMITS),

@@ -7,44 +7,38 @@ use tch::{Device, Kind, Tensor};
 use verl_losses::{fetch_scalars, ActorLoss, ChunkedLmHead, DeferredMetrics, Normaliser};
 use verl_nn::{HeadKind, ModelOptions, SaveOptions, Transformer};
 use verl_plugin_api::{
-    col, Actor, Batch, DataParallel, Error as ApiError, GenerateOptions, InitArgs, LogProbOptions,
+    Actor, Batch, DataParallel, Error as ApiError, GenerateOptions, InitArgs, LogProbOptions,
     Metrics, Result as ApiResult, UpdateOptions,
 };
 
-use crate::config::{
-    self, section, ActorSection, ActorSettings, ActorUpdatePlan, LogProbSection, ModelSection,
-    RolloutEngineSection, TrainerSection,
-};
-use crate::data::{
-    column, equalize_micro_batches, index_tensor, micro_batches, MicroBatch, Sequences,
-};
-use crate::dp::Dp;
-use crate::error::{FsdpError, Result, TorchContext};
-use crate::forward::{head_chunk_tokens, layout_token_stats, lm_head, per_micro_batch_layout};
-use crate::generation::{derive_seed, GenerateCall};
-use crate::host_params::HostParams;
+use crate::forward::{layout_token_stats, lm_head, per_micro_batch_layout};
 use crate::packing::{prompt_group_micro_batches, Padding, PromptGroups, RowLayout};
 use crate::shard::{MemoryStats, Offload};
 use crate::train::{Sharding, TrainableModel};
-use crate::update::{
-    log_prob_batch, run_update, total_training_steps, ActorUpdateInputs, MicroOutcome,
-    MiniBatch as UpdateMiniBatch, UpdateEngine,
+use verl_backend_kit::budget::head_chunk_tokens;
+use verl_backend_kit::config::{
+    self, section, ActorSection, ActorSettings, ActorUpdatePlan, LogProbSection, ModelSection,
+    RolloutEngineSection,
 };
-
-mod budget;
-pub use budget::{kv_budget, same_micro_batch_count, same_rows_on_every_rank, KvBudget};
+use verl_backend_kit::data::{index_tensor, micro_batches, MicroBatch, Sequences};
+use verl_backend_kit::dp::Dp;
+use verl_backend_kit::error::{BackendError, Result, TorchContext};
+use verl_backend_kit::generation::{derive_seed, GenerateCall};
+use verl_backend_kit::host_params::HostParams;
+use verl_backend_kit::update::{
+    log_prob_batch, run_update, total_training_steps, ActorUpdateInputs, MicroOutcome,
+    MiniBatch as UpdateMiniBatch, UpdateEngine, UpdateRole,
+};
 
 mod loss;
-use loss::unheld_device_memory;
-pub use loss::{
-    actor_micro_batch_loss, entropy_metric_requested, kept_logits_budget, policy_anchor,
-    MicroBatchLoss, PolicyAnchor,
+pub use loss::{actor_micro_batch_loss, MicroBatchLoss};
+use verl_backend_kit::budget::{
+    kept_logits_budget, kv_budget, same_micro_batch_count, same_rows_on_every_rank,
 };
+use verl_backend_kit::device::{batch_invariant_gemms, expandable_segments};
+use verl_backend_kit::model_files::{copy_tokenizer_files, random_init_seed};
 
-enum Weights {
-    Train(Box<TrainableModel>),
-    Frozen(Box<Transformer>),
-}
+type Weights = verl_backend_kit::update::RoleWeights<TrainableModel, Transformer>;
 
 pub struct FsdpActor {
     /// Paths, log-prob micro-batching, the update plan and the generation seeds.
@@ -84,156 +78,6 @@ pub(crate) fn load_model(
     )?)
 }
 
-/// `InitArgs.extra.random_init.seed` (`verl bench`): build the model from the folder's config.json
-/// with fresh weights instead of loading safetensors.
-fn random_init_seed(init: &InitArgs) -> Result<Option<u64>> {
-    let Some(r) = init.extra.get("random_init") else {
-        return Ok(None);
-    };
-    match r.get("seed") {
-        None => Ok(Some(0)),
-        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
-            FsdpError::config("InitArgs.extra.random_init.seed", "an unsigned integer", v)
-        }),
-    }
-}
-
-/// The GEMM settings under which a GEMM sums each output in the same order whatever its number
-/// of rows, for `rollout.consistent_attention`. cuBLAS chooses split-K kernels (which reduce over
-/// K in pieces, a different order) only when it has a workspace, and it chooses them for the few
-/// rows of a decode step, not for the thousands of a training forward: measured on an H200
-/// (`verl bench grpo`, Qwen2.5-0.5B shapes), 64 decoding sequences gave rollout-vs-training
-/// log-probs 8.2e-3 apart with the default workspace and 7.0e-8 without.
-///
-/// Taking cuBLAS's workspace away costs host time, though: every GEMM then took 76–86 µs to launch
-/// (172–198 µs with a bias) against 19–29 µs, which left the GPU waiting for the host in training
-/// passes (H100, libtorch 2.11). So libtorch's GEMMs go through cuBLASLt instead, with a 1 KiB
-/// workspace of their own (no split-K fits in it; cuBLAS keeps its workspace): rows of
-/// 1–512-row GEMMs equal the 4096-row GEMM's bit for bit on every Qwen2.5 projection shape, at
-/// the default launch cost. Where cuBLASLt cannot be selected, or the user set cuBLAS's workspace
-/// to zero (with which libtorch's cuBLASLt path fails), every workspace is zero instead, as
-/// before. Set before the process's first GEMM (libtorch reads the sizes once); a value the user
-/// set is kept, with a warning.
-pub fn batch_invariant_gemms() {
-    let get = |k: &str| std::env::var(k).ok();
-    let mut plan = gemm_env_plan(get, true);
-    if plan.prefer_lt {
-        if let Err(e) = verl_torch_ext::prefer_cublaslt() {
-            tracing::warn!(
-                "consistent_attention: GEMMs stay on cuBLAS, without a workspace (slower to \
-                 launch): {e}"
-            );
-            plan = gemm_env_plan(get, false);
-        }
-    }
-    for (key, value, kept) in plan.env {
-        match kept {
-            None => std::env::set_var(key, value),
-            Some(v) => tracing::warn!(
-                "{key}={v} is kept; actor_rollout_ref.rollout.consistent_attention wants {value} \
-                 (no split-K GEMMs): with room for split-K, rollout log-probs of small decode \
-                 batches can differ from the training forward's by ~1e-2"
-            ),
-        }
-    }
-}
-
-/// Turns on the CUDA caching allocator's expandable segments for a one-process job unless the
-/// user configured the allocator (`PYTORCH_CUDA_ALLOC_CONF` / `PYTORCH_ALLOC_CONF`). Each
-/// generate call sizes its KV cache from the device memory tensors do not hold, counting the
-/// allocator's wholly free segments as free; after an update, the segments its activations and
-/// the previous call's KV pool left behind are partly in use, and none of that counts. Measured
-/// on one H200 (`verl bench grpo --arch llama3-8b --prompts 32 ... --micro-batch 8
-/// --logprob-micro-batch 8 --set actor_rollout_ref.rollout.gpu_memory_utilization=0.9`): after the
-/// first update 17.3 GiB sat in partly used segments and the second call's KV budget fell from
-/// 56.4 to 39.3 GiB; with 64 prompts it fell to 22.2 GiB, too little for every sequence at once
-/// (178 preemptions, generation 17.3 s against 15.6 s for the first, tuning included). With
-/// `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` nothing was stranded (0.0 GiB; budget 56.8
-/// and 56.6 GiB) at the same speed. Set through libtorch's run-time allocator settings
-/// (`torch.cuda.memory._set_allocator_settings`), which apply to the segments created later, so
-/// it belongs before the role's first CUDA tensor. Several ranks keep libtorch's default (not
-/// measured with NCCL here).
-pub fn expandable_segments(world: usize) {
-    // Once per process (every role of a one-process job calls this).
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| apply_allocator_settings(world));
-}
-
-fn apply_allocator_settings(world: usize) {
-    let get = |k: &str| std::env::var(k).ok();
-    let Some(settings) = allocator_settings_plan(get, world) else {
-        return;
-    };
-    match verl_torch_ext::set_cuda_allocator_settings(settings) {
-        Ok(()) => tracing::info!(
-            "CUDA caching allocator: {settings} (set by the backend for a one-process job: each \
-             generate call sizes its KV cache from memory no tensor holds, which partly used \
-             segments would otherwise keep; PYTORCH_CUDA_ALLOC_CONF chooses otherwise)"
-        ),
-        Err(e) => tracing::warn!("CUDA caching allocator: {settings} not applied: {e}"),
-    }
-}
-
-/// The allocator settings [`expandable_segments`] applies, if any.
-fn allocator_settings_plan(
-    get: impl Fn(&str) -> Option<String>,
-    world: usize,
-) -> Option<&'static str> {
-    let configured = ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"]
-        .iter()
-        .any(|k| get(k).is_some());
-    (world == 1 && !configured).then_some("expandable_segments:True")
-}
-
-/// What [`batch_invariant_gemms`] does.
-#[derive(Debug, PartialEq)]
-struct GemmEnvPlan {
-    /// Route libtorch's GEMMs through cuBLASLt.
-    prefer_lt: bool,
-    /// `(key, wanted, None)` to set, `(key, wanted, Some(user's value))` to keep with a warning;
-    /// keys already as wanted are left out.
-    env: Vec<(&'static str, &'static str, Option<String>)>,
-}
-
-/// [`GemmEnvPlan`] given the environment and whether cuBLASLt can be selected.
-fn gemm_env_plan(get: impl Fn(&str) -> Option<String>, lt_available: bool) -> GemmEnvPlan {
-    const LT: [(&str, &str); 2] = [
-        ("TORCH_CUBLASLT_WORKSPACE_SIZE", "1"),
-        ("CUBLASLT_WORKSPACE_SIZE", "1"),
-    ];
-    const NONE: [(&str, &str); 3] = [
-        ("CUBLAS_WORKSPACE_CONFIG", ":0:0"),
-        ("CUBLASLT_WORKSPACE_SIZE", "0"),
-        ("TORCH_CUBLASLT_WORKSPACE_SIZE", "0"),
-    ];
-    let zero_cublas =
-        get("CUBLAS_WORKSPACE_CONFIG").is_some_and(|v| cublas_workspace_kib(&v) == Some(0));
-    let prefer_lt = lt_available && !zero_cublas;
-    let vars: &[(&'static str, &'static str)] = if prefer_lt { &LT } else { &NONE };
-    let env = vars
-        .iter()
-        .filter_map(|&(key, value)| match get(key) {
-            Some(v) if v == value => None,
-            other => Some((key, value, other)),
-        })
-        .collect();
-    GemmEnvPlan { prefer_lt, env }
-}
-
-/// Total KiB of a `CUBLAS_WORKSPACE_CONFIG` value (`:SIZE:COUNT` pairs, SIZE in KiB); `None` when
-/// it does not parse.
-fn cublas_workspace_kib(value: &str) -> Option<u64> {
-    let parts: Vec<&str> = value.strip_prefix(':')?.split(':').collect();
-    if !parts.len().is_multiple_of(2) {
-        return None;
-    }
-    parts.chunks(2).try_fold(0u64, |acc, pair| {
-        let size: u64 = pair[0].trim().parse().ok()?;
-        let count: u64 = pair[1].trim().parse().ok()?;
-        Some(acc + size * count)
-    })
-}
-
 /// The role's model: from the checkpoint, or (with `random_init`) freshly initialised from the
 /// folder's config.json with the global generator seeded, so roles built with one seed (actor and
 /// reference) get identical weights.
@@ -265,8 +109,7 @@ impl FsdpActor {
     pub fn create(init: &InitArgs, reference: bool) -> Result<FsdpActor> {
         let cfg = &init.config;
         let random_init = random_init_seed(init)?;
-        let trainer: TrainerSection = section(cfg, "trainer")?;
-        let device = config::device(&trainer, init.local_rank)?;
+        let (trainer, device) = config::trainer_device(init)?;
         let dp = Dp::join(init, if reference { "reference" } else { "actor" }, device)?;
         let dp_size = dp.size;
         let model_cfg: ModelSection = section(cfg, "actor_rollout_ref.model")?;
@@ -466,7 +309,7 @@ impl FsdpActor {
                     &budget.config,
                 )
             })
-            .map_err(|e| FsdpError::Api(ApiError::failed(format!("generation: {e}"))))?;
+            .map_err(|e| BackendError::Api(ApiError::failed(format!("generation: {e}"))))?;
             Ok((gen, budget.metrics(&stats)))
         })?;
         call.into_batch(&gen, &meta)
@@ -543,7 +386,7 @@ impl FsdpActor {
         };
         let mut acc = run_update(&mut engine, &plan.spec(o, &inputs, lr))?;
         train.updates += 1;
-        crate::metrics::push_gpu_memory(&mut acc, &self.dp, device)?;
+        verl_backend_kit::metrics::push_gpu_memory(&mut acc, &self.dp, device)?;
         acc.reduce(&self.dp)?;
         if let Some(r) = verl_nn::profile::take_report() {
             tracing::info!("actor update phases (VERL_PROFILE):\n{r}");
@@ -552,14 +395,14 @@ impl FsdpActor {
     }
 
     fn rng_state(&self) -> serde_json::Value {
-        serde_json::json!({"seed": self.settings.seed, "generate_calls": self.settings.generate_calls})
+        self.settings.rng_state()
     }
 
     fn do_save(&mut self, dir: &Path) -> Result<()> {
         let state = self.rng_state();
         match &mut self.weights {
             Weights::Train(t) => t.save_on(&self.dp, dir, self.settings.role, state),
-            Weights::Frozen(_) => Err(FsdpError::Api(ApiError::not_implemented(
+            Weights::Frozen(_) => Err(BackendError::Api(ApiError::not_implemented(
                 "the reference policy is frozen: it is rebuilt from the model path, not checkpointed",
             ))),
         }
@@ -570,17 +413,12 @@ impl FsdpActor {
         let extra = match &mut self.weights {
             Weights::Train(t) => t.load(dir, role)?,
             Weights::Frozen(_) => {
-                return Err(FsdpError::Api(ApiError::not_implemented(
+                return Err(BackendError::Api(ApiError::not_implemented(
                     "the reference policy is frozen: it is rebuilt from the model path, not checkpointed",
                 )))
             }
         };
-        if let Some(calls) = extra.get("generate_calls").and_then(|v| v.as_u64()) {
-            self.settings.generate_calls = calls;
-        }
-        if let Some(seed) = extra.get("seed").and_then(|v| v.as_u64()) {
-            self.settings.seed = seed;
-        }
+        self.settings.restore_rng_state(&extra);
         Ok(())
     }
 
@@ -603,40 +441,6 @@ impl FsdpActor {
     }
 }
 
-/// Files HF tokenizers and generation read next to the weights.
-fn is_tokenizer_file(name: &str) -> bool {
-    name.starts_with("tokenizer")
-        || name.starts_with("vocab.")
-        || name.starts_with("chat_template")
-        || name.ends_with(".tiktoken")
-        || matches!(
-            name,
-            "merges.txt"
-                | "special_tokens_map.json"
-                | "added_tokens.json"
-                | "generation_config.json"
-        )
-}
-
-/// Copies the tokenizer and generation files of `from` that `to` lacks (an HF folder is loadable
-/// on its own).
-pub fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<()> {
-    let entries = std::fs::read_dir(from).map_err(|source| FsdpError::Io {
-        path: from.to_path_buf(),
-        source,
-    })?;
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().to_string();
-        if entry.path().is_file() && is_tokenizer_file(&name) && !to.join(&name).exists() {
-            std::fs::copy(entry.path(), to.join(&name)).map_err(|source| FsdpError::Io {
-                path: entry.path(),
-                source,
-            })?;
-        }
-    }
-    Ok(())
-}
-
 /// The FSDP actor in the shared update loop: each micro-batch's forward and backward through the
 /// sharded model (shared prompts laid out once), its loss through the chunked LM head; losses and
 /// metrics are fetched once per mini-batch, so the host never waits for the device in between.
@@ -655,7 +459,7 @@ struct ActorEngine<'a> {
 }
 
 impl UpdateEngine for ActorEngine<'_> {
-    type Error = FsdpError;
+    type Error = BackendError;
 
     fn dp(&self) -> &Dp {
         self.dp
@@ -761,9 +565,9 @@ impl UpdateEngine for ActorEngine<'_> {
 
     fn optimizer_step(&mut self, lr: f64, step: u64, mini: &UpdateMiniBatch<'_>) -> Result<f64> {
         let mut timer = verl_nn::profile::start(self.device);
-        let grad_norm = self
-            .train
-            .finish_mini_batch(self.dp, lr, "actor", step, mini.epoch, mini.index)?;
+        let grad_norm =
+            self.train
+                .finish_mini_batch(self.dp, lr, mini.step_at(UpdateRole::Actor, step))?;
         verl_nn::profile::lap(&mut timer, "train/optimizer_step");
         Ok(grad_norm)
     }
@@ -816,8 +620,8 @@ impl Actor for FsdpActor {
             (crate::sft::SFT_EVAL, Weights::Train(t)) => {
                 crate::sft::eval(t, &self.dp, self.device, batch, options)
             }
-            (crate::bench::CALIBRATE, _) => crate::bench::calibrate(self.device, options),
-            (crate::bench::MEMORY, _) => crate::bench::memory(self.device, self.memory().total()),
+            (verl_backend_kit::bench::CALIBRATE, _) => verl_backend_kit::bench::calibrate(self.device, options),
+            (verl_backend_kit::bench::MEMORY, _) => verl_backend_kit::bench::memory(self.device, self.memory().total()),
             _ => {
                 return Err(ApiError::not_implemented(format!(
                     "{} call `{method}` (the actor role answers `sft_update`, `sft_eval`, `calibrate` and `memory`; the reference `calibrate` and `memory`)",

@@ -12,21 +12,20 @@ use verl_plugin_api::{
 };
 
 use crate::actor::load_model;
-use crate::actor::{same_micro_batch_count, same_rows_on_every_rank};
-use crate::config::{
-    self, section, CriticSection, CriticUpdatePlan, LogProbSection, MicroBatching, ModelSection,
-    TrainerSection,
-};
-use crate::data::{index_tensor, micro_batches, MicroBatch, Sequences};
-use crate::dp::Dp;
-use crate::error::{FsdpError, Result, TorchContext};
 use crate::forward::{layout_values, per_micro_batch_layout};
 use crate::packing::{Padding, RowLayout};
 use crate::shard::{MemoryStats, Offload};
 use crate::train::{Sharding, TrainableModel};
-use crate::update::{
+use verl_backend_kit::budget::{same_micro_batch_count, same_rows_on_every_rank};
+use verl_backend_kit::config::{
+    self, section, CriticSection, CriticUpdatePlan, LogProbSection, MicroBatching, ModelSection,
+};
+use verl_backend_kit::data::{index_tensor, micro_batches, MicroBatch, Sequences};
+use verl_backend_kit::dp::Dp;
+use verl_backend_kit::error::{BackendError, Result, TorchContext};
+use verl_backend_kit::update::{
     run_update, total_training_steps, CriticUpdateInputs, MicroOutcome,
-    MiniBatch as UpdateMiniBatch, UpdateEngine,
+    MiniBatch as UpdateMiniBatch, UpdateEngine, UpdateRole,
 };
 
 pub struct FsdpCritic {
@@ -35,7 +34,6 @@ pub struct FsdpCritic {
     device: Device,
     /// Micro-batching of the value forwards and the update, mini-batches, epochs, the loss.
     plan: CriticUpdatePlan,
-    trainer_total_steps: Option<i64>,
     /// `critic.model.use_remove_padding`.
     padding: Padding,
 }
@@ -43,12 +41,11 @@ pub struct FsdpCritic {
 impl FsdpCritic {
     pub fn create(init: &InitArgs) -> Result<FsdpCritic> {
         let cfg = &init.config;
-        let trainer: TrainerSection = section(cfg, "trainer")?;
-        let device = config::device(&trainer, init.local_rank)?;
+        let (trainer, device) = config::trainer_device(init)?;
         let dp = Dp::join(init, "critic", device)?;
         let dp_size = dp.size;
         if device.is_cuda() {
-            crate::actor::expandable_segments(dp_size);
+            verl_backend_kit::device::expandable_segments(dp_size);
         }
         let critic: CriticSection = section(cfg, "critic")?;
         let actor_model: ModelSection = section(cfg, "actor_rollout_ref.model")?;
@@ -58,7 +55,7 @@ impl FsdpCritic {
         let precision = fsdp.precision("critic.model.fsdp_config")?;
         let mut model = load_model(&dir, device, precision.compute, HeadKind::Value, fsdp.seed)?;
         model.set_activation_checkpointing(critic.model.enable_gradient_checkpointing);
-        let plan = CriticUpdatePlan::resolve(cfg, &critic, &rollout, dp.size)?;
+        let plan = CriticUpdatePlan::resolve(cfg, &critic, &rollout, &trainer, dp.size)?;
         let offload = Offload {
             params: fsdp.param_offload,
             optimizer: fsdp.optimizer_offload,
@@ -86,7 +83,6 @@ impl FsdpCritic {
             dp,
             device,
             plan,
-            trainer_total_steps: trainer.total_training_steps,
             padding: Padding::from_flag(critic.model.use_remove_padding.unwrap_or(false)),
         })
     }
@@ -104,7 +100,7 @@ impl FsdpCritic {
                 |layout| Ok(vec![layout_values(model, layout)?]),
             )
         })?;
-        crate::update::values_batch(&seqs, &res[0])
+        verl_backend_kit::update::values_batch(&seqs, &res[0])
     }
 
     fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
@@ -113,7 +109,7 @@ impl FsdpCritic {
         let inputs = CriticUpdateInputs::from_batch(batch, CALL, device)?;
         let lr = self
             .train
-            .lr(total_training_steps(o, self.trainer_total_steps))?;
+            .lr(total_training_steps(o, self.plan.trainer_total_steps))?;
         same_rows_on_every_rank(&self.dp, inputs.seqs.rows(), CALL)?;
         let mut engine = CriticEngine {
             train: &mut self.train,
@@ -127,7 +123,7 @@ impl FsdpCritic {
         };
         let mut acc = run_update(&mut engine, &self.plan.spec(o, &inputs, lr))?;
         self.train.updates += 1;
-        crate::metrics::push_gpu_memory(&mut acc, &self.dp, device)?;
+        verl_backend_kit::metrics::push_gpu_memory(&mut acc, &self.dp, device)?;
         acc.reduce(&self.dp)?;
         Ok(acc.into_metrics())
     }
@@ -157,7 +153,7 @@ struct CriticEngine<'a> {
 }
 
 impl UpdateEngine for CriticEngine<'_> {
-    type Error = FsdpError;
+    type Error = BackendError;
 
     fn dp(&self) -> &Dp {
         self.dp
@@ -222,7 +218,7 @@ impl UpdateEngine for CriticEngine<'_> {
 
     fn optimizer_step(&mut self, lr: f64, step: u64, mini: &UpdateMiniBatch<'_>) -> Result<f64> {
         self.train
-            .finish_mini_batch(self.dp, lr, "critic", step, mini.epoch, mini.index)
+            .finish_mini_batch(self.dp, lr, mini.step_at(UpdateRole::Critic, step))
     }
 }
 

@@ -5,10 +5,11 @@ use tch::{Kind, Tensor};
 use verl_losses::ChunkedLmHead;
 use verl_nn::Transformer;
 
-use crate::config::MicroBatching;
-use crate::data::{index_tensor, micro_batches, Sequences};
-use crate::error::{FsdpError, Result, TorchContext};
 use crate::packing::{Padding, RowLayout};
+use verl_backend_kit::budget::head_chunk_tokens;
+use verl_backend_kit::config::MicroBatching;
+use verl_backend_kit::data::{index_tensor, micro_batches, Sequences};
+use verl_backend_kit::error::{BackendError, Result, TorchContext};
 
 /// Logits of the positions that predict response tokens, fp32, divided by `temperature`.
 pub fn response_logits(seqs: &Sequences, head_out: &Tensor, temperature: f64) -> Result<Tensor> {
@@ -34,19 +35,13 @@ pub fn token_stats(
     layout_token_stats(model, &layout, temperature, with_entropy, chunk)
 }
 
-/// Tokens per LM-head chunk: about 256 Mi fp32 logits (1 GiB) per chunk, between 256 and 8192
-/// tokens (1766 for a 152k vocabulary).
-pub fn head_chunk_tokens(vocab: i64) -> i64 {
-    ((1i64 << 28) / vocab.max(1)).clamp(256, 8192)
-}
-
 /// The LM head matrix of a causal-LM model.
 pub fn lm_head(model: &Transformer) -> Result<Tensor> {
     model
         .lm_head_weight()
         .map(Tensor::shallow_clone)
         .ok_or_else(|| {
-            FsdpError::Api(verl_plugin_api::Error::failed(format!(
+            BackendError::Api(verl_plugin_api::Error::failed(format!(
                 "log-probs need a causal-LM head, found a {:?} head",
                 model.head_kind()
             )))
@@ -167,7 +162,7 @@ fn check_temperature(temperature: f64) -> Result<()> {
     if temperature.is_finite() && temperature > 0.0 {
         return Ok(());
     }
-    Err(FsdpError::config(
+    Err(BackendError::config(
         "actor_rollout_ref.rollout.temperature",
         "a finite temperature > 0",
         temperature,

@@ -12,25 +12,14 @@
 //! keeps a full copy per rank.
 
 pub mod actor;
-pub mod bench;
-pub mod config;
 pub mod critic;
-pub mod data;
-pub mod dp;
-pub mod error;
 pub mod forward;
-pub mod generation;
-pub mod host_params;
-pub mod metrics;
-pub mod optim;
 pub mod packing;
-pub mod reward_model;
 pub mod sft;
 pub mod shard;
 #[cfg(test)]
 mod test_model;
 pub mod train;
-pub mod update;
 pub mod validate;
 
 use verl_plugin_api::{
@@ -39,8 +28,7 @@ use verl_plugin_api::{
 
 pub use actor::FsdpActor;
 pub use critic::FsdpCritic;
-pub use error::FsdpError;
-pub use reward_model::FsdpRewardModel;
+pub use verl_backend_kit::{BackendError, RewardModelRole};
 
 pub struct FsdpPlugin;
 
@@ -82,7 +70,7 @@ impl BackendPlugin for FsdpPlugin {
         Ok(Box::new(FsdpCritic::create(init)?))
     }
     fn create_reward_model(init: &InitArgs) -> Result<Box<dyn Reward>> {
-        Ok(Box::new(FsdpRewardModel::create(init)?))
+        Ok(Box::new(RewardModelRole::create(init)?))
     }
 }
 

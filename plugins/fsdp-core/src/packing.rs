@@ -23,11 +23,11 @@ use tch::{Kind, Tensor};
 
 use verl_nn::{AttentionRows, Transformer};
 
-use crate::config::MicroBatching;
-use crate::data::{
+use verl_backend_kit::config::MicroBatching;
+use verl_backend_kit::data::{
     budget_too_small, chunks, index_tensor, pack_longest_first, upload_i64, HostRows, Sequences,
 };
-use crate::error::{FsdpError, Result, TorchContext};
+use verl_backend_kit::error::{BackendError, Result, TorchContext};
 
 /// Whether a micro-batch keeps its padding (`use_remove_padding: false`) or drops it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -354,7 +354,7 @@ impl RowLayout {
         let s = out.size();
         let want = self.input_ids.size();
         if s.len() < 2 || s[..2] != want[..] {
-            return Err(FsdpError::Api(verl_plugin_api::Error::failed(format!(
+            return Err(BackendError::Api(verl_plugin_api::Error::failed(format!(
                 "model output has shape {s:?}, expected [{}, {}, ..] (the micro-batch layout)",
                 want[0], want[1]
             ))));

@@ -13,12 +13,13 @@ use tch::{Device, Tensor};
 use verl_losses::{AggSpec, LossAggMode, LossScale, MaskCounts, Normaliser};
 use verl_plugin_api::Batch;
 
-use crate::config::MicroBatching;
-use crate::data::{index_tensor, micro_batches, Sequences};
-use crate::dp::Dp;
-use crate::error::{FsdpError, Result, TorchContext};
 use crate::forward::{response_logits, token_stats};
 use crate::train::TrainableModel;
+use verl_backend_kit::config::MicroBatching;
+use verl_backend_kit::data::{index_tensor, micro_batches, Sequences};
+use verl_backend_kit::dp::Dp;
+use verl_backend_kit::error::{BackendError, Result, TorchContext};
+use verl_backend_kit::update::StepAt;
 
 pub const SFT_UPDATE: &str = "sft_update";
 pub const SFT_EVAL: &str = "sft_eval";
@@ -50,7 +51,7 @@ fn parse_options(method: &str, options: &serde_json::Value) -> Result<SftOptions
         SftOptions::default()
     } else {
         serde_json::from_value(options.clone()).map_err(|e| {
-            FsdpError::config(
+            BackendError::config(
                 format!("Actor.call(\"{method}\") options"),
                 "{micro_batch_size_per_gpu, total_training_steps, global_step}",
                 e,
@@ -58,7 +59,7 @@ fn parse_options(method: &str, options: &serde_json::Value) -> Result<SftOptions
         })?
     };
     if o.micro_batch_size_per_gpu == 0 {
-        return Err(FsdpError::config(
+        return Err(BackendError::config(
             "data.micro_batch_size_per_gpu",
             "at least 1",
             0,
@@ -85,7 +86,7 @@ fn check_single_rank(dp: &Dp, method: &str) -> Result<()> {
     if dp.size == 1 {
         return Ok(());
     }
-    Err(FsdpError::config(
+    Err(BackendError::config(
         "trainer.n_gpus_per_node × trainer.nnodes",
         format!("1 for Actor.call(\"{method}\") (SFT runs on one rank in this build)"),
         dp.size,
@@ -102,8 +103,8 @@ fn global_tokens(dp: &Dp, mask: &Tensor) -> Result<MaskCounts> {
     })
 }
 
-fn no_tokens(method: &str) -> FsdpError {
-    FsdpError::Input {
+fn no_tokens(method: &str) -> BackendError {
+    BackendError::Input {
         call: "Actor.call",
         column: verl_plugin_api::col::RESPONSE_MASK.into(),
         expected: format!("at least one response token for {method}"),
@@ -163,7 +164,7 @@ pub fn update(
             )?;
             let v = loss.f_double_value(&[]).ctx("SFT loss value")?;
             if !v.is_finite() {
-                return Err(FsdpError::NonFinite {
+                return Err(BackendError::NonFinite {
                     role: "actor",
                     step: o.global_step,
                     epoch: 0,
@@ -184,7 +185,16 @@ pub fn update(
             }
         }
     }
-    let grad_norm = train.finish_mini_batch(dp, lr, "actor", o.global_step, 0, 0)?;
+    let grad_norm = train.finish_mini_batch(
+        dp,
+        lr,
+        StepAt {
+            role: "actor",
+            step: o.global_step,
+            epoch: 0,
+            mini_batch: 0,
+        },
+    )?;
     train.zero_grad()?;
     train.updates += 1;
     let mut loss = [loss_sum];

@@ -19,10 +19,10 @@ use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 use verl_nn::{Checkpoint, NnError, ParamGate, Transformer, Unit};
 
-use crate::dp::Dp;
-use crate::error::{FsdpError, Result, TorchContext};
-use crate::host_params::Fill;
-use crate::optim::AdamW;
+use verl_backend_kit::dp::Dp;
+use verl_backend_kit::error::{BackendError, Result, TorchContext};
+use verl_backend_kit::host_params::Fill;
+use verl_backend_kit::optim::AdamW;
 use verl_comm::Pending;
 
 /// One flat group: the parameters of a unit (those no earlier unit owns), in model order.
@@ -178,12 +178,8 @@ impl MemoryStats {
     }
 }
 
-pub(crate) fn bytes(t: &Tensor) -> usize {
-    if !t.defined() {
-        return 0;
-    }
-    t.numel() * t.kind().elt_size_in_bytes()
-}
+pub(crate) use verl_backend_kit::host_params::bytes;
+pub use verl_backend_kit::optim::What;
 
 /// One rank's block of `flat` (`[numel]`) after padding to `world * shard` elements.
 fn slice_shard(flat: &Tensor, numel: usize, shard: usize, rank: usize) -> Result<Tensor> {
@@ -286,7 +282,7 @@ impl ShardState {
         if offload.params && device.is_cuda() {
             // Page-locked (one flat buffer) for the copies of every optimizer step.
             let refs: Vec<&Tensor> = masters.iter().collect();
-            masters = crate::host_params::host_buffers(&refs, None, Fill::Copy, device)?;
+            masters = verl_backend_kit::host_params::host_buffers(&refs, None, Fill::Copy, device)?;
         }
         let empty = Tensor::f_empty([0], (compute, device)).ctx("empty parameter")?;
         let n = layout.groups.len();
@@ -356,7 +352,7 @@ impl ShardState {
                 Some(started) => started,
                 None => self.start_gather(dp, g)?,
             };
-            pending.wait().map_err(|source| FsdpError::Comm {
+            pending.wait().map_err(|source| BackendError::Comm {
                 op: "all_gather (parameters)",
                 source,
             })?;
@@ -484,7 +480,7 @@ impl ShardState {
     /// Adds `reductions` into their accumulators, in order, once each collective has run.
     fn add_reductions(&mut self, reductions: Vec<(usize, Tensor, Pending)>) -> Result<()> {
         for (g, out, pending) in reductions {
-            pending.wait().map_err(|source| FsdpError::Comm {
+            pending.wait().map_err(|source| BackendError::Comm {
                 op: "reduce_scatter (gradients)",
                 source,
             })?;
@@ -627,27 +623,6 @@ impl ShardState {
     }
 }
 
-/// What a checkpoint tensor holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum What {
-    Master,
-    ExpAvg,
-    ExpAvgSq,
-}
-
-impl What {
-    pub const ALL: [What; 3] = [What::Master, What::ExpAvg, What::ExpAvgSq];
-
-    /// The prefix of this tensor's names in an optimizer checkpoint file.
-    pub fn prefix(self) -> &'static str {
-        match self {
-            What::Master => "",
-            What::ExpAvg => "exp_avg.",
-            What::ExpAvgSq => "exp_avg_sq.",
-        }
-    }
-}
-
 /// A checkpoint being restored, read as one flat fp32 vector per group whatever the world size it
 /// was written at.
 pub enum Source {
@@ -672,7 +647,7 @@ pub enum Source {
 
 pub(crate) fn read_named(path: &Path) -> Result<HashMap<String, Tensor>> {
     if !path.is_file() {
-        return Err(FsdpError::Checkpoint {
+        return Err(BackendError::Checkpoint {
             path: path.to_path_buf(),
             message: "file missing".into(),
         });
@@ -706,7 +681,7 @@ impl Source {
                 optim_path,
             });
         }
-        let bad = |message: String| FsdpError::Checkpoint {
+        let bad = |message: String| BackendError::Checkpoint {
             path: dir.join(crate::train::STATE_FILE),
             message,
         };
@@ -774,12 +749,12 @@ impl Source {
                         ),
                     };
                     let key = format!("{}{name}", what.prefix());
-                    let t = t.ok_or_else(|| FsdpError::Checkpoint {
+                    let t = t.ok_or_else(|| BackendError::Checkpoint {
                         path: path.clone(),
                         message: format!("tensor `{key}` missing"),
                     })?;
                     if &t.size() != shape {
-                        return Err(FsdpError::Checkpoint {
+                        return Err(BackendError::Checkpoint {
                             path,
                             message: format!(
                                 "tensor `{key}` has shape {:?}, expected {shape:?}",
@@ -805,12 +780,12 @@ impl Source {
                 let &(numel, shard) =
                     groups
                         .get(&group.name)
-                        .ok_or_else(|| FsdpError::Checkpoint {
+                        .ok_or_else(|| BackendError::Checkpoint {
                             path: state_path.clone(),
                             message: format!("layout lacks group `{}`", group.name),
                         })?;
                 if numel != group.numel {
-                    return Err(FsdpError::Checkpoint {
+                    return Err(BackendError::Checkpoint {
                         path: state_path,
                         message: format!(
                             "group `{}` holds {numel} elements, this model's {} (a different model?)",
@@ -829,12 +804,12 @@ impl Source {
                     let key = format!("{}{}", what.prefix(), group.name);
                     let t = files[&file]
                         .get(&key)
-                        .ok_or_else(|| FsdpError::Checkpoint {
+                        .ok_or_else(|| BackendError::Checkpoint {
                             path: dir.join(&file),
                             message: format!("tensor `{key}` missing"),
                         })?;
                     if t.size() != [shard as i64] {
-                        return Err(FsdpError::Checkpoint {
+                        return Err(BackendError::Checkpoint {
                             path: dir.join(&file),
                             message: format!(
                                 "tensor `{key}` has shape {:?}, expected [{shard}]",
@@ -857,7 +832,7 @@ impl Source {
 pub struct Gate<'a> {
     pub state: &'a mut ShardState,
     pub dp: &'a Dp,
-    pub error: Option<FsdpError>,
+    pub error: Option<BackendError>,
     /// Past the head: units are entered in reverse from here on.
     backward: bool,
 }
@@ -894,7 +869,7 @@ impl<'a> Gate<'a> {
 }
 
 impl Gate<'_> {
-    fn keep(&mut self, unit: Unit, e: FsdpError) -> NnError {
+    fn keep(&mut self, unit: Unit, e: BackendError) -> NnError {
         let message = e.to_string();
         if self.error.is_none() {
             self.error = Some(e);

@@ -22,15 +22,16 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 use verl_nn::{Checkpoint, NnError, SaveOptions, Transformer};
 
-use crate::config::{OptimSection, Precision};
-use crate::dp::Dp;
-use crate::error::{FsdpError, Result, TorchContext};
-use crate::host_params::{host_buffers, Fill};
-use crate::optim::{clip_grad_norm, AdamW, LrSchedule};
 use crate::packing::RowLayout;
 use crate::shard::{
     read_named, sum_bytes, Gate, Layout, MemoryStats, Offload, ShardState, Source, What,
 };
+use verl_backend_kit::config::{OptimSection, Precision};
+use verl_backend_kit::dp::Dp;
+use verl_backend_kit::error::{BackendError, Result, TorchContext};
+use verl_backend_kit::host_params::{host_buffers, Fill};
+use verl_backend_kit::optim::{clip_grad_norm, AdamW, LrSchedule};
+use verl_backend_kit::update::StepAt;
 
 pub const STATE_FILE: &str = "state.json";
 pub const OPTIM_FILE: &str = "optim.safetensors";
@@ -532,7 +533,7 @@ impl TrainableModel {
     /// The LR schedule, built on first use so the host can pass the total step count with the first
     /// update (`UpdateOptions.extra.total_training_steps`).
     pub fn lr(&mut self, fallback_total: Option<i64>) -> Result<f64> {
-        crate::optim::scheduled_lr(
+        verl_backend_kit::optim::scheduled_lr(
             &mut self.schedule,
             &self.optim_cfg,
             &self.optim_key,
@@ -641,27 +642,11 @@ impl TrainableModel {
     /// the norm is finite, take the optimizer step. A non-finite norm clears the gradients, leaves
     /// the weights untouched and fails naming `role`, step, epoch, mini-batch and `<role>/grad_norm`.
     /// Returns the gradient norm.
-    pub fn finish_mini_batch(
-        &mut self,
-        dp: &Dp,
-        lr: f64,
-        role: &'static str,
-        step: u64,
-        epoch: usize,
-        mini_batch: usize,
-    ) -> Result<f64> {
+    pub fn finish_mini_batch(&mut self, dp: &Dp, lr: f64, at: StepAt) -> Result<f64> {
         let (grads, grad_norm) = self.clip(dp)?;
         if !grad_norm.is_finite() {
             let _ = self.zero_grad();
-            return Err(FsdpError::NonFinite {
-                role,
-                step,
-                epoch,
-                mini_batch,
-                micro: String::new(),
-                metric: format!("{role}/grad_norm"),
-                value: grad_norm,
-            });
+            return Err(at.non_finite_grad_norm(grad_norm));
         }
         self.apply(&grads, lr)?;
         Ok(grad_norm)
@@ -733,7 +718,7 @@ impl TrainableModel {
         if self.shard.is_none() {
             return self.save(dir, role, extra);
         }
-        std::fs::create_dir_all(dir).map_err(|source| FsdpError::Io {
+        std::fs::create_dir_all(dir).map_err(|source| BackendError::Io {
             path: dir.to_path_buf(),
             source,
         })?;
@@ -764,11 +749,11 @@ impl TrainableModel {
     /// The one-rank checkpoint (see [`TrainableModel::save_on`] for several ranks).
     pub fn save(&self, dir: &Path, role: &str, extra: serde_json::Value) -> Result<()> {
         if self.shard.is_some() {
-            return Err(FsdpError::Api(verl_plugin_api::Error::failed(
+            return Err(BackendError::Api(verl_plugin_api::Error::failed(
                 "a sharded model is saved with save_on (every rank takes part)",
             )));
         }
-        std::fs::create_dir_all(dir).map_err(|source| FsdpError::Io {
+        std::fs::create_dir_all(dir).map_err(|source| BackendError::Io {
             path: dir.to_path_buf(),
             source,
         })?;
@@ -801,18 +786,18 @@ impl TrainableModel {
     /// size (a checkpoint of `w` ranks is resharded for this one's); returns its `extra` object.
     pub fn load(&mut self, dir: &Path, role: &str) -> Result<serde_json::Value> {
         let path = dir.join(STATE_FILE);
-        let text = std::fs::read_to_string(&path).map_err(|source| FsdpError::Io {
+        let text = std::fs::read_to_string(&path).map_err(|source| BackendError::Io {
             path: path.clone(),
             source,
         })?;
         let state: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| FsdpError::Checkpoint {
+            serde_json::from_str(&text).map_err(|e| BackendError::Checkpoint {
                 path: path.clone(),
                 message: format!("invalid JSON: {e}"),
             })?;
         let field = |k: &str| state.get(k).cloned().unwrap_or(serde_json::Value::Null);
         if field("format").as_str() != Some(FORMAT) || field("role").as_str() != Some(role) {
-            return Err(FsdpError::Checkpoint {
+            return Err(BackendError::Checkpoint {
                 path,
                 message: format!(
                     "expected format {FORMAT:?} for role {role:?}, found format {} role {}",
@@ -834,7 +819,7 @@ impl TrainableModel {
             self.load_unsharded(dir)?;
         }
         let count = |k: &str| -> Result<u64> {
-            field(k).as_u64().ok_or_else(|| FsdpError::Checkpoint {
+            field(k).as_u64().ok_or_else(|| BackendError::Checkpoint {
                 path: dir.join(STATE_FILE),
                 message: format!("`{k}` should be a non-negative integer, found {}", field(k)),
             })
@@ -919,7 +904,7 @@ fn write_json(path: &Path, json: &serde_json::Value) -> Result<()> {
         path,
         serde_json::to_string_pretty(json).expect("json") + "\n",
     )
-    .map_err(|source| FsdpError::Io {
+    .map_err(|source| BackendError::Io {
         path: path.to_path_buf(),
         source,
     })
@@ -935,12 +920,12 @@ fn copy_named(
     tch::no_grad(|| -> Result<()> {
         for (n, d) in names.iter().zip(dst) {
             let key = format!("{prefix}{n}");
-            let src = saved.get(&key).ok_or_else(|| FsdpError::Checkpoint {
+            let src = saved.get(&key).ok_or_else(|| BackendError::Checkpoint {
                 path: path.to_path_buf(),
                 message: format!("tensor `{key}` missing"),
             })?;
             if src.size() != d.size() {
-                return Err(FsdpError::Checkpoint {
+                return Err(BackendError::Checkpoint {
                     path: path.to_path_buf(),
                     message: format!(
                         "tensor `{key}` has shape {:?}, expected {:?}",
@@ -958,7 +943,7 @@ fn copy_named(
 /// The result of a sharded forward-backward: the gate's kept error first, then the model's, then
 /// the release of the gathered parameters.
 fn finish_gated(
-    kept: Option<FsdpError>,
+    kept: Option<BackendError>,
     released: Result<()>,
     res: verl_nn::Result<Tensor>,
 ) -> Result<Tensor> {
@@ -1009,7 +994,7 @@ where
     match (loss, captured) {
         (_, Some(Err(e))) | (Err(e), _) => Err(e),
         (Ok(loss), Some(Ok(side))) => Ok((loss, side)),
-        (Ok(_), None) => Err(FsdpError::Api(verl_plugin_api::Error::failed(
+        (Ok(_), None) => Err(BackendError::Api(verl_plugin_api::Error::failed(
             "the model returned a loss without running the loss function",
         ))),
     }

@@ -6,8 +6,8 @@
 use verl_nn::ModelConfig;
 use verl_plugin_api::InitArgs;
 
-use crate::config::{self, section, CriticSection, ModelSection};
-use crate::error::Result;
+use verl_backend_kit::config::{self, section, CriticSection, ModelSection};
+use verl_backend_kit::error::Result;
 
 /// One line per role the job creates (`init.extra.roles`; the actor alone when absent), e.g.
 /// `actor: qwen2, 24 layers, hidden 896; 2 rank(s)`, or the first role's error.

@@ -4,9 +4,10 @@
 
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
-use verl_fsdp_core::actor::{actor_micro_batch_loss, kv_budget, MicroBatchLoss};
-use verl_fsdp_core::config::RolloutEngineSection;
-use verl_fsdp_core::data::Sequences;
+use verl_backend_kit::budget::kv_budget;
+use verl_backend_kit::config::RolloutEngineSection;
+use verl_backend_kit::data::Sequences;
+use verl_fsdp_core::actor::{actor_micro_batch_loss, MicroBatchLoss};
 use verl_fsdp_core::forward::{layout_token_stats, layout_values, response_logits};
 use verl_fsdp_core::packing::{Padding, RowLayout};
 use verl_fsdp_core::FsdpPlugin;

@@ -365,13 +365,14 @@ fn time_update_against_compute_log_prob() {
         .map(|(_, p)| p.shallow_clone())
         .collect();
     let grads: Vec<tch::Tensor> = params.iter().map(|p| p.grad()).collect();
-    let cfg: verl_fsdp::config::OptimSection = serde_json::from_value(json!({"lr": 1e-4})).unwrap();
-    let mut opt = verl_fsdp::optim::AdamW::new(&cfg, "optim", &params).unwrap();
+    let cfg: verl_backend_kit::config::OptimSection =
+        serde_json::from_value(json!({"lr": 1e-4})).unwrap();
+    let mut opt = verl_backend_kit::optim::AdamW::new(&cfg, "optim", &params).unwrap();
     let step = median(
         (0..reps)
             .map(|_| {
                 ms(|| {
-                    verl_fsdp::optim::clip_grad_norm(&grads, 1.0).unwrap();
+                    verl_backend_kit::optim::clip_grad_norm(&grads, 1.0).unwrap();
                     opt.step(&params, &grads, 1e-4).unwrap();
                 })
             })

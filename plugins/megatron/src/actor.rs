@@ -14,13 +14,13 @@
 use std::path::Path;
 
 use tch::{Device, Tensor};
-use verl_comm::ReduceOp;
-use verl_fsdp_core::config::{
+use verl_backend_kit::budget::head_chunk_tokens;
+use verl_backend_kit::config::{
     self, section, ActorSection, ActorSettings, ActorUpdatePlan, LogProbSection, ModelSection,
-    RolloutEngineSection, TrainerSection,
+    RolloutEngineSection,
 };
-use verl_fsdp_core::data::{index_tensor, micro_batches, MicroBatch, Sequences};
-use verl_fsdp_core::forward::head_chunk_tokens;
+use verl_backend_kit::data::{index_tensor, micro_batches, MicroBatch, Sequences};
+use verl_comm::ReduceOp;
 use verl_losses::ChunkedLmHead;
 use verl_nn::{HeadKind, ModelConfig, SaveOptions, Transformer};
 use verl_plugin_api::{
@@ -40,16 +40,13 @@ use crate::pipeline::MicroInput;
 use crate::rollout::RolloutTp;
 use crate::tp::TpModel;
 use crate::train::TpTrainer;
-use verl_fsdp_core::generation::{derive_seed, GenerateCall};
-use verl_fsdp_core::update::{
+use verl_backend_kit::generation::{derive_seed, GenerateCall};
+use verl_backend_kit::update::{
     log_prob_batch, run_update, total_training_steps, zero_if_dummy, ActorUpdateInputs,
-    MicroOutcome, MiniBatch as UpdateMiniBatch, NonFiniteAt, UpdateEngine,
+    MicroOutcome, MiniBatch as UpdateMiniBatch, NonFiniteAt, UpdateEngine, UpdateRole,
 };
 
-enum Weights {
-    Train(Box<TpTrainer>),
-    Frozen(Box<TpModel>),
-}
+type Weights = verl_backend_kit::update::RoleWeights<TpTrainer, TpModel>;
 
 pub struct MegatronActor {
     /// Paths, log-prob micro-batching, the update plan and the generation seeds.
@@ -75,8 +72,7 @@ impl MegatronActor {
     pub fn create(init: &InitArgs, reference: bool) -> Result<MegatronActor> {
         let cfg = &init.config;
         let random_init = common::random_init_seed(init)?;
-        let trainer: TrainerSection = section(cfg, "trainer")?;
-        let device = config::device(&trainer, init.local_rank)?;
+        let (trainer, device) = config::trainer_device(init)?;
         let model_sec: ModelSection = section(cfg, "actor_rollout_ref.model")?;
         let model_dir = config::model_dir("actor_rollout_ref.model.path", &model_sec.path)?;
         let tokenizer_dir = model_sec
@@ -106,7 +102,7 @@ impl MegatronActor {
         if device.is_cuda() {
             // One process: expandable segments, as the FSDP backend (each generate call sizes its
             // KV cache from memory no tensor holds).
-            verl_fsdp_core::actor::expandable_segments(init.world_size as usize);
+            verl_backend_kit::device::expandable_segments(init.world_size as usize);
         }
         let par = common::join(init, role, layout, device)?;
         let dp_size = par.dp.size;
@@ -319,7 +315,7 @@ impl MegatronActor {
         // The FSDP backend's engine configuration: KV pool from gpu_memory_utilization, CUDA
         // graphs unless enforce_eager, max_num_seqs / max_num_batched_tokens.
         let mut budget =
-            verl_fsdp_core::actor::kv_budget(model, device, &engine, &call.mask, &call.params)
+            verl_backend_kit::budget::kv_budget(model, device, &engine, &call.mask, &call.params)
                 .map_err(|e| MegatronError::Api(ApiError::failed(format!("KV budget: {e}"))))?;
         if sharded {
             // The shards run the engine in lock-step: one pool size for the whole group (each
@@ -424,20 +420,20 @@ impl MegatronActor {
             temperature,
             // fp32 LM-head logits kept from each micro-batch's forward for its backward (TP = 1),
             // as the FSDP backend's update keeps them: one head GEMM per chunk less.
-            kept_logits_bytes: verl_fsdp_core::actor::kept_logits_budget(device),
+            kept_logits_bytes: verl_backend_kit::budget::kept_logits_budget(device),
         };
         let mut acc = run_update(&mut engine, &plan.spec(o, &inputs, lr))?;
         train.updates += 1;
         for (name, v) in common::moe_load_metrics(&train.model, par)? {
             acc.push_global(&name, v);
         }
-        verl_fsdp_core::metrics::push_gpu_memory(&mut acc, &par.dp_meta, device)?;
+        verl_backend_kit::metrics::push_gpu_memory(&mut acc, &par.dp_meta, device)?;
         acc.reduce(&par.dp_meta)?;
         metrics_from_last_stage(par, acc.into_metrics())
     }
 
     fn do_save(&mut self, dir: &Path) -> Result<()> {
-        let extra = serde_json::json!({"seed": self.settings.seed, "generate_calls": self.settings.generate_calls});
+        let extra = self.settings.rng_state();
         match &self.weights {
             Weights::Train(t) => crate::ckpt::save(t, &self.par, dir, self.settings.role, extra),
             Weights::Frozen(_) => Err(frozen()),
@@ -450,12 +446,7 @@ impl MegatronActor {
             Weights::Frozen(_) => return Err(frozen()),
         };
         self.rollout_model = None;
-        if let Some(calls) = extra.get("generate_calls").and_then(|v| v.as_u64()) {
-            self.settings.generate_calls = calls;
-        }
-        if let Some(seed) = extra.get("seed").and_then(|v| v.as_u64()) {
-            self.settings.seed = seed;
-        }
+        self.settings.restore_rng_state(&extra);
         Ok(())
     }
 
@@ -519,7 +510,7 @@ struct ActorEngine<'a> {
 impl UpdateEngine for ActorEngine<'_> {
     type Error = MegatronError;
 
-    fn dp(&self) -> &verl_fsdp_core::dp::Dp {
+    fn dp(&self) -> &verl_backend_kit::dp::Dp {
         &self.par.dp_meta
     }
 
@@ -642,7 +633,7 @@ impl UpdateEngine for ActorEngine<'_> {
 
     fn optimizer_step(&mut self, lr: f64, step: u64, mini: &UpdateMiniBatch<'_>) -> Result<f64> {
         self.train
-            .finish_mini_batch(self.par, lr, "actor", step, mini.epoch, mini.index)
+            .finish_mini_batch(self.par, lr, mini.step_at(UpdateRole::Actor, step))
     }
 }
 
@@ -690,11 +681,12 @@ impl Actor for MegatronActor {
         options: &serde_json::Value,
     ) -> ApiResult<Batch> {
         let r: Result<Batch> = match method {
-            verl_fsdp_core::bench::CALIBRATE => {
-                verl_fsdp_core::bench::calibrate(self.device, options).map_err(Into::into)
+            verl_backend_kit::bench::CALIBRATE => {
+                verl_backend_kit::bench::calibrate(self.device, options).map_err(Into::into)
             }
-            verl_fsdp_core::bench::MEMORY => {
-                verl_fsdp_core::bench::memory(self.device, self.memory_bytes()).map_err(Into::into)
+            verl_backend_kit::bench::MEMORY => {
+                verl_backend_kit::bench::memory(self.device, self.memory_bytes())
+                    .map_err(Into::into)
             }
             _ => Err(MegatronError::Api(ApiError::not_implemented(format!(
                 "megatron {} call `{method}` (it answers `calibrate` and `memory`)",

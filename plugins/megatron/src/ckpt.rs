@@ -30,7 +30,7 @@ pub const MODEL_DIR: &str = "model";
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> MegatronError + '_ {
     move |source| {
-        MegatronError::from(verl_fsdp_core::FsdpError::Io {
+        MegatronError::from(verl_backend_kit::BackendError::Io {
             path: path.to_path_buf(),
             source,
         })

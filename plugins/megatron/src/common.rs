@@ -5,11 +5,11 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
+use verl_backend_kit::config::{parse_dtype, section, MicroBatching};
+use verl_backend_kit::data::{index_tensor, micro_batches, MicroBatch, Sequences};
+use verl_backend_kit::dp::Dp;
+use verl_backend_kit::update::NonFiniteAt;
 use verl_comm::ReduceOp;
-use verl_fsdp_core::config::{parse_dtype, section, MicroBatching};
-use verl_fsdp_core::data::{index_tensor, micro_batches, MicroBatch, Sequences};
-use verl_fsdp_core::dp::Dp;
-use verl_fsdp_core::update::NonFiniteAt;
 use verl_nn::{Checkpoint, HeadKind, ModelConfig, ModelOptions, Transformer};
 use verl_plugin_api::InitArgs;
 
@@ -91,19 +91,6 @@ pub fn aux_loss_coeff(sec: &MegatronSection, prefix: &str, model: &ModelConfig) 
 /// `*.megatron.dtype` → the compute dtype.
 pub fn compute_dtype(sec: &MegatronSection, prefix: &str) -> Result<Kind> {
     Ok(parse_dtype(&format!("{prefix}.dtype"), &sec.dtype)?)
-}
-
-/// `InitArgs.extra.random_init.seed` (`verl bench`): fresh weights from the folder's config.json.
-pub fn random_init_seed(init: &InitArgs) -> Result<Option<u64>> {
-    let Some(r) = init.extra.get("random_init") else {
-        return Ok(None);
-    };
-    match r.get("seed") {
-        None => Ok(Some(0)),
-        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
-            MegatronError::config("InitArgs.extra.random_init.seed", "an unsigned integer", v)
-        }),
-    }
 }
 
 /// Joins the role's groups.
@@ -315,9 +302,9 @@ pub fn forward_micro_batches(
 
 // Shared with the FSDP backend: row-count and micro-batch agreement across data-parallel ranks,
 // and the tokenizer files an exported HF folder needs.
-pub use verl_fsdp_core::actor::{
-    copy_tokenizer_files, same_micro_batch_count, same_rows_on_every_rank,
-};
+pub use verl_backend_kit::budget::{same_micro_batch_count, same_rows_on_every_rank};
+pub use verl_backend_kit::model_files::{copy_tokenizer_files, random_init_seed};
+pub use verl_backend_kit::policy::check_temperature;
 
 /// What the MoE blocks do in each micro-batch of a mini-batch (`parts`, already equalised over the
 /// data-parallel ranks). Megatron scales the router load-balancing loss like the main loss, by
@@ -360,17 +347,6 @@ pub fn moe_load_metrics(model: &TpModel, par: &Parallel) -> Result<Vec<(String, 
     Ok(load.metrics())
 }
 
-pub fn check_temperature(temperature: f64) -> Result<()> {
-    if temperature.is_finite() && temperature > 0.0 {
-        return Ok(());
-    }
-    Err(MegatronError::config(
-        "actor_rollout_ref.rollout.temperature",
-        "a finite temperature > 0",
-        temperature,
-    ))
-}
-
 /// The last pipeline stage's `value` on every stage (what only it computed: losses, metrics).
 pub fn from_last_stage<T: serde::Serialize + serde::de::DeserializeOwned>(
     par: &Parallel,
@@ -411,7 +387,7 @@ fn internal_json(what: &str, e: serde_json::Error) -> MegatronError {
 
 /// The metrics of an update on every pipeline stage: the losses and everything derived from them
 /// exist on the last stage only, so its metrics are what every rank reports; the memory metrics
-/// ([`verl_fsdp_core::metrics::MEMORY_METRICS`]) are the maximum over the stages.
+/// ([`verl_backend_kit::metrics::MEMORY_METRICS`]) are the maximum over the stages.
 pub fn metrics_from_last_stage(
     par: &Parallel,
     mine: Vec<(String, f64)>,
@@ -419,7 +395,7 @@ pub fn metrics_from_last_stage(
     if par.pp.size == 1 {
         return Ok(mine);
     }
-    let keys = verl_fsdp_core::metrics::MEMORY_METRICS;
+    let keys = verl_backend_kit::metrics::MEMORY_METRICS;
     let mut memory = keys.map(|key| {
         mine.iter()
             .find(|(k, _)| k == key)

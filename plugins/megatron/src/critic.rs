@@ -5,11 +5,10 @@
 use std::path::Path;
 
 use tch::{Device, Kind};
-use verl_fsdp_core::config::{
+use verl_backend_kit::config::{
     self, section, CriticSection, CriticUpdatePlan, LogProbSection, MicroBatching, ModelSection,
-    TrainerSection,
 };
-use verl_fsdp_core::data::{index_tensor, micro_batches, MicroBatch, Sequences};
+use verl_backend_kit::data::{index_tensor, micro_batches, MicroBatch, Sequences};
 use verl_losses::CriticLoss;
 use verl_nn::{HeadKind, ModelConfig};
 use verl_plugin_api::{
@@ -26,9 +25,9 @@ use crate::offload::{on_device, Need, Offload, Place};
 use crate::parallel::Parallel;
 use crate::pipeline::MicroInput;
 use crate::train::TpTrainer;
-use verl_fsdp_core::update::{
+use verl_backend_kit::update::{
     run_update, total_training_steps, CriticUpdateInputs, MicroOutcome,
-    MiniBatch as UpdateMiniBatch, NonFiniteAt, UpdateEngine,
+    MiniBatch as UpdateMiniBatch, NonFiniteAt, UpdateEngine, UpdateRole,
 };
 
 pub struct MegatronCritic {
@@ -37,7 +36,6 @@ pub struct MegatronCritic {
     device: Device,
     /// Micro-batching of the value forwards and the update, mini-batches, epochs, the loss.
     plan: CriticUpdatePlan,
-    trainer_total_steps: Option<i64>,
     /// `critic.megatron.param_offload` / `grad_offload` / `optimizer_offload`
     /// ([`crate::offload`]).
     offload: Offload,
@@ -46,8 +44,7 @@ pub struct MegatronCritic {
 impl MegatronCritic {
     pub fn create(init: &InitArgs) -> Result<MegatronCritic> {
         let cfg = &init.config;
-        let trainer: TrainerSection = section(cfg, "trainer")?;
-        let device = config::device(&trainer, init.local_rank)?;
+        let (trainer, device) = config::trainer_device(init)?;
         let critic: CriticSection = section(cfg, "critic")?;
         let actor_model: ModelSection = section(cfg, "actor_rollout_ref.model")?;
         let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
@@ -61,7 +58,7 @@ impl MegatronCritic {
         if device.is_cuda() {
             // One process: expandable segments, as the FSDP backend (each generate call sizes its
             // KV cache from memory no tensor holds).
-            verl_fsdp_core::actor::expandable_segments(init.world_size as usize);
+            verl_backend_kit::device::expandable_segments(init.world_size as usize);
         }
         let par = common::join(init, "critic", layout, device)?;
         let dp_size = par.dp.size;
@@ -76,7 +73,7 @@ impl MegatronCritic {
             aux_loss_coeff,
         )?;
         common::apply_recompute(&mut model, &mg, prefix)?;
-        let plan = CriticUpdatePlan::resolve(cfg, &critic, &rollout, dp_size)?;
+        let plan = CriticUpdatePlan::resolve(cfg, &critic, &rollout, &trainer, dp_size)?;
         let train = TpTrainer::new(
             model,
             critic.optim.clone(),
@@ -89,7 +86,6 @@ impl MegatronCritic {
             par,
             device,
             plan,
-            trainer_total_steps: trainer.total_training_steps,
             offload: Offload::of(&mg),
         };
         critic.move_offloaded(Need::Train, Place::Host)?;
@@ -154,7 +150,7 @@ impl MegatronCritic {
                 Ok(vec![v.f_to_kind(Kind::Float).ctx("values to fp32")?])
             },
         )?;
-        Ok(verl_fsdp_core::update::values_batch(&seqs, &res[0])?)
+        Ok(verl_backend_kit::update::values_batch(&seqs, &res[0])?)
     }
 
     fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
@@ -163,7 +159,7 @@ impl MegatronCritic {
         let inputs = CriticUpdateInputs::from_batch(batch, CALL, device)?;
         let lr = self
             .train
-            .lr(total_training_steps(o, self.trainer_total_steps))?;
+            .lr(total_training_steps(o, self.plan.trainer_total_steps))?;
         let par = &self.par;
         same_rows_on_every_rank(&par.dp_meta, inputs.seqs.rows(), CALL)?;
         let train = &mut self.train;
@@ -183,7 +179,7 @@ impl MegatronCritic {
         for (name, v) in common::moe_load_metrics(&train.model, par)? {
             acc.push_global(&format!("critic/{name}"), v);
         }
-        verl_fsdp_core::metrics::push_gpu_memory(&mut acc, &par.dp_meta, device)?;
+        verl_backend_kit::metrics::push_gpu_memory(&mut acc, &par.dp_meta, device)?;
         acc.reduce(&par.dp_meta)?;
         metrics_from_last_stage(par, acc.into_metrics())
     }
@@ -203,7 +199,7 @@ struct CriticEngine<'a> {
 impl UpdateEngine for CriticEngine<'_> {
     type Error = MegatronError;
 
-    fn dp(&self) -> &verl_fsdp_core::dp::Dp {
+    fn dp(&self) -> &verl_backend_kit::dp::Dp {
         &self.par.dp_meta
     }
 
@@ -272,7 +268,7 @@ impl UpdateEngine for CriticEngine<'_> {
 
     fn optimizer_step(&mut self, lr: f64, step: u64, mini: &UpdateMiniBatch<'_>) -> Result<f64> {
         self.train
-            .finish_mini_batch(self.par, lr, "critic", step, mini.epoch, mini.index)
+            .finish_mini_batch(self.par, lr, mini.step_at(UpdateRole::Critic, step))
     }
 }
 

@@ -39,7 +39,7 @@ pub enum MegatronError {
 
     /// Errors of the batching, optimizer and metric helpers shared with the FSDP backend.
     #[error(transparent)]
-    Shared(Box<verl_fsdp_core::FsdpError>),
+    Shared(Box<verl_backend_kit::BackendError>),
 
     /// A libtorch call failed; `message` is its first line (libtorch appends a C++ backtrace).
     #[error("libtorch: {context}: {message}")]
@@ -57,11 +57,11 @@ impl MegatronError {
         expected: impl Into<String>,
         found: impl ToString,
     ) -> Self {
-        verl_fsdp_core::FsdpError::config(key, expected, found).into()
+        verl_backend_kit::BackendError::config(key, expected, found).into()
     }
 
     pub fn checkpoint(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
-        verl_fsdp_core::FsdpError::Checkpoint {
+        verl_backend_kit::BackendError::Checkpoint {
             path: path.into(),
             message: message.into(),
         }
@@ -78,7 +78,7 @@ impl MegatronError {
             self,
             MegatronError::Shared(e) if matches!(
                 **e,
-                verl_fsdp_core::FsdpError::Comm {
+                verl_backend_kit::BackendError::Comm {
                     source: verl_comm::CommError::PeerFailed { .. },
                     ..
                 }
@@ -87,8 +87,8 @@ impl MegatronError {
     }
 }
 
-impl From<verl_fsdp_core::FsdpError> for MegatronError {
-    fn from(e: verl_fsdp_core::FsdpError) -> Self {
+impl From<verl_backend_kit::BackendError> for MegatronError {
+    fn from(e: verl_backend_kit::BackendError) -> Self {
         MegatronError::Shared(Box::new(e))
     }
 }

@@ -80,7 +80,7 @@ impl BackendPlugin for MegatronPlugin {
     /// The reward model is frozen and scores whole sequences: every rank holds the whole model
     /// and scores its own rows (the backend-neutral role of `verl-fsdp-core`).
     fn create_reward_model(init: &InitArgs) -> Result<Box<dyn Reward>> {
-        Ok(Box::new(verl_fsdp_core::FsdpRewardModel::create(init)?))
+        Ok(Box::new(verl_backend_kit::RewardModelRole::create(init)?))
     }
     /// Each role's layout against the world size and the model's config.json ([`validate`]).
     fn validate(init: &InitArgs) -> Option<Result<String>> {

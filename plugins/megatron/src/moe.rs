@@ -732,7 +732,7 @@ impl EpMoe {
     fn check(&self, x: &Tensor, valid: Option<&Tensor>) -> Result<(Tensor, Vec<bool>)> {
         let size = x.size();
         if size.last().copied() != Some(self.spec.hidden) {
-            return Err(MegatronError::from(verl_fsdp_core::FsdpError::Input {
+            return Err(MegatronError::from(verl_backend_kit::BackendError::Input {
                 call: "expert-parallel moe",
                 column: "hidden_states".into(),
                 expected: format!("[.., {}] (hidden_size)", self.spec.hidden),
@@ -745,7 +745,7 @@ impl EpMoe {
             None => vec![true; n as usize],
             Some(v) => {
                 if v.size()[..] != size[..size.len() - 1] {
-                    return Err(MegatronError::from(verl_fsdp_core::FsdpError::Input {
+                    return Err(MegatronError::from(verl_backend_kit::BackendError::Input {
                         call: "expert-parallel moe",
                         column: "valid token mask".into(),
                         expected: format!("shape {:?}", &size[..size.len() - 1]),

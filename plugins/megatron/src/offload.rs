@@ -26,7 +26,7 @@
 use std::collections::{HashMap, HashSet};
 
 use tch::{Device, Tensor};
-use verl_fsdp_core::host_params::{host_buffers, Fill};
+use verl_backend_kit::host_params::{host_buffers, Fill};
 
 use crate::error::{Result, TorchContext};
 use crate::layout::MegatronSection;

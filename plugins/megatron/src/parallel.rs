@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tch::{Device, Kind, Tensor};
+use verl_backend_kit::dp::Dp;
 use verl_comm::{
     CommError, Communicator, CpuCommunicator, CpuOptions, NcclCommunicator, NcclOptions, ReduceOp,
     StoreClient,
 };
-use verl_fsdp_core::dp::Dp;
 use verl_plugin_api::InitArgs;
 
 use crate::error::{MegatronError, Result, TorchContext};

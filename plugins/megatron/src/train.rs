@@ -22,9 +22,10 @@
 use std::collections::HashMap;
 
 use tch::{Kind, Tensor};
+use verl_backend_kit::config::OptimSection;
+use verl_backend_kit::optim::{AdamW, LrSchedule};
+use verl_backend_kit::update::StepAt;
 use verl_comm::ReduceOp;
-use verl_fsdp_core::config::OptimSection;
-use verl_fsdp_core::optim::{AdamW, LrSchedule};
 
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::offload::{
@@ -77,7 +78,7 @@ impl Flat {
     }
 }
 
-pub use verl_fsdp_core::shard::What;
+pub use verl_backend_kit::optim::What;
 
 pub struct TpTrainer {
     pub model: TpModel,
@@ -213,7 +214,7 @@ impl TpTrainer {
     /// The LR schedule, built on first use so the host can pass the total step count with the first
     /// update (`UpdateOptions.extra.total_training_steps`).
     pub fn lr(&mut self, fallback_total: Option<i64>) -> Result<f64> {
-        Ok(verl_fsdp_core::optim::scheduled_lr(
+        Ok(verl_backend_kit::optim::scheduled_lr(
             &mut self.schedule,
             &self.optim_cfg,
             &self.optim_key,
@@ -292,16 +293,7 @@ impl TpTrainer {
     /// (of the whole model), clipping, and — if the norm is finite — the AdamW step and the new
     /// weights published into the model. A non-finite norm clears the gradients, leaves the weights
     /// untouched and fails naming `role`, step, epoch, mini-batch and `<role>/grad_norm`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn finish_mini_batch(
-        &mut self,
-        par: &Parallel,
-        lr: f64,
-        role: &'static str,
-        step: u64,
-        epoch: usize,
-        mini_batch: usize,
-    ) -> Result<f64> {
+    pub fn finish_mini_batch(&mut self, par: &Parallel, lr: f64, at: StepAt) -> Result<f64> {
         self.sum_tied_embedding_gradients(par)?;
         let mut reduced = Vec::with_capacity(self.grads.len());
         for (f, g) in self.flats.iter().zip(&self.grads) {
@@ -359,15 +351,7 @@ impl TpTrainer {
         let norm = stage[0].sqrt();
         if !norm.is_finite() {
             self.zero_grad()?;
-            return Err(MegatronError::from(verl_fsdp_core::FsdpError::NonFinite {
-                role,
-                step,
-                epoch,
-                mini_batch,
-                micro: String::new(),
-                metric: format!("{role}/grad_norm"),
-                value: norm,
-            }));
+            return Err(at.non_finite_grad_norm(norm).into());
         }
         if self.grad_clip > 0.0 {
             let coef = self.grad_clip / (norm + 1e-6);

@@ -3,7 +3,7 @@
 //! config.json, through the same code the roles run when they are created ([`common::role_layout`],
 //! [`crate::rollout::resolve`]), without joining groups, touching a device or reading weights.
 
-use verl_fsdp_core::config::{self, section, CriticSection, ModelSection, RolloutEngineSection};
+use verl_backend_kit::config::{self, section, CriticSection, ModelSection, RolloutEngineSection};
 use verl_nn::ModelConfig;
 use verl_plugin_api::InitArgs;
 

@@ -881,7 +881,7 @@ fn bad_layouts_and_inputs_are_named() {
     .unwrap();
     let e = MoeSpec::new(&dense, 0, 0.0).unwrap_err();
     assert!(
-        matches!(&e, MegatronError::Shared(s) if matches!(**s, verl_fsdp_core::FsdpError::Config { .. })),
+        matches!(&e, MegatronError::Shared(s) if matches!(**s, verl_backend_kit::BackendError::Config { .. })),
         "{e}"
     );
     assert!(e.to_string().contains("mixture-of-experts"), "{e}");

@@ -67,7 +67,7 @@ fn train(master: Kind, compute: Kind, offload: Offload, chunk: usize) -> (State,
                 .unwrap();
             t.after_backward().unwrap();
         }
-        t.finish_mini_batch(&dp, 1e-2, "actor", step, 0, 0).unwrap();
+        t.finish_mini_batch(&dp, 1e-2, at("actor", step)).unwrap();
     }
     (snapshot(&t), t)
 }
@@ -175,7 +175,7 @@ fn gradient_accumulators_are_held_only_between_backward_and_step() {
     assert_eq!(t.memory().grads, 0, "after zero_grad");
     // A step with no backward since zero_grad takes zero gradients (weight decay only).
     let before = snapshot(&t);
-    t.finish_mini_batch(&Dp::single(), 1e-2, "actor", 9, 0, 0)
+    t.finish_mini_batch(&Dp::single(), 1e-2, at("actor", 9))
         .unwrap();
     let after = snapshot(&t);
     for (m0, m1) in before.2.iter().zip(&after.2) {
@@ -215,4 +215,13 @@ fn one_rank_offload_keeps_what_can_leave_the_device() {
         one_rank_offload(Offload::default(), mixed, Device::Cuda(0), sec),
         Offload::default()
     );
+}
+
+fn at(role: &'static str, step: u64) -> verl_backend_kit::update::StepAt {
+    verl_backend_kit::update::StepAt {
+        role,
+        step,
+        epoch: 0,
+        mini_batch: 0,
+    }
 }

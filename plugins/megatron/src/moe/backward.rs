@@ -84,7 +84,7 @@ impl EpMoe {
         sink: &mut dyn FnMut(usize, &Tensor) -> Result<()>,
     ) -> Result<MoeGrad> {
         if grad_y.size() != x.size() {
-            return Err(MegatronError::from(verl_fsdp_core::FsdpError::Input {
+            return Err(MegatronError::from(verl_backend_kit::BackendError::Input {
                 call: "expert-parallel moe backward",
                 column: "output gradient".into(),
                 expected: format!("the input's shape {:?}", x.size()),

@@ -36,7 +36,7 @@ impl EpMoe {
         let mut counts = vec![0i64; 2 * e];
         for (flat, &x) in sel.iter().enumerate() {
             let slot = per_expert.get_mut(x as usize).ok_or_else(|| {
-                MegatronError::from(verl_fsdp_core::FsdpError::Input {
+                MegatronError::from(verl_backend_kit::BackendError::Input {
                     call: "expert-parallel moe",
                     column: "router output".into(),
                     expected: format!("expert ids below {e}"),

@@ -17,7 +17,7 @@ use verl_comm::{
 };
 use verl_plugin_api::InitArgs;
 
-use crate::error::{FsdpError, Result, TorchContext};
+use crate::error::{BackendError, Result, TorchContext};
 
 pub struct Dp {
     pub rank: usize,
@@ -69,14 +69,14 @@ impl Dp {
             return Ok(Dp::single());
         }
         if init.rank >= init.world_size {
-            return Err(FsdpError::config(
+            return Err(BackendError::config(
                 "InitArgs.rank",
                 format!("a rank below the world size {}", init.world_size),
                 init.rank,
             ));
         }
         let rdv = init.rendezvous.as_ref().ok_or_else(|| {
-            FsdpError::config(
+            BackendError::config(
                 "InitArgs.rendezvous",
                 format!(
                     "the job's store (master_addr, master_port) for a world of {} ranks",
@@ -88,7 +88,8 @@ impl Dp {
         let (rank, world) = (init.rank as usize, init.world_size as usize);
         let timeout = Duration::from_secs(rdv.timeout_s.max(1));
         let addr = format!("{}:{}", rdv.master_addr, rdv.master_port);
-        let comm_err = |op: &'static str| move |source: CommError| FsdpError::Comm { op, source };
+        let comm_err =
+            |op: &'static str| move |source: CommError| BackendError::Comm { op, source };
         let store = StoreClient::connect_as(addr.as_str(), rank, timeout)
             .map_err(|e| comm_err("connect to the rendezvous store")(e.into()))?;
         let instance = store
@@ -131,7 +132,7 @@ impl Dp {
                 device,
             ),
             other => {
-                return Err(FsdpError::config(
+                return Err(BackendError::config(
                     "trainer.device",
                     "cpu or cuda for a multi-rank job",
                     format!("{other:?}"),
@@ -183,7 +184,7 @@ impl Dp {
             .and_then(|t| t.f_to_device(self.device))
             .ctx("reduction buffer")?;
         comm.all_reduce(&mut t, op)
-            .map_err(|source| FsdpError::Comm { op: what, source })?;
+            .map_err(|source| BackendError::Comm { op: what, source })?;
         let host = Vec::<f64>::try_from(&t.f_to_device(Device::Cpu).ctx("reduction result")?)
             .ctx("reduction result")?;
         values.copy_from_slice(&host);
@@ -195,7 +196,7 @@ impl Dp {
         match self.comm() {
             Some(c) => c
                 .all_gather_into(output, input)
-                .map_err(|source| FsdpError::Comm {
+                .map_err(|source| BackendError::Comm {
                     op: "all_gather (parameters)",
                     source,
                 }),
@@ -208,7 +209,7 @@ impl Dp {
         match self.comm() {
             Some(c) => c
                 .reduce_scatter(output, input, ReduceOp::Sum)
-                .map_err(|source| FsdpError::Comm {
+                .map_err(|source| BackendError::Comm {
                     op: "reduce_scatter (gradients)",
                     source,
                 }),
@@ -219,12 +220,13 @@ impl Dp {
     /// [`Dp::all_gather_into`] that may still be running (see [`Pending`]); one rank: a copy.
     pub fn all_gather_into_async(&self, output: &Tensor, input: &Tensor) -> Result<Pending> {
         match self.comm() {
-            Some(c) => c
-                .all_gather_into_async(output, input)
-                .map_err(|source| FsdpError::Comm {
-                    op: "all_gather (parameters)",
-                    source,
-                }),
+            Some(c) => {
+                c.all_gather_into_async(output, input)
+                    .map_err(|source| BackendError::Comm {
+                        op: "all_gather (parameters)",
+                        source,
+                    })
+            }
             None => {
                 output
                     .shallow_clone()
@@ -240,7 +242,7 @@ impl Dp {
         match self.comm() {
             Some(c) => c
                 .reduce_scatter_async(output, input, ReduceOp::Sum)
-                .map_err(|source| FsdpError::Comm {
+                .map_err(|source| BackendError::Comm {
                     op: "reduce_scatter (gradients)",
                     source,
                 }),
@@ -257,10 +259,12 @@ impl Dp {
     /// Copies rank `root`'s `tensor` into `tensor` on every rank.
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
         match self.comm() {
-            Some(c) => c.broadcast(tensor, root).map_err(|source| FsdpError::Comm {
-                op: "broadcast (initial weights)",
-                source,
-            }),
+            Some(c) => c
+                .broadcast(tensor, root)
+                .map_err(|source| BackendError::Comm {
+                    op: "broadcast (initial weights)",
+                    source,
+                }),
             None => Ok(()),
         }
     }
@@ -269,19 +273,19 @@ impl Dp {
         match self.comm() {
             Some(c) => c
                 .barrier()
-                .map_err(|source| FsdpError::Comm { op: what, source }),
+                .map_err(|source| BackendError::Comm { op: what, source }),
             None => Ok(()),
         }
     }
 
     /// Declares this rank failed with `error`, so that every other rank's pending and later
     /// collectives fail naming this rank instead of waiting for it. Returns `error`.
-    pub fn fail(&self, error: FsdpError) -> FsdpError {
+    pub fn fail(&self, error: BackendError) -> BackendError {
         if let Some(c) = self.comm() {
             // A peer's failure reached us: repeating it would only blur the root cause.
             if !matches!(
                 error,
-                FsdpError::Comm {
+                BackendError::Comm {
                     source: CommError::PeerFailed { .. },
                     ..
                 }

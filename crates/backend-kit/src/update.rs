@@ -16,12 +16,19 @@ use verl_losses::{
 };
 use verl_plugin_api::{col, Batch, UpdateOptions};
 
-use crate::actor::{entropy_metric_requested, policy_anchor, PolicyAnchor};
 use crate::config::{ActorSettings, ActorUpdatePlan, CriticUpdatePlan};
 use crate::data::{chunks, column, index_tensor, to_f32_vec, Sequences};
 use crate::dp::Dp;
-use crate::error::{FsdpError, Result, TorchContext};
+use crate::error::{BackendError, Result, TorchContext};
 use crate::metrics::MetricAcc;
+use crate::policy::{entropy_metric_requested, policy_anchor, PolicyAnchor};
+
+/// An actor role's model: trainable (the actor, with what its engine trains: masters, optimizer
+/// state, shards) or frozen (the reference, forward only).
+pub enum RoleWeights<T, F> {
+    Train(Box<T>),
+    Frozen(Box<F>),
+}
 
 /// Which role an update trains: its metric names and how they reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,7 +90,7 @@ pub struct NonFiniteAt {
 
 /// What a backend does inside the shared update loop.
 pub trait UpdateEngine {
-    type Error: From<FsdpError>;
+    type Error: From<BackendError>;
 
     /// The data-parallel group: the mini-batch counts and the metrics reduce over it.
     fn dp(&self) -> &Dp;
@@ -114,6 +121,42 @@ pub trait UpdateEngine {
         step: u64,
         mini: &MiniBatch<'_>,
     ) -> std::result::Result<f64, Self::Error>;
+}
+
+/// Where an optimizer step falls in a run, as its errors name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepAt {
+    pub role: &'static str,
+    pub step: u64,
+    pub epoch: usize,
+    pub mini_batch: usize,
+}
+
+impl StepAt {
+    /// The error of a non-finite gradient norm: the step is skipped, the weights are unchanged.
+    pub fn non_finite_grad_norm(&self, value: f64) -> BackendError {
+        BackendError::NonFinite {
+            role: self.role,
+            step: self.step,
+            epoch: self.epoch,
+            mini_batch: self.mini_batch,
+            micro: String::new(),
+            metric: format!("{}/grad_norm", self.role),
+            value,
+        }
+    }
+}
+
+impl MiniBatch<'_> {
+    /// This mini-batch's optimizer step of `role` at global step `step`.
+    pub fn step_at(&self, role: UpdateRole, step: u64) -> StepAt {
+        StepAt {
+            role: role.name(),
+            step,
+            epoch: self.epoch,
+            mini_batch: self.index,
+        }
+    }
 }
 
 /// What the loop needs to know of the update.
@@ -189,7 +232,7 @@ pub fn run_update<E: UpdateEngine>(
             }
             if let Some(b) = engine.agree(bad)? {
                 let _ = engine.zero_grad();
-                return Err(FsdpError::NonFinite {
+                return Err(BackendError::NonFinite {
                     role,
                     step: spec.global_step,
                     epoch,
@@ -253,10 +296,25 @@ pub fn total_training_steps(o: &UpdateOptions, trainer_total: Option<i64>) -> Op
 }
 
 impl ActorSettings {
+    /// The role's RNG state as its checkpoint keeps it: the seed and the generate calls so far.
+    pub fn rng_state(&self) -> serde_json::Value {
+        serde_json::json!({"seed": self.seed, "generate_calls": self.generate_calls})
+    }
+
+    /// Takes back the RNG state a checkpoint kept ([`ActorSettings::rng_state`]).
+    pub fn restore_rng_state(&mut self, saved: &serde_json::Value) {
+        if let Some(calls) = saved.get("generate_calls").and_then(|v| v.as_u64()) {
+            self.generate_calls = calls;
+        }
+        if let Some(seed) = saved.get("seed").and_then(|v| v.as_u64()) {
+            self.seed = seed;
+        }
+    }
+
     /// The update plan of a trainable actor; the frozen reference has none.
     pub fn trainable(&self) -> Result<&ActorUpdatePlan> {
         self.update.as_ref().ok_or_else(|| {
-            FsdpError::Api(verl_plugin_api::Error::not_implemented(
+            BackendError::Api(verl_plugin_api::Error::not_implemented(
                 "the reference policy is frozen; only the actor role can be trained",
             ))
         })

@@ -16,10 +16,10 @@ use verl_plugin_api::{
 };
 
 use crate::config::{self, parse_dtype, section, TrainerSection};
-use crate::error::{FsdpError, Result, TorchContext};
+use crate::error::{BackendError, Result, TorchContext};
 use crate::host_params::HostParams;
 
-pub struct FsdpRewardModel {
+pub struct RewardModelRole {
     model: Transformer,
     device: Device,
     spec: RewardModelSpec,
@@ -28,8 +28,8 @@ pub struct FsdpRewardModel {
     held: bool,
 }
 
-impl FsdpRewardModel {
-    pub fn create(init: &InitArgs) -> Result<FsdpRewardModel> {
+impl RewardModelRole {
+    pub fn create(init: &InitArgs) -> Result<RewardModelRole> {
         let spec: RewardModelSpec = init
             .extra
             .get("reward_model")
@@ -37,10 +37,10 @@ impl FsdpRewardModel {
             .map(serde_json::from_value)
             .transpose()
             .map_err(|e| {
-                FsdpError::config("InitArgs.extra.reward_model", "a reward model spec", e)
+                BackendError::config("InitArgs.extra.reward_model", "a reward model spec", e)
             })?
             .ok_or_else(|| {
-                FsdpError::config(
+                BackendError::config(
                     "InitArgs.extra.reward_model",
                     "the reward model to load",
                     "nothing",
@@ -62,7 +62,7 @@ impl FsdpRewardModel {
                 .get("architectures")
                 .map(|a| a.to_string())
                 .unwrap_or_else(|| "no `architectures`".into());
-            FsdpError::config(
+            BackendError::config(
                 key,
                 "a reward model: a config.json whose architectures name a \
                  *ForSequenceClassification or *ForRewardModel class",
@@ -87,7 +87,7 @@ impl FsdpRewardModel {
             None => Transformer::from_pretrained_with_report(&dir, &opts)?,
         };
         if !report.initialized.is_empty() {
-            return Err(FsdpError::config(
+            return Err(BackendError::config(
                 key,
                 "a reward model checkpoint with its score head",
                 format!(
@@ -103,7 +103,7 @@ impl FsdpRewardModel {
         } else {
             None
         };
-        Ok(FsdpRewardModel {
+        Ok(RewardModelRole {
             model,
             device,
             spec,
@@ -227,7 +227,7 @@ impl FsdpRewardModel {
             })
             .collect();
         if let Some(r) = lens.iter().position(|&l| l == 0) {
-            return Err(FsdpError::Input {
+            return Err(BackendError::Input {
                 call: "RewardModel.score",
                 column: col::ATTENTION_MASK.into(),
                 expected: "at least one real token per row".into(),
@@ -243,7 +243,7 @@ impl FsdpRewardModel {
     }
 }
 
-impl Reward for FsdpRewardModel {
+impl Reward for RewardModelRole {
     fn score(&mut self, batch: &Batch, _options: &ScoreOptions) -> ApiResult<Batch> {
         let _trace = verl_nn::profile::trace("reward_model", self.device);
         self.onload()?;
@@ -330,7 +330,7 @@ mod tests {
         dir
     }
 
-    fn role(dir: &std::path::Path, spec: serde_json::Value) -> FsdpRewardModel {
+    fn role(dir: &std::path::Path, spec: serde_json::Value) -> RewardModelRole {
         let mut init = InitArgs::new(
             Role::RewardModel,
             serde_json::json!({"trainer": {"device": "cpu"}}),
@@ -340,7 +340,7 @@ mod tests {
             s[k] = v.clone();
         }
         init.extra = serde_json::json!({ "reward_model": s });
-        FsdpRewardModel::create(&init).unwrap()
+        RewardModelRole::create(&init).unwrap()
     }
 
     fn batch() -> Batch {
@@ -402,7 +402,7 @@ mod tests {
             .score(&batch(), &opts)
             .unwrap();
         let mut off = role(dir.path(), serde_json::json!({"offload": true}));
-        let on_device = |r: &mut FsdpRewardModel| {
+        let on_device = |r: &mut RewardModelRole| {
             r.call("memory", &Batch::new(), &serde_json::Value::Null)
                 .unwrap()
                 .tensor::<i64>("on_device")
@@ -434,7 +434,7 @@ mod tests {
         );
         init.extra = serde_json::json!({"reward_model": {
             "path": dir.path().to_str().unwrap(), "path_key": "reward.reward_model.model_path"}});
-        let e = FsdpRewardModel::create(&init).err().unwrap().to_string();
+        let e = RewardModelRole::create(&init).err().unwrap().to_string();
         assert!(
             e.contains("reward.reward_model.model_path")
                 && e.contains("ForSequenceClassification")

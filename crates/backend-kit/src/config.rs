@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use tch::{Device, Kind};
 
-use crate::error::{FsdpError, Result};
+use crate::error::{BackendError, Result};
 
 /// Reads the section at `path` (dot-separated) of the whole config; absent or null means defaults.
 pub fn section<T: DeserializeOwned + Default>(root: &Value, path: &str) -> Result<T> {
@@ -24,7 +24,7 @@ pub fn section<T: DeserializeOwned + Default>(root: &Value, path: &str) -> Resul
         return Ok(T::default());
     }
     serde_json::from_value(v.clone()).map_err(|e| {
-        FsdpError::config(
+        BackendError::config(
             path,
             format!("a `{path}` section verl accepts"),
             format!("{e}"),
@@ -106,7 +106,7 @@ impl FsdpSection {
             Some(Value::String(d)) => {
                 parse_dtype(&format!("{prefix}.mixed_precision.reduce_dtype"), d)
             }
-            Some(other) => Err(FsdpError::config(
+            Some(other) => Err(BackendError::config(
                 format!("{prefix}.mixed_precision.reduce_dtype"),
                 "one of fp32, bf16, fp16",
                 other.to_string(),
@@ -120,7 +120,7 @@ pub fn parse_dtype(key: &str, s: &str) -> Result<Kind> {
         "fp32" | "float32" | "float" | "32" => Ok(Kind::Float),
         "bf16" | "bfloat16" => Ok(Kind::BFloat16),
         "fp16" | "float16" | "half" | "16" => Ok(Kind::Half),
-        other => Err(FsdpError::config(
+        other => Err(BackendError::config(
             key,
             "one of fp32, bf16, fp16 (or float32, bfloat16, float16)",
             format!("{other:?}"),
@@ -342,13 +342,21 @@ impl Default for TrainerSection {
     }
 }
 
+/// The job's `trainer` section and the device of this rank (`trainer.device`, the rank's local
+/// GPU for CUDA).
+pub fn trainer_device(init: &verl_plugin_api::InitArgs) -> Result<(TrainerSection, Device)> {
+    let trainer: TrainerSection = section(&init.config, "trainer")?;
+    let device = device(&trainer, init.local_rank)?;
+    Ok((trainer, device))
+}
+
 /// `trainer.device` → the device this rank's model lives on.
 pub fn device(trainer: &TrainerSection, local_rank: u32) -> Result<Device> {
     match trainer.device.as_str() {
         "cpu" => Ok(Device::Cpu),
         "cuda" | "gpu" => {
             if !tch::Cuda::is_available() {
-                return Err(FsdpError::config(
+                return Err(BackendError::config(
                     "trainer.device",
                     "a device this process can use (CUDA is not available here: set trainer.device=cpu)",
                     "\"cuda\"",
@@ -356,7 +364,7 @@ pub fn device(trainer: &TrainerSection, local_rank: u32) -> Result<Device> {
             }
             let n = tch::Cuda::device_count() as u32;
             if local_rank >= n {
-                return Err(FsdpError::config(
+                return Err(BackendError::config(
                     "trainer.device",
                     format!("local rank {local_rank} to have a GPU"),
                     format!("{n} visible GPUs"),
@@ -364,7 +372,7 @@ pub fn device(trainer: &TrainerSection, local_rank: u32) -> Result<Device> {
             }
             Ok(Device::Cuda(local_rank as usize))
         }
-        other => Err(FsdpError::config(
+        other => Err(BackendError::config(
             "trainer.device",
             "\"cpu\" or \"cuda\"",
             format!("{other:?}"),
@@ -383,11 +391,15 @@ pub fn expand_home(path: &str) -> PathBuf {
 /// A model folder key: non-empty and existing.
 pub fn model_dir(key: &str, path: &str) -> Result<PathBuf> {
     if path.is_empty() {
-        return Err(FsdpError::config(key, "a HF model folder", "an empty path"));
+        return Err(BackendError::config(
+            key,
+            "a HF model folder",
+            "an empty path",
+        ));
     }
     let p = expand_home(path);
     if !p.is_dir() {
-        return Err(FsdpError::config(
+        return Err(BackendError::config(
             key,
             "an existing HF model folder",
             format!("{} (not a directory)", p.display()),
@@ -448,7 +460,7 @@ fn mini_batch_rows(
 ) -> Result<(usize, usize)> {
     let mini = (ppo_mini_batch_size * n) as usize / dp_size;
     if mini == 0 {
-        return Err(FsdpError::config(
+        return Err(BackendError::config(
             format!("{prefix}.ppo_mini_batch_size"),
             format!(
                 "at least one row per data-parallel rank (× rollout.n {n} / dp size {dp_size})"
@@ -457,7 +469,7 @@ fn mini_batch_rows(
         ));
     }
     if ppo_epochs == 0 {
-        return Err(FsdpError::config(
+        return Err(BackendError::config(
             format!("{prefix}.ppo_epochs"),
             "at least 1",
             0,
@@ -535,6 +547,8 @@ pub struct CriticUpdatePlan {
     pub mini_batch_rows: usize,
     pub epochs: usize,
     pub loss: verl_losses::CriticLoss,
+    /// `trainer.total_training_steps`, for the LR schedule when the host sends none.
+    pub trainer_total_steps: Option<i64>,
 }
 
 impl CriticUpdatePlan {
@@ -542,6 +556,7 @@ impl CriticUpdatePlan {
         cfg: &Value,
         critic: &CriticSection,
         rollout: &LogProbSection,
+        trainer: &TrainerSection,
         dp_size: usize,
     ) -> Result<CriticUpdatePlan> {
         let n = critic.rollout_n.or(rollout.n).unwrap_or(1).max(1);
@@ -571,6 +586,7 @@ impl CriticUpdatePlan {
             mini_batch_rows,
             epochs,
             loss: verl_losses::CriticLoss::from_config(&loss_cfg)?,
+            trainer_total_steps: trainer.total_training_steps,
         })
     }
 }

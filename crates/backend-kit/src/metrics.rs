@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use tch::Device;
 
 use crate::dp::Dp;
-use crate::error::{FsdpError, Result};
+use crate::error::{BackendError, Result};
 
 /// The memory metrics of an update, the maximum over the ranks:
 /// - `perf/gpu_memory_used_gb`: device-level used memory (`cuMemGetInfo`: total − free, GiB) at
@@ -130,7 +130,7 @@ impl MetricAcc {
         dp.all_reduce_max(&mut shape)?;
         dp.all_reduce_max(&mut lo)?;
         if shape != local || lo != [-local[0], -local[1]] {
-            return Err(FsdpError::Api(verl_plugin_api::Error::failed(format!(
+            return Err(BackendError::Api(verl_plugin_api::Error::failed(format!(
                 "rank {}: update metrics differ between ranks (this rank has {:?})",
                 dp.rank, names
             ))));

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use verl_plugin_api::{Error as ApiError, ErrorKind};
 
 #[derive(Debug, thiserror::Error)]
-pub enum FsdpError {
+pub enum BackendError {
     /// A config key holds a value this backend cannot use.
     #[error("config key `{key}`: expected {expected}, found {found}")]
     Config {
@@ -80,15 +80,15 @@ pub enum FsdpError {
     Api(#[from] ApiError),
 }
 
-pub type Result<T> = std::result::Result<T, FsdpError>;
+pub type Result<T> = std::result::Result<T, BackendError>;
 
-impl FsdpError {
+impl BackendError {
     pub fn config(
         key: impl Into<String>,
         expected: impl Into<String>,
         found: impl ToString,
     ) -> Self {
-        FsdpError::Config {
+        BackendError::Config {
             key: key.into(),
             expected: expected.into(),
             found: found.to_string(),
@@ -97,25 +97,27 @@ impl FsdpError {
 }
 
 /// Adds a short description of the operation to tch errors.
-pub(crate) trait TorchContext<T> {
+pub trait TorchContext<T> {
     fn ctx(self, context: &str) -> Result<T>;
 }
 
 impl<T> TorchContext<T> for std::result::Result<T, tch::TchError> {
     fn ctx(self, context: &str) -> Result<T> {
-        self.map_err(|source| FsdpError::Torch {
+        self.map_err(|source| BackendError::Torch {
             context: context.to_string(),
             source,
         })
     }
 }
 
-impl From<FsdpError> for ApiError {
-    fn from(e: FsdpError) -> Self {
+impl From<BackendError> for ApiError {
+    fn from(e: BackendError) -> Self {
         match e {
-            FsdpError::Api(inner) => inner,
-            FsdpError::Input { .. } => ApiError::with_kind(ErrorKind::InvalidInput, e.to_string()),
-            FsdpError::Io { .. } => ApiError::with_kind(ErrorKind::Io, e.to_string()),
+            BackendError::Api(inner) => inner,
+            BackendError::Input { .. } => {
+                ApiError::with_kind(ErrorKind::InvalidInput, e.to_string())
+            }
+            BackendError::Io { .. } => ApiError::with_kind(ErrorKind::Io, e.to_string()),
             other => ApiError::failed(other.to_string()),
         }
     }

@@ -43,7 +43,7 @@ impl HostParams {
 
     /// Bytes of the host buffers.
     pub fn host_bytes(&self) -> usize {
-        self.host.iter().map(crate::shard::bytes).sum()
+        self.host.iter().map(bytes).sum()
     }
 
     /// Gives every parameter a device copy of its host slice (a copy even on the CPU).
@@ -160,6 +160,14 @@ pub fn host_buffers(
         .collect())
 }
 
+/// Bytes a tensor's elements take (0 for an undefined tensor).
+pub fn bytes(t: &Tensor) -> usize {
+    if !t.defined() {
+        return 0;
+    }
+    t.numel() * t.kind().elt_size_in_bytes()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,8 +195,8 @@ mod tests {
         let before: Vec<Tensor> = m.named_parameters().iter().map(|(_, p)| p.copy()).collect();
         let mut hp = HostParams::offload(&m, Device::Cpu).unwrap();
         assert!(!hp.on_device());
-        let bytes: usize = before.iter().map(crate::shard::bytes).sum();
-        assert_eq!(hp.host_bytes(), bytes);
+        let total: usize = before.iter().map(bytes).sum();
+        assert_eq!(hp.host_bytes(), total);
         // Unloaded: the parameters view one flat buffer, in order.
         let host = ptrs(&m);
         let mut expect = host[0];
@@ -197,7 +205,7 @@ mod tests {
                 ptr, expect,
                 "parameters should be consecutive slices of one buffer"
             );
-            expect += crate::shard::bytes(p);
+            expect += bytes(p);
         }
         for ((_, p), b) in m.named_parameters().iter().zip(&before) {
             assert!(p.equal(b));

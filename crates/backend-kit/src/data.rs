@@ -5,7 +5,7 @@ use tch::{Device, Kind, Tensor};
 use verl_plugin_api::{col, Batch};
 
 use crate::config::MicroBatching;
-use crate::error::{FsdpError, Result, TorchContext};
+use crate::error::{BackendError, Result, TorchContext};
 
 /// A tensor column of the batch on `device` (uploaded before the call queues any work:
 /// [`verl_torch_ext::upload_slice_blocking`]).
@@ -92,7 +92,7 @@ impl Sequences {
         let prompt_len = prompts.size()[1];
         let response_len = responses.size()[1];
         if prompt_len == 0 {
-            return Err(FsdpError::Input {
+            return Err(BackendError::Input {
                 call,
                 column: col::PROMPTS.into(),
                 expected: "at least one prompt token column (the first response token is predicted from it)".into(),
@@ -119,7 +119,7 @@ impl Sequences {
                     .and_then(|m| m.f_to_kind(Kind::Float))
                     .ctx("loss mask")?;
                 if loss.size() != response_mask.size() {
-                    return Err(FsdpError::Input {
+                    return Err(BackendError::Input {
                         call,
                         column: col::LOSS_MASK.into(),
                         expected: format!("the shape of response_mask {:?}", response_mask.size()),
@@ -132,7 +132,7 @@ impl Sequences {
                     .and_then(|m| m.f_int64_value(&[]))
                     .ctx("loss mask")?;
                 if outside != 0 {
-                    return Err(FsdpError::Input {
+                    return Err(BackendError::Input {
                         call,
                         column: col::LOSS_MASK.into(),
                         expected: "a subset of response_mask".into(),
@@ -293,8 +293,8 @@ pub fn micro_batches(
 }
 
 /// The error for a token budget below row `row`'s `len` tokens.
-pub(crate) fn budget_too_small(budget_key: &str, budget: i64, row: usize, len: i64) -> FsdpError {
-    FsdpError::config(
+pub fn budget_too_small(budget_key: &str, budget: i64, row: usize, len: i64) -> BackendError {
+    BackendError::config(
         budget_key,
         format!("a token budget of at least the longest sequence ({len} tokens, row {row})"),
         budget,
@@ -305,7 +305,7 @@ pub(crate) fn budget_too_small(budget_key: &str, budget: i64, row: usize, len: i
 /// fewest bins that keep every bin's cost under `budget`: the bin count starts at
 /// `ceil(Σ cost / budget)` and grows until every bin fits (or each item has its own). Each bin
 /// lists its rows in increasing order; bins are ordered by their first row.
-pub(crate) fn pack_longest_first(items: &[(i64, Vec<usize>)], budget: i64) -> Vec<Vec<usize>> {
+pub fn pack_longest_first(items: &[(i64, Vec<usize>)], budget: i64) -> Vec<Vec<usize>> {
     let total: i64 = items.iter().map(|(c, _)| c).sum();
     let mut k = ((total + budget - 1) / budget).max(1) as usize;
     k = k.min(items.len().max(1));

@@ -7,7 +7,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::config::OptimSection;
-use crate::error::{FsdpError, Result, TorchContext};
+use crate::error::{BackendError, Result, TorchContext};
 
 /// `torch.optim.AdamW` (no amsgrad), step for step.
 pub struct AdamW {
@@ -40,14 +40,14 @@ impl AdamW {
     /// (which picks the fused kernel, see [`AdamW::fused`]).
     pub fn without_state(cfg: &OptimSection, prefix: &str, cuda_params: bool) -> Result<AdamW> {
         if !cfg.optimizer.eq_ignore_ascii_case("adamw") {
-            return Err(FsdpError::config(
+            return Err(BackendError::config(
                 format!("{prefix}.optimizer"),
                 "AdamW (the optimizer this backend implements)",
                 format!("{:?}", cfg.optimizer),
             ));
         }
         if cfg.betas.len() != 2 {
-            return Err(FsdpError::config(
+            return Err(BackendError::config(
                 format!("{prefix}.betas"),
                 "two numbers [beta1, beta2]",
                 format!("{:?}", cfg.betas),
@@ -356,7 +356,7 @@ impl LrSchedule {
             "constant" => ScheduleKind::Constant,
             "cosine" => ScheduleKind::Cosine,
             other => {
-                return Err(FsdpError::config(
+                return Err(BackendError::config(
                     format!("{prefix}.lr_scheduler_type"),
                     "\"constant\" or \"cosine\"",
                     format!("{other:?}"),
@@ -364,7 +364,7 @@ impl LrSchedule {
             }
         };
         if !(0.0..=1.0).contains(&cfg.min_lr_ratio) {
-            return Err(FsdpError::config(
+            return Err(BackendError::config(
                 format!("{prefix}.min_lr_ratio"),
                 "a number in [0, 1]",
                 cfg.min_lr_ratio,
@@ -378,7 +378,7 @@ impl LrSchedule {
         let needs_total = kind == ScheduleKind::Cosine
             || (cfg.lr_warmup_steps < 0 && cfg.lr_warmup_steps_ratio > 0.0);
         if needs_total && total <= 0 {
-            return Err(FsdpError::config(
+            return Err(BackendError::config(
                 format!("{prefix}.total_training_steps"),
                 format!("the number of training steps (> 0), which the {name} schedule / warmup ratio needs; set it or trainer.total_training_steps"),
                 total,
@@ -418,6 +418,27 @@ impl LrSchedule {
             }
         };
         self.base_lr * factor
+    }
+}
+
+/// What a checkpoint tensor holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum What {
+    Master,
+    ExpAvg,
+    ExpAvgSq,
+}
+
+impl What {
+    pub const ALL: [What; 3] = [What::Master, What::ExpAvg, What::ExpAvgSq];
+
+    /// The prefix of this tensor's names in an optimizer checkpoint file.
+    pub fn prefix(self) -> &'static str {
+        match self {
+            What::Master => "",
+            What::ExpAvg => "exp_avg.",
+            What::ExpAvgSq => "exp_avg_sq.",
+        }
     }
 }
 

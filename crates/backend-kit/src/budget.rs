@@ -1,6 +1,13 @@
 //! The generation engine's KV budget for a call, and the checks that every data-parallel rank agrees on a batch's shape.
 
-use super::*;
+use tch::{Device, Kind, Tensor};
+use verl_nn::Transformer;
+use verl_plugin_api::col;
+
+use crate::config::RolloutEngineSection;
+use crate::data::{equalize_micro_batches, MicroBatch};
+use crate::dp::Dp;
+use crate::error::{BackendError, Result, TorchContext};
 
 /// The generation engine's configuration for one call, and where its KV budget came from.
 pub struct KvBudget {
@@ -81,7 +88,7 @@ pub fn kv_budget(
     config.cuda_graphs = !keys.enforce_eager;
     if let Some(sizes) = &keys.cudagraph_capture_sizes {
         if sizes.contains(&0) {
-            return Err(FsdpError::config(
+            return Err(BackendError::config(
                 "actor_rollout_ref.rollout.cudagraph_capture_sizes",
                 "a list of batch sizes >= 1 (or null)",
                 format!("{sizes:?}"),
@@ -91,7 +98,7 @@ pub fn kv_budget(
     }
     let util = keys.gpu_memory_utilization;
     if !(util > 0.0 && util <= 1.0) {
-        return Err(FsdpError::config(
+        return Err(BackendError::config(
             "actor_rollout_ref.rollout.gpu_memory_utilization",
             "a fraction in (0, 1]",
             util,
@@ -143,7 +150,7 @@ pub fn kv_budget(
                 let one_seq = (longest + m).div_ceil(bs) * bs;
                 if tokens < one_seq {
                     let gib = (1u64 << 30) as f64;
-                    return Err(FsdpError::config(
+                    return Err(BackendError::config(
                         "actor_rollout_ref.rollout.gpu_memory_utilization",
                         format!(
                             "room for the KV cache of one sequence ({longest} prompt + {m} new tokens = {:.3} GiB) above the {:.2} GiB in use of {:.2} GiB",
@@ -176,7 +183,7 @@ pub fn same_rows_on_every_rank(dp: &Dp, rows: usize, call: &'static str) -> Resu
     let mut v = [rows as f64, -(rows as f64)];
     dp.all_reduce_max(&mut v)?;
     if v[0] != rows as f64 || -v[1] != rows as f64 {
-        return Err(FsdpError::Input {
+        return Err(BackendError::Input {
             call,
             column: col::RESPONSES.into(),
             expected: "the same number of rows on every data-parallel rank".into(),
@@ -194,4 +201,40 @@ pub fn same_micro_batch_count(dp: &Dp, parts: Vec<Vec<usize>>) -> Result<Vec<Mic
     let mut n = [parts.len() as f64];
     dp.all_reduce_max(&mut n)?;
     Ok(equalize_micro_batches(parts, n[0] as usize))
+}
+
+/// Bytes of fp32 LM-head logits an update may keep from a micro-batch's forward for its backward
+/// (saving one head GEMM per chunk): a quarter of the device memory no tensor holds now
+/// ([`unheld_device_memory`]), so keeping them cannot take the last of it; 0 off CUDA or when
+/// the query fails.
+pub fn kept_logits_budget(device: Device) -> u64 {
+    let Device::Cuda(gpu) = device else { return 0 };
+    unheld_device_memory(gpu, false).map_or(0, |(free, _)| free as u64 / 4)
+}
+
+/// `(bytes no tensor holds, total bytes)` of CUDA device `gpu`: `cuMemGetInfo`'s free bytes plus
+/// the caching allocator's releasable segments ([`verl_torch_ext::CudaMemoryStats::releasable`],
+/// what `empty_cache` would hand back, counted without paying for the release). Where the
+/// allocator keeps no statistics, the cache is emptied first with `empty_otherwise` (else its
+/// segments count as held). `None` when the query fails.
+pub(crate) fn unheld_device_memory(gpu: usize, empty_otherwise: bool) -> Option<(usize, usize)> {
+    let releasable = match verl_torch_ext::cuda_memory_stats(gpu) {
+        Ok(s) => s.releasable,
+        Err(_) if !empty_otherwise => 0,
+        Err(e) => {
+            tracing::debug!("allocator statistics unavailable ({e}); emptying the cache");
+            verl_torch_ext::cuda_empty_cache().ok()?;
+            0
+        }
+    };
+    verl_comm::nccl::cuda_context(gpu)
+        .ok()
+        .and_then(|ctx| ctx.mem_get_info().ok())
+        .map(|(free, total)| (free.saturating_add(releasable as usize), total))
+}
+
+/// Tokens per LM-head chunk: about 256 Mi fp32 logits (1 GiB) per chunk, between 256 and 8192
+/// tokens (1766 for a 152k vocabulary).
+pub fn head_chunk_tokens(vocab: i64) -> i64 {
+    ((1i64 << 28) / vocab.max(1)).clamp(256, 8192)
 }

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 # Shapes copied by hand from the public config.json of each model (no download). `tiny` matches the `tiny`
-# preset of plugins/rollout/examples/gen_bench.rs.
+# preset of crates/rollout/examples/gen_bench.rs.
 ARCHS: dict[str, dict] = {
     "tiny": dict(
         model_type="qwen2", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -45,7 +45,7 @@ from pathlib import Path
 
 # ----------------------------------------------------------------------------------------------
 # Model configs: the real architecture of every model verl's examples name (HF config.json values).
-# Supported by verl-rs (plugins/nn): llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe.
+# Supported by verl-rs (crates/nn): llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe.
 # Others keep their real `architectures`/`model_type`, so a refusal of them is the honest outcome.
 # `src`: where the numbers come from; "approx" marks a model whose config.json was not found (the
 # closest known family member's numbers are used, said in the report).

@@ -500,7 +500,7 @@ fn data_gsm8k_writes_verl_format_parquet() {
 
 #[test]
 fn data_math_writes_verl_format_parquet_and_examples() {
-    let raw = repo().join("host/crates/data/tests/fixtures/math/raw");
+    let raw = repo().join("crates/data/tests/fixtures/math/raw");
     let out = tempfile::tempdir().unwrap();
     let o = run(
         &verl_bin(),

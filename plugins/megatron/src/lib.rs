@@ -78,7 +78,7 @@ impl BackendPlugin for MegatronPlugin {
         Ok(Box::new(MegatronCritic::create(init)?))
     }
     /// The reward model is frozen and scores whole sequences: every rank holds the whole model
-    /// and scores its own rows (the backend-neutral role of `verl-fsdp-core`).
+    /// and scores its own rows (the backend-neutral role of `verl-fsdp`).
     fn create_reward_model(init: &InitArgs) -> Result<Box<dyn Reward>> {
         Ok(Box::new(verl_backend_kit::RewardModelRole::create(init)?))
     }

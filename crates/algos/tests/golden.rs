@@ -40,7 +40,7 @@ const ABS_FLOOR: f64 = 1e-12;
 /// The shared reference data, one helper for every crate's tests (std only, included by path):
 /// skipped when absent, a failure under `VERL_REQUIRE_SHARED=1` (CI).
 #[allow(dead_code)]
-#[path = "../../../../crates/test-support/src/shared.rs"]
+#[path = "../../../crates/test-support/src/shared.rs"]
 mod shared;
 
 type Outputs = BTreeMap<String, Grid<f64>>;

@@ -196,7 +196,7 @@ fn corrupted_or_truncated_event_files_are_rejected_with_the_offset() {
 fn python() -> PathBuf {
     std::env::var_os("VERL_TEST_PYTHON")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../.venv/bin/python"))
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python"))
 }
 
 /// [`python`], which must import tensorboard (`scripts/setup.sh` installs it; `make test` runs it).

@@ -7,10 +7,10 @@ use tch::{Device, Kind, Tensor};
 use verl_backend_kit::budget::kv_budget;
 use verl_backend_kit::config::RolloutEngineSection;
 use verl_backend_kit::data::Sequences;
-use verl_fsdp_core::actor::{actor_micro_batch_loss, MicroBatchLoss};
-use verl_fsdp_core::forward::{layout_token_stats, layout_values, response_logits};
-use verl_fsdp_core::packing::{Padding, RowLayout};
-use verl_fsdp_core::FsdpPlugin;
+use verl_fsdp::actor::{actor_micro_batch_loss, MicroBatchLoss};
+use verl_fsdp::forward::{layout_token_stats, layout_values, response_logits};
+use verl_fsdp::packing::{Padding, RowLayout};
+use verl_fsdp::FsdpPlugin;
 use verl_losses::{
     entropy_from_logits, logprobs_from_logits, ActorInputs, ActorLoss, ActorLossConfig, LossScale,
     MaskCounts, Normaliser,

@@ -11,7 +11,7 @@ use verl_data::{Message, Origin, RewardModel, Sample};
 
 /// The shared reference data, one helper for every crate's tests (std only, included by path):
 /// skipped when absent, a failure under `VERL_REQUIRE_SHARED=1` (CI).
-#[path = "../../../../../crates/test-support/src/shared.rs"]
+#[path = "../../../../crates/test-support/src/shared.rs"]
 mod shared;
 
 /// `$VERL_SHARED_DIR`, else `<workspace>/../shared`, `data/gsm8k`; `None` (after saying so) when

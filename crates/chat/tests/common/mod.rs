@@ -17,12 +17,12 @@ pub fn workspace_root() -> PathBuf {
             }
         }
     }
-    here.join("../../..")
+    here.join("../..")
 }
 
 /// The shared reference data, one helper for every crate's tests (std only, included by path):
 /// skipped when absent, a failure under `VERL_REQUIRE_SHARED=1` (CI).
-#[path = "../../../../../crates/test-support/src/shared.rs"]
+#[path = "../../../../crates/test-support/src/shared.rs"]
 mod shared;
 
 /// `rel` under `$VERL_SHARED_DIR`, else `<workspace root>/../shared`; `None` (after printing

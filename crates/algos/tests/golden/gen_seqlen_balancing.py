@@ -221,7 +221,7 @@ def main():
             "file": "verl/utils/seqlen_balancing.py",
             "file_sha256": file_sha256,
             "zigzag_from": "verl/trainer/ppo/ray_trainer.py RayPPOTrainer._balance_batch",
-            "generator": "host/crates/algos/tests/golden/gen_seqlen_balancing.py",
+            "generator": "crates/algos/tests/golden/gen_seqlen_balancing.py",
             "torch": torch.__version__,
             "python": sys.version.split()[0],
         },

@@ -7,7 +7,7 @@ use verl_config::defaults_tree;
 use verl_config::surface::{markdown, Class, RULES};
 
 fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../..")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 /// The source of test `name` in `file` (from its `fn` line to the next `fn` at the same depth).

@@ -1,3 +1,0 @@
-fn main() {
-    verl_torch_build::configure();
-}

@@ -201,7 +201,7 @@ pub static RULES: &[Rule] = &[
     Rule::refused("data.gen_batch_size", "generating for a different number of prompts than data.train_batch_size (DAPO)", "leave it null"),
     Rule::refused("data.continuous_token.*", "continuous-token training", "leave data.continuous_token.enable=false"),
     // ---- model ----
-    Rule::acts(model!("path"), "the HF model folder", &["plugins/fsdp/src/lib.rs::missing_model_path_names_the_key", FIT_GRPO]),
+    Rule::acts(model!("path"), "the HF model folder", &["crates/fsdp-engine/src/lib.rs::missing_model_path_names_the_key", FIT_GRPO]),
     Rule::acts("actor_rollout_ref.model.tokenizer_path", "the tokenizer folder (after data.tokenizer, before model.path)", &[PROMPTS]),
     Rule::harmless("critic.model.tokenizer_path", "the critic reads no text"),
     Rule::acts("actor_rollout_ref.model.custom_chat_template", "a Jinja chat template replacing the tokenizer's", &[PROMPTS]),
@@ -314,7 +314,7 @@ pub static RULES: &[Rule] = &[
     Rule::refused(optim!("use_layer_wise_distributed_optimizer"), MCORE_OPT, MCORE_OPT_INSTEAD),
     Rule::refused(optim!("muon_*"), MCORE_OPT, MCORE_OPT_INSTEAD),
     // ---- FSDP engine blocks (actor, ref, critic) ----
-    Rule::acts(fsdp!("param_offload"), "keeps fp32 master weights on the host between steps", &[SECTIONS, "plugins/fsdp/src/actor/tests.rs::an_offloaded_reference_scores_on_loaded_parameters_and_puts_them_back"]).with("fsdp"),
+    Rule::acts(fsdp!("param_offload"), "keeps fp32 master weights on the host between steps", &[SECTIONS, "crates/fsdp-engine/src/actor/tests.rs::an_offloaded_reference_scores_on_loaded_parameters_and_puts_them_back"]).with("fsdp"),
     Rule::acts(fsdp!("optimizer_offload"), "keeps AdamW's state on the host between steps", &[SECTIONS]).with("fsdp"),
     Rule::acts(fsdp!("reshard_after_forward"), "frees gathered weights after each unit's forward (ZeRO-3) or keeps them for the backward", &[SECTIONS]).with("fsdp"),
     Rule::acts(fsdp!("model_dtype"), "the dtype of the master weights and optimizer state", &[SECTIONS]).with("fsdp"),

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use serde_json::{json, Value};
-use verl_fsdp::FsdpPlugin;
+use verl_fsdp_engine::FsdpPlugin;
 use verl_megatron::MegatronPlugin;
 use verl_plugin_api::client::{ActorClient, CriticClient};
 use verl_plugin_api::{col, testing, InitArgs, LogProbOptions, Role, UpdateOptions, ValueOptions};

@@ -10,7 +10,7 @@ mod support;
 use std::path::Path;
 
 use serde_json::{json, Value};
-use verl_fsdp::FsdpPlugin;
+use verl_fsdp_engine::FsdpPlugin;
 use verl_megatron::MegatronPlugin;
 use verl_nn::HeadKind;
 use verl_plugin_api::client::{ActorClient, CriticClient};

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use serde_json::json;
-use verl_fsdp::FsdpPlugin;
+use verl_fsdp_engine::FsdpPlugin;
 use verl_megatron::MegatronPlugin;
 use verl_nn::HeadKind;
 use verl_plugin_api::client::{ActorClient, CriticClient};

@@ -1,0 +1,3 @@
+fn main() {
+    verl_torch_build::configure();
+}

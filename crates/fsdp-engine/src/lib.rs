@@ -12,6 +12,7 @@
 //! keeps a full copy per rank.
 
 pub mod actor;
+pub mod ckpt_files;
 pub mod critic;
 pub mod forward;
 pub mod packing;

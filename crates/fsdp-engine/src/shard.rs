@@ -523,13 +523,13 @@ impl ShardState {
     }
 
     /// One AdamW step on this rank's blocks (libtorch's fused kernel on a GPU); offloaded blocks
-    /// visit the device for it, about [`crate::train::OFFLOAD_CHUNK_BYTES`] of masters at a time.
+    /// visit the device for it, about [`crate::ckpt_files::OFFLOAD_CHUNK_BYTES`] of masters at a time.
     pub fn step(&mut self, optim: &mut AdamW, lr: f64) -> Result<()> {
         self.finish_reductions()?;
         let c = optim.begin_step(lr);
         let host = (self.offload.params, self.offload.optimizer);
         let chunk = if host.0 || host.1 {
-            crate::train::OFFLOAD_CHUNK_BYTES
+            crate::ckpt_files::OFFLOAD_CHUNK_BYTES
         } else {
             usize::MAX
         };
@@ -666,23 +666,23 @@ impl Source {
             .and_then(|v| v.as_u64())
             .unwrap_or(1) as usize;
         if world <= 1 {
-            let mp = dir.join(crate::train::MASTER_FILE);
+            let mp = dir.join(crate::ckpt_files::MASTER_FILE);
             let masters = if mp.is_file() {
                 Some(read_named(&mp)?)
             } else {
                 None
             };
-            let optim_path = dir.join(crate::train::OPTIM_FILE);
+            let optim_path = dir.join(crate::ckpt_files::OPTIM_FILE);
             return Ok(Source::Full {
                 dir: dir.to_path_buf(),
                 masters,
-                model: Checkpoint::open(dir.join(crate::train::MODEL_DIR))?,
+                model: Checkpoint::open(dir.join(crate::ckpt_files::MODEL_DIR))?,
                 optim: read_named(&optim_path)?,
                 optim_path,
             });
         }
         let bad = |message: String| BackendError::Checkpoint {
-            path: dir.join(crate::train::STATE_FILE),
+            path: dir.join(crate::ckpt_files::STATE_FILE),
             message,
         };
         let layout = state
@@ -734,7 +734,7 @@ impl Source {
                         What::Master => match masters {
                             Some(m) => (
                                 m.get(name).map(|t| t.shallow_clone()),
-                                dir.join(crate::train::MASTER_FILE),
+                                dir.join(crate::ckpt_files::MASTER_FILE),
                             ),
                             None => (
                                 Some(model.tensor(name)?),
@@ -776,7 +776,7 @@ impl Source {
                 groups,
                 files,
             } => {
-                let state_path = dir.join(crate::train::STATE_FILE);
+                let state_path = dir.join(crate::ckpt_files::STATE_FILE);
                 let &(numel, shard) =
                     groups
                         .get(&group.name)

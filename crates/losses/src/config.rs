@@ -10,7 +10,7 @@ use crate::agg::{agg_loss, AggSpec, LossAggMode, Normaliser};
 use crate::deferred::DeferredMetrics;
 use crate::error::{LossError, Result, TorchContext};
 use crate::kl::KlPenalty;
-use crate::policy::{PolicyInputs, PolicyLoss};
+use crate::policy::{PolicyInputs, PolicyLoss, POLICY_LOSS_MODES};
 use crate::value::{value_loss, ValueInputs, ValueOutput};
 
 /// `actor.policy_loss`.
@@ -246,6 +246,48 @@ impl ActorLoss {
             loss = loss.f_add(&kl_loss.f_mul_scalar(coef).op(OP)?).op(OP)?;
         }
         Ok((loss, metrics))
+    }
+}
+
+impl PolicyLoss {
+    /// Resolves a loss from verl's `actor` keys. `clip_ratio_low/high` fall back to `clip_ratio` as in verl.
+    pub fn from_config(cfg: &ActorLossConfig) -> Result<Self> {
+        let low = cfg.clip_ratio_low.unwrap_or(cfg.clip_ratio);
+        let high = cfg.clip_ratio_high.unwrap_or(cfg.clip_ratio);
+        let mode = cfg.policy_loss.loss_mode.as_str();
+        let loss = match mode {
+            "vanilla" => PolicyLoss::Vanilla {
+                clip_ratio_low: low,
+                clip_ratio_high: high,
+                clip_ratio_c: cfg.clip_ratio_c,
+            },
+            "gspo" => PolicyLoss::Gspo {
+                clip_ratio_low: low,
+                clip_ratio_high: high,
+            },
+            "sapo" => PolicyLoss::Sapo {
+                tau_pos: cfg.tau_pos,
+                tau_neg: cfg.tau_neg,
+            },
+            "gpg" => PolicyLoss::Gpg,
+            "cispo" => PolicyLoss::Cispo {
+                clip_ratio_low: low,
+                clip_ratio_high: high,
+            },
+            other => {
+                let note = crate::policy::VERL_ONLY_MODES.contains(&other).then(|| {
+                    format!("{other:?} exists in verl but is not implemented by verl-losses")
+                });
+                return Err(LossError::UnknownName {
+                    key: "actor.policy_loss.loss_mode",
+                    found: other.to_string(),
+                    valid: POLICY_LOSS_MODES.to_vec(),
+                    note,
+                });
+            }
+        };
+        loss.validate()?;
+        Ok(loss)
     }
 }
 

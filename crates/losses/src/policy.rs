@@ -18,7 +18,7 @@ const GSPO_LOG_RATIO_MAX: f64 = 10.0;
 /// verl's policy-loss names this crate implements.
 pub const POLICY_LOSS_MODES: [&str; 5] = ["vanilla", "gspo", "sapo", "gpg", "cispo"];
 /// Names in verl's registry that this crate does not implement (they are rejected with a note, not as typos).
-const VERL_ONLY_MODES: [&str; 7] = [
+pub(crate) const VERL_ONLY_MODES: [&str; 7] = [
     "clip_cov",
     "kl_cov",
     "geo_mean",
@@ -103,46 +103,6 @@ pub struct PolicyOutput {
 }
 
 impl PolicyLoss {
-    /// Resolves a loss from verl's `actor` keys. `clip_ratio_low/high` fall back to `clip_ratio` as in verl.
-    pub fn from_config(cfg: &crate::config::ActorLossConfig) -> Result<Self> {
-        let low = cfg.clip_ratio_low.unwrap_or(cfg.clip_ratio);
-        let high = cfg.clip_ratio_high.unwrap_or(cfg.clip_ratio);
-        let mode = cfg.policy_loss.loss_mode.as_str();
-        let loss = match mode {
-            "vanilla" => PolicyLoss::Vanilla {
-                clip_ratio_low: low,
-                clip_ratio_high: high,
-                clip_ratio_c: cfg.clip_ratio_c,
-            },
-            "gspo" => PolicyLoss::Gspo {
-                clip_ratio_low: low,
-                clip_ratio_high: high,
-            },
-            "sapo" => PolicyLoss::Sapo {
-                tau_pos: cfg.tau_pos,
-                tau_neg: cfg.tau_neg,
-            },
-            "gpg" => PolicyLoss::Gpg,
-            "cispo" => PolicyLoss::Cispo {
-                clip_ratio_low: low,
-                clip_ratio_high: high,
-            },
-            other => {
-                let note = VERL_ONLY_MODES.contains(&other).then(|| {
-                    format!("{other:?} exists in verl but is not implemented by verl-losses")
-                });
-                return Err(LossError::UnknownName {
-                    key: "actor.policy_loss.loss_mode",
-                    found: other.to_string(),
-                    valid: POLICY_LOSS_MODES.to_vec(),
-                    note,
-                });
-            }
-        };
-        loss.validate()?;
-        Ok(loss)
-    }
-
     /// verl's name for this loss.
     pub fn name(&self) -> &'static str {
         match self {

@@ -14,6 +14,7 @@
 //! call goes through tch's fallible `f_*` API and surfaces as [`NnError`]); download anything.
 //! Code paths are device-generic: the same model runs on CPU and CUDA.
 
+mod attention_backend;
 pub mod checkpoint;
 pub mod config;
 pub mod error;

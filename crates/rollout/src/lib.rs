@@ -22,6 +22,7 @@
 mod block_pool;
 mod engine;
 pub mod error;
+mod generate;
 mod graphs;
 mod paged;
 mod paged_attn;
@@ -30,6 +31,6 @@ mod rng;
 mod sampler;
 pub mod v1;
 
-pub use engine::{generate, generate_seeded, generate_with_config, generate_with_stats};
 pub use error::{Result, RolloutError};
+pub use generate::{generate, generate_seeded, generate_with_config, generate_with_stats};
 pub use params::{EngineConfig, FinishReason, Generation, GenerationStats, SamplingParams};

@@ -515,6 +515,46 @@ impl Layout {
     }
 }
 
+/// Which pipeline stage a model is: its index among `count` stages, holding `chunks` model chunks
+/// (Megatron's virtual pipeline: 1 without it). Chunk `c` of stage `i` is virtual stage
+/// `c·count + i` and holds decoder layers `v·L/(count·chunks) .. (v+1)·L/(count·chunks)` of that
+/// virtual stage `v` (the layout checked that `count·chunks` divides `L`). The first stage holds
+/// the embedding (in its chunk 0), the last the final norm and the head (in its last chunk).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stage {
+    pub index: usize,
+    pub count: usize,
+    pub chunks: usize,
+}
+
+impl Stage {
+    pub fn single() -> Stage {
+        Stage {
+            index: 0,
+            count: 1,
+            chunks: 1,
+        }
+    }
+    pub fn is_first(&self) -> bool {
+        self.index == 0
+    }
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.count
+    }
+    /// The global indices of the decoder layers of this stage's model chunk `chunk`.
+    pub fn chunk_layers(&self, total: usize, chunk: usize) -> std::ops::Range<usize> {
+        let per = total / (self.count * self.chunks).max(1);
+        let v = chunk * self.count + self.index;
+        v * per..(v + 1) * per
+    }
+    /// The global indices of this stage's decoder layers, chunk after chunk (ascending).
+    pub fn layers(&self, total: usize) -> Vec<usize> {
+        (0..self.chunks.max(1))
+            .flat_map(|c| self.chunk_layers(total, c))
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,6 +27,7 @@ pub mod offload;
 pub mod parallel;
 pub mod pipeline;
 pub mod rollout;
+pub mod source;
 pub mod tp;
 pub mod train;
 pub mod validate;

@@ -20,7 +20,6 @@ use verl_plugin_api::InitArgs;
 
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::layout::{Coords, Layout};
-use crate::moe::ExpertGroup;
 
 /// One process group (or none, for a group of one rank).
 pub struct Group {
@@ -519,8 +518,8 @@ impl Parallel {
     }
 
     /// This rank's pipeline stage.
-    pub fn stage(&self) -> crate::tp::Stage {
-        crate::tp::Stage {
+    pub fn stage(&self) -> crate::layout::Stage {
+        crate::layout::Stage {
             index: self.coords.pp,
             count: self.layout.pp,
             chunks: self.layout.vpp.max(1),
@@ -530,5 +529,154 @@ impl Parallel {
     /// Rank 0 of the whole job (it writes checkpoints and exports).
     pub fn is_first(&self) -> bool {
         self.rank == 0
+    }
+}
+/// The expert-parallel or expert-tensor-parallel group of one rank (or none, for one rank).
+pub struct ExpertGroup {
+    pub name: &'static str,
+    pub rank: usize,
+    pub size: usize,
+    comm: Option<Box<dyn Communicator>>,
+}
+
+impl std::fmt::Debug for ExpertGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertGroup")
+            .field("name", &self.name)
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl ExpertGroup {
+    /// A group of one rank: every collective is the identity.
+    pub fn single(name: &'static str) -> ExpertGroup {
+        ExpertGroup {
+            name,
+            rank: 0,
+            size: 1,
+            comm: None,
+        }
+    }
+
+    /// The group of `comm`'s members (`comm.rank()` is this rank's index in it).
+    pub fn new(name: &'static str, comm: Box<dyn Communicator>) -> ExpertGroup {
+        ExpertGroup {
+            name,
+            rank: comm.rank(),
+            size: comm.world_size(),
+            comm: (comm.world_size() > 1).then_some(comm),
+        }
+    }
+
+    fn err(&self, op: &'static str) -> impl Fn(CommError) -> MegatronError + '_ {
+        move |source| MegatronError::Comm {
+            group: self.name,
+            op,
+            source: Box::new(source),
+        }
+    }
+
+    /// All-to-all of the rows of `input` (`input_splits[j]` rows to member `j`); returns the
+    /// `Σ output_splits` received rows, in member order.
+    pub fn all_to_all_v(
+        &self,
+        input: &Tensor,
+        input_splits: &[usize],
+        output_splits: &[usize],
+        what: &'static str,
+    ) -> Result<Tensor> {
+        let Some(c) = &self.comm else {
+            return input.f_detach_copy().ctx(what);
+        };
+        let mut shape = input.size();
+        shape[0] = output_splits.iter().sum::<usize>() as i64;
+        let input = input.f_contiguous().ctx(what)?;
+        let mut out =
+            Tensor::f_empty(shape.as_slice(), (input.kind(), input.device())).ctx(what)?;
+        c.all_to_all_v(&mut out, &input, output_splits, input_splits)
+            .map_err(self.err(what))?;
+        Ok(out)
+    }
+
+    /// Variable-size all-gather of rows: member `j` contributes `rows[j]` rows (`t` holds this
+    /// member's); returns the `Σ rows` rows, member-major.
+    pub fn all_gather_rows(
+        &self,
+        t: &Tensor,
+        rows: &[usize],
+        what: &'static str,
+    ) -> Result<Tensor> {
+        if self.comm.is_none() {
+            return t.f_detach_copy().ctx(what);
+        }
+        let n = t.size().first().copied().unwrap_or(0) as usize;
+        let mut reps = vec![1i64; t.dim().max(1)];
+        reps[0] = self.size as i64;
+        let input = t.f_repeat(reps.as_slice()).ctx(what)?;
+        self.all_to_all_v(&input, &vec![n; self.size], rows, what)
+    }
+
+    /// Variable-size reduce-scatter of rows: `t` holds `Σ rows` rows, member-major (`rows[j]` for
+    /// member `j`); returns this member's `rows[rank]` rows summed over the group (in member
+    /// order).
+    pub fn reduce_scatter_rows(
+        &self,
+        t: &Tensor,
+        rows: &[usize],
+        what: &'static str,
+    ) -> Result<Tensor> {
+        if self.comm.is_none() {
+            return t.f_detach_copy().ctx(what);
+        }
+        let mine = rows[self.rank];
+        let parts = self.all_to_all_v(t, rows, &vec![mine; self.size], what)?;
+        let mut shape = t.size();
+        shape[0] = mine as i64;
+        shape.insert(0, self.size as i64);
+        parts
+            .f_reshape(shape.as_slice())
+            .and_then(|p| p.f_sum_dim_intlist([0i64].as_slice(), false, None::<Kind>))
+            .ctx(what)
+    }
+
+    /// Sums `t` in place over the group.
+    pub fn all_reduce_sum(&self, t: &mut Tensor, what: &'static str) -> Result<()> {
+        match &self.comm {
+            Some(c) => c.all_reduce(t, ReduceOp::Sum).map_err(self.err(what)),
+            None => Ok(()),
+        }
+    }
+
+    /// Every member's `t` (same shape everywhere), in member order.
+    pub fn all_gather(&self, t: &Tensor, what: &'static str) -> Result<Vec<Tensor>> {
+        match &self.comm {
+            Some(c) => {
+                let t = t.f_contiguous().ctx(what)?;
+                c.all_gather(&t).map_err(self.err(what))
+            }
+            None => Ok(vec![t.shallow_clone()]),
+        }
+    }
+
+    /// Every member's `values` (same length everywhere), in member order.
+    pub fn all_gather_i64(
+        &self,
+        values: &[i64],
+        device: Device,
+        what: &'static str,
+    ) -> Result<Vec<Vec<i64>>> {
+        let Some(c) = &self.comm else {
+            return Ok(vec![values.to_vec()]);
+        };
+        let t = Tensor::f_from_slice(values)
+            .and_then(|t| t.f_to_device(device))
+            .ctx(what)?;
+        let parts = c.all_gather(&t).map_err(self.err(what))?;
+        parts
+            .iter()
+            .map(|p| Vec::<i64>::try_from(&p.f_to_device(Device::Cpu).ctx(what)?).ctx(what))
+            .collect()
     }
 }

@@ -56,10 +56,11 @@ use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 use verl_comm::ReduceOp;
-use verl_nn::{apply_rope, repeat_kv, silu_mul, Checkpoint, HeadKind, ModelConfig, Rope};
+use verl_nn::{apply_rope, repeat_kv, silu_mul, HeadKind, ModelConfig, Rope};
 
 use crate::error::{MegatronError, Result, TorchContext};
-use crate::moe::{EpMoe, ExpertGroup, MoeLoadMetrics, MoeSpec, Tokens};
+use crate::moe::{EpMoe, MoeLoadMetrics, MoeSpec, Tokens};
+use crate::parallel::ExpertGroup;
 use crate::parallel::Group;
 
 mod build;
@@ -71,8 +72,10 @@ mod params;
 mod sequence;
 
 mod specs;
+pub use crate::layout::Stage;
+pub use crate::source::FullSource;
 use specs::{is_sparse, moe_layer_of};
-pub use specs::{shard_of, stage_specs, Stage, EMBED};
+pub use specs::{shard_of, stage_specs, EMBED};
 
 mod stage;
 
@@ -234,27 +237,6 @@ enum Head {
     Lm(usize),
     /// Replicated value head `score` (`[1, H]` + bias).
     Value { w: usize, b: usize },
-}
-
-/// Where full (unsplit) parameter values come from when a model is built or reloaded.
-pub trait FullSource {
-    /// The full tensor `name`, or `None` when the source lacks it.
-    fn full(&mut self, name: &str) -> Result<Option<Tensor>>;
-}
-
-impl FullSource for Checkpoint {
-    fn full(&mut self, name: &str) -> Result<Option<Tensor>> {
-        if !self.contains(name) {
-            return Ok(None);
-        }
-        Ok(Some(self.tensor(name)?))
-    }
-}
-
-impl FullSource for std::collections::HashMap<String, Tensor> {
-    fn full(&mut self, name: &str) -> Result<Option<Tensor>> {
-        Ok(self.get(name).map(|t| t.shallow_clone()))
-    }
 }
 
 /// Per-forward inputs shared by all layers: RoPE tables and attention masks.

@@ -540,6 +540,48 @@ pub struct ActorSettings {
     pub generate_calls: u64,
 }
 
+impl ActorSettings {
+    /// The actor's settings (`plan`: its update) or, without a plan, the frozen reference's: the
+    /// log-prob micro-batching of `actor_rollout_ref.rollout` or `actor_rollout_ref.ref`, the
+    /// rollout temperature, the trainer's step count and the role's seed.
+    /// `dirs`: the model and tokenizer folders ([`actor_model_dirs`]).
+    pub fn resolve(
+        cfg: &Value,
+        plan: Option<ActorUpdatePlan>,
+        dirs: (PathBuf, PathBuf),
+        trainer: &TrainerSection,
+        dp_size: usize,
+        seed: u64,
+    ) -> Result<ActorSettings> {
+        let (model_dir, tokenizer_dir) = dirs;
+        let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
+        let (role, log_prob, log_prob_key) = match plan {
+            Some(_) => (
+                "actor",
+                rollout.micro_batching(dp_size),
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            ),
+            None => (
+                "reference",
+                section::<LogProbSection>(cfg, "actor_rollout_ref.ref")?.micro_batching(dp_size),
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            ),
+        };
+        Ok(ActorSettings {
+            role,
+            model_dir,
+            tokenizer_dir,
+            log_prob_micro: log_prob,
+            log_prob_key,
+            default_temperature: rollout.temperature.unwrap_or(1.0),
+            update: plan,
+            trainer_total_steps: trainer.total_training_steps,
+            seed,
+            generate_calls: 0,
+        })
+    }
+}
+
 /// Settings of the critic's value forwards and PPO update, resolved from `critic`.
 pub struct CriticUpdatePlan {
     pub forward_micro: MicroBatching,
@@ -589,6 +631,19 @@ impl CriticUpdatePlan {
             trainer_total_steps: trainer.total_training_steps,
         })
     }
+}
+
+/// The actor's model section, its model folder (`actor_rollout_ref.model.path`) and its tokenizer
+/// folder (`tokenizer_path`, else the model folder).
+pub fn actor_model_dirs(cfg: &Value) -> Result<(ModelSection, (PathBuf, PathBuf))> {
+    let model: ModelSection = section(cfg, "actor_rollout_ref.model")?;
+    let model_dir = model_dir("actor_rollout_ref.model.path", &model.path)?;
+    let tokenizer_dir = model
+        .tokenizer_path
+        .as_deref()
+        .map(expand_home)
+        .unwrap_or_else(|| model_dir.clone());
+    Ok((model, (model_dir, tokenizer_dir)))
 }
 
 /// The critic's model folder: `critic.model.path`, else the actor's.

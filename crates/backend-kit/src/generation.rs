@@ -51,6 +51,28 @@ impl GenerateCall {
         })
     }
 
+    /// Runs the generation engine on `model` with the call's prompts and parameters under `config`
+    /// (no autograd).
+    pub fn run(
+        &self,
+        model: &verl_nn::Transformer,
+        config: &verl_rollout::EngineConfig,
+    ) -> Result<(Generation, verl_rollout::GenerationStats)> {
+        tch::no_grad(|| {
+            verl_rollout::generate_with_config(
+                model,
+                &self.ids,
+                &self.mask,
+                &self.params,
+                None,
+                config,
+            )
+        })
+        .map_err(|e| {
+            crate::BackendError::Api(verl_plugin_api::Error::failed(format!("generation: {e}")))
+        })
+    }
+
     /// The engine's output as the host's batch: each response row with its prompt repeated, the
     /// masks, the prompt index, the rollout log-probs when asked for, the finish reasons, and the
     /// engine's metrics in `meta`.

@@ -311,6 +311,22 @@ impl ActorSettings {
         }
     }
 
+    /// What an actor update starts from: the plan, the trainable weights and the batch's inputs on
+    /// `device`. The frozen reference refuses.
+    pub fn begin_update<'a, T, F>(
+        &'a self,
+        weights: &'a mut RoleWeights<T, F>,
+        batch: &Batch,
+        device: Device,
+        o: &UpdateOptions,
+    ) -> Result<(&'a ActorUpdatePlan, &'a mut T, ActorUpdateInputs)> {
+        let plan = self.trainable()?;
+        let RoleWeights::Train(train) = weights else {
+            unreachable!("a role with an update plan is trainable")
+        };
+        Ok((plan, train, plan.inputs(batch, device, o)?))
+    }
+
     /// The update plan of a trainable actor; the frozen reference has none.
     pub fn trainable(&self) -> Result<&ActorUpdatePlan> {
         self.update.as_ref().ok_or_else(|| {

@@ -17,7 +17,7 @@ use crate::shard::{MemoryStats, Offload};
 use crate::train::{Sharding, TrainableModel};
 use verl_backend_kit::budget::head_chunk_tokens;
 use verl_backend_kit::config::{
-    self, section, ActorSection, ActorSettings, ActorUpdatePlan, LogProbSection, ModelSection,
+    self, section, ActorSection, ActorSettings, ActorUpdatePlan, LogProbSection,
     RolloutEngineSection,
 };
 use verl_backend_kit::data::{index_tensor, micro_batches, MicroBatch, Sequences};
@@ -112,13 +112,7 @@ impl FsdpActor {
         let (trainer, device) = config::trainer_device(init)?;
         let dp = Dp::join(init, if reference { "reference" } else { "actor" }, device)?;
         let dp_size = dp.size;
-        let model_cfg: ModelSection = section(cfg, "actor_rollout_ref.model")?;
-        let model_dir = config::model_dir("actor_rollout_ref.model.path", &model_cfg.path)?;
-        let tokenizer_dir = model_cfg
-            .tokenizer_path
-            .as_deref()
-            .map(config::expand_home)
-            .unwrap_or_else(|| model_dir.clone());
+        let (model_cfg, dirs) = config::actor_model_dirs(cfg)?;
         let actor: ActorSection = section(cfg, "actor_rollout_ref.actor")?;
         let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
         let engine: RolloutEngineSection = section(cfg, "actor_rollout_ref.rollout")?;
@@ -128,7 +122,6 @@ impl FsdpActor {
         if engine.consistent_attention && device.is_cuda() {
             batch_invariant_gemms();
         }
-        let default_temperature = rollout.temperature.unwrap_or(1.0);
         let padding = Padding::from_flags(
             model_cfg.use_remove_padding.unwrap_or(true),
             actor.use_prefix_grouper,
@@ -140,13 +133,7 @@ impl FsdpActor {
                 .clone()
                 .unwrap_or_else(|| actor.fsdp_config.clone());
             let precision = fsdp.precision("actor_rollout_ref.ref.fsdp_config")?;
-            let mut model = role_model(
-                &model_dir,
-                device,
-                precision.compute,
-                fsdp.seed,
-                random_init,
-            )?;
+            let mut model = role_model(&dirs.0, device, precision.compute, fsdp.seed, random_init)?;
             model.set_requires_grad(false)?;
             let head_chunk = head_chunk_tokens(model.config().vocab_size);
             // On a GPU the parameters wait in (pinned) host memory and visit the device for each
@@ -165,25 +152,14 @@ impl FsdpActor {
                 head_chunk,
                 engine,
                 host_params,
-                settings: ActorSettings {
-                    role: "reference",
-                    model_dir,
-                    tokenizer_dir,
-                    log_prob_micro: reference.micro_batching(dp_size),
-                    log_prob_key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                    default_temperature,
-                    update: None,
-                    trainer_total_steps: trainer.total_training_steps,
-                    seed: fsdp.seed,
-                    generate_calls: 0,
-                },
+                settings: ActorSettings::resolve(cfg, None, dirs, &trainer, dp_size, fsdp.seed)?,
             });
         }
         let precision = actor
             .fsdp_config
             .precision("actor_rollout_ref.actor.fsdp_config")?;
         let mut model = role_model(
-            &model_dir,
+            &dirs.0,
             device,
             precision.compute,
             actor.fsdp_config.seed,
@@ -236,18 +212,14 @@ impl FsdpActor {
             head_chunk,
             engine,
             host_params: None,
-            settings: ActorSettings {
-                role: "actor",
-                model_dir,
-                tokenizer_dir,
-                log_prob_micro: rollout.micro_batching(dp_size),
-                log_prob_key: "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                default_temperature,
-                update: Some(plan),
-                trainer_total_steps: trainer.total_training_steps,
-                seed: actor.fsdp_config.seed,
-                generate_calls: 0,
-            },
+            settings: ActorSettings::resolve(
+                cfg,
+                Some(plan),
+                dirs,
+                &trainer,
+                dp_size,
+                actor.fsdp_config.seed,
+            )?,
         })
     }
 
@@ -299,17 +271,7 @@ impl FsdpActor {
         let (engine_keys, device) = (self.engine.clone(), self.device);
         let (gen, meta) = self.run_model(|model| {
             let budget = kv_budget(model, device, &engine_keys, &call.mask, &call.params)?;
-            let (gen, stats) = tch::no_grad(|| {
-                verl_rollout::generate_with_config(
-                    model,
-                    &call.ids,
-                    &call.mask,
-                    &call.params,
-                    None,
-                    &budget.config,
-                )
-            })
-            .map_err(|e| BackendError::Api(ApiError::failed(format!("generation: {e}"))))?;
+            let (gen, stats) = call.run(model, &budget.config)?;
             Ok((gen, budget.metrics(&stats)))
         })?;
         call.into_batch(&gen, &meta)
@@ -358,12 +320,10 @@ impl FsdpActor {
 
     fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
         const CALL: &str = "Actor.update";
-        let plan = self.settings.trainable()?;
-        let Weights::Train(train) = &mut self.weights else {
-            unreachable!("a role with an update plan is trainable")
-        };
         let device = self.device;
-        let inputs = plan.inputs(batch, device, o)?;
+        let (plan, train, inputs) =
+            self.settings
+                .begin_update(&mut self.weights, batch, device, o)?;
         let lr = train.lr(total_training_steps(o, self.settings.trainer_total_steps))?;
         same_rows_on_every_rank(&self.dp, inputs.seqs.rows(), CALL)?;
         // Shared prompts: micro-batches keep a prompt's rows together.

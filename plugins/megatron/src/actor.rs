@@ -16,7 +16,7 @@ use std::path::Path;
 use tch::{Device, Tensor};
 use verl_backend_kit::budget::head_chunk_tokens;
 use verl_backend_kit::config::{
-    self, section, ActorSection, ActorSettings, ActorUpdatePlan, LogProbSection, ModelSection,
+    self, section, ActorSection, ActorSettings, ActorUpdatePlan, LogProbSection,
     RolloutEngineSection,
 };
 use verl_backend_kit::data::{index_tensor, micro_batches, MicroBatch, Sequences};
@@ -73,14 +73,8 @@ impl MegatronActor {
         let cfg = &init.config;
         let random_init = common::random_init_seed(init)?;
         let (trainer, device) = config::trainer_device(init)?;
-        let model_sec: ModelSection = section(cfg, "actor_rollout_ref.model")?;
-        let model_dir = config::model_dir("actor_rollout_ref.model.path", &model_sec.path)?;
-        let tokenizer_dir = model_sec
-            .tokenizer_path
-            .as_deref()
-            .map(config::expand_home)
-            .unwrap_or_else(|| model_dir.clone());
-        let model_cfg = ModelConfig::from_dir(&model_dir)?;
+        let (_, dirs) = config::actor_model_dirs(cfg)?;
+        let model_cfg = ModelConfig::from_dir(&dirs.0)?;
         let actor: ActorSection = section(cfg, "actor_rollout_ref.actor")?;
         let rollout: LogProbSection = section(cfg, "actor_rollout_ref.rollout")?;
         let (prefix, mg) = if reference {
@@ -107,7 +101,7 @@ impl MegatronActor {
         let par = common::join(init, role, layout, device)?;
         let dp_size = par.dp.size;
         let mut model = common::build_model(
-            &model_dir,
+            &dirs.0,
             model_cfg,
             HeadKind::CausalLm,
             dtype,
@@ -119,9 +113,8 @@ impl MegatronActor {
         if !reference {
             common::apply_recompute(&mut model, &mg, prefix)?;
         }
-        let default_temperature = rollout.temperature.unwrap_or(1.0);
         if reference {
-            let r: LogProbSection = section(cfg, "actor_rollout_ref.ref")?;
+            let _r: LogProbSection = section(cfg, "actor_rollout_ref.ref")?;
             model.set_requires_grad(false)?;
             return MegatronActor {
                 weights: Weights::Frozen(Box::new(model)),
@@ -132,18 +125,7 @@ impl MegatronActor {
                 engine: section(cfg, "actor_rollout_ref.rollout")?,
                 offload,
                 homes: HostHomes::default(),
-                settings: ActorSettings {
-                    role,
-                    model_dir,
-                    tokenizer_dir,
-                    log_prob_micro: r.micro_batching(dp_size),
-                    log_prob_key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                    default_temperature,
-                    update: None,
-                    trainer_total_steps: trainer.total_training_steps,
-                    seed: mg.seed,
-                    generate_calls: 0,
-                },
+                settings: ActorSettings::resolve(cfg, None, dirs, &trainer, dp_size, mg.seed)?,
             }
             .offloaded_at_start();
         }
@@ -164,18 +146,7 @@ impl MegatronActor {
             engine: section(cfg, "actor_rollout_ref.rollout")?,
             offload,
             homes: HostHomes::default(),
-            settings: ActorSettings {
-                role,
-                model_dir,
-                tokenizer_dir,
-                log_prob_micro: rollout.micro_batching(dp_size),
-                log_prob_key: "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                default_temperature,
-                update: Some(plan),
-                trainer_total_steps: trainer.total_training_steps,
-                seed: mg.seed,
-                generate_calls: 0,
-            },
+            settings: ActorSettings::resolve(cfg, Some(plan), dirs, &trainer, dp_size, mg.seed)?,
         }
         .offloaded_at_start()
     }
@@ -327,17 +298,7 @@ impl MegatronActor {
             tp.all_reduce_f64(&mut tokens, ReduceOp::Min, "all_reduce (KV pool tokens)")?;
             budget.config.kv_cache_tokens = Some(tokens[0] as usize);
         }
-        let (gen, stats) = tch::no_grad(|| {
-            verl_rollout::generate_with_config(
-                model,
-                &call.ids,
-                &call.mask,
-                &call.params,
-                None,
-                &budget.config,
-            )
-        })
-        .map_err(|e| MegatronError::Api(ApiError::failed(format!("generation: {e}"))))?;
+        let (gen, stats) = call.run(model, &budget.config)?;
         Ok(call.into_batch(&gen, &budget.metrics(&stats))?)
     }
 
@@ -397,12 +358,10 @@ impl MegatronActor {
 
     fn do_update(&mut self, batch: &Batch, o: &UpdateOptions) -> Result<Metrics> {
         const CALL: &str = "Actor.update";
-        let plan = self.settings.trainable()?;
-        let Weights::Train(train) = &mut self.weights else {
-            unreachable!("a role with an update plan is trainable")
-        };
         let device = self.device;
-        let inputs = plan.inputs(batch, device, o)?;
+        let (plan, train, inputs) =
+            self.settings
+                .begin_update(&mut self.weights, batch, device, o)?;
         let temperature = o.temperature.unwrap_or(self.settings.default_temperature);
         check_temperature(temperature)?;
         let lr = train.lr(total_training_steps(o, self.settings.trainer_total_steps))?;

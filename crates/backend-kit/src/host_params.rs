@@ -173,7 +173,7 @@ mod tests {
     use super::*;
 
     fn tiny() -> Transformer {
-        crate::test_model::tiny_transformer(Kind::BFloat16, 3)
+        verl_test_support::tiny::tiny_transformer(Kind::BFloat16, 3)
     }
 
     fn logits(m: &Transformer) -> Tensor {

@@ -18,8 +18,6 @@ pub mod model_files;
 pub mod optim;
 pub mod policy;
 pub mod reward_model;
-#[cfg(test)]
-mod test_model;
 pub mod update;
 
 pub use error::{BackendError, Result};

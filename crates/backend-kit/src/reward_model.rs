@@ -308,7 +308,7 @@ mod tests {
     /// The crate's tiny Qwen2 as a sequence classifier with one label, saved as an HF folder.
     fn tiny_rm_dir() -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
-        let base = crate::test_model::tiny_model_dir();
+        let base = verl_test_support::tiny::tiny_model_dir();
         let mut cfg: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(base.path().join("config.json")).unwrap(),
         )
@@ -427,7 +427,7 @@ mod tests {
 
     #[test]
     fn a_causal_lm_is_not_taken_for_a_reward_model() {
-        let dir = crate::test_model::tiny_model_dir();
+        let dir = verl_test_support::tiny::tiny_model_dir();
         let mut init = InitArgs::new(
             Role::RewardModel,
             serde_json::json!({"trainer": {"device": "cpu"}}),

@@ -18,8 +18,6 @@ pub mod forward;
 pub mod packing;
 pub mod sft;
 pub mod shard;
-#[cfg(test)]
-mod test_model;
 pub mod train;
 pub mod validate;
 

@@ -7,6 +7,7 @@
 //! - [`cuda`] (feature `torch`): the device of the `#[ignore = "needs CUDA"]` tests, a clear
 //!   failure where there is none;
 //! - [`model`] (feature `nn`): tiny random qwen2 model folders.
+//! - [`tiny`] (feature `nn`): one tiny random qwen2 model in memory, and saved as an HF folder.
 
 pub mod json;
 pub mod rng;
@@ -16,6 +17,8 @@ pub mod shared;
 pub mod cuda;
 #[cfg(feature = "nn")]
 pub mod model;
+#[cfg(feature = "nn")]
+pub mod tiny;
 
 pub use json::merge;
 pub use rng::Lcg;

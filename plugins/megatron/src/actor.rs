@@ -19,7 +19,7 @@ use verl_backend_kit::config::{
     self, section, ActorSection, ActorSettings, ActorUpdatePlan, LogProbSection,
     RolloutEngineSection,
 };
-use verl_backend_kit::data::{index_tensor, micro_batches, MicroBatch, Sequences};
+use verl_backend_kit::data::Sequences;
 use verl_comm::ReduceOp;
 use verl_losses::ChunkedLmHead;
 use verl_nn::{HeadKind, ModelConfig, SaveOptions, Transformer};
@@ -30,13 +30,11 @@ use verl_plugin_api::{
 
 use crate::common::{
     self, assemble, check_temperature, compute_dtype, copy_tokenizer_files, forward_micro_batches,
-    gather_live_model, megatron_section, metrics_from_last_stage, same_micro_batch_count,
-    same_rows_on_every_rank,
+    gather_live_model, megatron_section, metrics_from_last_stage, same_rows_on_every_rank,
 };
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::offload::{move_params, on_device, HostHomes, Need, Offload, Place};
 use crate::parallel::Parallel;
-use crate::pipeline::MicroInput;
 use crate::rollout::RolloutTp;
 use crate::tp::TpModel;
 use crate::train::TpTrainer;
@@ -479,32 +477,17 @@ impl UpdateEngine for ActorEngine<'_> {
 
     fn forward_backward(&mut self, mini: &UpdateMiniBatch<'_>) -> Result<Vec<MicroOutcome>> {
         let (plan, inputs, par) = (self.plan, self.inputs, self.par);
-        let device = inputs.seqs.response_mask.device();
-        let parts = micro_batches(
+        let um = common::UpdateMicros::new(
+            &self.train.model,
+            &par.dp_meta,
+            &inputs.seqs,
             mini.rows,
             &self.lengths,
             plan.micro,
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+            |idx| Ok(inputs.micro(idx)?),
         )?;
-        let parts = same_micro_batch_count(&par.dp_meta, parts)?;
-        let moe = common::moe_micro(&self.train.model, &par.dp_meta, &parts)?;
-        let micros = parts
-            .iter()
-            .map(|MicroBatch { rows: part, dummy }| {
-                let idx = index_tensor(part, device)?;
-                Ok((inputs.seqs.select(&idx)?, inputs.micro(&idx)?, *dummy))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let model_inputs: Vec<MicroInput> = micros
-            .iter()
-            .zip(&moe)
-            .map(|((sub, _, _), &moe)| MicroInput {
-                ids: &sub.input_ids,
-                mask: &sub.attention_mask,
-                positions: &sub.position_ids,
-                moe,
-            })
-            .collect();
+        let (micros, model_inputs) = (&um.micros, um.inputs());
         let (temperature, need_entropy) = (self.temperature, inputs.need_entropy);
         let kept_logits_bytes = self.kept_logits_bytes;
         let on_policy = inputs.anchor.on_policy;
@@ -572,7 +555,7 @@ impl UpdateEngine for ActorEngine<'_> {
         let mut out = Vec::new();
         for (ui, r) in results.into_iter().enumerate() {
             let Some((loss, metrics)) = r else { continue };
-            if micros[ui].2 {
+            if um.is_dummy(ui) {
                 continue;
             }
             out.push(MicroOutcome {

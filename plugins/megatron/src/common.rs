@@ -306,6 +306,60 @@ pub use verl_backend_kit::budget::{same_micro_batch_count, same_rows_on_every_ra
 pub use verl_backend_kit::model_files::{copy_tokenizer_files, random_init_seed};
 pub use verl_backend_kit::policy::check_temperature;
 
+/// A mini-batch's micro-batches as an update's pipeline schedule takes them: each one's rows
+/// (`Sequences`), the role's per-row inputs, whether it only pads, and what its MoE blocks do.
+pub struct UpdateMicros<T> {
+    pub micros: Vec<(Sequences, T, bool)>,
+    moe: Vec<MoeMicro>,
+}
+
+impl<T> UpdateMicros<T> {
+    /// `rows` of `seqs` split by `micro` (the same count on every data-parallel rank); `pick`
+    /// takes a micro-batch's rows of the role's per-row inputs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        model: &TpModel,
+        dp: &Dp,
+        seqs: &Sequences,
+        rows: &[usize],
+        lengths: &[i64],
+        micro: MicroBatching,
+        budget_key: &str,
+        pick: impl Fn(&Tensor) -> Result<T>,
+    ) -> Result<UpdateMicros<T>> {
+        let device = seqs.response_mask.device();
+        let parts = same_micro_batch_count(dp, micro_batches(rows, lengths, micro, budget_key)?)?;
+        let moe = moe_micro(model, dp, &parts)?;
+        let micros = parts
+            .iter()
+            .map(|MicroBatch { rows: part, dummy }| {
+                let idx = index_tensor(part, device)?;
+                Ok((seqs.select(&idx)?, pick(&idx)?, *dummy))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(UpdateMicros { micros, moe })
+    }
+
+    /// The model inputs of each micro-batch.
+    pub fn inputs(&self) -> Vec<MicroInput<'_>> {
+        self.micros
+            .iter()
+            .zip(&self.moe)
+            .map(|((sub, _, _), &moe)| MicroInput {
+                ids: &sub.input_ids,
+                mask: &sub.attention_mask,
+                positions: &sub.position_ids,
+                moe,
+            })
+            .collect()
+    }
+
+    /// Whether micro-batch `i` only pads.
+    pub fn is_dummy(&self, i: usize) -> bool {
+        self.micros[i].2
+    }
+}
+
 /// What the MoE blocks do in each micro-batch of a mini-batch (`parts`, already equalised over the
 /// data-parallel ranks). Megatron scales the router load-balancing loss like the main loss, by
 /// one over the micro-batches that share the gradient: with gradients summed over the

@@ -8,7 +8,7 @@ use tch::{Device, Kind};
 use verl_backend_kit::config::{
     self, section, CriticSection, CriticUpdatePlan, LogProbSection, MicroBatching, ModelSection,
 };
-use verl_backend_kit::data::{index_tensor, micro_batches, MicroBatch, Sequences};
+use verl_backend_kit::data::Sequences;
 use verl_losses::CriticLoss;
 use verl_nn::{HeadKind, ModelConfig};
 use verl_plugin_api::{
@@ -18,12 +18,11 @@ use verl_plugin_api::{
 
 use crate::common::{
     self, compute_dtype, forward_micro_batches, megatron_section, metrics_from_last_stage,
-    same_micro_batch_count, same_rows_on_every_rank,
+    same_rows_on_every_rank,
 };
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::offload::{on_device, Need, Offload, Place};
 use crate::parallel::Parallel;
-use crate::pipeline::MicroInput;
 use crate::train::TpTrainer;
 use verl_backend_kit::update::{
     run_update, total_training_steps, CriticUpdateInputs, MicroOutcome,
@@ -209,32 +208,17 @@ impl UpdateEngine for CriticEngine<'_> {
 
     fn forward_backward(&mut self, mini: &UpdateMiniBatch<'_>) -> Result<Vec<MicroOutcome>> {
         let (inputs, par) = (self.inputs, self.par);
-        let device = inputs.seqs.response_mask.device();
-        let parts = micro_batches(
+        let um = common::UpdateMicros::new(
+            &self.train.model,
+            &par.dp_meta,
+            &inputs.seqs,
             mini.rows,
             &self.lengths,
             self.micro,
             "critic.ppo_max_token_len_per_gpu",
+            |idx| Ok(inputs.micro(idx)?),
         )?;
-        let parts = same_micro_batch_count(&par.dp_meta, parts)?;
-        let moe = common::moe_micro(&self.train.model, &par.dp_meta, &parts)?;
-        let micros = parts
-            .iter()
-            .map(|MicroBatch { rows: part, dummy }| {
-                let idx = index_tensor(part, device)?;
-                Ok((inputs.seqs.select(&idx)?, inputs.micro(&idx)?, *dummy))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let model_inputs: Vec<MicroInput> = micros
-            .iter()
-            .zip(&moe)
-            .map(|((sub, _, _), &moe)| MicroInput {
-                ids: &sub.input_ids,
-                mask: &sub.attention_mask,
-                positions: &sub.position_ids,
-                moe,
-            })
-            .collect();
+        let (micros, model_inputs) = (&um.micros, um.inputs());
         let loss_fn = self.loss;
         let results =
             self.train
@@ -250,7 +234,7 @@ impl UpdateEngine for CriticEngine<'_> {
         let mut out = Vec::new();
         for (ui, r) in results.into_iter().enumerate() {
             let Some((_, metrics)) = r else { continue };
-            if micros[ui].2 {
+            if um.is_dummy(ui) {
                 continue;
             }
             out.push(MicroOutcome {

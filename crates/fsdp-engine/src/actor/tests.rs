@@ -1,7 +1,7 @@
 #[test]
 fn an_offloaded_reference_scores_on_loaded_parameters_and_puts_them_back() {
     use verl_plugin_api::{col, Actor, InitArgs, LogProbOptions, Role};
-    let dir = crate::test_model::tiny_model_dir();
+    let dir = verl_test_support::tiny::tiny_model_dir();
     let reference = |offload: bool| {
         let cfg = serde_json::json!({
             "trainer": {"device": "cpu"},

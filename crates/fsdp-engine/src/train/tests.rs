@@ -3,7 +3,7 @@ use crate::shard::bytes;
 use tch::Kind;
 
 fn tiny(dtype: Kind, seed: i64) -> Transformer {
-    crate::test_model::tiny_transformer(dtype, seed)
+    verl_test_support::tiny::tiny_transformer(dtype, seed)
 }
 
 fn optim_cfg() -> OptimSection {
@@ -58,7 +58,7 @@ fn train(master: Kind, compute: Kind, offload: Offload, chunk: usize) -> (State,
             // Token ids without the global generator (other tests draw from it in parallel).
             let (a, b) = ((7 * step + 3 * k + 5) as i64, (2 * k) as i64);
             let ids = (Tensor::arange(12, (Kind::Int64, Device::Cpu)) * a + b)
-                .remainder(crate::test_model::VOCAB)
+                .remainder(verl_test_support::tiny::VOCAB)
                 .reshape([2, 6]);
             let _ = t
                 .forward_backward(&dp, &ids, None, None, |logits| {
@@ -161,7 +161,11 @@ fn gradient_accumulators_are_held_only_between_backward_and_step() {
         OFFLOAD_CHUNK_BYTES,
     );
     assert_eq!(t.memory().grads, 0, "after the step");
-    let ids = Tensor::randint(crate::test_model::VOCAB, [2, 6], (Kind::Int64, Device::Cpu));
+    let ids = Tensor::randint(
+        verl_test_support::tiny::VOCAB,
+        [2, 6],
+        (Kind::Int64, Device::Cpu),
+    );
     t.zero_grad().unwrap();
     let _ = t
         .forward_backward(&Dp::single(), &ids, None, None, |logits| {

@@ -1,4 +1,4 @@
-//! A tiny random Qwen2 model for the crate's unit tests.
+//! A tiny random Qwen2 model in memory (and saved as an HF folder) for the backends' unit tests.
 
 use tch::Kind;
 use verl_nn::{ModelConfig, ModelOptions, SaveOptions, Transformer};

@@ -5,6 +5,9 @@
 # transformers 5.x, accelerate, huggingface_hub, pandas, pyarrow, xxhash, fsspec, tqdm, pyyaml, jinja2,
 # psutil ... already installed, and has no internet. What it lacks for `import trl` + GRPOTrainer is:
 #   trl, datasets, and datasets' dill + multiprocess.
+# peft (the LoRA bench, issue 44) is pinned here too: the image has a peft of its own (version unchecked), and all
+# of peft 0.21.2's requirements (accelerate, psutil, huggingface_hub, safetensors, tqdm, packaging, pyyaml, numpy,
+# transformers, torch) are in the image.
 # Each wheel is fetched with --no-deps for that interpreter/platform; on the device install them with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site
@@ -35,6 +38,8 @@ PKGS=(
   datasets==5.2.0
   dill==0.4.1
   multiprocess==0.70.19
+  # LoRA bench (issue 44): trl_grpo.py --lora-rank (TRL's peft_config, plain mode's get_peft_model).
+  peft==0.21.2
 )
 if [[ "${WITH_PYARROW:-0}" == 1 ]]; then
   PKGS+=(pyarrow==26.0.1)

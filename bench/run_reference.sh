@@ -20,7 +20,7 @@ fi
 export PYTHONUNBUFFERED=1
 "$PY" - <<'PY'
 import importlib, torch
-for m in ("torch", "transformers", "accelerate", "datasets", "trl", "pyarrow", "huggingface_hub", "tokenizers", "fsspec", "pandas"):
+for m in ("torch", "transformers", "accelerate", "datasets", "trl", "peft", "pyarrow", "huggingface_hub", "tokenizers", "fsspec", "pandas"):
     try:
         mod = importlib.import_module(m); print(f"{m:16s} {mod.__version__:14s} {mod.__file__}")
     except Exception as e:

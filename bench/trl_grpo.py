@@ -18,6 +18,12 @@ Two systems, same workload, same random-init architecture (transformers, bf16, s
                 PPO-clip (+k3 KL, token-mean over the mini-batch) update in micro-batches with AdamW on bf16
                 params. Every phase is timed between device syncs. The old log-prob pass always runs (verl does).
 
+--lora-rank R (> 0) trains a PEFT LoRA adapter (r R, --lora-alpha, --lora-targets, bias none) on the frozen base
+instead of all weights. TRL gets it as GRPOTrainer(peft_config=LoraConfig(...)): TRL then builds no reference model
+and takes the reference log-probs from the policy with its adapter disabled (`with model.disable_adapter()`), which
+the ref phase times. Plain mode does the same: get_peft_model, AdamW over the adapter's parameters only, reference
+log-probs inside `with model.disable_adapter()`. PEFT's defaults keep the adapter's weights in fp32 on a bf16 base.
+
 Each run does --steps GRPO steps (the first warms up kernels and the allocator) and prints ONE JSON line on
 stdout with the last step's phases; `per_step` lists them all. Progress goes to stderr.
 
@@ -142,9 +148,34 @@ def random_prompt_ids(num: int, prompt_len: int, vocab_size: int, seed: int) -> 
     return torch.randint(1, vocab_size - 1, (num, prompt_len), generator=g)  # never <unk> or EOS
 
 
+def lora_config(args):
+    """The PEFT LoraConfig of --lora-rank/--lora-alpha/--lora-targets, or None without LoRA (--lora-rank 0)."""
+    if args.lora_rank <= 0:
+        return None
+    from peft import LoraConfig
+
+    targets = args.lora_targets
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    return LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, bias="none",
+                      task_type="CAUSAL_LM")
+
+
+def lora_fields(args, model) -> dict:
+    """The JSON line's LoRA keys: rank, alpha, targets, trainable parameters and the adapter's dtype."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {
+        "lora_rank": args.lora_rank,
+        "lora_alpha": args.lora_alpha if args.lora_rank > 0 else None,
+        "lora_targets": args.lora_targets if args.lora_rank > 0 else None,
+        "trainable_params": sum(p.numel() for p in trainable),
+        "trainable_dtype": str(trainable[0].dtype).removeprefix("torch.") if trainable else None,
+    }
+
+
 def versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
-    for name in ("trl", "accelerate", "datasets", "tokenizers"):
+    for name in ("trl", "accelerate", "datasets", "tokenizers", "peft"):
         try:
             out[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - absent is fine for --mode plain
@@ -177,6 +208,7 @@ def finish(args, system: str, per_step: list[dict], model, extra: dict) -> None:
         "beta": args.beta,
         "steps": args.steps,
         "n_params": sum(p.numel() for p in model.parameters()),
+        **lora_fields(args, model),
         **{k: round(last.get(k, 0.0), 4) for k in ("gen", "old_log_prob", "ref", "other", "update", "step")},
         "tokens": tokens,
         "response_tokens": resp,
@@ -213,13 +245,20 @@ def run_plain(args, device: torch.device, dtype: torch.dtype) -> None:
     eos_id = vocab - 1
     torch.manual_seed(args.seed)
     policy = build_model(args.arch, device, dtype, eos_id)
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    policy.train()
+    lora = lora_config(args)
     if args.grad_ckpt:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is None:
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    else:
+        from peft import get_peft_model
+
+        policy = get_peft_model(policy, lora)  # freezes the base; the reference is the policy without its adapter
+        ref = None
+    policy.train()
+    params = [p for p in policy.parameters() if p.requires_grad]
     fused = device.type == "cuda"
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                            fused=fused)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=fused)
     gen_cfg = transformers.GenerationConfig(
         do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_len,
         min_new_tokens=args.response_len if args.ignore_eos else None, eos_token_id=eos_id, pad_token_id=eos_id,
@@ -266,7 +305,11 @@ def run_plain(args, device: torch.device, dtype: torch.dtype) -> None:
         old_lp = score(policy)
         t2 = clock.now()
         t["old_log_prob"] = t2 - t1
-        ref_lp = score(ref)
+        if ref is None:
+            with policy.disable_adapter():
+                ref_lp = score(policy)
+        else:
+            ref_lp = score(ref)
         t3 = clock.now()
         t["ref"] = t3 - t2
 
@@ -292,7 +335,7 @@ def run_plain(args, device: torch.device, dtype: torch.dtype) -> None:
                 kl = torch.exp(d) - d - 1.0  # k3 estimator
                 loss = ((pg + args.beta * kl) * resp_mask[idx]).sum() / n_tok
                 loss.backward()
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
         t5 = clock.now()
@@ -323,8 +366,10 @@ def run_trl(args, device: torch.device, dtype: torch.dtype) -> None:
     assert tokenizer.eos_token_id == eos_id, (tokenizer.eos_token_id, eos_id)
 
     # GRPOTrainer builds its reference model by re-loading the policy's `_name_or_path`. A random-init model has no
-    # path, so hand it a copy of the policy's initial weights instead (set-up only; nothing timed changes).
-    initial = [copy.deepcopy(policy)]
+    # path, so hand it a copy of the policy's initial weights instead (set-up only; nothing timed changes). With a
+    # peft_config it builds none: the reference is the policy with its adapter disabled.
+    lora = lora_config(args)
+    initial = [copy.deepcopy(policy)] if lora is None else []
     orig_create = grpo_mod.create_model_from_path
 
     def create_ref(*_a, **_k):
@@ -383,15 +428,17 @@ def run_trl(args, device: torch.device, dtype: torch.dtype) -> None:
         log_completions=False,
     )
     trainer = GRPOTrainer(model=policy, reward_funcs=constant_reward, args=cfg, train_dataset=dataset,
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, peft_config=lora)
     grpo_mod.create_model_from_path = orig_create
     initial.clear()  # unused when beta == 0 (no reference model): free it
-    if trainer.ref_model is None and args.beta != 0.0:
+    if lora is None and trainer.ref_model is None and args.beta != 0.0:
         raise SystemExit("GRPOTrainer built no reference model although beta != 0")
+    if lora is not None and (trainer.ref_model is not None or not hasattr(trainer.model, "disable_adapter")):
+        raise SystemExit("with peft_config, GRPOTrainer was expected to wrap the policy and build no reference model")
 
     clock = Clock(device)
     acc = {"gen": 0.0, "old_log_prob": 0.0, "ref": 0.0, "prepare": 0.0}
-    state = {"in_prepare": False}
+    state = {"in_prepare": False, "in_ref": False}
 
     def wrap(name, fn, key_of):
         def wrapped(*a, **k):
@@ -414,7 +461,23 @@ def run_trl(args, device: torch.device, dtype: torch.dtype) -> None:
     def lp_key(model, *a, **k):
         if not state["in_prepare"]:
             return None  # a training forward: part of `update`
-        return "ref" if (trainer.ref_model is not None and model is trainer.ref_model) else "old_log_prob"
+        if state["in_ref"] or (trainer.ref_model is not None and model is trainer.ref_model):
+            return "ref"
+        return "old_log_prob"
+
+    # With PEFT, TRL scores the reference with the policy itself inside `use_adapter(model, None)` (adapter disabled).
+    orig_use_adapter = grpo_mod.use_adapter
+
+    @contextlib.contextmanager
+    def use_adapter(*a, **k):
+        with orig_use_adapter(*a, **k):
+            state["in_ref"] = True
+            try:
+                yield
+            finally:
+                state["in_ref"] = False
+
+    grpo_mod.use_adapter = use_adapter
 
     trainer._get_per_token_logps_and_entropies = wrap("_get_per_token_logps_and_entropies", orig_lp, lp_key)
 
@@ -472,6 +535,12 @@ def run_trl(args, device: torch.device, dtype: torch.dtype) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def number(text: str):
+    """An int when integral (PEFT's lora_alpha is an int), else a float."""
+    x = float(text)
+    return int(x) if x.is_integer() else x
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["trl", "plain"], required=True)
@@ -495,6 +564,10 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--grad-ckpt", action="store_true", help="activation recompute in the update (TRL's default)")
+    p.add_argument("--lora-rank", type=int, default=0, help="train a PEFT LoRA adapter of this rank (0: all weights)")
+    p.add_argument("--lora-alpha", type=number, default=16, help="LoRA alpha (verl's default 16); scale alpha/rank")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="LoRA target modules: all-linear (every linear layer but the LM head) or a comma list")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json-out", default=None, help="also append the JSON line to this file")
@@ -511,7 +584,8 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     log(f"mode={args.mode} arch={args.arch} device={device} torch={torch.__version__} "
-        f"transformers={transformers.__version__}")
+        f"transformers={transformers.__version__}"
+        + (f" lora r={args.lora_rank} alpha={args.lora_alpha} targets={args.lora_targets}" if args.lora_rank else ""))
     (run_trl if args.mode == "trl" else run_plain)(args, device, dtype)
 
 

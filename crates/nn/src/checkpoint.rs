@@ -48,6 +48,10 @@ pub struct SaveOptions {
     pub max_shard_bytes: u64,
     /// Dtype of the written tensors; `None` keeps the model dtype.
     pub dtype: Option<Kind>,
+    /// With LoRA adapters: write each adapted projection's weight merged (`W + s·B·A`, an HF
+    /// export); otherwise the base weights are written and the adapters are not (they are saved
+    /// apart with [`Transformer::save_adapter`]).
+    pub merge_lora: bool,
 }
 
 impl Default for SaveOptions {
@@ -55,6 +59,7 @@ impl Default for SaveOptions {
         SaveOptions {
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             dtype: None,
+            merge_lora: false,
         }
     }
 }
@@ -272,7 +277,8 @@ impl Transformer {
         let arch = self.config().arch.to_string();
         let head_names: HashSet<String> = self.head_parameter_names().iter().cloned().collect();
         let optional_head = self.head_kind() != HeadKind::CausalLm;
-        for (name, dst) in self.named_parameters() {
+        // Adapters are not in a base checkpoint (see `load_adapter`).
+        for (name, dst) in self.base_parameters() {
             if !ckpt.contains(name) {
                 if optional_head && head_names.contains(name) {
                     // HF `_init_weights` for a new Linear head: normal(0, initializer_range), zero bias.
@@ -356,7 +362,8 @@ impl Transformer {
         let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
         let mut current = 0u64;
         let mut total = 0u64;
-        for (i, (_, t)) in self.named_parameters().iter().enumerate() {
+        let params = self.base_parameters();
+        for (i, (_, t)) in params.iter().enumerate() {
             let bytes = t.numel() as u64 * elt;
             total += bytes;
             let last = shards.len() - 1;
@@ -379,8 +386,16 @@ impl Transformer {
             let path = dir.join(&file_name);
             let mut views: Vec<(String, OwnedView)> = Vec::with_capacity(members.len());
             for &i in members {
-                let (name, t) = &self.named_parameters()[i];
-                views.push((name.clone(), OwnedView::from_tensor(t, kind, dtype)?));
+                let (name, t) = &params[i];
+                let merged = if opts.merge_lora {
+                    self.merged_weight(name, t, kind)?
+                } else {
+                    None
+                };
+                views.push((
+                    name.clone(),
+                    OwnedView::from_tensor(merged.as_ref().unwrap_or(t), kind, dtype)?,
+                ));
                 weight_map.insert(name.clone(), Value::from(file_name.clone()));
             }
             let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();

@@ -85,7 +85,11 @@ impl<'a> ParamFactory<'a> {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear {
+            weight,
+            bias,
+            lora: None,
+        })
     }
 
     pub fn rms_norm(&mut self, prefix: &str, dim: i64, eps: f64) -> Result<RmsNorm> {
@@ -100,6 +104,8 @@ impl<'a> ParamFactory<'a> {
 pub(crate) struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    /// A LoRA adapter ([`crate::lora`]), added to every output of this projection while on.
+    pub lora: Option<crate::lora::Adapter>,
 }
 
 thread_local! {
@@ -134,6 +140,20 @@ pub fn accumulating_into_grad() -> bool {
 
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.forward_base(x)?;
+        self.add_lora(y, x)
+    }
+
+    /// `base` (this projection's output without its adapter, computed by the caller) plus the
+    /// adapter's contribution for input `x`.
+    pub fn add_lora(&self, base: Tensor, x: &Tensor) -> Result<Tensor> {
+        match &self.lora {
+            Some(a) => a.add(base, x),
+            None => Ok(base),
+        }
+    }
+
+    fn forward_base(&self, x: &Tensor) -> Result<Tensor> {
         // Under gradient-accumulation fusion, a trainable weight's gradient is added into its
         // .grad by the weight-gradient GEMM itself.
         if self.weight.requires_grad()
@@ -727,6 +747,25 @@ pub(crate) struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// The dense projections of layer `i` under their module names (none for an MoE block's
+    /// experts and router: [`crate::lora`] refuses MoE models before asking).
+    pub(crate) fn projections_mut(&mut self, i: usize) -> Vec<(String, &mut Linear)> {
+        let p = format!("model.layers.{i}");
+        let a = &mut self.self_attn;
+        let mut out = vec![
+            (format!("{p}.self_attn.q_proj"), &mut a.q_proj),
+            (format!("{p}.self_attn.k_proj"), &mut a.k_proj),
+            (format!("{p}.self_attn.v_proj"), &mut a.v_proj),
+            (format!("{p}.self_attn.o_proj"), &mut a.o_proj),
+        ];
+        if let FeedForward::Dense(m) = &mut self.mlp {
+            out.push((format!("{p}.mlp.gate_proj"), &mut m.gate));
+            out.push((format!("{p}.mlp.up_proj"), &mut m.up));
+            out.push((format!("{p}.mlp.down_proj"), &mut m.down));
+        }
+        out
+    }
+
     /// Builds (`on`) or drops the decode-time fused projections of this layer (attention q/k/v,
     /// a dense MLP's gate/up; MoE experts stay unfused); returns the bytes they hold.
     pub fn fuse(&self, on: bool) -> Result<usize> {

@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 mod layers;
+pub mod lora;
 pub mod model;
 pub mod profile;
 pub mod tp;
@@ -30,6 +31,7 @@ pub use layers::{
     accumulating_into_grad, apply_rope, causal_attention, repeat_kv, rms_norm, silu_mul,
     varlen_layout, AttentionRows, Rope, VarlenRows,
 };
+pub use lora::{LoraConfig, LoraReport, Modules as LoraModules};
 pub use model::{
     linear_fp32, AttentionBackend, AttentionCall, FusedDecodeWeights, GemmTuning, HeadKind,
     KvCache, ModelOptions, ParamGate, Transformer, Unit,

@@ -222,10 +222,10 @@ pub struct Transformer {
     head_kind: HeadKind,
     dtype: Kind,
     vs: nn::VarStore,
-    params: Vec<(String, Tensor)>,
+    pub(crate) params: Vec<(String, Tensor)>,
     head_param_names: Vec<String>,
     embed_tokens: Tensor,
-    layers: Vec<DecoderLayer>,
+    pub(crate) layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     rope: Rope,
     head: Head,
@@ -241,7 +241,11 @@ pub struct Transformer {
     head_params: std::ops::Range<usize>,
     tied_head: bool,
     /// Set for one tensor-parallel shard ([`Transformer::tp_shard`]); `None`: the whole model.
-    tp: Option<TpShard>,
+    pub(crate) tp: Option<TpShard>,
+    /// LoRA adapters ([`crate::lora`]); their parameters follow the base ones in `params`.
+    pub(crate) lora: Option<crate::lora::LoraState>,
+    /// Per decoder layer, indices into `params` of its adapters.
+    pub(crate) layer_adapters: Vec<Vec<usize>>,
 }
 
 impl std::fmt::Debug for Transformer {
@@ -359,6 +363,8 @@ impl Transformer {
             tied_head,
             config,
             tp: None,
+            lora: None,
+            layer_adapters: Vec::new(),
         })
     }
 
@@ -481,7 +487,13 @@ impl Transformer {
     pub fn unit_parameters(&self, unit: Unit) -> Vec<usize> {
         match unit {
             Unit::Embedding => vec![0],
-            Unit::Layer(i) => self.layer_params.get(i).cloned().unwrap_or(0..0).collect(),
+            Unit::Layer(i) => self
+                .layer_params
+                .get(i)
+                .cloned()
+                .unwrap_or(0..0)
+                .chain(self.layer_adapters.get(i).into_iter().flatten().copied())
+                .collect(),
             Unit::Head => {
                 let mut v: Vec<usize> = self.head_params.clone().collect();
                 if self.tied_head {

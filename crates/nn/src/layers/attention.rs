@@ -285,17 +285,22 @@ impl Attention {
             None => self.qkv_concatenated(x)?,
         };
         let (qy, ky, vy) = match (fused, concatenated) {
+            // One GEMM for the three base projections; the adapters add to each part.
             (Some(y), _) => (
-                y.f_narrow(-1, 0, nq)?,
-                y.f_narrow(-1, nq, nkv)?,
-                y.f_narrow(-1, nq + nkv, nkv)?,
+                self.q_proj.add_lora(y.f_narrow(-1, 0, nq)?, x)?,
+                self.k_proj.add_lora(y.f_narrow(-1, nq, nkv)?, x)?,
+                self.v_proj.add_lora(y.f_narrow(-1, nq + nkv, nkv)?, x)?,
             ),
             // One split (its backward is one concatenation, where three narrows would each
             // scatter into a zero tensor of the full width).
             (None, Some(y)) => {
                 let mut parts = y.f_split_with_sizes([nq, nkv, nkv], -1)?.into_iter();
                 match (parts.next(), parts.next(), parts.next()) {
-                    (Some(q), Some(k), Some(v)) => (q, k, v),
+                    (Some(q), Some(k), Some(v)) => (
+                        self.q_proj.add_lora(q, x)?,
+                        self.k_proj.add_lora(k, x)?,
+                        self.v_proj.add_lora(v, x)?,
+                    ),
                     _ => return Err(NnError::input("q/k/v projection", "three parts", "fewer")),
                 }
             }

@@ -57,6 +57,13 @@ impl Mlp {
             .and_then(|g| g.as_ref().map(|w| decode_linear(x, w, None)))
             .transpose()?;
         if let Some(gu) = fused {
+            if self.gate.lora.is_some() || self.up.lora.is_some() {
+                // The adapters add to the gate and up halves of the fused output.
+                let inter = self.gate.weight.size()[0];
+                let g = self.gate.add_lora(gu.f_narrow(-1, 0, inter)?, x)?;
+                let u = self.up.add_lora(gu.f_narrow(-1, inter, inter)?, x)?;
+                return self.down.forward(&silu_mul(&g, &u)?);
+            }
             if fused_swiglu(&gu) {
                 return self.down.forward(&verl_torch_ext::swiglu(&gu)?);
             }

@@ -1,0 +1,544 @@
+//! LoRA adapters on a model's linear projections, in PEFT's layout.
+//!
+//! An adapted projection computes `y = x Wᵀ (+ b) + s · (x Aᵀ) Bᵀ` with `A` `[r, in]`, `B`
+//! `[out, r]` and `s = alpha / r` (`alpha / √r` with rsLoRA), the second term one GEMM that adds
+//! into the first. The adapter matrices are ordinary parameters of the model (its dtype, its device)
+//! named `<module>.lora_A.weight` / `<module>.lora_B.weight`, appended after the base parameters;
+//! [`Transformer::add_lora`] freezes the base. Switching the adapters off
+//! ([`Transformer::set_adapters_enabled`]) gives the base model back exactly (the reference policy,
+//! PEFT's `disable_adapter`).
+//!
+//! Files: [`Transformer::save_adapter`] writes `adapter_config.json` and `adapter_model.safetensors`
+//! with PEFT's key names (`base_model.model.<module>.lora_A.weight`), which
+//! `peft.PeftModel.from_pretrained` loads; [`Transformer::load_adapter`] reads such a folder.
+//!
+//! Dense decoder projections only (`q/k/v/o_proj`, `gate/up/down_proj`); MoE blocks, heads and
+//! tensor-parallel shards are refused. No LoRA dropout, no DoRA, no per-module rank patterns.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use serde_json::Value;
+use tch::{Kind, Tensor};
+
+use crate::error::{NnError, Result};
+use crate::model::Transformer;
+
+/// PEFT's prefix of a causal LM's adapter keys.
+pub const PEFT_PREFIX: &str = "base_model.model.";
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+
+/// Which linear modules get adapters (PEFT's `target_modules` / `exclude_modules`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Modules {
+    /// PEFT's `"all-linear"`: every linear projection except the output layer.
+    AllLinear,
+    /// Module names: one matches a module whose full name equals it or ends with `.<name>`.
+    Names(Vec<String>),
+    /// A regular expression matched against the whole module name (PEFT's string form).
+    Regex(String),
+}
+
+impl Modules {
+    /// verl's / PEFT's value: `"all-linear"`, another string (a regular expression), or a list.
+    pub fn from_json(what: &str, v: &Value) -> Result<Option<Modules>> {
+        match v {
+            Value::Null => Ok(None),
+            Value::String(s) if s == "all-linear" => Ok(Some(Modules::AllLinear)),
+            Value::String(s) => Ok(Some(Modules::Regex(s.clone()))),
+            Value::Array(items) => items
+                .iter()
+                .map(|i| {
+                    i.as_str().map(str::to_string).ok_or_else(|| {
+                        NnError::input(what, "module names (strings)", i.to_string())
+                    })
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(|v| Some(Modules::Names(v))),
+            other => Err(NnError::input(
+                what,
+                "\"all-linear\", a regular expression or a list of module names",
+                other.to_string(),
+            )),
+        }
+    }
+
+    fn to_json(&self) -> Value {
+        match self {
+            Modules::AllLinear => Value::from("all-linear"),
+            Modules::Names(v) => Value::from(v.clone()),
+            Modules::Regex(r) => Value::from(r.clone()),
+        }
+    }
+
+    fn matches(&self, module: &str) -> Result<bool> {
+        Ok(match self {
+            Modules::AllLinear => true,
+            Modules::Names(names) => names
+                .iter()
+                .any(|n| module == n || module.ends_with(&format!(".{n}"))),
+            Modules::Regex(r) => regex::Regex::new(&format!("^(?:{r})$"))
+                .map_err(|e| {
+                    NnError::input("LoRA target_modules regex", "a valid regex", e.to_string())
+                })?
+                .is_match(module),
+        })
+    }
+}
+
+/// The adapters to add (PEFT's `LoraConfig` fields that change the model).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    pub rank: i64,
+    pub alpha: f64,
+    pub target_modules: Modules,
+    pub exclude_modules: Option<Modules>,
+    /// rsLoRA: scale `alpha / √r` instead of `alpha / r`.
+    pub use_rslora: bool,
+}
+
+impl LoraConfig {
+    pub fn scale(&self) -> f64 {
+        if self.use_rslora {
+            self.alpha / (self.rank as f64).sqrt()
+        } else {
+            self.alpha / self.rank as f64
+        }
+    }
+
+    /// Reads a PEFT `adapter_config.json`, refusing what this implementation does not do.
+    pub fn from_adapter_dir(dir: &Path) -> Result<LoraConfig> {
+        let path = dir.join(ADAPTER_CONFIG);
+        let text = std::fs::read_to_string(&path).map_err(|source| NnError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let v: Value = serde_json::from_str(&text).map_err(|source| NnError::Json {
+            path: path.clone(),
+            source,
+        })?;
+        let bad = |key: &str, expected: &str| NnError::InvalidConfig {
+            path: path.clone(),
+            key: key.into(),
+            expected: expected.into(),
+            found: v[key].to_string(),
+        };
+        if v["peft_type"].as_str() != Some("LORA") {
+            return Err(bad("peft_type", "\"LORA\""));
+        }
+        let rank = v["r"]
+            .as_i64()
+            .filter(|&r| r > 0)
+            .ok_or_else(|| bad("r", "a positive integer"))?;
+        let alpha = v["lora_alpha"]
+            .as_f64()
+            .ok_or_else(|| bad("lora_alpha", "a number"))?;
+        let off = |key: &str| -> bool {
+            match &v[key] {
+                Value::Null | Value::Bool(false) => true,
+                Value::Number(n) => n.as_f64() == Some(0.0),
+                Value::Object(o) => o.is_empty(),
+                Value::Array(a) => a.is_empty(),
+                Value::String(s) => s == "none",
+                _ => false,
+            }
+        };
+        for (key, what) in [
+            (
+                "lora_dropout",
+                "0 (LoRA dropout is not implemented; verl's own LoRA config has none)",
+            ),
+            ("use_dora", "false (DoRA is not implemented)"),
+            (
+                "rank_pattern",
+                "empty (per-module ranks are not implemented)",
+            ),
+            (
+                "alpha_pattern",
+                "empty (per-module alphas are not implemented)",
+            ),
+            (
+                "modules_to_save",
+                "null (fully trained extra modules are not implemented)",
+            ),
+            (
+                "layers_to_transform",
+                "null (layer selection is not implemented)",
+            ),
+            ("bias", "\"none\" (trained biases are not implemented)"),
+            ("fan_in_fan_out", "false"),
+        ] {
+            if !off(key) {
+                return Err(bad(key, what));
+            }
+        }
+        let target_modules = Modules::from_json("target_modules", &v["target_modules"])?
+            .ok_or_else(|| bad("target_modules", "a module list or regex"))?;
+        Ok(LoraConfig {
+            rank,
+            alpha,
+            target_modules,
+            exclude_modules: Modules::from_json("exclude_modules", &v["exclude_modules"])?,
+            use_rslora: v["use_rslora"].as_bool().unwrap_or(false),
+        })
+    }
+}
+
+/// One projection's adapter.
+#[derive(Debug)]
+pub(crate) struct Adapter {
+    /// `[r, in]`.
+    pub a: Tensor,
+    /// `[out, r]`.
+    pub b: Tensor,
+    pub scale: f64,
+    /// The model's switch (shared by all its adapters).
+    pub enabled: Arc<AtomicBool>,
+}
+
+impl Adapter {
+    /// `base + s · (x Aᵀ) Bᵀ` when the adapters are on (one GEMM adding into `base`), else `base`.
+    pub fn add(&self, base: Tensor, x: &Tensor) -> Result<Tensor> {
+        if !self.enabled.load(Ordering::Relaxed) {
+            return Ok(base);
+        }
+        let size = base.size();
+        let out = *size.last().unwrap_or(&0);
+        let xa = x.f_linear(&self.a, None::<&Tensor>)?;
+        let r = *xa.size().last().unwrap_or(&0);
+        let xa = xa.f_reshape([-1, r])?.f_mul_scalar(self.scale)?;
+        let y = base.f_reshape([-1, out])?.f_addmm(&xa, &self.b.f_tr()?)?;
+        Ok(y.f_reshape(size.as_slice())?)
+    }
+}
+
+/// The model-level LoRA state.
+#[derive(Debug)]
+pub(crate) struct LoraState {
+    pub config: LoraConfig,
+    /// Parameters before this index are the base model's; the rest are adapters.
+    pub first_adapter: usize,
+    /// Adapted module names, in parameter order.
+    pub modules: Vec<String>,
+    pub enabled: Arc<AtomicBool>,
+}
+
+/// What [`Transformer::add_lora`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraReport {
+    pub modules: usize,
+    pub trainable_params: usize,
+}
+
+impl Transformer {
+    /// Adds LoRA adapters to the projections `config` selects (A: PEFT's default init, uniform in
+    /// ±1/√in; B: zeros, so the model's output is unchanged) and freezes every base parameter.
+    /// Fails if no projection matches, for MoE models and tensor-parallel shards, and if the model
+    /// has adapters already.
+    pub fn add_lora(&mut self, config: &LoraConfig) -> Result<LoraReport> {
+        if self.lora.is_some() {
+            return Err(NnError::input(
+                "add_lora",
+                "a model without adapters",
+                "one with adapters",
+            ));
+        }
+        if config.rank <= 0 {
+            return Err(NnError::input(
+                "LoRA rank",
+                "a positive integer",
+                config.rank.to_string(),
+            ));
+        }
+        if self.config().moe.is_some() {
+            return Err(NnError::input(
+                "LoRA model",
+                "a dense model (LoRA on MoE blocks is not implemented)",
+                format!("{} with experts", self.config().arch),
+            ));
+        }
+        if self.tp.is_some() {
+            return Err(NnError::input(
+                "LoRA model",
+                "a whole model",
+                "a tensor-parallel shard",
+            ));
+        }
+        let enabled = Arc::new(AtomicBool::new(true));
+        let first_adapter = self.params.len();
+        let scale = config.scale();
+        let device = self.device();
+        let kind = self.dtype();
+        let mut modules = Vec::new();
+        let mut new_params: Vec<(usize, String, Tensor)> = Vec::new();
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            for (name, lin) in layer.projections_mut(i) {
+                let selected = config.target_modules.matches(&name)?
+                    && !match &config.exclude_modules {
+                        Some(ex) => ex.matches(&name)?,
+                        None => false,
+                    };
+                if !selected {
+                    continue;
+                }
+                let w = lin.weight.size();
+                let (d_out, d_in) = (w[0], w[1]);
+                let bound = 1.0 / (d_in as f64).sqrt();
+                let a = tch::no_grad(|| -> Result<Tensor> {
+                    Ok(Tensor::f_empty([config.rank, d_in], (Kind::Float, device))?
+                        .f_uniform_(-bound, bound)?
+                        .f_to_kind(kind)?)
+                })?
+                .f_set_requires_grad(true)?;
+                let b = Tensor::f_zeros([d_out, config.rank], (kind, device))?
+                    .f_set_requires_grad(true)?;
+                new_params.push((i, format!("{name}.lora_A.weight"), a.shallow_clone()));
+                new_params.push((i, format!("{name}.lora_B.weight"), b.shallow_clone()));
+                lin.lora = Some(Adapter {
+                    a,
+                    b,
+                    scale,
+                    enabled: enabled.clone(),
+                });
+                modules.push(name);
+            }
+        }
+        if modules.is_empty() {
+            return Err(NnError::input(
+                "LoRA target_modules",
+                "a selection matching at least one projection (q/k/v/o_proj, gate/up/down_proj)",
+                format!(
+                    "{:?} (exclude {:?})",
+                    config.target_modules, config.exclude_modules
+                ),
+            ));
+        }
+        for (_, p) in &self.params {
+            let _ = p.f_set_requires_grad(false)?;
+        }
+        let mut trainable = 0;
+        for (layer, name, t) in new_params {
+            trainable += t.numel();
+            self.layer_adapters.resize(self.layers.len(), Vec::new());
+            self.layer_adapters[layer].push(self.params.len());
+            self.params.push((name, t));
+        }
+        for layer in &self.layers {
+            layer.fuse(false)?;
+        }
+        let report = LoraReport {
+            modules: modules.len(),
+            trainable_params: trainable,
+        };
+        self.lora = Some(LoraState {
+            config: config.clone(),
+            first_adapter,
+            modules,
+            enabled,
+        });
+        Ok(report)
+    }
+
+    /// The adapters' settings, `None` without adapters.
+    pub fn lora_config(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref().map(|l| &l.config)
+    }
+
+    /// The base model's parameters (all of them without adapters).
+    pub fn base_parameters(&self) -> &[(String, Tensor)] {
+        match &self.lora {
+            Some(l) => &self.params[..l.first_adapter],
+            None => &self.params,
+        }
+    }
+
+    /// Indices into [`Transformer::named_parameters`] of the parameters that require gradients.
+    pub fn trainable_parameters(&self) -> Vec<usize> {
+        (0..self.params.len())
+            .filter(|&i| self.params[i].1.requires_grad())
+            .collect()
+    }
+
+    /// Turns the adapters on or off (off: exactly the base model). No-op without adapters.
+    pub fn set_adapters_enabled(&self, on: bool) {
+        if let Some(l) = &self.lora {
+            l.enabled.store(on, Ordering::Relaxed);
+        }
+    }
+
+    pub fn adapters_enabled(&self) -> bool {
+        self.lora
+            .as_ref()
+            .map(|l| l.enabled.load(Ordering::Relaxed))
+            .unwrap_or(false)
+    }
+
+    /// Runs `f` with the adapters off (the base model), turning them back on afterwards.
+    pub fn without_adapters<T>(&self, f: impl FnOnce(&Transformer) -> T) -> T {
+        let was = self.adapters_enabled();
+        self.set_adapters_enabled(false);
+        let out = f(self);
+        self.set_adapters_enabled(was);
+        out
+    }
+
+    /// `W + s·B·A` for the base parameter `name` when it is an adapted projection's weight
+    /// (computed in fp32, returned in `kind`); `None` otherwise.
+    pub(crate) fn merged_weight(
+        &self,
+        name: &str,
+        w: &Tensor,
+        kind: Kind,
+    ) -> Result<Option<Tensor>> {
+        let Some(l) = &self.lora else { return Ok(None) };
+        let Some(module) = name.strip_suffix(".weight") else {
+            return Ok(None);
+        };
+        if !l.modules.iter().any(|m| m == module) {
+            return Ok(None);
+        }
+        let find = |suffix: &str| -> Result<Tensor> {
+            let key = format!("{module}.{suffix}");
+            self.params[l.first_adapter..]
+                .iter()
+                .find(|(n, _)| *n == key)
+                .map(|(_, t)| t.shallow_clone())
+                .ok_or_else(|| NnError::input("LoRA merge", format!("tensor {key}"), "missing"))
+        };
+        let (a, b) = (find("lora_A.weight")?, find("lora_B.weight")?);
+        let merged = tch::no_grad(|| -> Result<Tensor> {
+            let delta = b.f_to_kind(Kind::Float)?.f_mm(&a.f_to_kind(Kind::Float)?)?;
+            Ok(w.f_to_kind(Kind::Float)?
+                .f_add(&delta.f_mul_scalar(l.config.scale())?)?
+                .f_to_kind(kind)?)
+        })?;
+        Ok(Some(merged))
+    }
+
+    /// Writes the adapters as a PEFT folder: `adapter_config.json` and `adapter_model.safetensors`
+    /// (keys `base_model.model.<module>.lora_{A,B}.weight`, fp32), which
+    /// `peft.PeftModel.from_pretrained(base, dir)` loads. `base_model` is recorded as
+    /// `base_model_name_or_path`.
+    pub fn save_adapter(&self, dir: &Path, base_model: &str) -> Result<()> {
+        let l = self
+            .lora
+            .as_ref()
+            .ok_or_else(|| NnError::input("save_adapter", "a model with LoRA adapters", "none"))?;
+        std::fs::create_dir_all(dir).map_err(|source| NnError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let tensors: Vec<(String, Tensor)> = tch::no_grad(|| {
+            self.params[l.first_adapter..]
+                .iter()
+                .map(|(n, t)| {
+                    Ok((
+                        format!("{PEFT_PREFIX}{n}"),
+                        t.f_detach()?
+                            .f_to_kind(Kind::Float)?
+                            .f_to_device(tch::Device::Cpu)?
+                            .f_contiguous()?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        let path = dir.join(ADAPTER_WEIGHTS);
+        let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        Tensor::write_safetensors(&named, &path).map_err(|e| NnError::Safetensors {
+            path: path.clone(),
+            message: format!("writing: {e}"),
+        })?;
+        let c = &l.config;
+        let json = serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": c.rank,
+            "lora_alpha": c.alpha,
+            "lora_dropout": 0.0,
+            "target_modules": c.target_modules.to_json(),
+            "exclude_modules": c.exclude_modules.as_ref().map(Modules::to_json),
+            "use_rslora": c.use_rslora,
+            "use_dora": false,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "init_lora_weights": true,
+            "inference_mode": true,
+            "modules_to_save": null,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+        });
+        let cfg_path = dir.join(ADAPTER_CONFIG);
+        std::fs::write(
+            &cfg_path,
+            serde_json::to_string_pretty(&json).expect("json") + "\n",
+        )
+        .map_err(|source| NnError::Io {
+            path: cfg_path,
+            source,
+        })
+    }
+
+    /// Copies a PEFT adapter folder's weights into this model's adapters (added with the folder's
+    /// config, see [`LoraConfig::from_adapter_dir`]). Every adapter must be in the file with its
+    /// shape, and every file tensor must belong to an adapter.
+    pub fn load_adapter(&mut self, dir: &Path) -> Result<()> {
+        let l = self
+            .lora
+            .as_ref()
+            .ok_or_else(|| NnError::input("load_adapter", "a model with LoRA adapters", "none"))?;
+        let path = dir.join(ADAPTER_WEIGHTS);
+        let saved: HashMap<String, Tensor> = Tensor::read_safetensors(&path)
+            .map_err(|e| NnError::Safetensors {
+                path: path.clone(),
+                message: format!("reading: {e}"),
+            })?
+            .into_iter()
+            .map(|(k, t)| (k.replace(".default.weight", ".weight"), t))
+            .collect();
+        let mut used = 0;
+        tch::no_grad(|| -> Result<()> {
+            for (name, dst) in &self.params[l.first_adapter..] {
+                let key = format!("{PEFT_PREFIX}{name}");
+                let src = saved.get(&key).ok_or_else(|| NnError::MissingTensor {
+                    dir: dir.to_path_buf(),
+                    name: key.clone(),
+                    arch: "LoRA adapter".into(),
+                })?;
+                if src.size() != dst.size() {
+                    return Err(NnError::ShapeMismatch {
+                        path: path.clone(),
+                        name: key,
+                        expected: dst.size(),
+                        found: src.size(),
+                    });
+                }
+                dst.shallow_clone().f_copy_(src)?;
+                used += 1;
+            }
+            Ok(())
+        })?;
+        if used != saved.len() {
+            let ours: std::collections::HashSet<String> = self.params[l.first_adapter..]
+                .iter()
+                .map(|(n, _)| format!("{PEFT_PREFIX}{n}"))
+                .collect();
+            let extra: Vec<String> = saved
+                .keys()
+                .filter(|k| !ours.contains(*k))
+                .take(8)
+                .cloned()
+                .collect();
+            return Err(NnError::UnexpectedTensors {
+                dir: dir.to_path_buf(),
+                arch: "LoRA adapter".into(),
+                count: saved.len() - used,
+                names: extra,
+            });
+        }
+        Ok(())
+    }
+}

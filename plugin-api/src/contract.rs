@@ -249,6 +249,10 @@ pub struct LogProbOptions {
     /// Logits are divided by this before the softmax (verl: the rollout temperature).
     pub temperature: f64,
     pub with_entropy: bool,
+    /// The log-probs of the actor's base model: a LoRA actor's adapters off (verl's
+    /// `no_lora_adapter`, the reference policy of a LoRA job). Only asked of an actor whose
+    /// backend declares the `lora` feature ([`crate::Capability::features`]).
+    pub base_model: bool,
 }
 
 impl Default for LogProbOptions {
@@ -256,6 +260,7 @@ impl Default for LogProbOptions {
         LogProbOptions {
             temperature: 1.0,
             with_entropy: false,
+            base_model: false,
         }
     }
 }

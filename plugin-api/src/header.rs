@@ -73,7 +73,16 @@ pub struct Capability {
     /// Free-form details ("CPU and CUDA", "generation not implemented yet", ...).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub note: String,
+    /// Optional abilities of the role the host may ask for: [`FEATURE_LORA`] (an actor that
+    /// trains LoRA adapters and answers `LogProbOptions::base_model`). A plugin built before a
+    /// feature existed declares none, and the host refuses a job that needs one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
 }
+
+/// An actor that trains LoRA adapters (`actor_rollout_ref.model.lora_rank`) and computes the
+/// base model's log-probs with them off.
+pub const FEATURE_LORA: &str = "lora";
 
 fn yes() -> bool {
     true
@@ -85,6 +94,7 @@ impl Capability {
             role,
             implemented: true,
             note: String::new(),
+            features: Vec::new(),
         }
     }
     pub fn planned(role: Role, note: impl Into<String>) -> Self {
@@ -92,6 +102,7 @@ impl Capability {
             role,
             implemented: false,
             note: note.into(),
+            features: Vec::new(),
         }
     }
 }
@@ -185,6 +196,13 @@ impl PluginHeader {
         self.capabilities
             .iter()
             .any(|c| c.role == role && c.implemented)
+    }
+
+    /// Whether the plugin's `role` declares `feature` (see [`Capability::features`]).
+    pub fn supports(&self, role: Role, feature: &str) -> bool {
+        self.capabilities
+            .iter()
+            .any(|c| c.role == role && c.implemented && c.features.iter().any(|f| f == feature))
     }
 
     /// Parse and sanity-check a header read from a library.

@@ -27,6 +27,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use ffi::DataParallel;
 pub use header::{
     api_compatible, BuildInfo, Capability, PluginHeader, PluginInfo, PluginKind, Role, API_VERSION,
+    FEATURE_LORA,
 };
 pub use log::{current_max_level, forward_to_tracing};
 pub use sdk::{Actor, BackendPlugin, Critic, Reward, RewardPlugin, RewardRow, RowReward};

@@ -132,8 +132,32 @@ fn prepare(inst: &Path, cwd: &Path) {
     ok(&sft, "verl sft");
 }
 
+/// The installed binary and plugins and the prepared SFT model, shared by this file's tests (the
+/// SFT run is the expensive part).
+fn prepared() -> &'static (tempfile::TempDir, tempfile::TempDir) {
+    static PREPARED: std::sync::OnceLock<(tempfile::TempDir, tempfile::TempDir)> =
+        std::sync::OnceLock::new();
+    PREPARED.get_or_init(|| {
+        let inst = install(&["libverl_fsdp.so", "libverl_rewards.so"]);
+        let tmp = tempfile::tempdir().unwrap();
+        prepare(inst.path(), &tmp.path().join("qs"));
+        (inst, tmp)
+    })
+}
+
 /// `steps` GRPO steps from the SFT model under experiment name `name`; critic/score/mean by step.
 fn grpo(inst: &Path, cwd: &Path, name: &str, steps: usize) -> BTreeMap<u64, f64> {
+    grpo_with(inst, cwd, name, steps, &[])
+}
+
+/// [`grpo`] with `extra` overrides.
+fn grpo_with(
+    inst: &Path,
+    cwd: &Path,
+    name: &str,
+    steps: usize,
+    extra: &[&str],
+) -> BTreeMap<u64, f64> {
     let job_dir = job_dir();
     let d = |p: &str| cwd.join(p).display().to_string();
     let rl = verl(
@@ -156,7 +180,10 @@ fn grpo(inst: &Path, cwd: &Path, name: &str, steps: usize) -> BTreeMap<u64, f64>
             "trainer.save_freq=-1",
             "trainer.logger=[file]",
             "data.seed=3",
-        ],
+        ]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect::<Vec<_>>(),
     );
     ok(&rl, "verl run");
     scores(&cwd.join(format!("logs/verl_rs_quickstart/{name}.jsonl")))
@@ -164,23 +191,123 @@ fn grpo(inst: &Path, cwd: &Path, name: &str, steps: usize) -> BTreeMap<u64, f64>
 
 #[test]
 fn grpo_raises_the_training_reward_and_is_deterministic() {
-    let inst = install(&["libverl_fsdp.so", "libverl_rewards.so"]);
-    let tmp = tempfile::tempdir().unwrap();
-    let cwd = tmp.path().join("qs");
-    prepare(inst.path(), &cwd);
-    let a = grpo(inst.path(), &cwd, "a", RL_STEPS);
-    assert_eq!(a.len(), RL_STEPS, "{a:?}");
-    let s: Vec<f64> = a.values().copied().collect();
+    let (inst, tmp) = prepared();
+    let (inst, cwd) = (inst.path(), tmp.path().join("qs"));
+    let a = grpo(inst, &cwd, "a", RL_STEPS);
+    assert_rises(&a, "GRPO");
+    // The same seed again (the LR is constant, so a shorter run is a prefix of the longer one).
+    let b = grpo(inst, &cwd, "b", REPLAY_STEPS);
+    let a_prefix: BTreeMap<u64, f64> = a.iter().take(REPLAY_STEPS).map(|(k, v)| (*k, *v)).collect();
+    assert_eq!(a_prefix, b, "the same seed gave different rewards");
+}
+
+/// The mean training reward of the last quarter of the steps exceeds the first quarter's by
+/// [`MARGIN`].
+fn assert_rises(scores: &BTreeMap<u64, f64>, what: &str) {
+    assert_eq!(scores.len(), RL_STEPS, "{scores:?}");
+    let s: Vec<f64> = scores.values().copied().collect();
     let k = RL_STEPS / 4;
     let first = s[..k].iter().sum::<f64>() / k as f64;
     let last = s[RL_STEPS - k..].iter().sum::<f64>() / k as f64;
-    println!("critic/score/mean per step: {s:?}; first {k}: {first:.4}, last {k}: {last:.4}");
+    println!(
+        "{what}: critic/score/mean per step: {s:?}; first {k}: {first:.4}, last {k}: {last:.4}"
+    );
     assert!(
         last >= first + MARGIN,
-        "reward did not rise by {MARGIN}: first {k} steps {first:.4}, last {k} steps {last:.4} ({s:?})"
+        "{what}: reward did not rise by {MARGIN}: first {k} steps {first:.4}, last {k} steps {last:.4} ({s:?})"
     );
-    // The same seed again (the LR is constant, so a shorter run is a prefix of the longer one).
-    let b = grpo(inst.path(), &cwd, "b", REPLAY_STEPS);
-    let a_prefix: BTreeMap<u64, f64> = a.iter().take(REPLAY_STEPS).map(|(k, v)| (*k, *v)).collect();
-    assert_eq!(a_prefix, b, "the same seed gave different rewards");
+}
+
+fn read_tensors(path: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            (
+                n,
+                (
+                    format!("{:?}", v.dtype()),
+                    v.shape().to_vec(),
+                    v.data().to_vec(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// GRPO with LoRA adapters (rank 16, alpha 32, a LoRA-sized learning rate) on the quickstart
+/// task: the reward rises by the same margin as full training; the checkpoint's base weights
+/// are bit for bit the SFT model's (only the adapters, in PEFT's folder, trained); with a KL
+/// loss the reference is the base, so before the adapters first move (the first update's
+/// learning rate is 0 under warm-up) the KL to it is exactly 0.
+#[test]
+fn grpo_with_lora_learns_keeps_the_base_and_refers_to_it() {
+    let (inst, tmp) = prepared();
+    let (inst, cwd) = (inst.path(), tmp.path().join("qs"));
+    let scores = grpo_with(
+        inst,
+        &cwd,
+        "lora",
+        RL_STEPS,
+        &[
+            "actor_rollout_ref.model.lora_rank=16",
+            "actor_rollout_ref.model.lora_alpha=32",
+            "actor_rollout_ref.actor.optim.lr=3e-3",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.kl_loss_coef=0.001",
+            "trainer.save_freq=12",
+        ],
+    );
+    assert_rises(&scores, "GRPO with LoRA");
+    let log = std::fs::read_to_string(cwd.join("logs/verl_rs_quickstart/lora.jsonl")).unwrap();
+    let kl: Vec<f64> = log
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["data"]["actor/kl_loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        kl[..2],
+        [0.0, 0.0],
+        "adapters at B = 0: the policy is the reference ({kl:?})"
+    );
+    assert!(
+        kl[RL_STEPS - 1] > 0.0,
+        "the adapters moved the policy away from the base ({kl:?})"
+    );
+    let ckpt = cwd.join(format!("ckpt_lora/global_step_{RL_STEPS}/actor"));
+    let sft = read_tensors(&cwd.join(format!("sft/global_step_{SFT_STEPS}/model.safetensors")));
+    let base = read_tensors(&ckpt.join("model/model.safetensors"));
+    assert_eq!(
+        sft.keys().collect::<Vec<_>>(),
+        base.keys().collect::<Vec<_>>()
+    );
+    // The job computes in bf16 (verl's default): the frozen base is the SFT model's fp32
+    // weights rounded once to bf16 (round to nearest even, as torch casts), never updated.
+    for (name, (dtype, shape, data)) in &sft {
+        assert_eq!(dtype, "F32", "{name}");
+        let rounded: Vec<u8> = data
+            .chunks_exact(4)
+            .flat_map(|b| {
+                let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                let bf16 = ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+                bf16.to_le_bytes()
+            })
+            .collect();
+        let (bdtype, bshape, bdata) = &base[name];
+        assert_eq!((bdtype.as_str(), bshape), ("BF16", shape), "{name}");
+        assert!(*bdata == rounded, "{name}: the base weight changed");
+    }
+    let adapter = read_tensors(&ckpt.join("lora_adapter/adapter_model.safetensors"));
+    assert_eq!(
+        adapter.len(),
+        2 * 2 * 7,
+        "A and B of every projection of the 2 layers"
+    );
+    assert!(adapter
+        .iter()
+        .any(|(n, (_, _, data))| n.ends_with("lora_B.weight") && data.iter().any(|&b| b != 0)));
 }

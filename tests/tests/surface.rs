@@ -105,10 +105,28 @@ fn a_missing_python_reward_file_is_named_by_the_dry_run() {
 }
 
 #[test]
-fn lora_is_refused_by_name() {
+fn lora_dry_runs_on_fsdp_and_is_refused_by_name_where_it_cannot_act() {
+    let o = dry_run(&["actor_rollout_ref.model.lora_rank=64"]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(
+        out.contains("lora          rank 64 alpha 16 on \"all-linear\""),
+        "{out}"
+    );
     refused(
-        &["actor_rollout_ref.model.lora_rank=64"],
-        &["actor_rollout_ref.model.lora_rank=64", "LoRA"],
+        &[
+            "actor_rollout_ref.model.lora_rank=64",
+            "actor_rollout_ref.actor.strategy=megatron",
+        ],
+        &["actor_rollout_ref.model.lora_rank=64", "Megatron"],
+    );
+    refused(
+        &["critic.model.lora_rank=8"],
+        &["critic.model.lora_rank=8", "LoRA"],
+    );
+    refused(
+        &["+actor_rollout_ref.model.lora.rank=8"],
+        &["actor_rollout_ref.model.lora.rank=8", "lora_rank"],
     );
 }
 
@@ -312,7 +330,8 @@ fn config_keys_lists_every_key_with_its_class() {
     let out = stdout(&o);
     assert!(o.status.success(), "{}", stderr(&o));
     for line in [
-        "actor_rollout_ref.model.lora_rank\trefused",
+        "actor_rollout_ref.model.lora_rank\tacts",
+        "critic.model.lora_rank\trefused",
         "actor_rollout_ref.rollout.gpu_memory_utilization\tacts",
         "actor_rollout_ref.rollout.enable_chunked_prefill\tharmless",
         "actor_rollout_ref.actor.fsdp_config.param_offload\tacts (fsdp)",

@@ -167,7 +167,7 @@ impl Default for OptimSection {
 }
 
 /// `actor_rollout_ref.model` / `critic.model`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(default)]
 pub struct ModelSection {
     pub path: String,
@@ -178,6 +178,118 @@ pub struct ModelSection {
     /// ([`crate::packing::Padding::Remove`]). Unset: verl's defaults, on for
     /// `actor_rollout_ref.model` (actor and reference), off for `critic.model`.
     pub use_remove_padding: Option<bool>,
+    /// LoRA (verl's FSDP keys): on with `lora_rank > 0` or a `lora_adapter_path`.
+    pub lora_rank: u64,
+    pub lora_alpha: f64,
+    /// `"all-linear"` (default), a list of module names, or a regular expression.
+    pub target_modules: Value,
+    pub exclude_modules: Value,
+    /// A PEFT adapter folder to start from (its own `adapter_config.json` decides rank, alpha
+    /// and modules, as `PeftModel.from_pretrained` in verl).
+    pub lora_adapter_path: Option<String>,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        ModelSection {
+            path: String::new(),
+            tokenizer_path: None,
+            enable_gradient_checkpointing: false,
+            fsdp_config: None,
+            use_remove_padding: None,
+            lora_rank: 0,
+            lora_alpha: 16.0,
+            target_modules: Value::from("all-linear"),
+            exclude_modules: Value::Null,
+            lora_adapter_path: None,
+        }
+    }
+}
+
+/// What a role's LoRA keys ask for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraPlan {
+    pub config: verl_nn::LoraConfig,
+    /// The PEFT folder the adapters start from (else: PEFT's fresh init).
+    pub adapter: Option<PathBuf>,
+}
+
+impl ModelSection {
+    /// The LoRA adapters `prefix` (`actor_rollout_ref.model` / `critic.model`) asks for; `None`
+    /// without LoRA.
+    pub fn lora(&self, prefix: &str) -> Result<Option<LoraPlan>> {
+        if let Some(path) = self.lora_adapter_path.as_deref().filter(|p| !p.is_empty()) {
+            let key = format!("{prefix}.lora_adapter_path");
+            let dir = expand_home(path);
+            if !dir.join(verl_nn::lora::ADAPTER_CONFIG).is_file() {
+                return Err(BackendError::config(
+                    key,
+                    "a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)",
+                    format!("{} without adapter_config.json", dir.display()),
+                ));
+            }
+            let config = verl_nn::LoraConfig::from_adapter_dir(&dir)?;
+            if self.lora_rank > 0 && self.lora_rank as i64 != config.rank {
+                tracing::warn!(
+                    "{prefix}.lora_rank={} differs from the adapter's r={} in {}: the adapter's \
+                     settings are used (as PEFT's from_pretrained in verl)",
+                    self.lora_rank,
+                    config.rank,
+                    dir.display()
+                );
+            }
+            return Ok(Some(LoraPlan {
+                config,
+                adapter: Some(dir),
+            }));
+        }
+        if self.lora_rank == 0 {
+            return Ok(None);
+        }
+        let modules = |key: &str, v: &Value| -> Result<Option<verl_nn::LoraModules>> {
+            verl_nn::LoraModules::from_json(key, v).map_err(|e| {
+                BackendError::config(
+                    format!("{prefix}.{key}"),
+                    "\"all-linear\", a list of module names or a regular expression",
+                    e.to_string(),
+                )
+            })
+        };
+        Ok(Some(LoraPlan {
+            config: verl_nn::LoraConfig {
+                rank: self.lora_rank as i64,
+                alpha: self.lora_alpha,
+                target_modules: modules("target_modules", &self.target_modules)?
+                    .unwrap_or(verl_nn::LoraModules::AllLinear),
+                exclude_modules: modules("exclude_modules", &self.exclude_modules)?,
+                use_rslora: false,
+            },
+            adapter: None,
+        }))
+    }
+}
+
+impl LoraPlan {
+    /// Adds the adapters to `model` (fresh ones drawn from `seed`; or read from the starting
+    /// adapter), logging what was adapted.
+    pub fn apply(&self, model: &mut verl_nn::Transformer, role: &str, seed: u64) -> Result<()> {
+        let report = model.add_lora(&self.config, seed)?;
+        if let Some(dir) = &self.adapter {
+            model.load_adapter(dir)?;
+        }
+        tracing::info!(
+            "{role}: LoRA rank {} alpha {} on {} projections, {} trainable parameters{}",
+            self.config.rank,
+            self.config.alpha,
+            report.modules,
+            report.trainable_params,
+            self.adapter
+                .as_ref()
+                .map(|d| format!(", from {}", d.display()))
+                .unwrap_or_default()
+        );
+        Ok(())
+    }
 }
 
 /// The generation-engine keys of `actor_rollout_ref.rollout` (vLLM's names).
@@ -825,5 +937,63 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    /// verl's LoRA keys become the adapter plan: off at rank 0, PEFT's defaults (alpha 16,
+    /// all-linear), lists and regexes as given, an adapter folder's own config winning, and a
+    /// bad value or folder named by its key.
+    #[test]
+    fn lora_keys_make_the_adapter_plan() {
+        let plan = |model: serde_json::Value| -> Result<Option<LoraPlan>> {
+            let cfg = serde_json::json!({"actor_rollout_ref": {"model": model}});
+            let m: ModelSection = section(&cfg, "actor_rollout_ref.model")?;
+            m.lora("actor_rollout_ref.model")
+        };
+        assert_eq!(plan(serde_json::json!({})).unwrap(), None);
+        let p = plan(serde_json::json!({"lora_rank": 8})).unwrap().unwrap();
+        assert_eq!(
+            (p.config.rank, p.config.alpha, &p.config.target_modules),
+            (8, 16.0, &verl_nn::LoraModules::AllLinear)
+        );
+        assert_eq!(p.adapter, None);
+        let p = plan(serde_json::json!({
+            "lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+            "exclude_modules": "model\\.layers\\.0\\..*"
+        }))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            p.config.target_modules,
+            verl_nn::LoraModules::Names(vec!["q_proj".into(), "v_proj".into()])
+        );
+        assert_eq!(
+            p.config.exclude_modules,
+            Some(verl_nn::LoraModules::Regex(
+                "model\\.layers\\.0\\..*".into()
+            ))
+        );
+        let e = plan(serde_json::json!({"lora_rank": 4, "target_modules": 3}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("actor_rollout_ref.model.target_modules"), "{e}");
+        // An adapter folder: its config decides, whatever lora_rank says.
+        let dir = tempfile::tempdir().unwrap();
+        let e = plan(serde_json::json!({"lora_adapter_path": dir.path()}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("actor_rollout_ref.model.lora_adapter_path"),
+            "{e}"
+        );
+        std::fs::write(
+            dir.path().join("adapter_config.json"),
+            r#"{"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": "all-linear"}"#,
+        )
+        .unwrap();
+        let p = plan(serde_json::json!({"lora_rank": 8, "lora_adapter_path": dir.path()}))
+            .unwrap()
+            .unwrap();
+        assert_eq!((p.config.rank, p.config.alpha), (16, 32.0));
+        assert_eq!(p.adapter.as_deref(), Some(dir.path()));
     }
 }

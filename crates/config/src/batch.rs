@@ -259,7 +259,9 @@ pub fn validate_batches(cfg: &Config, layout: Layout) -> Result<BatchPlan> {
     let tbs = cfg.data.train_batch_size;
     let n = arr.rollout.n;
     let use_critic = cfg.need_critic();
-    let use_ref = cfg.need_reference_policy();
+    // With LoRA the reference is the actor's base (adapters off): its log-probs are an actor pass,
+    // micro-batched as the actor's (verl's ref_in_actor).
+    let use_ref = cfg.need_reference_policy() && !cfg.policy_lora();
     let dp_a = layout.dp_size_actor;
     let dp_c = layout.dp_size_critic;
     let dp_r = layout.dp_size_ref;

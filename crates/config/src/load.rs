@@ -158,6 +158,17 @@ impl Config {
     pub fn need_reference_policy(&self) -> bool {
         self.algorithm.use_kl_in_reward || self.actor_rollout_ref.actor.use_kl_loss
     }
+
+    /// Whether the policy trains LoRA adapters (`lora_rank > 0` or an adapter folder); then the
+    /// reference policy is the actor's base with the adapters off (verl's `ref_in_actor`), not a
+    /// role of its own.
+    pub fn policy_lora(&self) -> bool {
+        let m = &self.actor_rollout_ref.model;
+        m.lora_rank > 0
+            || m.lora_adapter_path
+                .as_deref()
+                .is_some_and(|p| !p.is_empty())
+    }
 }
 
 fn to_yaml_text(v: &Value, what: &str) -> Result<String> {

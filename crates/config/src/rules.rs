@@ -104,8 +104,11 @@ const CUSTOM_FN_INSTEAD: &str = "give the reward as a function (custom_reward_fu
 const PY_TESTS: &[&str] =
     &["tests/tests/python_reward.rs::a_grpo_job_scores_with_the_users_python_file"];
 const PY_LIMITS: &[&str] = &["tests/tests/python_reward.rs::a_hanging_crashing_or_hungry_reward_ends_the_step_by_name_or_scores_zero"];
-const LORA: &str = "LoRA adapters";
-const LORA_INSTEAD: &str = "drop the LoRA keys to train all weights; LoRA is not implemented yet";
+const LORA_TESTS: &[&str] = &[
+    "crates/backend-kit/src/config.rs::tests::lora_keys_make_the_adapter_plan",
+    "tests/tests/quickstart.rs::grpo_with_lora_learns_keeps_the_base_and_refers_to_it",
+    "plugins/fsdp/tests/roles.rs::lora_actor_trains_its_adapters_and_its_base_is_the_reference",
+];
 const MULTI_TURN: &str = "multi-turn rollouts with tools or interactions";
 const MULTI_TURN_INSTEAD: &str =
     "verl-rs rolls out single-turn responses; multi-turn/tool rollouts are not implemented yet";
@@ -214,12 +217,13 @@ pub static RULES: &[Rule] = &[
     Rule::acts(model!("enable_gradient_checkpointing"), "recomputes activations in the backward pass (FSDP; Megatron uses override_transformer_config.recompute_*)", &[SECTIONS, "plugins/fsdp/tests/roles.rs::gradient_accumulation_does_not_depend_on_micro_batch_boundaries"]).checked(fsdp_acts_megatron_warns),
     Rule::harmless(model!("enable_activation_offload"), MEMORY),
     Rule::acts(model!("use_remove_padding"), "drops padding from the log-prob, value and update passes (FSDP; Megatron always packs)", &[SECTIONS, "plugins/fsdp/tests/speed_parity.rs::remove_padding_trains_like_the_padded_path"]).checked(fsdp_acts_megatron_warns),
-    Rule::refused(model!("lora_rank"), LORA, LORA_INSTEAD),
-    Rule::refused(model!("lora_alpha"), LORA, LORA_INSTEAD),
-    Rule::refused(model!("target_modules"), LORA, LORA_INSTEAD),
-    Rule::refused(model!("exclude_modules"), LORA, LORA_INSTEAD),
-    Rule::refused(model!("lora_adapter_path"), LORA, LORA_INSTEAD),
-    Rule::refused(model!("lora.**"), LORA, LORA_INSTEAD),
+    Rule::acts("actor_rollout_ref.model.lora_rank", "LoRA adapters of this rank on the policy (FSDP): the base frozen, the reference is the base with adapters off", LORA_TESTS).checked(lora_on_fsdp),
+    Rule::acts("actor_rollout_ref.model.lora_alpha", "the LoRA scale alpha / rank", LORA_TESTS).checked(lora_setting),
+    Rule::acts("actor_rollout_ref.model.target_modules", "the projections that get adapters (PEFT's all-linear, names or a regex)", LORA_TESTS).checked(lora_setting),
+    Rule::acts("actor_rollout_ref.model.exclude_modules", "projections left without adapters (PEFT's matching)", LORA_TESTS).checked(lora_setting),
+    Rule::acts("actor_rollout_ref.model.lora_adapter_path", "a PEFT adapter folder the policy's adapters start from (its adapter_config.json decides rank, alpha and modules)", LORA_TESTS).checked(lora_on_fsdp),
+    Rule::refused("critic.model.lora_rank|critic.model.lora_alpha|critic.model.target_modules|critic.model.exclude_modules|critic.model.lora_adapter_path", "LoRA adapters on the critic", "train the critic's full weights (drop critic.model.lora_*); the policy takes LoRA through actor_rollout_ref.model.lora_rank"),
+    Rule::refused(model!("lora.**"), "Megatron-Bridge's LoRA block (model.lora.*)", "on the FSDP backend set actor_rollout_ref.model.lora_rank / lora_alpha / target_modules; the Megatron backend has no LoRA"),
     Rule::harmless(model!("use_liger"), KERNEL),
     Rule::harmless(model!("use_fused_kernels"), KERNEL),
     Rule::harmless(model!("fused_kernel_options.*"), KERNEL),
@@ -603,6 +607,28 @@ fn fsdp_acts_megatron_warns(_: &Value, cfg: &Config) -> Verdict {
     } else {
         Verdict::Acts
     }
+}
+
+/// LoRA is the FSDP backend's (the Megatron backend has no adapters).
+fn lora_on_fsdp(_: &Value, cfg: &Config) -> Verdict {
+    if cfg.actor_rollout_ref.actor.strategy == "megatron" {
+        Verdict::Refused(
+            "LoRA adapters on the Megatron backend, which has none; use actor_rollout_ref.actor.strategy=fsdp for LoRA".into(),
+        )
+    } else {
+        Verdict::Acts
+    }
+}
+
+/// A LoRA setting acts once LoRA is on (`lora_rank > 0` or an adapter folder).
+fn lora_setting(v: &Value, cfg: &Config) -> Verdict {
+    let m = &cfg.actor_rollout_ref.model;
+    if m.lora_rank == 0 && m.lora_adapter_path.is_none() {
+        return Verdict::Ignored(
+            "LoRA is off (actor_rollout_ref.model.lora_rank=0 and no lora_adapter_path)".into(),
+        );
+    }
+    lora_on_fsdp(v, cfg)
 }
 
 fn equals_rollout_n(v: &Value, cfg: &Config) -> Verdict {

@@ -126,7 +126,15 @@ impl FsdpActor {
             model_cfg.use_remove_padding.unwrap_or(true),
             actor.use_prefix_grouper,
         );
+        let lora = model_cfg.lora("actor_rollout_ref.model")?;
         if reference {
+            if lora.is_some() {
+                return Err(BackendError::Api(ApiError::failed(
+                    "with LoRA (actor_rollout_ref.model.lora_rank / lora_adapter_path) the \
+                     reference policy is the actor's base model with its adapters off: the host \
+                     asks the actor (LogProbOptions.base_model) instead of creating a reference",
+                )));
+            }
             let reference: LogProbSection = section(cfg, "actor_rollout_ref.ref")?;
             let fsdp = reference
                 .fsdp_config
@@ -165,6 +173,9 @@ impl FsdpActor {
             actor.fsdp_config.seed,
             random_init,
         )?;
+        if let Some(lora) = &lora {
+            lora.apply(&mut model, "actor", actor.fsdp_config.seed)?;
+        }
         model.set_activation_checkpointing(model_cfg.enable_gradient_checkpointing);
         model.set_consistent_attention(engine.consistent_attention);
         if engine.consistent_attention && !verl_torch_ext::paged_attention_available(device) {
@@ -278,7 +289,21 @@ impl FsdpActor {
     }
 
     fn do_log_prob(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {
-        self.with_params_on_device(|s| s.log_prob_on_device(batch, o))
+        if !o.base_model {
+            return self.with_params_on_device(|s| s.log_prob_on_device(batch, o));
+        }
+        // The base model's log-probs (a LoRA job's reference policy): the adapters off for the
+        // call, on again afterwards whatever happened.
+        if self.model().lora_config().is_none() {
+            return Err(BackendError::Api(ApiError::failed(
+                "compute_log_prob with base_model=true asks for the base model of a LoRA actor, \
+                 and this actor has no adapters (actor_rollout_ref.model.lora_rank=0)",
+            )));
+        }
+        self.model().set_adapters_enabled(false);
+        let r = self.log_prob_on_device(batch, o);
+        self.model().set_adapters_enabled(true);
+        r
     }
 
     /// Runs `f` with an offloaded reference's parameters on the device (see [`HostParams`]);
@@ -385,9 +410,19 @@ impl FsdpActor {
     /// Every rank takes part (the parameters are gathered); rank 0 writes.
     fn do_export(&mut self, dir: &Path) -> Result<()> {
         let rank0 = self.dp.rank == 0;
+        let base = self.settings.model_dir.display().to_string();
         self.run_model(|model| {
             if rank0 {
-                model.save_pretrained(dir, &SaveOptions::default())?;
+                // With LoRA: the merged weights (a plain HF model), and the adapters apart in
+                // PEFT's format under lora_adapter/.
+                let opts = SaveOptions {
+                    merge_lora: true,
+                    ..SaveOptions::default()
+                };
+                model.save_pretrained(dir, &opts)?;
+                if model.lora_config().is_some() {
+                    model.save_adapter(&dir.join(crate::ckpt_files::LORA_DIR), &base)?;
+                }
             }
             Ok(())
         })?;

@@ -12,3 +12,6 @@ pub const MODEL_DIR: &str = "model";
 /// One rank with offloaded state: the master-dtype bytes of parameters stepped per host round trip
 /// (their moments and, offloaded, their masters visit the device together).
 pub const OFFLOAD_CHUNK_BYTES: usize = 256 << 20;
+/// The PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) of a LoRA model,
+/// inside a checkpoint and an HF export.
+pub const LORA_DIR: &str = "lora_adapter";

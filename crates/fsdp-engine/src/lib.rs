@@ -43,7 +43,10 @@ impl BackendPlugin for FsdpPlugin {
                 "FSDP backend: actor (hybrid-engine generation, PPO update), reference and critic ({PARALLELISM})"
             ),
             capabilities: vec![
-                ready(Role::Actor),
+                Capability {
+                    features: vec![verl_plugin_api::FEATURE_LORA.into()],
+                    ..ready(Role::Actor)
+                },
                 ready(Role::Reference),
                 ready(Role::Critic),
                 Capability::ready(Role::RewardModel),

@@ -50,8 +50,9 @@ impl Group {
 #[derive(Debug, Clone)]
 pub struct Layout {
     pub groups: Vec<Group>,
-    /// For each unit, per entry of `Transformer::unit_parameters(unit)`: (group, index in group).
-    slots: BTreeMap<Unit, Vec<(usize, usize)>>,
+    /// For each unit, per entry of `Transformer::unit_parameters(unit)`: (group, index in group);
+    /// `None` for a frozen parameter (LoRA's base), which stays whole on every rank.
+    slots: BTreeMap<Unit, Vec<Option<(usize, usize)>>>,
     /// Groups a unit reads, in gather order.
     unit_groups: BTreeMap<Unit, Vec<usize>>,
 }
@@ -73,6 +74,8 @@ impl Layout {
             .count()
     }
 
+    /// The layout of `model`'s trainable parameters (all of them, or a LoRA model's adapters:
+    /// frozen parameters are not sharded, every rank keeps them whole).
     pub fn of(model: &Transformer) -> Layout {
         let named = model.named_parameters();
         let mut owner: Vec<Option<(usize, usize)>> = vec![None; named.len()];
@@ -91,7 +94,7 @@ impl Layout {
                 numel: 0,
             };
             for &i in &idx {
-                if owner[i].is_some() {
+                if owner[i].is_some() || !named[i].1.requires_grad() {
                     continue;
                 }
                 owner[i] = Some((groups.len(), g.params.len()));
@@ -106,12 +109,9 @@ impl Layout {
             if !g.params.is_empty() {
                 groups.push(g);
             }
-            let s: Vec<(usize, usize)> = idx
-                .iter()
-                .map(|&i| owner[i].expect("assigned above"))
-                .collect();
+            let s: Vec<Option<(usize, usize)>> = idx.iter().map(|&i| owner[i]).collect();
             let mut gs: Vec<usize> = Vec::new();
-            for (g, _) in &s {
+            for (g, _) in s.iter().flatten() {
                 if !gs.contains(g) {
                     gs.push(*g);
                 }
@@ -450,7 +450,8 @@ impl ShardState {
             let shard = group.shard_len(self.world);
             let flat = Tensor::f_zeros([(shard * self.world) as i64], (self.reduce, self.device))
                 .ctx("gradient buffer")?;
-            for ((gg, k), grad) in slots.iter().zip(&grads) {
+            for (slot, grad) in slots.iter().zip(&grads) {
+                let Some((gg, k)) = slot else { continue };
                 if *gg != g {
                     continue;
                 }

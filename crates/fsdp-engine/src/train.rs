@@ -35,12 +35,19 @@ use verl_backend_kit::update::StepAt;
 
 mod checkpoint;
 
-pub use crate::ckpt_files::{MASTER_FILE, MODEL_DIR, OFFLOAD_CHUNK_BYTES, OPTIM_FILE, STATE_FILE};
+pub use crate::ckpt_files::{
+    LORA_DIR, MASTER_FILE, MODEL_DIR, OFFLOAD_CHUNK_BYTES, OPTIM_FILE, STATE_FILE,
+};
 const FORMAT: &str = "verl-fsdp/1";
 
 pub struct TrainableModel {
     pub model: Transformer,
     pub precision: Precision,
+    /// Indices into `model.named_parameters()` of the trained parameters: all of them, or a LoRA
+    /// model's adapters (the base stays frozen in the compute dtype: no master, no gradient, no
+    /// optimizer state).
+    trained: Vec<usize>,
+    /// Their names; `masters`, `accum` and the optimizer state follow this order.
     names: Vec<String>,
     masters: Vec<Tensor>,
     /// fp32 gradient accumulators (mixed precision only): allocated by the first backward of a
@@ -151,13 +158,16 @@ impl TrainableModel {
         dp: &Dp,
         sharding: Sharding,
     ) -> Result<TrainableModel> {
-        model.set_requires_grad(true)?;
+        // A LoRA model arrives with its base frozen (`Transformer::add_lora`).
+        if model.lora_config().is_none() {
+            model.set_requires_grad(true)?;
+        }
+        let trained = model.trainable_parameters();
+        let names: Vec<String> = trained
+            .iter()
+            .map(|&i| model.named_parameters()[i].0.clone())
+            .collect();
         if dp.is_sharded() {
-            let names: Vec<String> = model
-                .named_parameters()
-                .iter()
-                .map(|(n, _)| n.clone())
-                .collect();
             let shard = ShardState::new(
                 &model,
                 dp,
@@ -186,6 +196,7 @@ impl TrainableModel {
             return Ok(TrainableModel {
                 model,
                 precision,
+                trained,
                 names,
                 masters: Vec::new(),
                 accum: Vec::new(),
@@ -201,11 +212,6 @@ impl TrainableModel {
                 shard: Some(shard),
             });
         }
-        let names: Vec<String> = model
-            .named_parameters()
-            .iter()
-            .map(|(n, _)| n.clone())
-            .collect();
         let mixed = precision.master != model.dtype();
         let device = model.device();
         // `sharding.offload` as the caller resolved it for one rank ([`one_rank_offload`]);
@@ -214,7 +220,10 @@ impl TrainableModel {
             params: sharding.offload.params && mixed,
             optimizer: sharding.offload.optimizer,
         };
-        let params: Vec<&Tensor> = model.named_parameters().iter().map(|(_, p)| p).collect();
+        let params: Vec<&Tensor> = trained
+            .iter()
+            .map(|&i| &model.named_parameters()[i].1)
+            .collect();
         let masters: Vec<Tensor> = if host.params {
             // Cast into (pinned) host buffers: no fp32 copy of the model passes the device.
             host_buffers(&params, Some(precision.master), Fill::Copy, device)?
@@ -253,6 +262,7 @@ impl TrainableModel {
         Ok(TrainableModel {
             model,
             precision,
+            trained,
             names,
             masters,
             accum: Vec::new(),
@@ -271,6 +281,23 @@ impl TrainableModel {
 
     fn mixed(&self) -> bool {
         self.mixed
+    }
+
+    /// The trained parameters (all, or a LoRA model's adapters), in `names` order.
+    fn trained_parameters(&self) -> Vec<&Tensor> {
+        let named = self.model.named_parameters();
+        self.trained.iter().map(|&i| &named[i].1).collect()
+    }
+
+    /// Position in `names` (and `masters`, the optimizer state) of parameter `i` of
+    /// `model.named_parameters()`.
+    fn trained_slot(&self, i: usize) -> Result<usize> {
+        self.trained.iter().position(|&t| t == i).ok_or_else(|| {
+            BackendError::Api(verl_plugin_api::Error::failed(format!(
+                "parameter {} is not trained",
+                self.model.named_parameters()[i].0
+            )))
+        })
     }
 
     /// What this one-rank model keeps in host memory between optimizer steps (nothing when
@@ -557,7 +584,11 @@ impl TrainableModel {
         if self.is_sharded() || !self.mixed() {
             return Ok(());
         }
-        let params = self.model.named_parameters();
+        let params: Vec<Tensor> = self
+            .trained_parameters()
+            .into_iter()
+            .map(Tensor::shallow_clone)
+            .collect();
         if self.accum.is_empty() {
             let device = self.model.device();
             self.accum = self
@@ -568,7 +599,7 @@ impl TrainableModel {
                 .ctx("gradient accumulators")?;
         }
         tch::no_grad(|| -> Result<()> {
-            for ((_, p), a) in params.iter().zip(&mut self.accum) {
+            for (p, a) in params.iter().zip(&mut self.accum) {
                 let g = p.grad();
                 if g.defined() {
                     // fp32 += bf16 in one kernel: the widening is exact, so this equals adding
@@ -580,7 +611,7 @@ impl TrainableModel {
         })?;
         // `.grad = None` rather than zeroing it: the next backward's gradient becomes `.grad` as
         // it is instead of being added into a zero-filled buffer.
-        Ok(verl_torch_ext::clear_grads(params.iter().map(|(_, p)| p))?)
+        Ok(verl_torch_ext::clear_grads(params.iter())?)
     }
 
     /// The accumulated fp32 gradients (zeros for parameters that got none).
@@ -598,10 +629,9 @@ impl TrainableModel {
             }
             return Ok(self.accum.iter().map(|a| a.shallow_clone()).collect());
         }
-        self.model
-            .named_parameters()
-            .iter()
-            .map(|(_, p)| {
+        self.trained_parameters()
+            .into_iter()
+            .map(|p| {
                 let g = p.grad();
                 if g.defined() {
                     Ok(g)
@@ -666,7 +696,7 @@ impl TrainableModel {
     fn one_rank_step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
         let device = self.model.device();
         let c = self.optim.begin_step(lr);
-        let params = self.model.named_parameters();
+        let params = self.trained_parameters();
         let mixed = self.mixed;
         let host = (self.host.params, self.host.optimizer);
         let chunk = if host.0 || host.1 {
@@ -678,7 +708,6 @@ impl TrainableModel {
             .step_visiting(&c, device, &self.masters, grads, host, chunk, |i, p| {
                 if mixed {
                     params[i]
-                        .1
                         .shallow_clone()
                         .f_copy_(p)
                         .ctx("masters → live model")?;

@@ -215,6 +215,26 @@ impl Adapter {
     }
 }
 
+/// A fresh `A` `[rank, d_in]` (fp32, CPU): uniform in ±1/√d_in (PEFT's `kaiming_uniform_` with
+/// `a=√5`), from a splitmix64 stream seeded by `seed` and the module name.
+fn init_a(module: &str, seed: u64, rank: i64, d_in: i64) -> Result<Tensor> {
+    let mut state = module.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    let bound = 1.0 / (d_in as f64).sqrt();
+    let values: Vec<f32> = (0..rank * d_in)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            let u = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64;
+            ((2.0 * u - 1.0) * bound) as f32
+        })
+        .collect();
+    Ok(Tensor::f_from_slice(&values)?.f_reshape([rank, d_in])?)
+}
+
 /// The model-level LoRA state.
 #[derive(Debug)]
 pub(crate) struct LoraState {
@@ -235,10 +255,11 @@ pub struct LoraReport {
 
 impl Transformer {
     /// Adds LoRA adapters to the projections `config` selects (A: PEFT's default init, uniform in
-    /// ±1/√in; B: zeros, so the model's output is unchanged) and freezes every base parameter.
+    /// ±1/√in, drawn from `seed` and the module's name, so every rank and every thread draws the
+    /// same; B: zeros, so the model's output is unchanged) and freezes every base parameter.
     /// Fails if no projection matches, for MoE models and tensor-parallel shards, and if the model
     /// has adapters already.
-    pub fn add_lora(&mut self, config: &LoraConfig) -> Result<LoraReport> {
+    pub fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<LoraReport> {
         if self.lora.is_some() {
             return Err(NnError::input(
                 "add_lora",
@@ -286,10 +307,9 @@ impl Transformer {
                 }
                 let w = lin.weight.size();
                 let (d_out, d_in) = (w[0], w[1]);
-                let bound = 1.0 / (d_in as f64).sqrt();
                 let a = tch::no_grad(|| -> Result<Tensor> {
-                    Ok(Tensor::f_empty([config.rank, d_in], (Kind::Float, device))?
-                        .f_uniform_(-bound, bound)?
+                    Ok(init_a(&name, seed, config.rank, d_in)?
+                        .f_to_device(device)?
                         .f_to_kind(kind)?)
                 })?
                 .f_set_requires_grad(true)?;

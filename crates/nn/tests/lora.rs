@@ -80,7 +80,7 @@ fn logits(m: &Transformer) -> Tensor {
 fn all_linear_adapts_every_projection_and_leaves_the_output_until_trained() {
     let mut m = tiny_transformer(Kind::Float, 3);
     let before = logits(&m);
-    let report = m.add_lora(&lora(4, LoraModules::AllLinear)).unwrap();
+    let report = m.add_lora(&lora(4, LoraModules::AllLinear), 0).unwrap();
     assert_eq!(report.modules, 2 * 7, "7 projections in each of 2 layers");
     // hidden 32, inter 64, q 32, k/v 16: r·(in+out) summed over a layer's projections, 2 layers.
     let per_layer = 4 * ((32 + 32) + 2 * (32 + 16) + (32 + 32) + 2 * (32 + 64) + (64 + 32));
@@ -98,7 +98,7 @@ fn all_linear_adapts_every_projection_and_leaves_the_output_until_trained() {
 fn the_base_model_is_the_adapted_one_with_adapters_off() {
     let mut m = tiny_transformer(Kind::Float, 3);
     let base = logits(&m);
-    m.add_lora(&lora(4, LoraModules::AllLinear)).unwrap();
+    m.add_lora(&lora(4, LoraModules::AllLinear), 0).unwrap();
     randomise_b(&m, 1);
     let adapted = logits(&m);
     assert!(
@@ -123,7 +123,7 @@ fn target_and_exclude_modules_select_projections_as_peft_does() {
         LoraModules::Names(vec!["q_proj".into(), "mlp.down_proj".into()]),
     );
     cfg.exclude_modules = Some(LoraModules::Regex(r"model\.layers\.1\..*".into()));
-    let r = m.add_lora(&cfg).unwrap();
+    let r = m.add_lora(&cfg, 0).unwrap();
     assert_eq!(r.modules, 2, "layer 0's q_proj and down_proj");
     let names: Vec<&str> = m.named_parameters()[m.trainable_parameters()[0]..]
         .iter()
@@ -140,7 +140,7 @@ fn target_and_exclude_modules_select_projections_as_peft_does() {
     );
     let mut none = tiny_transformer(Kind::Float, 3);
     let err = none
-        .add_lora(&lora(2, LoraModules::Names(vec!["c_attn".into()])))
+        .add_lora(&lora(2, LoraModules::Names(vec!["c_attn".into()])), 0)
         .unwrap_err()
         .to_string();
     assert!(err.contains("target_modules"), "{err}");
@@ -149,7 +149,7 @@ fn target_and_exclude_modules_select_projections_as_peft_does() {
 #[test]
 fn a_backward_reaches_the_adapters_only() {
     let mut m = tiny_transformer(Kind::Float, 3);
-    m.add_lora(&lora(4, LoraModules::AllLinear)).unwrap();
+    m.add_lora(&lora(4, LoraModules::AllLinear), 0).unwrap();
     randomise_b(&m, 2);
     for checkpointing in [false, true] {
         m.set_activation_checkpointing(checkpointing);
@@ -185,7 +185,7 @@ fn a_backward_reaches_the_adapters_only() {
 #[test]
 fn a_merged_export_is_the_adapted_model() {
     let mut m = tiny_transformer(Kind::Float, 3);
-    m.add_lora(&lora(4, LoraModules::AllLinear)).unwrap();
+    m.add_lora(&lora(4, LoraModules::AllLinear), 0).unwrap();
     randomise_b(&m, 3);
     let dir = tempfile::tempdir().unwrap();
     m.save_pretrained(
@@ -214,19 +214,19 @@ fn an_adapter_folder_round_trips() {
         4,
         LoraModules::Names(vec!["q_proj".into(), "v_proj".into()]),
     );
-    m.add_lora(&cfg).unwrap();
+    m.add_lora(&cfg, 0).unwrap();
     randomise_b(&m, 4);
     let dir = tempfile::tempdir().unwrap();
     m.save_adapter(dir.path(), "tiny").unwrap();
     let read = LoraConfig::from_adapter_dir(dir.path()).unwrap();
     assert_eq!(read, cfg);
     let mut back = tiny_transformer(Kind::Float, 3);
-    back.add_lora(&read).unwrap();
+    back.add_lora(&read, 0).unwrap();
     back.load_adapter(dir.path()).unwrap();
     assert_eq!(max_abs(&logits(&m), &logits(&back)), 0.0);
     // An adapter for other modules is refused, naming a missing tensor.
     let mut other = tiny_transformer(Kind::Float, 3);
-    other.add_lora(&lora(4, LoraModules::AllLinear)).unwrap();
+    other.add_lora(&lora(4, LoraModules::AllLinear), 0).unwrap();
     let err = other.load_adapter(dir.path()).unwrap_err().to_string();
     assert!(err.contains("k_proj.lora_A.weight"), "{err}");
 }
@@ -302,7 +302,7 @@ fn peft_loads_our_adapter_and_agrees_on_the_logits() {
     let (base_dir, adapter_dir) = (dir.path().join("base"), dir.path().join("adapter"));
     m.save_pretrained(&base_dir, &SaveOptions::default())
         .unwrap();
-    m.add_lora(&lora(4, LoraModules::AllLinear)).unwrap();
+    m.add_lora(&lora(4, LoraModules::AllLinear), 0).unwrap();
     randomise_b(&m, 5);
     m.save_adapter(&adapter_dir, base_dir.to_str().unwrap())
         .unwrap();
@@ -357,7 +357,7 @@ fn we_load_an_adapter_peft_made() {
     let cfg = LoraConfig::from_adapter_dir(&adapter_dir).unwrap();
     assert_eq!((cfg.rank, cfg.alpha), (4, 8.0));
     let mut ours = Transformer::from_pretrained(&base_dir, &Default::default()).unwrap();
-    ours.add_lora(&cfg).unwrap();
+    ours.add_lora(&cfg, 0).unwrap();
     ours.load_adapter(&adapter_dir).unwrap();
     let (inputs, out) = (
         dir.path().join("in.safetensors"),

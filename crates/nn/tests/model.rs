@@ -453,6 +453,7 @@ fn sharded_save_and_dtype_conversion() {
         &SaveOptions {
             max_shard_bytes: 20_000,
             dtype: Some(Kind::BFloat16),
+            merge_lora: false,
         },
     )
     .unwrap();

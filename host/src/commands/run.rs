@@ -225,8 +225,27 @@ pub fn run(cli_plugins: &[String], verbose: u8, args: &RunArgs) -> anyhow::Resul
         plugins.backend.path.display()
     );
     let mut needed = vec![Role::Actor];
-    if cfg.need_reference_policy() {
+    let lora = crate::trainer::lora_backend(&cfg, &plugins.backend)?;
+    if cfg.need_reference_policy() && !lora {
         needed.push(Role::Reference);
+    }
+    if lora {
+        let m = &cfg.actor_rollout_ref.model;
+        outln!(
+            "lora          {}{}; the reference policy is the base with adapters off",
+            match &m.lora_adapter_path {
+                Some(p) => format!("adapters from {p}"),
+                None => format!("rank {} alpha {}", m.lora_rank, m.lora_alpha),
+            },
+            if m.lora_adapter_path.is_none() {
+                format!(
+                    " on {}",
+                    serde_json::to_string(&m.target_modules).unwrap_or_default()
+                )
+            } else {
+                String::new()
+            }
+        );
     }
     if cfg.need_critic() {
         needed.push(Role::Critic);

@@ -37,6 +37,7 @@ pub use prompts::tokenizer_dir;
 pub use reward::{CUSTOM_REWARD_FUNCTION, REWARD_MODEL};
 pub use rollout_corr::rollout_correction;
 pub use setup::data_config;
+pub(crate) use setup::lora_backend;
 pub(crate) use step::on_policy_old_log_prob_unused;
 pub(crate) use workers::{PhaseEnd, Timed, Workers};
 

@@ -6,7 +6,7 @@ use std::marker::PhantomData;
 use verl_plugin_api::client::{ActorClient, CriticClient, RewardClient, RewardModelClient};
 use verl_plugin_api::sdk::{BackendPlugin, RewardPlugin};
 use verl_plugin_api::services::services_box;
-use verl_plugin_api::{testing, InitArgs};
+use verl_plugin_api::{testing, InitArgs, Role};
 
 use crate::loader::LoadedPlugin;
 use crate::models::SharedModels;
@@ -14,6 +14,8 @@ use crate::models::SharedModels;
 /// Creates the actor, reference and critic roles of one backend.
 pub trait BackendFactory {
     fn name(&self) -> &str;
+    /// Whether the backend's `role` declares `feature` (`Capability::features`).
+    fn supports(&self, role: Role, feature: &str) -> bool;
     fn create_actor(&self, init: &InitArgs) -> anyhow::Result<ActorClient>;
     fn create_reference(&self, init: &InitArgs) -> anyhow::Result<ActorClient>;
     fn create_critic(&self, init: &InitArgs) -> anyhow::Result<CriticClient>;
@@ -36,6 +38,9 @@ pub trait RewardFactory {
 impl BackendFactory for LoadedPlugin {
     fn name(&self) -> &str {
         &self.header.name
+    }
+    fn supports(&self, role: Role, feature: &str) -> bool {
+        self.header.supports(role, feature)
     }
     fn create_actor(&self, init: &InitArgs) -> anyhow::Result<ActorClient> {
         LoadedPlugin::create_actor(self, init)
@@ -85,6 +90,12 @@ impl<P: BackendPlugin> Default for InProcessBackend<P> {
 impl<P: BackendPlugin> BackendFactory for InProcessBackend<P> {
     fn name(&self) -> &str {
         &self.name
+    }
+    fn supports(&self, role: Role, feature: &str) -> bool {
+        P::info()
+            .capabilities
+            .iter()
+            .any(|c| c.role == role && c.implemented && c.features.iter().any(|f| f == feature))
     }
     fn create_actor(&self, init: &InitArgs) -> anyhow::Result<ActorClient> {
         Ok(testing::actor::<P>(init)?)

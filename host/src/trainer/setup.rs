@@ -13,7 +13,7 @@ use verl_plugin_api::{InitArgs, Role};
 
 use super::error::TrainerError;
 use super::options::FitOptions;
-use super::plugins::JobPlugins;
+use super::plugins::{BackendFactory, JobPlugins};
 use super::prompts::PromptEncoder;
 use super::reduce::Ranks;
 use super::reward::{PluginClient, RewardRouter};
@@ -108,7 +108,8 @@ pub(super) fn create_roles(
     let actor = backend
         .create_actor(&init(Role::Actor))
         .with_context(|| format!("creating the actor of backend `{}`", backend.name()))?;
-    let reference = if cfg.need_reference_policy() {
+    let lora = lora_backend(cfg, backend.as_ref())?;
+    let reference = if cfg.need_reference_policy() && !lora {
         Some(
             backend
                 .create_reference(&init(Role::Reference))
@@ -179,7 +180,32 @@ pub(super) fn create_roles(
         reward_clients.push((name.clone(), client));
     }
     let rewards = RewardRouter::new(reward_clients, models, cfg)?;
-    Ok((Workers::new(actor, reference, critic, ()), rewards))
+    let mut workers = Workers::new(actor, reference, critic, ());
+    workers.ref_in_actor = lora && cfg.need_reference_policy();
+    Ok((workers, rewards))
+}
+
+/// Whether the policy trains LoRA adapters; an error when it asks for them and the backend's
+/// actor does not declare the `lora` feature (a backend without LoRA would train every weight).
+pub(crate) fn lora_backend(cfg: &Config, backend: &dyn BackendFactory) -> anyhow::Result<bool> {
+    if !cfg.policy_lora() {
+        return Ok(false);
+    }
+    if !backend.supports(Role::Actor, verl_plugin_api::FEATURE_LORA) {
+        let m = &cfg.actor_rollout_ref.model;
+        bail!(
+            "actor_rollout_ref.model.lora_rank={}{} asks for LoRA adapters, and backend `{}` does \
+             not train them (its actor declares no `lora` feature): use the fsdp backend, or drop \
+             the LoRA keys to train every weight",
+            m.lora_rank,
+            m.lora_adapter_path
+                .as_deref()
+                .map(|p| format!(" / lora_adapter_path={p}"))
+                .unwrap_or_default(),
+            backend.name()
+        );
+    }
+    Ok(true)
 }
 
 /// Rank 0's metrics logger (`FitOptions::logger`, else `trainer.logger` where verl puts its

@@ -173,6 +173,7 @@ impl<'a> Trainer<'a> {
         LogProbOptions {
             temperature: self.cfg.actor_rollout_ref.rollout.temperature,
             with_entropy: true,
+            base_model: false,
         }
     }
 

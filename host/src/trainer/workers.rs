@@ -28,6 +28,9 @@ pub(crate) struct Workers<H: PhaseEnd = ()> {
     pub(crate) actor: ActorClient,
     pub(crate) reference: Option<ActorClient>,
     pub(crate) critic: Option<CriticClient>,
+    /// A LoRA job's reference policy is the actor's base model (its adapters off, verl's
+    /// `ref_in_actor`): `ref` asks the actor with `LogProbOptions::base_model`.
+    pub(crate) ref_in_actor: bool,
     pub(crate) on_phase_end: H,
     clock: Timings,
 }
@@ -74,6 +77,7 @@ impl<H: PhaseEnd> Workers<H> {
             actor,
             reference,
             critic,
+            ref_in_actor: false,
             on_phase_end,
             clock: Timings::new(),
         }
@@ -116,6 +120,17 @@ impl<H: PhaseEnd> Workers<H> {
         batch: &mut Batch,
         opts: &LogProbOptions,
     ) -> anyhow::Result<Option<Tensor<f32>>> {
+        if self.ref_in_actor {
+            let base = LogProbOptions {
+                base_model: true,
+                ..opts.clone()
+            };
+            let out = self.timed("ref", |w| Ok(w.actor.compute_log_prob(batch, &base)?))?;
+            let call = format!("{}.actor.compute_log_prob(base_model)", self.actor.plugin());
+            let lp = out.tensor_in::<f32>(&call, col::LOG_PROBS)?;
+            batch.insert_tensor(col::REF_LOG_PROBS, &lp.shape, &lp.data);
+            return Ok(Some(lp));
+        }
         if self.reference.is_none() {
             return Ok(None);
         }

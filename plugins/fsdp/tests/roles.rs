@@ -195,6 +195,7 @@ fn generate_then_compute_log_prob_reproduces_rollout_log_probs() {
             &LogProbOptions {
                 temperature: 0.8,
                 with_entropy: true,
+                ..LogProbOptions::default()
             },
         )
         .unwrap();
@@ -773,4 +774,136 @@ fn critic_values_are_read_at_the_positions_before_each_response_token() {
             );
         }
     }
+}
+
+/// LoRA: the actor trains its adapters only (the base weights stay bit for bit those of the
+/// model folder), and its base model with the adapters off, asked for with
+/// `LogProbOptions::base_model` (the reference policy of a LoRA job), is exactly a frozen
+/// reference built from the same folder, before and after updates. An export merges.
+#[test]
+fn lora_actor_trains_its_adapters_and_its_base_is_the_reference() {
+    let dir = tiny_model();
+    let lora = json!({"actor_rollout_ref": {
+        "model": {"lora_rank": 4, "lora_alpha": 8},
+        "actor": {"optim": {"lr": 1e-2}},
+    }});
+    let mut a = actor(dir.path(), lora.clone());
+    let mut r = testing::reference::<FsdpPlugin>(&InitArgs::new(
+        Role::Reference,
+        config(dir.path(), json!({})),
+    ))
+    .unwrap();
+    let seqs = sequences(6, 9);
+    let base_opts = LogProbOptions {
+        base_model: true,
+        ..LogProbOptions::default()
+    };
+    let lp = |c: &mut ActorClient, o: &LogProbOptions| {
+        f32s(&c.compute_log_prob(&seqs, o).unwrap(), col::LOG_PROBS)
+    };
+    let reference = lp(&mut r, &LogProbOptions::default());
+    assert_eq!(lp(&mut a, &base_opts), reference, "adapters off = the base");
+    assert_eq!(
+        lp(&mut a, &LogProbOptions::default()),
+        reference,
+        "fresh adapters (B = 0) leave the policy as it was"
+    );
+    for step in 1..=3 {
+        let b = update_batch(&mut a, &seqs, &[1.0, -1.0, 1.0, -1.0, 1.0, -1.0]);
+        a.update(
+            &b,
+            &UpdateOptions {
+                global_step: step,
+                ..UpdateOptions::default()
+            },
+        )
+        .unwrap();
+    }
+    assert_ne!(
+        lp(&mut a, &LogProbOptions::default()),
+        reference,
+        "the adapters trained"
+    );
+    assert_eq!(
+        lp(&mut a, &base_opts),
+        reference,
+        "the base is still the reference"
+    );
+    assert_ne!(
+        lp(&mut a, &LogProbOptions::default()),
+        reference,
+        "adapters back on after a base pass"
+    );
+
+    // The checkpoint: base weights as in the model folder, adapters in PEFT's folder.
+    let ckpt = tempfile::tempdir().unwrap();
+    a.save(ckpt.path()).unwrap();
+    let original: HashMap<String, Tensor> =
+        Tensor::read_safetensors(dir.path().join("model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    let saved: HashMap<String, Tensor> =
+        Tensor::read_safetensors(ckpt.path().join("model/model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert_eq!(
+        max_weight_diff(&original, &saved),
+        0.0,
+        "the base weights are bit-identical"
+    );
+    let adapter = ckpt.path().join("lora_adapter");
+    assert!(adapter.join("adapter_config.json").is_file());
+    let tensors = Tensor::read_safetensors(adapter.join("adapter_model.safetensors")).unwrap();
+    assert_eq!(
+        tensors.len(),
+        2 * 2 * 7,
+        "A and B of 7 projections in 2 layers"
+    );
+    assert!(tensors
+        .iter()
+        .all(|(k, _)| k.starts_with("base_model.model.model.layers.")));
+    // Resume into a fresh LoRA actor: the same policy.
+    let mut back = actor(dir.path(), lora);
+    back.load(ckpt.path()).unwrap();
+    assert_eq!(
+        lp(&mut back, &LogProbOptions::default()),
+        lp(&mut a, &LogProbOptions::default())
+    );
+
+    // The HF export is the merged model (plus the adapter folder).
+    let (export, merged) = weights(&mut a);
+    assert!(export
+        .path()
+        .join("lora_adapter/adapter_model.safetensors")
+        .is_file());
+    assert!(
+        max_weight_diff(&original, &merged) > 0.0,
+        "merged projections moved"
+    );
+    assert_eq!(
+        original["model.embed_tokens.weight"].size(),
+        merged["model.embed_tokens.weight"].size()
+    );
+
+    // No adapters: base_model is refused, not silently the policy.
+    let mut plain = actor(dir.path(), json!({}));
+    let e = plain
+        .compute_log_prob(&seqs, &base_opts)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("base_model") && e.contains("lora_rank"), "{e}");
+    // A reference role of a LoRA job is refused: the actor is the reference.
+    let e = testing::reference::<FsdpPlugin>(&InitArgs::new(
+        Role::Reference,
+        config(
+            dir.path(),
+            json!({"actor_rollout_ref": {"model": {"lora_rank": 4}}}),
+        ),
+    ))
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("base_model"), "{e}");
 }

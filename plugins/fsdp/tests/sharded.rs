@@ -779,3 +779,17 @@ fn memory_per_rank_falls_with_the_world_size() {
         );
     }
 }
+
+/// LoRA on several ranks: the adapters are sharded (the frozen base stays whole on every rank),
+/// and two and four ranks train them as one does.
+#[test]
+fn lora_updates_at_world_2_and_4_equal_one_rank() {
+    let lora = json!({"actor_rollout_ref": {"model": {"lora_rank": 4, "lora_alpha": 8}}});
+    check_actor_parity(false, lora.clone());
+    // The parity is of a model that moved: the merged export differs from the base.
+    let dir = tiny_model(false, HeadKind::CausalLm);
+    let two = actor_steps(2, dir.path(), lora, 3);
+    let base = read_weights(dir.path());
+    let moved = max_weight_diff(&base, two[0].1.as_ref().unwrap());
+    assert!(moved > 1e-4, "the adapters did not train ({moved})");
+}

@@ -625,6 +625,7 @@ fn remove_padding_trains_like_the_padded_path() {
         let lp_opts = LogProbOptions {
             temperature: 1.0,
             with_entropy: true,
+            ..LogProbOptions::default()
         };
         let first = a.compute_log_prob(&b, &lp_opts).unwrap();
         let mut up = b.clone();
@@ -694,6 +695,7 @@ fn check_prefix_grouper(dir: &std::path::Path, b: &Batch, batching: &Value) {
     let lp_opts = LogProbOptions {
         temperature: 1.0,
         with_entropy: true,
+        ..LogProbOptions::default()
     };
     let mut runs = Vec::new();
     for share in [false, true] {

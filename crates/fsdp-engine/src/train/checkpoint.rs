@@ -37,13 +37,7 @@ impl TrainableModel {
         let rank0 = dp.rank == 0;
         self.with_full(dp, |model| {
             if rank0 {
-                model.save_pretrained(
-                    dir.join(MODEL_DIR),
-                    &SaveOptions {
-                        dtype: Some(model.dtype()),
-                        ..SaveOptions::default()
-                    },
-                )?;
+                save_model(model, dir)?;
             }
             Ok(())
         })?;
@@ -69,13 +63,7 @@ impl TrainableModel {
             path: dir.to_path_buf(),
             source,
         })?;
-        self.model.save_pretrained(
-            dir.join(MODEL_DIR),
-            &SaveOptions {
-                dtype: Some(self.model.dtype()),
-                ..SaveOptions::default()
-            },
-        )?;
+        save_model(&self.model, dir)?;
         if self.mixed() {
             let named: Vec<(&str, &Tensor)> = self
                 .names
@@ -123,8 +111,7 @@ impl TrainableModel {
             let mut src = Source::open(dir, &state)?;
             shard.load_from(&mut src, &mut self.optim)?;
         } else if saved_world > 1 {
-            let ckpt = Checkpoint::open(dir.join(MODEL_DIR))?;
-            self.model.load_checkpoint(&ckpt)?;
+            load_model(&mut self.model, dir)?;
             let mut src = Source::open(dir, &state)?;
             self.restore_unsharded(&mut src)?;
         } else {
@@ -149,7 +136,8 @@ impl TrainableModel {
             for group in &layout.groups {
                 for what in [What::Master, What::ExpAvg, What::ExpAvgSq] {
                     let flat = src.group_flat(group, what)?;
-                    for (k, &i) in group.params.iter().enumerate() {
+                    for (k, &param) in group.params.iter().enumerate() {
+                        let i = self.trained_slot(param)?;
                         let piece = flat
                             .f_narrow(0, group.offsets[k] as i64, group.numels[k] as i64)
                             .and_then(|x| x.f_view(group.shapes[k].as_slice()))
@@ -167,7 +155,7 @@ impl TrainableModel {
         })?;
         if self.mixed() {
             tch::no_grad(|| -> Result<()> {
-                for ((_, p), m) in self.model.named_parameters().iter().zip(&self.masters) {
+                for (p, m) in self.trained_parameters().into_iter().zip(&self.masters) {
                     p.shallow_clone().f_copy_(m).ctx("masters → live model")?;
                 }
                 Ok(())
@@ -177,8 +165,7 @@ impl TrainableModel {
     }
 
     pub(super) fn load_unsharded(&mut self, dir: &Path) -> Result<()> {
-        let ckpt = Checkpoint::open(dir.join(MODEL_DIR))?;
-        self.model.load_checkpoint(&ckpt)?;
+        load_model(&mut self.model, dir)?;
         let masters_path = dir.join(MASTER_FILE);
         if self.mixed() {
             let saved = read_named(&masters_path)?;
@@ -202,4 +189,30 @@ impl TrainableModel {
         )?;
         Ok(())
     }
+}
+
+/// The checkpoint's model folder: the (base) weights in the compute dtype and, with LoRA, the
+/// adapters in PEFT's format beside them ([`LORA_DIR`]).
+fn save_model(model: &Transformer, dir: &Path) -> Result<()> {
+    let folder = dir.join(MODEL_DIR);
+    model.save_pretrained(
+        &folder,
+        &SaveOptions {
+            dtype: Some(model.dtype()),
+            ..SaveOptions::default()
+        },
+    )?;
+    if model.lora_config().is_some() {
+        model.save_adapter(&dir.join(LORA_DIR), &folder.display().to_string())?;
+    }
+    Ok(())
+}
+
+/// Reads what [`save_model`] wrote into `model` (which has the same adapters, if any).
+fn load_model(model: &mut Transformer, dir: &Path) -> Result<()> {
+    model.load_checkpoint(&Checkpoint::open(dir.join(MODEL_DIR))?)?;
+    if model.lora_config().is_some() {
+        model.load_adapter(&dir.join(LORA_DIR))?;
+    }
+    Ok(())
 }

@@ -94,6 +94,11 @@ pub struct GrpoArgs {
     /// steps unless `--set reward.reward_model.rollout.free_cache_engine=false`.
     #[arg(long)]
     pub rm_arch: Option<String>,
+    /// Train LoRA adapters of this rank on all linear projections (`actor_rollout_ref.model.
+    /// lora_rank`; alpha from `--set actor_rollout_ref.model.lora_alpha=..`, verl's default 16):
+    /// the base frozen, the reference the base with adapters off. 0: every weight.
+    #[arg(long, default_value_t = 0)]
+    pub lora_rank: u64,
 }
 
 /// `verl bench SUBCOMMAND`; `plugins` is the CLI's `--plugin` list.
@@ -229,10 +234,17 @@ pub fn grpo(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     init.extra = extra.clone();
     let t = Instant::now();
     let actor = backend.create_actor(&init)?;
-    let mut init = InitArgs::new(Role::Reference, cfg_json);
-    init.extra = extra;
-    let reference = backend.create_reference(&init)?;
-    let mut workers = Workers::new(actor, Some(reference), None, MemoryProbe::default());
+    // LoRA: the reference is the actor's base (adapters off), as in `verl run`.
+    let lora = crate::trainer::lora_backend(&cfg, &backend)?;
+    let reference = if lora {
+        None
+    } else {
+        let mut init = InitArgs::new(Role::Reference, cfg_json);
+        init.extra = extra;
+        Some(backend.create_reference(&init)?)
+    };
+    let mut workers = Workers::new(actor, reference, None, MemoryProbe::default());
+    workers.ref_in_actor = lora;
     let rm = match &a.rm_arch {
         Some(arch) => Some(BenchRm::create(
             &backend,
@@ -294,7 +306,7 @@ pub fn grpo(plugins: &[String], a: &GrpoArgs) -> anyhow::Result<()> {
     } = std::mem::take(&mut bench.workers.on_phase_end);
     let (rm, digest, exactness) = (&bench.rm, bench.digest, bench.exactness);
     let last = bench.per_step.last().cloned().unwrap_or_default();
-    let report = Report::new(&s, a, &last, peak_tflops, hbm_gbps);
+    let report = Report::new(&s, a, &last, peak_tflops, hbm_gbps, lora);
     let mut out = report.json(&s, a, peak_mem, &mem_source);
     out["per_step"] = Value::Array(bench.per_step.iter().map(StepTimes::to_json).collect());
     let mut table = report.table(peak_mem, &mem_source);
@@ -397,6 +409,9 @@ fn bench_config(a: &GrpoArgs, dir: &Path, backend: &LoadedPlugin) -> anyhow::Res
             a.logprob_micro_batch.min(rows)
         ),
     ];
+    if a.lora_rank > 0 {
+        overrides.push(format!("actor_rollout_ref.model.lora_rank={}", a.lora_rank));
+    }
     overrides.extend(a.overrides.iter().cloned());
     let mut cfg = Config::from_overrides(&overrides)?;
     // The backend's own check of the job (as `verl run` makes it). A backend without the
@@ -476,6 +491,7 @@ impl Bench<'_> {
         let lp_opts = LogProbOptions {
             temperature: 1.0,
             with_entropy: false,
+            base_model: false,
         };
         // As the trainer: an on-policy step skips the old-log-prob pass (the warm-up step keeps
         // it, to measure the rollout's log-prob exactness against it).

@@ -4,7 +4,9 @@
 use serde_json::{json, Value};
 use verl_metrics::Timings;
 
-use super::shape::{decode_roofline_s, forward_flops, generate_flops, train_flops, Shape};
+use super::shape::{
+    decode_roofline_s, forward_flops, generate_flops, lora_train_flops, train_flops, Shape,
+};
 use super::GrpoArgs;
 
 const PHASES: [&str; 4] = ["gen", "old_log_prob", "ref", "update"];
@@ -86,6 +88,7 @@ impl Report {
         t: &StepTimes,
         peak_tflops: f64,
         hbm_gbps: f64,
+        lora: bool,
     ) -> Report {
         let rows = (a.prompts * a.n) as u64;
         let (p, r) = (a.prompt_len as u64, a.response_len as u64);
@@ -97,7 +100,11 @@ impl Report {
                 generate_flops(s, rows, p, r),
                 fwd,
                 fwd,
-                train_flops(s, rows, seq),
+                if lora {
+                    lora_train_flops(s, rows, seq)
+                } else {
+                    train_flops(s, rows, seq)
+                },
             ],
             tokens: [rows * r, rows * seq, rows * seq, rows * seq],
             peak_tflops,

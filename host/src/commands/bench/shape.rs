@@ -212,6 +212,13 @@ pub fn train_flops(s: &Shape, seqs: u64, len: u64) -> f64 {
     3.0 * forward_flops(s, seqs, len)
 }
 
+/// FLOPs of a LoRA training pass: [`train_flops`] without the base's weight-gradient GEMMs
+/// (`2·N_matmul·tokens`; the frozen base needs only its input gradients). The adapters' own
+/// GEMMs (`6·r·(in+out)` per projection and token, about 2% at rank 64 on 7B) are not counted.
+pub fn lora_train_flops(s: &Shape, seqs: u64, len: u64) -> f64 {
+    train_flops(s, seqs, len) - 2.0 * s.matmul_params() as f64 * (seqs * len) as f64
+}
+
 /// FLOPs of generating `resp` tokens for each of `seqs` sequences after a `prompt`-token prefill:
 /// the prefill ([`forward_flops`] over the prompt) yields the first token; each of the `resp − 1`
 /// decode steps runs one token through the matmuls (`2·N`) and attends over its context

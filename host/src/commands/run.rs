@@ -232,7 +232,7 @@ pub fn run(cli_plugins: &[String], verbose: u8, args: &RunArgs) -> anyhow::Resul
     if lora {
         let m = &cfg.actor_rollout_ref.model;
         outln!(
-            "lora          {}{}; the reference policy is the base with adapters off",
+            "lora          {}{}{}",
             match &m.lora_adapter_path {
                 Some(p) => format!("adapters from {p}"),
                 None => format!("rank {} alpha {}", m.lora_rank, m.lora_alpha),
@@ -244,6 +244,11 @@ pub fn run(cli_plugins: &[String], verbose: u8, args: &RunArgs) -> anyhow::Resul
                 )
             } else {
                 String::new()
+            },
+            if cfg.need_reference_policy() {
+                "; the reference policy is the base with the adapters off"
+            } else {
+                ""
             }
         );
     }

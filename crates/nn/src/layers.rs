@@ -141,15 +141,9 @@ pub fn accumulating_into_grad() -> bool {
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = self.forward_base(x)?;
-        self.add_lora(y, x)
-    }
-
-    /// `base` (this projection's output without its adapter, computed by the caller) plus the
-    /// adapter's contribution for input `x`.
-    pub fn add_lora(&self, base: Tensor, x: &Tensor) -> Result<Tensor> {
         match &self.lora {
-            Some(a) => a.add(base, x),
-            None => Ok(base),
+            Some(a) => a.add(y, x),
+            None => Ok(y),
         }
     }
 
@@ -670,6 +664,8 @@ pub(crate) struct Attention {
     /// q/k/v weights (and biases) concatenated into one projection while a generation engine
     /// decodes ([`crate::Transformer::fuse_decode_weights`]): one GEMM instead of three.
     fused_qkv: Mutex<Option<(Tensor, Option<Tensor>)>>,
+    /// q's, k's and v's LoRA adapters stacked for decoding ([`crate::lora::fuse_adapters`]).
+    lora_qkv: Mutex<Option<(Tensor, Tensor)>>,
 }
 
 /// `[B, n_kv, L, D]` -> `[B, n_kv * groups, L, D]`, each kv head repeated for its query group.
@@ -716,6 +712,8 @@ pub(crate) struct Mlp {
     /// gate and up weights concatenated while a generation engine decodes (dense layers without
     /// gate/up biases; [`crate::Transformer::fuse_decode_weights`]).
     fused_gate_up: Mutex<Option<Tensor>>,
+    /// gate's and up's LoRA adapters stacked for decoding ([`crate::lora::fuse_adapters`]).
+    lora_gate_up: Mutex<Option<(Tensor, Tensor)>>,
 }
 
 /// Sparse MoE block: softmax router (fp32), top-k, optional renormalisation, optional sigmoid-gated

@@ -18,12 +18,13 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
 use crate::error::{NnError, Result};
+use crate::layers::Linear;
 use crate::model::Transformer;
 
 /// PEFT's prefix of a causal LM's adapter keys.
@@ -197,22 +198,177 @@ pub(crate) struct Adapter {
     pub scale: f64,
     /// The model's switch (shared by all its adapters).
     pub enabled: Arc<AtomicBool>,
+    /// `s·A` kept while a generation engine decodes ([`Adapter::fuse`]).
+    scaled: Mutex<Option<Tensor>>,
 }
 
 impl Adapter {
-    /// `base + s · (x Aᵀ) Bᵀ` when the adapters are on (one GEMM adding into `base`), else `base`.
+    pub fn new(a: Tensor, b: Tensor, scale: f64, enabled: Arc<AtomicBool>) -> Adapter {
+        Adapter {
+            a,
+            b,
+            scale,
+            enabled,
+            scaled: Mutex::new(None),
+        }
+    }
+
+    pub fn on(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed)
+    }
+
+    /// `s·A` in the model dtype: the scale goes into the small matrix, so the output side is one
+    /// accumulating GEMM. Computed the same way whether kept for decoding or not.
+    fn scaled_a(&self, cached: bool) -> Result<Tensor> {
+        if cached {
+            if let Some(t) = self
+                .scaled
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+            {
+                return Ok(t.shallow_clone());
+            }
+        }
+        Ok(self.a.f_mul_scalar(self.scale)?)
+    }
+
+    /// Keeps (`on`) or drops `s·A` for decoding (no autograd there).
+    pub fn fuse(&self, on: bool) -> Result<()> {
+        let mut slot = self.scaled.lock().unwrap_or_else(|e| e.into_inner());
+        *slot = None;
+        if on {
+            let _guard = tch::no_grad_guard();
+            *slot = Some(self.a.f_mul_scalar(self.scale)?);
+        }
+        Ok(())
+    }
+
+    /// `base + (x·(s·A)ᵀ)·Bᵀ` when the adapters are on, else `base`. `base` must be this
+    /// projection's own output (not a view of another tensor): the second GEMM accumulates into it
+    /// in place, so no copy of the output is made.
     pub fn add(&self, base: Tensor, x: &Tensor) -> Result<Tensor> {
-        if !self.enabled.load(Ordering::Relaxed) {
+        if !self.on() {
             return Ok(base);
         }
-        let size = base.size();
-        let out = *size.last().unwrap_or(&0);
-        let xa = x.f_linear(&self.a, None::<&Tensor>)?;
-        let r = *xa.size().last().unwrap_or(&0);
-        let xa = xa.f_reshape([-1, r])?.f_mul_scalar(self.scale)?;
-        let y = base.f_reshape([-1, out])?.f_addmm(&xa, &self.b.f_tr()?)?;
-        Ok(y.f_reshape(size.as_slice())?)
+        let xa = x.f_linear(&self.scaled_a(!x.requires_grad())?, None::<&Tensor>)?;
+        accumulate(base, &xa, &self.b)
     }
+}
+
+/// `y += xa · bᵀ` in place over the rows of `y` (`[.., out]`, its own storage), `xa` `[.., r]`.
+fn accumulate(y: Tensor, xa: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let y = if y.is_contiguous() {
+        y
+    } else {
+        y.f_contiguous()?
+    };
+    let out = *y.size().last().unwrap_or(&0);
+    let r = *xa.size().last().unwrap_or(&0);
+    let mut rows = y.f_view([-1, out])?;
+    let _ = rows.f_addmm_(&xa.f_reshape([-1, r])?, &b.f_tr()?)?;
+    Ok(y)
+}
+
+/// The adapters of projections whose outputs are consecutive column blocks of one fused output
+/// (q/k/v, gate/up): their `s·A` stacked `[Σr, in]` and their `B` as one block-diagonal
+/// `[Σout, Σr]` (a projection without adapter: a block of zero width). `None` when no part has
+/// an adapter or the adapters are off.
+pub(crate) fn fused_adapters(parts: &[&Linear], cached: bool) -> Result<Option<(Tensor, Tensor)>> {
+    let adapters: Vec<Option<&Adapter>> = parts.iter().map(|l| l.lora.as_ref()).collect();
+    let Some(first) = adapters.iter().flatten().next() else {
+        return Ok(None);
+    };
+    if !first.on() {
+        return Ok(None);
+    }
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    for (lin, ad) in parts.iter().zip(&adapters) {
+        match ad {
+            Some(ad) => {
+                a.push(ad.scaled_a(cached)?);
+                b.push(ad.b.shallow_clone());
+            }
+            None => {
+                let out = lin.weight.size()[0];
+                b.push(Tensor::f_zeros(
+                    [out, 0],
+                    (lin.weight.kind(), lin.weight.device()),
+                )?);
+            }
+        }
+    }
+    Ok(Some((Tensor::f_cat(&a, 0)?, Tensor::f_block_diag(&b)?)))
+}
+
+/// Adds the adapters of `parts` to their fused output `y` (`[.., Σout]`, its own storage): one
+/// GEMM for the stacked `s·A`, one accumulating GEMM with the block-diagonal `B`. `kept`: the pair
+/// [`fused_adapters`] made for decoding, if any.
+pub(crate) fn add_fused(
+    y: Tensor,
+    x: &Tensor,
+    parts: &[&Linear],
+    kept: &Mutex<Option<(Tensor, Tensor)>>,
+) -> Result<Tensor> {
+    let decoding = !x.requires_grad();
+    let kept = if decoding {
+        kept.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|(a, b)| (a.shallow_clone(), b.shallow_clone()))
+    } else {
+        None
+    };
+    let pair = match kept {
+        Some(p)
+            if parts
+                .iter()
+                .any(|l| l.lora.as_ref().is_some_and(Adapter::on)) =>
+        {
+            Some(p)
+        }
+        Some(_) => None,
+        None => fused_adapters(parts, decoding)?,
+    };
+    let Some((a, b)) = pair else { return Ok(y) };
+    let xa = x.f_linear(&a, None::<&Tensor>)?;
+    accumulate(y, &xa, &b)
+}
+
+/// Keeps (`on`) or drops the [`fused_adapters`] pair of `parts` in `slot` (and each part's `s·A`).
+pub(crate) fn fuse_adapters(
+    parts: &[&Linear],
+    slot: &Mutex<Option<(Tensor, Tensor)>>,
+    on: bool,
+) -> Result<usize> {
+    let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
+    *s = None;
+    for l in parts {
+        if let Some(a) = &l.lora {
+            a.fuse(on)?;
+        }
+    }
+    if !on {
+        return Ok(0);
+    }
+    let _guard = tch::no_grad_guard();
+    // Built while the adapters are on, whatever the switch says now.
+    let pair = match parts.iter().find_map(|l| l.lora.as_ref()) {
+        None => None,
+        Some(first) => {
+            let was = first.on();
+            first.enabled.store(true, Ordering::Relaxed);
+            let p = fused_adapters(parts, true);
+            first.enabled.store(was, Ordering::Relaxed);
+            p?
+        }
+    };
+    let bytes = pair.as_ref().map_or(0, |(a, b)| {
+        (a.numel() + b.numel()) * a.kind().elt_size_in_bytes()
+    });
+    *s = pair;
+    Ok(bytes)
 }
 
 /// A fresh `A` `[rank, d_in]` (fp32, CPU): uniform in ±1/√d_in (PEFT's `kaiming_uniform_` with
@@ -317,12 +473,7 @@ impl Transformer {
                     .f_set_requires_grad(true)?;
                 new_params.push((i, format!("{name}.lora_A.weight"), a.shallow_clone()));
                 new_params.push((i, format!("{name}.lora_B.weight"), b.shallow_clone()));
-                lin.lora = Some(Adapter {
-                    a,
-                    b,
-                    scale,
-                    enabled: enabled.clone(),
-                });
+                lin.lora = Some(Adapter::new(a, b, scale, enabled.clone()));
                 modules.push(name);
             }
         }

@@ -834,6 +834,43 @@ fn lora_actor_trains_its_adapters_and_its_base_is_the_reference() {
         reference,
         "adapters back on after a base pass"
     );
+    // Generation decodes with the adapters: its log-probs are the trained policy's.
+    let prompts = testing::prompts(&[&[5, 6, 7, 8], &[9, 10]], 0);
+    let opts = GenerateOptions {
+        n: 2,
+        max_new_tokens: 6,
+        seed: Some(4),
+        eos_token_ids: vec![1],
+        ..GenerateOptions::default()
+    };
+    let gen = a.generate(&prompts, &opts).unwrap();
+    let rollout = f32s(&gen, col::ROLLOUT_LOG_PROBS);
+    let policy = f32s(
+        &a.compute_log_prob(&gen, &LogProbOptions::default())
+            .unwrap(),
+        col::LOG_PROBS,
+    );
+    let base = f32s(
+        &a.compute_log_prob(&gen, &base_opts).unwrap(),
+        col::LOG_PROBS,
+    );
+    let mask = i64s(&gen, col::RESPONSE_MASK);
+    let gap = |x: &[f32]| -> f32 {
+        (0..mask.len())
+            .filter(|&i| mask[i] != 0)
+            .map(|i| (rollout[i] - x[i]).abs())
+            .fold(0.0, f32::max)
+    };
+    assert!(
+        gap(&policy) < 1e-5,
+        "rollout vs the adapted policy: {}",
+        gap(&policy)
+    );
+    assert!(
+        gap(&base) > 1e-3,
+        "the rollout used the adapters ({})",
+        gap(&base)
+    );
 
     // The checkpoint: base weights as in the model folder, adapters in PEFT's folder.
     let ckpt = tempfile::tempdir().unwrap();

@@ -36,12 +36,22 @@ impl Attention {
             window: cfg.layer_windows.get(layer).copied().flatten(),
             tp: None,
             fused_qkv: Mutex::new(None),
+            lora_qkv: Mutex::new(None),
         })
     }
 
     /// Builds (`on`) or drops the fused q/k/v projection; returns the bytes it holds. Layers whose
     /// projections do not all have (or all lack) a bias stay unfused.
     pub fn fuse(&self, on: bool) -> Result<usize> {
+        let (q, k, v) = (&self.q_proj, &self.k_proj, &self.v_proj);
+        let bytes = crate::lora::fuse_adapters(&[q, k, v], &self.lora_qkv, on)?;
+        if let Some(a) = &self.o_proj.lora {
+            a.fuse(on)?;
+        }
+        Ok(bytes + self.fuse_base(on)?)
+    }
+
+    fn fuse_base(&self, on: bool) -> Result<usize> {
         let mut slot = self.fused_qkv.lock().unwrap_or_else(|e| e.into_inner());
         *slot = None;
         if !on {
@@ -285,22 +295,21 @@ impl Attention {
             None => self.qkv_concatenated(x)?,
         };
         let (qy, ky, vy) = match (fused, concatenated) {
-            // One GEMM for the three base projections; the adapters add to each part.
-            (Some(y), _) => (
-                self.q_proj.add_lora(y.f_narrow(-1, 0, nq)?, x)?,
-                self.k_proj.add_lora(y.f_narrow(-1, nq, nkv)?, x)?,
-                self.v_proj.add_lora(y.f_narrow(-1, nq + nkv, nkv)?, x)?,
-            ),
+            (Some(y), _) => {
+                let y = self.add_qkv_adapters(y, x)?;
+                (
+                    y.f_narrow(-1, 0, nq)?,
+                    y.f_narrow(-1, nq, nkv)?,
+                    y.f_narrow(-1, nq + nkv, nkv)?,
+                )
+            }
             // One split (its backward is one concatenation, where three narrows would each
             // scatter into a zero tensor of the full width).
             (None, Some(y)) => {
+                let y = self.add_qkv_adapters(y, x)?;
                 let mut parts = y.f_split_with_sizes([nq, nkv, nkv], -1)?.into_iter();
                 match (parts.next(), parts.next(), parts.next()) {
-                    (Some(q), Some(k), Some(v)) => (
-                        self.q_proj.add_lora(q, x)?,
-                        self.k_proj.add_lora(k, x)?,
-                        self.v_proj.add_lora(v, x)?,
-                    ),
+                    (Some(q), Some(k), Some(v)) => (q, k, v),
                     _ => return Err(NnError::input("q/k/v projection", "three parts", "fewer")),
                 }
             }
@@ -314,6 +323,13 @@ impl Attention {
         let k = heads(ky, self.num_kv_heads, &self.k_norm)?;
         let v = heads(vy, self.num_kv_heads, &None)?;
         Ok((q, k, v))
+    }
+
+    /// The q/k/v LoRA adapters added to the fused q/k/v output `y` (one GEMM for the three A's,
+    /// one accumulating into `y`; the same in training and decoding).
+    fn add_qkv_adapters(&self, y: Tensor, x: &Tensor) -> Result<Tensor> {
+        let parts = [&self.q_proj, &self.k_proj, &self.v_proj];
+        crate::lora::add_fused(y, x, &parts, &self.lora_qkv)
     }
 
     /// On CUDA, q/k/v as one GEMM over the concatenated weights (and biases), recorded by

@@ -16,11 +16,21 @@ impl Mlp {
             up: f.linear(&format!("{prefix}.{}", names[1]), hidden, inter, bias)?,
             down: f.linear(&format!("{prefix}.{}", names[2]), inter, hidden, bias)?,
             fused_gate_up: Mutex::new(None),
+            lora_gate_up: Mutex::new(None),
         })
     }
 
     /// Builds (`on`) or drops the fused gate/up projection; returns the bytes it holds.
     pub fn fuse(&self, on: bool) -> Result<usize> {
+        let parts = [&self.gate, &self.up];
+        let bytes = crate::lora::fuse_adapters(&parts, &self.lora_gate_up, on)?;
+        if let Some(a) = &self.down.lora {
+            a.fuse(on)?;
+        }
+        Ok(bytes + self.fuse_base(on)?)
+    }
+
+    fn fuse_base(&self, on: bool) -> Result<usize> {
         let mut slot = self.fused_gate_up.lock().unwrap_or_else(|e| e.into_inner());
         *slot = None;
         if !on || self.gate.bias.is_some() || self.up.bias.is_some() {
@@ -57,13 +67,8 @@ impl Mlp {
             .and_then(|g| g.as_ref().map(|w| decode_linear(x, w, None)))
             .transpose()?;
         if let Some(gu) = fused {
-            if self.gate.lora.is_some() || self.up.lora.is_some() {
-                // The adapters add to the gate and up halves of the fused output.
-                let inter = self.gate.weight.size()[0];
-                let g = self.gate.add_lora(gu.f_narrow(-1, 0, inter)?, x)?;
-                let u = self.up.add_lora(gu.f_narrow(-1, inter, inter)?, x)?;
-                return self.down.forward(&silu_mul(&g, &u)?);
-            }
+            // gate's and up's adapters accumulate into the fused output.
+            let gu = crate::lora::add_fused(gu, x, &[&self.gate, &self.up], &self.lora_gate_up)?;
             if fused_swiglu(&gu) {
                 return self.down.forward(&verl_torch_ext::swiglu(&gu)?);
             }

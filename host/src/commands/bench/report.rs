@@ -79,6 +79,8 @@ pub(super) struct Report {
     peak_tflops: f64,
     hbm_gbps: f64,
     roofline_s: f64,
+    /// LoRA: the update's FLOPs leave out the frozen base's weight gradients.
+    lora: bool,
 }
 
 impl Report {
@@ -110,6 +112,7 @@ impl Report {
             peak_tflops,
             hbm_gbps,
             roofline_s: decode_roofline_s(s, rows, p, r, hbm_gbps),
+            lora,
         }
     }
     fn mfu(&self, flops: f64, secs: f64) -> f64 {
@@ -176,9 +179,14 @@ impl Report {
             "peak: {} TFLOP/s bf16 matmul, {} GB/s copy (measured); peak memory {:.2} GiB ({mem_source}, sampled after each phase)\n",
             sig(self.peak_tflops), sig(self.hbm_gbps), peak_mem
         ));
-        o.push_str(
-            "FLOPs: forward 2·N·tokens + 4·layers·attn_dim·len² per sequence; update 3× forward; gen = prefill forward + decode 2·N + 4·layers·attn_dim·ctx per token (N = matmul weights incl. LM head). HBM roof: decode steps × (weight bytes + KV bytes at mean context) / bandwidth, over the whole gen time (prefill included).\n",
-        );
+        let update = if self.lora {
+            "update 3× forward less the frozen base's weight gradients (2·N·tokens; LoRA adapters' own FLOPs not counted)"
+        } else {
+            "update 3× forward"
+        };
+        o.push_str(&format!(
+            "FLOPs: forward 2·N·tokens + 4·layers·attn_dim·len² per sequence; {update}; gen = prefill forward + decode 2·N + 4·layers·attn_dim·ctx per token (N = matmul weights incl. LM head). HBM roof: decode steps × (weight bytes + KV bytes at mean context) / bandwidth, over the whole gen time (prefill included).\n",
+        ));
         o
     }
     pub(super) fn json(&self, s: &Shape, a: &GrpoArgs, peak_mem: f64, mem_source: &str) -> Value {
@@ -200,6 +208,7 @@ impl Report {
             "micro_batch": a.micro_batch,
             "logprob_micro_batch": a.logprob_micro_batch,
             "steps": a.steps,
+            "lora_rank": a.lora_rank,
             "n_params": s.n_params(),
             "gen": round4(t.gen),
             "old_log_prob": round4(t.old_log_prob),

@@ -924,6 +924,18 @@ fn lora_actor_trains_its_adapters_and_its_base_is_the_reference() {
         merged["model.embed_tokens.weight"].size()
     );
 
+    // lora_adapter_path starts a new actor from the exported PEFT adapter: the trained policy.
+    let adapter_dir = export.path().join("lora_adapter");
+    let mut resumed = actor(
+        dir.path(),
+        json!({"actor_rollout_ref": {"model": {"lora_adapter_path": adapter_dir.to_str().unwrap()}}}),
+    );
+    assert_eq!(
+        lp(&mut resumed, &LogProbOptions::default()),
+        lp(&mut a, &LogProbOptions::default())
+    );
+    assert_eq!(lp(&mut resumed, &base_opts), reference);
+
     // No adapters: base_model is refused, not silently the policy.
     let mut plain = actor(dir.path(), json!({}));
     let e = plain

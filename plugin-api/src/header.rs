@@ -81,7 +81,8 @@ pub struct Capability {
 }
 
 /// An actor that trains LoRA adapters (`actor_rollout_ref.model.lora_rank`) and computes the
-/// base model's log-probs with them off.
+/// base model's log-probs with them off; on a critic, one that trains adapters from
+/// `critic.model.lora_rank`.
 pub const FEATURE_LORA: &str = "lora";
 
 fn yes() -> bool {

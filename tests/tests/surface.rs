@@ -121,9 +121,21 @@ fn lora_dry_runs_on_fsdp_and_is_refused_by_name_where_it_cannot_act() {
         &["actor_rollout_ref.model.lora_rank=64", "Megatron"],
     );
     refused(
-        &["critic.model.lora_rank=8"],
-        &["critic.model.lora_rank=8", "LoRA"],
+        &[
+            "algorithm.adv_estimator=gae",
+            "critic.model.lora_rank=8",
+            "actor_rollout_ref.actor.strategy=megatron",
+            "critic.strategy=megatron",
+        ],
+        &["critic.model.lora_rank=8", "Megatron"],
     );
+    let o = dry_run(&[
+        "algorithm.adv_estimator=gae",
+        "critic.model.lora_rank=8",
+        "critic.ppo_micro_batch_size_per_gpu=4",
+        "critic.forward_micro_batch_size_per_gpu=4",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
     refused(
         &["+actor_rollout_ref.model.lora.rank=8"],
         &["actor_rollout_ref.model.lora.rank=8", "lora_rank"],
@@ -331,7 +343,7 @@ fn config_keys_lists_every_key_with_its_class() {
     assert!(o.status.success(), "{}", stderr(&o));
     for line in [
         "actor_rollout_ref.model.lora_rank\tacts",
-        "critic.model.lora_rank\trefused",
+        "critic.model.lora_rank\tacts",
         "actor_rollout_ref.rollout.gpu_memory_utilization\tacts",
         "actor_rollout_ref.rollout.enable_chunked_prefill\tharmless",
         "actor_rollout_ref.actor.fsdp_config.param_offload\tacts (fsdp)",

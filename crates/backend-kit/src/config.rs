@@ -263,6 +263,7 @@ impl ModelSection {
                     .unwrap_or(verl_nn::LoraModules::AllLinear),
                 exclude_modules: modules("exclude_modules", &self.exclude_modules)?,
                 use_rslora: false,
+                modules_to_save: Vec::new(),
             },
             adapter: None,
         }))

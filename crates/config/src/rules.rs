@@ -109,6 +109,8 @@ const LORA_TESTS: &[&str] = &[
     "tests/tests/quickstart.rs::grpo_with_lora_learns_keeps_the_base_and_refers_to_it",
     "plugins/fsdp/tests/roles.rs::lora_actor_trains_its_adapters_and_its_base_is_the_reference",
 ];
+const CRITIC_LORA_TESTS: &[&str] =
+    &["plugins/fsdp/tests/roles.rs::critic_lora_trains_its_adapters_and_value_head_only"];
 const MULTI_TURN: &str = "multi-turn rollouts with tools or interactions";
 const MULTI_TURN_INSTEAD: &str =
     "verl-rs rolls out single-turn responses; multi-turn/tool rollouts are not implemented yet";
@@ -222,7 +224,10 @@ pub static RULES: &[Rule] = &[
     Rule::acts("actor_rollout_ref.model.target_modules", "the projections that get adapters (PEFT's all-linear, names or a regex)", LORA_TESTS).checked(lora_setting),
     Rule::acts("actor_rollout_ref.model.exclude_modules", "projections left without adapters (PEFT's matching)", LORA_TESTS).checked(lora_setting),
     Rule::acts("actor_rollout_ref.model.lora_adapter_path", "a PEFT adapter folder the policy's adapters start from (its adapter_config.json decides rank, alpha and modules)", LORA_TESTS).checked(lora_on_fsdp),
-    Rule::refused("critic.model.lora_rank|critic.model.lora_alpha|critic.model.target_modules|critic.model.exclude_modules|critic.model.lora_adapter_path", "LoRA adapters on the critic", "train the critic's full weights (drop critic.model.lora_*); the policy takes LoRA through actor_rollout_ref.model.lora_rank"),
+    Rule::acts("critic.model.lora_rank", "LoRA adapters of this rank on the critic (FSDP): its base frozen, the value head trained in full", CRITIC_LORA_TESTS).checked(critic_lora_on_fsdp),
+    Rule::acts("critic.model.lora_adapter_path", "a PEFT adapter folder the critic's adapters start from", CRITIC_LORA_TESTS).checked(critic_lora_on_fsdp),
+    Rule::acts("critic.model.lora_alpha|critic.model.target_modules|critic.model.exclude_modules", "the critic's LoRA scale and projections, as the policy's", CRITIC_LORA_TESTS).checked(critic_lora_setting),
+    Rule::harmless("actor_rollout_ref.model.lora.merge", "how verl hands LoRA weights to vLLM/SGLang (merged into the base, or as adapters); verl-rs's engine decodes with the adapters in place and syncs no weights"),
     Rule::refused(model!("lora.**"), "Megatron-Bridge's LoRA block (model.lora.*)", "on the FSDP backend set actor_rollout_ref.model.lora_rank / lora_alpha / target_modules; the Megatron backend has no LoRA"),
     Rule::harmless(model!("use_liger"), KERNEL),
     Rule::harmless(model!("use_fused_kernels"), KERNEL),
@@ -618,6 +623,35 @@ fn lora_on_fsdp(_: &Value, cfg: &Config) -> Verdict {
     } else {
         Verdict::Acts
     }
+}
+
+/// The critic's LoRA is the FSDP backend's.
+fn critic_lora_on_fsdp(_: &Value, cfg: &Config) -> Verdict {
+    if !cfg.need_critic() {
+        Verdict::Ignored(format!(
+            "the job has no critic (algorithm.adv_estimator={}, critic.enable unset or false)",
+            cfg.algorithm.adv_estimator
+        ))
+    } else if cfg.critic.strategy == "megatron"
+        || cfg.actor_rollout_ref.actor.strategy == "megatron"
+    {
+        Verdict::Refused(
+            "LoRA adapters on the Megatron backend's critic, which has none; use critic.strategy=fsdp for LoRA".into(),
+        )
+    } else {
+        Verdict::Acts
+    }
+}
+
+/// A critic LoRA setting acts once the critic's LoRA is on.
+fn critic_lora_setting(v: &Value, cfg: &Config) -> Verdict {
+    let m = &cfg.critic.model;
+    if m.lora_rank == 0 && m.lora_adapter_path.is_none() {
+        return Verdict::Ignored(
+            "the critic's LoRA is off (critic.model.lora_rank=0 and no lora_adapter_path)".into(),
+        );
+    }
+    critic_lora_on_fsdp(v, cfg)
 }
 
 /// A LoRA setting acts once LoRA is on (`lora_rank > 0` or an adapter folder).

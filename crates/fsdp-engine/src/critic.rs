@@ -54,6 +54,14 @@ impl FsdpCritic {
         let fsdp = critic.model.fsdp_config.clone().unwrap_or_default();
         let precision = fsdp.precision("critic.model.fsdp_config")?;
         let mut model = load_model(&dir, device, precision.compute, HeadKind::Value, fsdp.seed)?;
+        if let Some(mut lora) = critic.model.lora("critic.model")? {
+            // The value head trains in full beside the adapters (PEFT's modules_to_save for a
+            // token-classification head); an adapter folder says for itself.
+            if lora.adapter.is_none() {
+                lora.config.modules_to_save = vec!["score".into()];
+            }
+            lora.apply(&mut model, "critic", fsdp.seed)?;
+        }
         model.set_activation_checkpointing(critic.model.enable_gradient_checkpointing);
         let plan = CriticUpdatePlan::resolve(cfg, &critic, &rollout, &trainer, dp.size)?;
         let offload = Offload {

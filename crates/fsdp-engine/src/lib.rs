@@ -48,7 +48,10 @@ impl BackendPlugin for FsdpPlugin {
                     ..ready(Role::Actor)
                 },
                 ready(Role::Reference),
-                ready(Role::Critic),
+                Capability {
+                    features: vec![verl_plugin_api::FEATURE_LORA.into()],
+                    ..ready(Role::Critic)
+                },
                 Capability::ready(Role::RewardModel),
             ],
             build: BuildInfo {

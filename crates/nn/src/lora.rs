@@ -99,6 +99,9 @@ pub struct LoraConfig {
     pub exclude_modules: Option<Modules>,
     /// rsLoRA: scale `alpha / √r` instead of `alpha / r`.
     pub use_rslora: bool,
+    /// Modules trained in full beside the adapters (PEFT's `modules_to_save`): a value or score
+    /// head's `score` only.
+    pub modules_to_save: Vec<String>,
 }
 
 impl LoraConfig {
@@ -162,10 +165,6 @@ impl LoraConfig {
                 "empty (per-module alphas are not implemented)",
             ),
             (
-                "modules_to_save",
-                "null (fully trained extra modules are not implemented)",
-            ),
-            (
                 "layers_to_transform",
                 "null (layer selection is not implemented)",
             ),
@@ -178,7 +177,17 @@ impl LoraConfig {
         }
         let target_modules = Modules::from_json("target_modules", &v["target_modules"])?
             .ok_or_else(|| bad("target_modules", "a module list or regex"))?;
+        let modules_to_save = match &v["modules_to_save"] {
+            Value::Null => Vec::new(),
+            Value::Array(items) => items
+                .iter()
+                .map(|i| i.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| bad("modules_to_save", "null or module names"))?,
+            _ => return Err(bad("modules_to_save", "null or module names")),
+        };
         Ok(LoraConfig {
+            modules_to_save,
             rank,
             alpha,
             target_modules,
@@ -399,7 +408,15 @@ pub(crate) struct LoraState {
     pub first_adapter: usize,
     /// Adapted module names, in parameter order.
     pub modules: Vec<String>,
+    /// Indices of the base parameters trained in full (`modules_to_save`).
+    pub saved: Vec<usize>,
     pub enabled: Arc<AtomicBool>,
+}
+
+/// Indices of the parameters an adapter folder holds: the fully trained head's, then the
+/// adapters (all parameters from `first_adapter` to `len`).
+fn file_params(l: &LoraState, len: usize) -> impl Iterator<Item = usize> + '_ {
+    l.saved.iter().copied().chain(l.first_adapter..len)
 }
 
 /// What [`Transformer::add_lora`] did.
@@ -490,7 +507,33 @@ impl Transformer {
         for (_, p) in &self.params {
             let _ = p.f_set_requires_grad(false)?;
         }
+        // modules_to_save: the head's own parameters, trained in full.
+        let mut saved = Vec::new();
+        for m in &config.modules_to_save {
+            let found: Vec<usize> = (0..self.params.len())
+                .filter(|&i| {
+                    let n = &self.params[i].0;
+                    self.head_parameter_names().contains(n)
+                        && n.rsplit_once('.').map(|(module, _)| module) == Some(m.as_str())
+                })
+                .collect();
+            if found.is_empty() && m != "classifier" {
+                return Err(NnError::input(
+                    "LoRA modules_to_save",
+                    format!(
+                        "the model's head ({:?}); other fully trained modules are not implemented",
+                        self.head_parameter_names()
+                    ),
+                    m.clone(),
+                ));
+            }
+            saved.extend(found);
+        }
         let mut trainable = 0;
+        for &i in &saved {
+            let _ = self.params[i].1.f_set_requires_grad(true)?;
+            trainable += self.params[i].1.numel();
+        }
         for (layer, name, t) in new_params {
             trainable += t.numel();
             self.layer_adapters.resize(self.layers.len(), Vec::new());
@@ -508,6 +551,7 @@ impl Transformer {
             config: config.clone(),
             first_adapter,
             modules,
+            saved,
             enabled,
         });
         Ok(report)
@@ -603,8 +647,8 @@ impl Transformer {
             source,
         })?;
         let tensors: Vec<(String, Tensor)> = tch::no_grad(|| {
-            self.params[l.first_adapter..]
-                .iter()
+            file_params(l, self.params.len())
+                .map(|i| &self.params[i])
                 .map(|(n, t)| {
                     Ok((
                         format!("{PEFT_PREFIX}{n}"),
@@ -625,7 +669,11 @@ impl Transformer {
         let c = &l.config;
         let json = serde_json::json!({
             "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
+            "task_type": match self.head_kind() {
+                crate::HeadKind::Value => "TOKEN_CLS",
+                crate::HeadKind::SequenceClassification | crate::HeadKind::RewardModel => "SEQ_CLS",
+                crate::HeadKind::CausalLm => "CAUSAL_LM",
+            },
             "base_model_name_or_path": base_model,
             "r": c.rank,
             "lora_alpha": c.alpha,
@@ -638,7 +686,11 @@ impl Transformer {
             "fan_in_fan_out": false,
             "init_lora_weights": true,
             "inference_mode": true,
-            "modules_to_save": null,
+            "modules_to_save": if c.modules_to_save.is_empty() {
+                Value::Null
+            } else {
+                Value::from(c.modules_to_save.clone())
+            },
             "rank_pattern": {},
             "alpha_pattern": {},
         });
@@ -671,8 +723,9 @@ impl Transformer {
             .map(|(k, t)| (k.replace(".default.weight", ".weight"), t))
             .collect();
         let mut used = 0;
+        let ours: Vec<usize> = file_params(l, self.params.len()).collect();
         tch::no_grad(|| -> Result<()> {
-            for (name, dst) in &self.params[l.first_adapter..] {
+            for (name, dst) in ours.iter().map(|&i| &self.params[i]) {
                 let key = format!("{PEFT_PREFIX}{name}");
                 let src = saved.get(&key).ok_or_else(|| NnError::MissingTensor {
                     dir: dir.to_path_buf(),
@@ -693,9 +746,9 @@ impl Transformer {
             Ok(())
         })?;
         if used != saved.len() {
-            let ours: std::collections::HashSet<String> = self.params[l.first_adapter..]
+            let ours: std::collections::HashSet<String> = ours
                 .iter()
-                .map(|(n, _)| format!("{PEFT_PREFIX}{n}"))
+                .map(|&i| format!("{PEFT_PREFIX}{}", self.params[i].0))
                 .collect();
             let extra: Vec<String> = saved
                 .keys()

@@ -41,6 +41,7 @@ fn lora(rank: i64, targets: LoraModules) -> LoraConfig {
         target_modules: targets,
         exclude_modules: None,
         use_rslora: false,
+        modules_to_save: Vec::new(),
     }
 }
 

@@ -956,3 +956,96 @@ fn lora_actor_trains_its_adapters_and_its_base_is_the_reference() {
     .to_string();
     assert!(e.contains("base_model"), "{e}");
 }
+
+/// A LoRA critic (`critic.model.lora_rank`): its value loss falls, only the adapters and the value
+/// head (trained in full, PEFT's modules_to_save) move, and a checkpoint restores it; its adapter
+/// folder is PEFT's token-classification layout with the head beside the adapters.
+#[test]
+fn critic_lora_trains_its_adapters_and_value_head_only() {
+    let dir = tiny_model();
+    let patch = json!({"critic": {
+        "ppo_micro_batch_size_per_gpu": 4,
+        "model": {"lora_rank": 4, "lora_alpha": 8},
+    }});
+    let mut c = critic(dir.path(), patch.clone());
+    let seqs = sequences(8, 9);
+    let mask = i64s(&seqs, col::RESPONSE_MASK);
+    let returns: Vec<f32> = mask.iter().map(|&m| m as f32 * 0.5).collect();
+    let mut losses = Vec::new();
+    for step in 0..6 {
+        let values = f32s(
+            &c.compute_values(&seqs, &ValueOptions::default()).unwrap(),
+            col::VALUES,
+        );
+        let mut batch = seqs.clone();
+        batch.insert_tensor(col::VALUES, &[8, RL], &values);
+        batch.insert_tensor(col::RETURNS, &[8, RL], &returns);
+        let m = c
+            .update(
+                &batch,
+                &UpdateOptions {
+                    global_step: step,
+                    ..UpdateOptions::default()
+                },
+            )
+            .unwrap();
+        losses.push(metric(&m, "critic/vf_loss"));
+    }
+    assert!(
+        losses[5] < losses[0] * 0.5,
+        "vf_loss did not fall: {losses:?}"
+    );
+    let ckpt = tempfile::tempdir().unwrap();
+    c.save(ckpt.path()).unwrap();
+    let original: HashMap<String, Tensor> =
+        Tensor::read_safetensors(dir.path().join("model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    let saved: HashMap<String, Tensor> =
+        Tensor::read_safetensors(ckpt.path().join("model/model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    for (name, t) in &saved {
+        if name.starts_with("score.") {
+            continue;
+        }
+        assert!(original[name].equal(t), "{name} moved");
+    }
+    let adapter = ckpt.path().join("lora_adapter");
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["task_type"], "TOKEN_CLS");
+    assert_eq!(cfg["modules_to_save"], json!(["score"]));
+    let keys: Vec<String> = Tensor::read_safetensors(adapter.join("adapter_model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(
+        keys.len(),
+        2 * 2 * 7 + 2,
+        "28 adapter matrices, the head's weight and bias: {keys:?}"
+    );
+    assert!(
+        keys.contains(&"base_model.model.score.weight".to_string()),
+        "{keys:?}"
+    );
+    let mut back = critic(dir.path(), patch);
+    back.load(ckpt.path()).unwrap();
+    assert_eq!(
+        f32s(
+            &c.compute_values(&seqs, &ValueOptions::default()).unwrap(),
+            col::VALUES
+        ),
+        f32s(
+            &back
+                .compute_values(&seqs, &ValueOptions::default())
+                .unwrap(),
+            col::VALUES
+        )
+    );
+}

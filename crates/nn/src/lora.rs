@@ -260,7 +260,11 @@ impl Adapter {
         if !self.on() {
             return Ok(base);
         }
-        let xa = x.f_linear(&self.scaled_a(!x.requires_grad())?, None::<&Tensor>)?;
+        // The kept s·A has no autograd history: only where nothing is recorded.
+        let xa = x.f_linear(
+            &self.scaled_a(!verl_torch_ext::grad_enabled())?,
+            None::<&Tensor>,
+        )?;
         accumulate(base, &xa, &self.b)
     }
 }
@@ -320,7 +324,8 @@ pub(crate) fn add_fused(
     parts: &[&Linear],
     kept: &Mutex<Option<(Tensor, Tensor)>>,
 ) -> Result<Tensor> {
-    let decoding = !x.requires_grad();
+    // The kept pair has no autograd history: only where nothing is recorded.
+    let decoding = !verl_torch_ext::grad_enabled();
     let kept = if decoding {
         kept.lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -290,9 +290,28 @@ fn peft_script(py: &Path, args: &[&str]) -> String {
     text
 }
 
-fn write_inputs(path: &Path) {
+/// PEFT's logits of [`ids`] with the adapter folder on the base folder (`logits`) and with
+/// `disable_adapter` (`base_logits`); files go to `work`.
+fn peft_logits(
+    py: &Path,
+    work: &Path,
+    base_dir: &Path,
+    adapter_dir: &Path,
+) -> std::collections::HashMap<String, Tensor> {
+    let (inputs, out) = (work.join("in.safetensors"), work.join("out.safetensors"));
     let (ids, mask) = ids();
-    Tensor::write_safetensors(&[("input_ids", &ids), ("attention_mask", &mask)], path).unwrap();
+    Tensor::write_safetensors(&[("input_ids", &ids), ("attention_mask", &mask)], &inputs).unwrap();
+    let arg = |p: &Path| p.to_str().unwrap().to_string();
+    let args = [
+        "logits".to_string(),
+        arg(base_dir),
+        arg(adapter_dir),
+        arg(&inputs),
+        arg(&out),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    peft_script(py, &args);
+    common::read_safetensors(&out)
 }
 
 #[test]
@@ -307,22 +326,7 @@ fn peft_loads_our_adapter_and_agrees_on_the_logits() {
     randomise_b(&m, 5);
     m.save_adapter(&adapter_dir, base_dir.to_str().unwrap())
         .unwrap();
-    let (inputs, out) = (
-        dir.path().join("in.safetensors"),
-        dir.path().join("out.safetensors"),
-    );
-    write_inputs(&inputs);
-    peft_script(
-        &py,
-        &[
-            "logits",
-            base_dir.to_str().unwrap(),
-            adapter_dir.to_str().unwrap(),
-            inputs.to_str().unwrap(),
-            out.to_str().unwrap(),
-        ],
-    );
-    let theirs = common::read_safetensors(&out);
+    let theirs = peft_logits(&py, dir.path(), &base_dir, &adapter_dir);
     let (_, mask) = ids();
     let d = common::masked_max_abs(&logits(&m), &theirs["logits"], &mask);
     assert!(d < 1e-5, "PEFT's logits differ from ours by {d}");
@@ -360,22 +364,7 @@ fn we_load_an_adapter_peft_made() {
     let mut ours = Transformer::from_pretrained(&base_dir, &Default::default()).unwrap();
     ours.add_lora(&cfg, 0).unwrap();
     ours.load_adapter(&adapter_dir).unwrap();
-    let (inputs, out) = (
-        dir.path().join("in.safetensors"),
-        dir.path().join("out.safetensors"),
-    );
-    write_inputs(&inputs);
-    peft_script(
-        &py,
-        &[
-            "logits",
-            base_dir.to_str().unwrap(),
-            adapter_dir.to_str().unwrap(),
-            inputs.to_str().unwrap(),
-            out.to_str().unwrap(),
-        ],
-    );
-    let theirs = common::read_safetensors(&out);
+    let theirs = peft_logits(&py, dir.path(), &base_dir, &adapter_dir);
     let (_, mask) = ids();
     let d = common::masked_max_abs(&logits(&ours), &theirs["logits"], &mask);
     assert!(d < 1e-5, "an adapter PEFT made: logits differ by {d}");

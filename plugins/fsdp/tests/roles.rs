@@ -545,19 +545,14 @@ fn bf16_compute_with_fp32_master_weights_trains_and_resumes() {
     assert_eq!(m2, m2b);
 }
 
-#[test]
-fn critic_update_reduces_value_loss() {
-    let dir = tiny_model();
-    let mut c = critic(
-        dir.path(),
-        json!({"critic": {"ppo_micro_batch_size_per_gpu": 3}}),
-    );
-    let seqs = sequences(8, 9);
-    let mask = i64s(&seqs, col::RESPONSE_MASK);
+/// `steps` critic updates toward returns of 0.5 on every response token of `seqs` (8 rows),
+/// checking the update's metrics; the value loss of each.
+fn train_critic(c: &mut CriticClient, seqs: &Batch, steps: u64) -> Vec<f64> {
+    let mask = i64s(seqs, col::RESPONSE_MASK);
     let returns: Vec<f32> = mask.iter().map(|&m| m as f32 * 0.5).collect();
     let mut losses = Vec::new();
-    for step in 0..6 {
-        let v = c.compute_values(&seqs, &ValueOptions::default()).unwrap();
+    for step in 0..steps {
+        let v = c.compute_values(seqs, &ValueOptions::default()).unwrap();
         let values = f32s(&v, col::VALUES);
         assert!(values.iter().zip(&mask).all(|(x, &m)| m != 0 || *x == 0.0));
         let mut batch = seqs.clone();
@@ -582,6 +577,18 @@ fn critic_update_reduces_value_loss() {
         }
         losses.push(metric(&m, "critic/vf_loss"));
     }
+    losses
+}
+
+#[test]
+fn critic_update_reduces_value_loss() {
+    let dir = tiny_model();
+    let mut c = critic(
+        dir.path(),
+        json!({"critic": {"ppo_micro_batch_size_per_gpu": 3}}),
+    );
+    let seqs = sequences(8, 9);
+    let losses = train_critic(&mut c, &seqs, 6);
     assert!(
         losses[5] < losses[0] * 0.5,
         "vf_loss did not fall: {losses:?}"
@@ -969,28 +976,7 @@ fn critic_lora_trains_its_adapters_and_value_head_only() {
     }});
     let mut c = critic(dir.path(), patch.clone());
     let seqs = sequences(8, 9);
-    let mask = i64s(&seqs, col::RESPONSE_MASK);
-    let returns: Vec<f32> = mask.iter().map(|&m| m as f32 * 0.5).collect();
-    let mut losses = Vec::new();
-    for step in 0..6 {
-        let values = f32s(
-            &c.compute_values(&seqs, &ValueOptions::default()).unwrap(),
-            col::VALUES,
-        );
-        let mut batch = seqs.clone();
-        batch.insert_tensor(col::VALUES, &[8, RL], &values);
-        batch.insert_tensor(col::RETURNS, &[8, RL], &returns);
-        let m = c
-            .update(
-                &batch,
-                &UpdateOptions {
-                    global_step: step,
-                    ..UpdateOptions::default()
-                },
-            )
-            .unwrap();
-        losses.push(metric(&m, "critic/vf_loss"));
-    }
+    let losses = train_critic(&mut c, &seqs, 6);
     assert!(
         losses[5] < losses[0] * 0.5,
         "vf_loss did not fall: {losses:?}"

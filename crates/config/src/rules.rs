@@ -109,6 +109,14 @@ const LORA_TESTS: &[&str] = &[
     "tests/tests/quickstart.rs::grpo_with_lora_learns_keeps_the_base_and_refers_to_it",
     "plugins/fsdp/tests/roles.rs::lora_actor_trains_its_adapters_and_its_base_is_the_reference",
 ];
+const LORA_MODULES_TESTS: &[&str] = &[
+    "crates/backend-kit/src/config.rs::tests::lora_keys_make_the_adapter_plan",
+    "crates/nn/tests/lora.rs::target_and_exclude_modules_select_projections_as_peft_does",
+];
+const LORA_ADAPTER_TESTS: &[&str] = &[
+    "crates/backend-kit/src/config.rs::tests::lora_keys_make_the_adapter_plan",
+    "plugins/fsdp/tests/roles.rs::lora_actor_trains_its_adapters_and_its_base_is_the_reference",
+];
 const CRITIC_LORA_TESTS: &[&str] =
     &["plugins/fsdp/tests/roles.rs::critic_lora_trains_its_adapters_and_value_head_only"];
 const MULTI_TURN: &str = "multi-turn rollouts with tools or interactions";
@@ -221,9 +229,9 @@ pub static RULES: &[Rule] = &[
     Rule::acts(model!("use_remove_padding"), "drops padding from the log-prob, value and update passes (FSDP; Megatron always packs)", &[SECTIONS, "plugins/fsdp/tests/speed_parity.rs::remove_padding_trains_like_the_padded_path"]).checked(fsdp_acts_megatron_warns),
     Rule::acts("actor_rollout_ref.model.lora_rank", "LoRA adapters of this rank on the policy (FSDP): the base frozen, the reference is the base with adapters off", LORA_TESTS).checked(lora_on_fsdp),
     Rule::acts("actor_rollout_ref.model.lora_alpha", "the LoRA scale alpha / rank", LORA_TESTS).checked(lora_setting),
-    Rule::acts("actor_rollout_ref.model.target_modules", "the projections that get adapters (PEFT's all-linear, names or a regex)", LORA_TESTS).checked(lora_setting),
-    Rule::acts("actor_rollout_ref.model.exclude_modules", "projections left without adapters (PEFT's matching)", LORA_TESTS).checked(lora_setting),
-    Rule::acts("actor_rollout_ref.model.lora_adapter_path", "a PEFT adapter folder the policy's adapters start from (its adapter_config.json decides rank, alpha and modules)", LORA_TESTS).checked(lora_on_fsdp),
+    Rule::acts("actor_rollout_ref.model.target_modules", "the projections that get adapters (PEFT's all-linear, names or a regex)", LORA_MODULES_TESTS).checked(lora_setting),
+    Rule::acts("actor_rollout_ref.model.exclude_modules", "projections left without adapters (PEFT's matching)", LORA_MODULES_TESTS).checked(lora_setting),
+    Rule::acts("actor_rollout_ref.model.lora_adapter_path", "a PEFT adapter folder the policy's adapters start from (its adapter_config.json decides rank, alpha and modules)", LORA_ADAPTER_TESTS).checked(lora_on_fsdp),
     Rule::acts("critic.model.lora_rank", "LoRA adapters of this rank on the critic (FSDP): its base frozen, the value head trained in full", CRITIC_LORA_TESTS).checked(critic_lora_on_fsdp),
     Rule::acts("critic.model.lora_adapter_path", "a PEFT adapter folder the critic's adapters start from", CRITIC_LORA_TESTS).checked(critic_lora_on_fsdp),
     Rule::acts("critic.model.lora_alpha|critic.model.target_modules|critic.model.exclude_modules", "the critic's LoRA scale and projections, as the policy's", CRITIC_LORA_TESTS).checked(critic_lora_setting),

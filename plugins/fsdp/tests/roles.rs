@@ -1034,4 +1034,22 @@ fn critic_lora_trains_its_adapters_and_value_head_only() {
             col::VALUES
         )
     );
+    // critic.model.lora_adapter_path: a new critic from that folder (adapters and head) values
+    // the rows as the trained one.
+    let mut from_adapter = critic(
+        dir.path(),
+        json!({"critic": {"model": {"lora_adapter_path": adapter.to_str().unwrap()}}}),
+    );
+    assert_eq!(
+        f32s(
+            &c.compute_values(&seqs, &ValueOptions::default()).unwrap(),
+            col::VALUES
+        ),
+        f32s(
+            &from_adapter
+                .compute_values(&seqs, &ValueOptions::default())
+                .unwrap(),
+            col::VALUES
+        )
+    );
 }

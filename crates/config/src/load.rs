@@ -164,11 +164,20 @@ impl Config {
     /// role of its own.
     pub fn policy_lora(&self) -> bool {
         let m = &self.actor_rollout_ref.model;
-        m.lora_rank > 0
-            || m.lora_adapter_path
-                .as_deref()
-                .is_some_and(|p| !p.is_empty())
+        lora_on(m.lora_rank, m.lora_adapter_path.as_deref())
     }
+
+    /// Whether the critic's model trains LoRA adapters (`critic.model.lora_rank > 0` or an
+    /// adapter folder).
+    pub fn critic_lora(&self) -> bool {
+        let m = &self.critic.model;
+        lora_on(m.lora_rank, m.lora_adapter_path.as_deref())
+    }
+}
+
+/// A model section trains LoRA adapters: a rank, or an adapter folder to start from.
+fn lora_on(rank: u64, adapter_path: Option<&str>) -> bool {
+    rank > 0 || adapter_path.is_some_and(|p| !p.is_empty())
 }
 
 fn to_yaml_text(v: &Value, what: &str) -> Result<String> {

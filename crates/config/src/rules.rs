@@ -622,55 +622,47 @@ fn fsdp_acts_megatron_warns(_: &Value, cfg: &Config) -> Verdict {
     }
 }
 
-/// LoRA is the FSDP backend's (the Megatron backend has no adapters).
 fn lora_on_fsdp(_: &Value, cfg: &Config) -> Verdict {
-    if cfg.actor_rollout_ref.actor.strategy == "megatron" {
-        Verdict::Refused(
-            "LoRA adapters on the Megatron backend, which has none; use actor_rollout_ref.actor.strategy=fsdp for LoRA".into(),
-        )
-    } else {
-        Verdict::Acts
-    }
+    lora_verdict(cfg, false, false)
 }
 
-/// The critic's LoRA is the FSDP backend's.
+fn lora_setting(_: &Value, cfg: &Config) -> Verdict {
+    lora_verdict(cfg, false, true)
+}
+
 fn critic_lora_on_fsdp(_: &Value, cfg: &Config) -> Verdict {
-    if !cfg.need_critic() {
+    lora_verdict(cfg, true, false)
+}
+
+fn critic_lora_setting(_: &Value, cfg: &Config) -> Verdict {
+    lora_verdict(cfg, true, true)
+}
+
+/// LoRA keys of the policy's (or, `critic`, the critic's) model section: they act on the FSDP
+/// backend (the Megatron backend has no adapters); a critic's mean nothing without a critic, and
+/// a `setting` (alpha, modules) nothing while that role's LoRA is off.
+fn lora_verdict(cfg: &Config, critic: bool, setting: bool) -> Verdict {
+    let (on, section) = if critic {
+        (cfg.critic_lora(), "critic.model")
+    } else {
+        (cfg.policy_lora(), "actor_rollout_ref.model")
+    };
+    if critic && !cfg.need_critic() {
         Verdict::Ignored(format!(
             "the job has no critic (algorithm.adv_estimator={}, critic.enable unset or false)",
             cfg.algorithm.adv_estimator
         ))
-    } else if cfg.critic.strategy == "megatron"
-        || cfg.actor_rollout_ref.actor.strategy == "megatron"
-    {
-        Verdict::Refused(
-            "LoRA adapters on the Megatron backend's critic, which has none; use critic.strategy=fsdp for LoRA".into(),
-        )
+    } else if setting && !on {
+        Verdict::Ignored(format!(
+            "LoRA is off ({section}.lora_rank=0 and no lora_adapter_path)"
+        ))
+    } else if cfg.actor_rollout_ref.actor.strategy == "megatron" {
+        Verdict::Refused(format!(
+            "LoRA adapters ({section}.lora_*) on the Megatron backend, which has none; use actor_rollout_ref.actor.strategy=fsdp for LoRA"
+        ))
     } else {
         Verdict::Acts
     }
-}
-
-/// A critic LoRA setting acts once the critic's LoRA is on.
-fn critic_lora_setting(v: &Value, cfg: &Config) -> Verdict {
-    let m = &cfg.critic.model;
-    if m.lora_rank == 0 && m.lora_adapter_path.is_none() {
-        return Verdict::Ignored(
-            "the critic's LoRA is off (critic.model.lora_rank=0 and no lora_adapter_path)".into(),
-        );
-    }
-    critic_lora_on_fsdp(v, cfg)
-}
-
-/// A LoRA setting acts once LoRA is on (`lora_rank > 0` or an adapter folder).
-fn lora_setting(v: &Value, cfg: &Config) -> Verdict {
-    let m = &cfg.actor_rollout_ref.model;
-    if m.lora_rank == 0 && m.lora_adapter_path.is_none() {
-        return Verdict::Ignored(
-            "LoRA is off (actor_rollout_ref.model.lora_rank=0 and no lora_adapter_path)".into(),
-        );
-    }
-    lora_on_fsdp(v, cfg)
 }
 
 fn equals_rollout_n(v: &Value, cfg: &Config) -> Verdict {

@@ -6,7 +6,7 @@ use std::marker::PhantomData;
 use verl_plugin_api::client::{ActorClient, CriticClient, RewardClient, RewardModelClient};
 use verl_plugin_api::sdk::{BackendPlugin, RewardPlugin};
 use verl_plugin_api::services::services_box;
-use verl_plugin_api::{testing, InitArgs, Role};
+use verl_plugin_api::{testing, InitArgs, PluginHeader, PluginKind, Role};
 
 use crate::loader::LoadedPlugin;
 use crate::models::SharedModels;
@@ -92,10 +92,7 @@ impl<P: BackendPlugin> BackendFactory for InProcessBackend<P> {
         &self.name
     }
     fn supports(&self, role: Role, feature: &str) -> bool {
-        P::info()
-            .capabilities
-            .iter()
-            .any(|c| c.role == role && c.implemented && c.features.iter().any(|f| f == feature))
+        PluginHeader::from_info(P::info(), PluginKind::Backend).supports(role, feature)
     }
     fn create_actor(&self, init: &InitArgs) -> anyhow::Result<ActorClient> {
         Ok(testing::actor::<P>(init)?)

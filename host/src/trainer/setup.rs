@@ -188,19 +188,15 @@ pub(super) fn create_roles(
 /// Whether the policy trains LoRA adapters; an error when it asks for them and the backend's
 /// actor does not declare the `lora` feature (a backend without LoRA would train every weight).
 pub(crate) fn lora_backend(cfg: &Config, backend: &dyn BackendFactory) -> anyhow::Result<bool> {
-    let c = &cfg.critic.model;
     if cfg.need_critic()
-        && (c.lora_rank > 0
-            || c.lora_adapter_path
-                .as_deref()
-                .is_some_and(|p| !p.is_empty()))
+        && cfg.critic_lora()
         && !backend.supports(Role::Critic, verl_plugin_api::FEATURE_LORA)
     {
         bail!(
             "critic.model.lora_rank={} asks for LoRA adapters on the critic, and backend `{}` \
              does not train them (its critic declares no `lora` feature): use the fsdp backend, \
              or drop critic.model.lora_* to train every weight",
-            c.lora_rank,
+            cfg.critic.model.lora_rank,
             backend.name()
         );
     }

@@ -27,6 +27,9 @@ pub(crate) struct Job {
     pub seeds: Vec<u64>,
     /// Decoded rows per prompt: `n`, or 1 when greedy (the n copies are identical).
     pub per_prompt: usize,
+    /// A multi-turn call: every sample is its own conversation (no greedy copies), and the
+    /// outputs say which tokens were sampled.
+    pub turns: bool,
 }
 
 impl Job {
@@ -98,7 +101,17 @@ impl Job {
             real,
             seeds,
             per_prompt,
+            turns: false,
         })
+    }
+
+    /// This call runs conversations ([`crate::generate_turns`]): each of the `n` samples of a
+    /// prompt decodes on its own even when greedy (what a caller appends between turns may
+    /// differ per sample).
+    pub fn into_turns(mut self) -> Job {
+        self.turns = true;
+        self.per_prompt = self.params.n;
+        self
     }
 
     /// Decoded rows: `B * per_prompt`.
@@ -127,6 +140,7 @@ impl Job {
             self.rows(),
             self.params.max_new_tokens,
             self.params.pad_token_id,
+            self.turns,
         )
     }
 
@@ -204,16 +218,19 @@ pub(crate) struct Outputs {
     pub log_probs: Vec<f32>,
     pub lengths: Vec<usize>,
     pub finish: Vec<FinishReason>,
+    /// Multi-turn calls: whether each position was sampled (`false`: appended by the caller).
+    pub sampled: Option<Vec<bool>>,
 }
 
 impl Outputs {
-    fn new(rows: usize, m: usize, pad: i64) -> Outputs {
+    fn new(rows: usize, m: usize, pad: i64, turns: bool) -> Outputs {
         Outputs {
             m,
             tokens: vec![pad; rows * m],
             log_probs: vec![0.0; rows * m],
             lengths: vec![0; rows],
             finish: vec![FinishReason::Length; rows],
+            sampled: turns.then(|| vec![false; rows * m]),
         }
     }
 
@@ -233,11 +250,15 @@ impl Outputs {
         let mut mask = Vec::with_capacity(total * m);
         let mut lps = Vec::with_capacity(if with_log_probs { total * m } else { 0 });
         let mut finish = Vec::with_capacity(total);
+        let mut sampled = Vec::with_capacity(if self.sampled.is_some() { total * m } else { 0 });
         for r in 0..total {
             let s = src(r);
             tokens.extend_from_slice(&self.tokens[s * m..(s + 1) * m]);
             let len = self.lengths[s];
             mask.extend((0..m).map(|t| i64::from(t < len)));
+            if let Some(own) = &self.sampled {
+                sampled.extend(own[s * m..(s + 1) * m].iter().map(|&b| i64::from(b)));
+            }
             if with_log_probs {
                 lps.extend_from_slice(&self.log_probs[s * m..(s + 1) * m]);
             }
@@ -255,6 +276,11 @@ impl Outputs {
             },
             finish_reasons: finish,
             prompt_index: (0..total).map(|r| (r / n) as i64).collect(),
+            sampled_mask: if self.sampled.is_some() {
+                Some(to(Tensor::f_from_slice(&sampled)?)?)
+            } else {
+                None
+            },
         })
     }
 }

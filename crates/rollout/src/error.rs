@@ -17,6 +17,10 @@ pub enum RolloutError {
 
     #[error("rollout CUDA extension (graphs, kernels): {0}")]
     Graph(#[from] verl_torch_ext::TorchExtError),
+
+    /// A multi-turn caller's [`crate::TurnDriver`] failed; its own error, as it said it.
+    #[error("{0}")]
+    Driver(String),
 }
 
 impl RolloutError {

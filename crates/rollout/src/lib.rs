@@ -29,8 +29,10 @@ mod paged_attn;
 mod params;
 mod rng;
 mod sampler;
+mod turns;
 pub mod v1;
 
 pub use error::{Result, RolloutError};
 pub use generate::{generate, generate_seeded, generate_with_config, generate_with_stats};
 pub use params::{EngineConfig, FinishReason, Generation, GenerationStats, SamplingParams};
+pub use turns::{generate_turns, Resume, TurnDriver, TurnEnd};

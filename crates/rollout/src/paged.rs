@@ -39,6 +39,7 @@ use crate::graphs::DecodeGraphs;
 use crate::paged_attn::{self, HostBatch, KvPool};
 use crate::params::{EngineConfig, FinishReason, Generation, GenerationStats};
 use crate::rng;
+use crate::turns::{Resume, TurnDriver, TurnEnd};
 
 /// Shortest `max_new_tokens` for which the first decode step's graph is captured ahead (during
 /// the prefill): a capture costs the host about as much as a few eager steps.
@@ -48,6 +49,25 @@ pub(crate) fn run(
     model: &Transformer,
     job: &Job,
     config: &EngineConfig,
+) -> Result<(Generation, GenerationStats)> {
+    run_with(model, job, config, None)
+}
+
+/// [`run`] of a multi-turn job: sequences that stop wait for `driver`'s answers.
+pub(crate) fn run_turns(
+    model: &Transformer,
+    job: &Job,
+    config: &EngineConfig,
+    driver: &mut dyn TurnDriver,
+) -> Result<(Generation, GenerationStats)> {
+    run_with(model, job, config, Some(driver))
+}
+
+fn run_with(
+    model: &Transformer,
+    job: &Job,
+    config: &EngineConfig,
+    driver: Option<&mut dyn TurnDriver>,
 ) -> Result<(Generation, GenerationStats)> {
     check_config(config)?;
     let mut stats = job.new_stats();
@@ -61,7 +81,7 @@ pub(crate) fn run(
                 None
             };
             let mut engine = Engine::new(model, job, config)?;
-            engine.run(&mut out, &mut stats)
+            engine.run(&mut out, &mut stats, driver)
             // The engine (and with it the KV pool) is dropped here: nothing stays on the device.
         })?;
     }
@@ -130,6 +150,11 @@ struct Seq {
     holds_prompt: bool,
     /// Stopped (EOS or length); a token a step already queued for it is dropped.
     finished: bool,
+    /// Multi-turn: stopped at the end of a turn, waiting for the caller (holding its KV unless
+    /// evicted).
+    paused: bool,
+    /// Multi-turn: where the current turn's tokens start in `out`.
+    turn_start: usize,
 }
 
 /// A decode step whose sampled tokens are still on their way to the host (async scheduling): the
@@ -164,6 +189,9 @@ enum Admit {
     Extend { past: usize },
     /// Shares every block of `leader` (a fresh sample prefilled this round) and its logits.
     Fork { leader: usize },
+    /// A multi-turn sequence that kept its blocks: computes the positions after `past` (what
+    /// the caller appended) into its own table.
+    Resume { past: usize },
 }
 
 struct Engine<'a> {
@@ -191,6 +219,10 @@ struct Engine<'a> {
     /// Async scheduling: a graphed decode step is queued before the host has recorded the step
     /// before it ([`EngineConfig::async_decode`]).
     overlap: bool,
+    /// Multi-turn: turns ended since the driver was last called, and how many sequences wait
+    /// for it.
+    ended: Vec<TurnEnd>,
+    paused: usize,
 }
 
 impl<'a> Engine<'a> {
@@ -248,6 +280,8 @@ impl<'a> Engine<'a> {
                 cached: 0,
                 holds_prompt: false,
                 finished: false,
+                paused: false,
+                turn_start: 0,
             })
             .collect();
         Ok(Engine {
@@ -272,6 +306,8 @@ impl<'a> Engine<'a> {
                 .then(|| config.max_num_seqs.unwrap_or(usize::MAX).min(job.rows())),
             inflight: None,
             overlap: config.async_decode,
+            ended: Vec::new(),
+            paused: 0,
             // A tensor-parallel shard decodes eagerly: its collectives run outside the graph's
             // stream capture.
             graphs: if model.tp_size() > 1 {
@@ -287,7 +323,12 @@ impl<'a> Engine<'a> {
         })
     }
 
-    fn run(&mut self, out: &mut Outputs, stats: &mut GenerationStats) -> Result<()> {
+    fn run(
+        &mut self,
+        out: &mut Outputs,
+        stats: &mut GenerationStats,
+        mut driver: Option<&mut dyn TurnDriver>,
+    ) -> Result<()> {
         stats.kv_blocks = self.pool.usable();
         loop {
             if !self.waiting.is_empty() {
@@ -296,7 +337,35 @@ impl<'a> Engine<'a> {
             }
             while !self.waiting.is_empty() && self.admit(out, stats)? {}
             if self.running.is_empty() {
+                self.flush(out)?;
+                if let Some(d) = driver.as_deref_mut() {
+                    if self.waiting.is_empty() {
+                        if self.paused == 0 && self.ended.is_empty() {
+                            break;
+                        }
+                        // Nothing runs: the driver answers at least one waiting sequence.
+                        let idle = self.paused > 0;
+                        let t0 = Instant::now();
+                        let answers = d.turns(std::mem::take(&mut self.ended), idle)?;
+                        if idle {
+                            stats.idle_secs += t0.elapsed().as_secs_f64();
+                            if answers.is_empty() {
+                                return Err(RolloutError::input(
+                                    "multi-turn driver",
+                                    "an answer for at least one waiting sequence when the engine \
+                                     has nothing else to run",
+                                    format!("none for {} waiting sequences", self.paused),
+                                ));
+                            }
+                        }
+                        self.answer(answers, out, stats)?;
+                        continue;
+                    }
+                }
                 if let Some(&s) = self.waiting.front() {
+                    if self.evict_waiting(stats) {
+                        continue;
+                    }
                     return Err(RolloutError::input(
                         "paged scheduler",
                         "room to admit a sequence into an empty batch",
@@ -311,6 +380,13 @@ impl<'a> Engine<'a> {
             }
             stats.max_running = stats.max_running.max(self.running.len());
             self.decode_step(out, stats)?;
+            if let Some(d) = driver.as_deref_mut() {
+                // Answers that are ready join the batch at the next admission.
+                if !self.ended.is_empty() || self.paused > 0 {
+                    let answers = d.turns(std::mem::take(&mut self.ended), false)?;
+                    self.answer(answers, out, stats)?;
+                }
+            }
         }
         self.flush(out)?;
         // Every table was released exactly once per reference: a leak or a double release
@@ -408,6 +484,20 @@ impl<'a> Engine<'a> {
                 full.saturating_sub(1)
             };
             let (admit, need, t) = match leaders.get(&seq.group) {
+                // A multi-turn sequence resuming with its KV: only what was appended.
+                _ if !seq.table.is_empty() => {
+                    let past = seq.cached;
+                    let cow = seq
+                        .table
+                        .get(past / bs)
+                        .is_some_and(|&b| self.pool.refcount(b) > 1);
+                    (
+                        Admit::Resume { past },
+                        (p + gen + 1).div_ceil(bs).saturating_sub(seq.table.len())
+                            + usize::from(cow),
+                        p + gen - past,
+                    )
+                }
                 Some(&(leader, true)) if gen == 0 => (Admit::Fork { leader }, 1, 0),
                 _ if shared && reuse > 0 => (
                     Admit::Extend { past: reuse * bs },
@@ -446,7 +536,29 @@ impl<'a> Engine<'a> {
         // Block tables for the sequences that compute, then one forward for all of them.
         let mut extend: Vec<(usize, usize)> = Vec::new();
         let mut extend_row: HashMap<usize, usize> = HashMap::new();
+        let (mut cow_src, mut cow_dst) = (Vec::new(), Vec::new());
         for &(s, admit) in &plan {
+            if let Admit::Resume { past } = admit {
+                let len = self.seq_len(s);
+                let bi = past / bs;
+                if let Some(b) = self.seqs[s].table.get(bi).copied() {
+                    if self.pool.refcount(b) > 1 {
+                        let fresh = self.pool.alloc()?;
+                        self.pool.release(b);
+                        self.seqs[s].table[bi] = fresh;
+                        cow_src.push(b);
+                        cow_dst.push(fresh);
+                    }
+                }
+                while self.seqs[s].table.len() * bs < len {
+                    let b = self.pool.alloc()?;
+                    self.seqs[s].table.push(b);
+                }
+                stats.appended_tokens += len - past;
+                extend_row.insert(s, extend.len());
+                extend.push((s, past));
+                continue;
+            }
             let Admit::Extend { past } = admit else {
                 continue;
             };
@@ -487,6 +599,7 @@ impl<'a> Engine<'a> {
             extend_row.insert(s, extend.len());
             extend.push((s, past));
         }
+        self.kv.copy_blocks(&cow_src, &cow_dst)?;
         let nb = extend
             .iter()
             .map(|&(s, _)| self.seqs[s].table.len())
@@ -511,7 +624,7 @@ impl<'a> Engine<'a> {
         let mut pick = Vec::with_capacity(plan.len());
         for &(s, admit) in &plan {
             match admit {
-                Admit::Extend { .. } => pick.push(extend_row[&s] as i64),
+                Admit::Extend { .. } | Admit::Resume { .. } => pick.push(extend_row[&s] as i64),
                 Admit::Fork { leader } => {
                     let table = self.seqs[leader].table.clone();
                     for &b in &table {
@@ -626,7 +739,9 @@ impl<'a> Engine<'a> {
     ) {
         let params = &self.job.params;
         let m = params.max_new_tokens;
+        let turns = self.job.turns;
         let mut done = Vec::new();
+        let mut paused = Vec::new();
         for (k, &s) in seqs.iter().enumerate() {
             let seq = &mut self.seqs[s];
             if seq.finished {
@@ -639,22 +754,45 @@ impl<'a> Engine<'a> {
             if let Some(lps) = &lps {
                 out.log_probs[seq.row * m + t] = lps[k];
             }
+            if let Some(sampled) = out.sampled.as_mut() {
+                sampled[seq.row * m + t] = true;
+            }
             out.lengths[seq.row] = t + 1;
-            if !params.ignore_eos && params.eos_token_ids.contains(&tok) {
-                out.finish[seq.row] = FinishReason::Stop;
-                seq.finished = true;
-                done.push(s);
-            } else if t + 1 == m {
-                out.finish[seq.row] = FinishReason::Length;
-                seq.finished = true;
+            let stop = !params.ignore_eos && params.eos_token_ids.contains(&tok);
+            if !stop && t + 1 < m {
+                continue;
+            }
+            out.finish[seq.row] = if stop {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            };
+            seq.finished = true;
+            // A turn that stops with room left waits for the caller.
+            let waits = turns && t + 1 < m;
+            if turns {
+                self.ended.push(TurnEnd {
+                    row: seq.row,
+                    tokens: seq.out[seq.turn_start..].to_vec(),
+                    finish: out.finish[seq.row],
+                    waits,
+                    response_len: t + 1,
+                });
+            }
+            if waits {
+                seq.paused = true;
+                paused.push(s);
+            } else {
                 done.push(s);
             }
         }
-        if !done.is_empty() {
+        self.paused += paused.len();
+        if !done.is_empty() || !paused.is_empty() {
             for &s in &done {
                 self.release(s);
             }
-            self.running.retain(|s| !done.contains(s));
+            self.running
+                .retain(|s| !done.contains(s) && !paused.contains(s));
         }
     }
 
@@ -818,6 +956,87 @@ impl<'a> Engine<'a> {
         Ok(Some(next))
     }
 
+    /// Applies the multi-turn driver's answers: appended tokens put a waiting sequence back in
+    /// the queue (with its KV, when kept), a finish releases it.
+    fn answer(
+        &mut self,
+        answers: Vec<Resume>,
+        out: &mut Outputs,
+        stats: &mut GenerationStats,
+    ) -> Result<()> {
+        let m = self.job.params.max_new_tokens;
+        if !answers.is_empty() {
+            // A step in flight may hold a token of a sequence that stopped; it is dropped only
+            // while the sequence still counts as stopped.
+            self.flush(out)?;
+        }
+        for a in answers {
+            let row = match &a {
+                Resume::Continue { row, .. } | Resume::Finish { row } => *row,
+            };
+            // Sequences are indexed by their output row.
+            let waiting = self.seqs.get(row).is_some_and(|q| q.paused);
+            if !waiting {
+                return Err(RolloutError::input(
+                    "multi-turn driver answer",
+                    "a row that waits for an answer",
+                    format!("row {row}, which does not wait"),
+                ));
+            }
+            match a {
+                Resume::Finish { .. } => {
+                    self.seqs[row].paused = false;
+                    self.paused -= 1;
+                    self.release(row);
+                }
+                Resume::Continue { tokens, .. } => {
+                    let len = self.seqs[row].out.len();
+                    if tokens.is_empty() || len + tokens.len() >= m {
+                        return Err(RolloutError::input(
+                            format!("multi-turn driver answer for row {row}"),
+                            format!(
+                                "1 or more appended tokens leaving room to sample (response \
+                                 {len} of {m} positions used)"
+                            ),
+                            format!("{} tokens", tokens.len()),
+                        ));
+                    }
+                    for (i, &tok) in tokens.iter().enumerate() {
+                        out.tokens[row * m + len + i] = tok;
+                    }
+                    out.lengths[row] = len + tokens.len();
+                    let seq = &mut self.seqs[row];
+                    seq.out.extend_from_slice(&tokens);
+                    seq.turn_start = seq.out.len();
+                    seq.paused = false;
+                    seq.finished = false;
+                    self.paused -= 1;
+                    stats.turns += 1;
+                    self.waiting.push_back(row);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases the KV of one sequence waiting for the caller (or waiting to resume), the one
+    /// holding the most blocks; it is recomputed when the sequence runs again. Returns whether
+    /// any was held.
+    fn evict_waiting(&mut self, stats: &mut GenerationStats) -> bool {
+        let running: std::collections::HashSet<usize> = self.running.iter().copied().collect();
+        let victim = (0..self.seqs.len())
+            .filter(|&s| !running.contains(&s) && !self.seqs[s].table.is_empty())
+            .max_by_key(|&s| self.seqs[s].table.len());
+        match victim {
+            Some(s) => {
+                self.release(s);
+                stats.evicted_waiting += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Returns a sequence's blocks to the pool.
     fn release(&mut self, s: usize) {
         let seq = &mut self.seqs[s];
@@ -847,6 +1066,10 @@ impl<'a> Engine<'a> {
         }
         let mut timer = verl_nn::profile::start(self.model.device());
         while self.decode_needs() > self.pool.num_free() {
+            // Sequences waiting for the caller give up their KV before running ones do.
+            if self.job.turns && self.evict_waiting(stats) {
+                continue;
+            }
             let victim = self.running.pop().ok_or_else(|| {
                 RolloutError::input(
                     "paged scheduler",

@@ -85,6 +85,11 @@ pub struct Generation {
     pub finish_reasons: Vec<FinishReason>,
     /// Row `r` answers prompt `prompt_index[r]`; prompt 0's n samples come first.
     pub prompt_index: Vec<i64>,
+    /// A multi-turn call ([`crate::generate_turns`]): int64 `[B*n, max_new_tokens]`, 1 on the
+    /// tokens the model sampled, 0 on the tokens the caller appended between turns (tool
+    /// responses, template tokens) and on padding. `None` for a single-turn call, where every
+    /// real response token is sampled.
+    pub sampled_mask: Option<Tensor>,
 }
 
 /// Where the time went in one call (for benchmarks and logging).
@@ -124,6 +129,14 @@ pub struct GenerationStats {
     /// Decode steps queued before the host had recorded the previous step's tokens (async
     /// scheduling: the device does not wait for the host between them).
     pub overlapped_steps: usize,
+    /// Multi-turn calls: turns that ended with a stop token and waited for the caller, the
+    /// appended (tool / template) tokens run through the model on resuming, the positions
+    /// recomputed because a waiting sequence's KV had been evicted, and the seconds the engine
+    /// sat with nothing to run while every unfinished sequence waited for the caller.
+    pub turns: usize,
+    pub appended_tokens: usize,
+    pub evicted_waiting: usize,
+    pub idle_secs: f64,
 }
 
 /// How the paged engine lays out its KV cache and schedules sequences. Outputs never depend on

@@ -155,13 +155,16 @@ struct Seq {
     paused: bool,
     /// Multi-turn: where the current turn's tokens start in `out`.
     turn_start: usize,
+    /// Multi-turn: bumped at every resume, so a token a step queued before it is dropped.
+    epoch: u32,
 }
 
 /// A decode step whose sampled tokens are still on their way to the host (async scheduling): the
 /// next step can be queued from them on the device while the host records them.
 struct Inflight {
-    /// The step's sequences, in row order.
+    /// The step's sequences, in row order, and their epochs when it was queued.
     seqs: Vec<usize>,
+    epochs: Vec<u32>,
     /// Its sampled tokens on the device (a graph's static output: read before that graph's next
     /// replay, which the stream order guarantees for a step queued after this one).
     tokens: Tensor,
@@ -282,6 +285,7 @@ impl<'a> Engine<'a> {
                 finished: false,
                 paused: false,
                 turn_start: 0,
+                epoch: 0,
             })
             .collect();
         Ok(Engine {
@@ -347,6 +351,7 @@ impl<'a> Engine<'a> {
                         let idle = self.paused > 0;
                         let t0 = Instant::now();
                         let answers = d.turns(std::mem::take(&mut self.ended), idle)?;
+                        stats.driver_secs += t0.elapsed().as_secs_f64();
                         if idle {
                             stats.idle_secs += t0.elapsed().as_secs_f64();
                             if answers.is_empty() {
@@ -383,7 +388,9 @@ impl<'a> Engine<'a> {
             if let Some(d) = driver.as_deref_mut() {
                 // Answers that are ready join the batch at the next admission.
                 if !self.ended.is_empty() || self.paused > 0 {
+                    let t0 = Instant::now();
                     let answers = d.turns(std::mem::take(&mut self.ended), false)?;
+                    stats.driver_secs += t0.elapsed().as_secs_f64();
                     self.answer(answers, out, stats)?;
                 }
             }
@@ -716,7 +723,7 @@ impl<'a> Engine<'a> {
     ) -> Result<()> {
         let mut timer = verl_nn::profile::start(self.model.device());
         let (tokens, lps) = fetch_samples(tokens, lp)?;
-        self.record_host(seqs, &tokens, lps.as_deref(), out);
+        self.record_host(seqs, None, &tokens, lps.as_deref(), out);
         verl_nn::profile::lap(
             &mut timer,
             if phase == "decode" {
@@ -733,6 +740,7 @@ impl<'a> Engine<'a> {
     fn record_host(
         &mut self,
         seqs: &[usize],
+        epochs: Option<&[u32]>,
         tokens: &[i64],
         lps: Option<&[f32]>,
         out: &mut Outputs,
@@ -744,7 +752,8 @@ impl<'a> Engine<'a> {
         let mut paused = Vec::new();
         for (k, &s) in seqs.iter().enumerate() {
             let seq = &mut self.seqs[s];
-            if seq.finished {
+            // Stopped, or resumed since the step was queued: the token is not the sequence's.
+            if seq.finished || epochs.is_some_and(|e| e[k] != seq.epoch) {
                 continue;
             }
             let tok = tokens[k];
@@ -809,7 +818,7 @@ impl<'a> Engine<'a> {
             Some(t) => Some(Vec::<f32>::try_from(t)?),
             None => None,
         };
-        self.record_host(&f.seqs, &tokens, lps.as_deref(), out);
+        self.record_host(&f.seqs, Some(&f.epochs), &tokens, lps.as_deref(), out);
         verl_nn::profile::lap(&mut timer, "decode/fetch_bookkeeping");
         Ok(())
     }
@@ -839,6 +848,7 @@ impl<'a> Engine<'a> {
         let host_tokens = pinned(&tokens)?;
         let host_lp = lp.as_ref().map(pinned).transpose()?;
         Ok(Inflight {
+            epochs: seqs.iter().map(|&s| self.seqs[s].epoch).collect(),
             seqs,
             tokens,
             host_tokens,
@@ -965,11 +975,6 @@ impl<'a> Engine<'a> {
         stats: &mut GenerationStats,
     ) -> Result<()> {
         let m = self.job.params.max_new_tokens;
-        if !answers.is_empty() {
-            // A step in flight may hold a token of a sequence that stopped; it is dropped only
-            // while the sequence still counts as stopped.
-            self.flush(out)?;
-        }
         for a in answers {
             let row = match &a {
                 Resume::Continue { row, .. } | Resume::Finish { row } => *row,
@@ -1010,6 +1015,8 @@ impl<'a> Engine<'a> {
                     seq.turn_start = seq.out.len();
                     seq.paused = false;
                     seq.finished = false;
+                    // A token a step in flight holds for it belongs to the stopped turn.
+                    seq.epoch += 1;
                     self.paused -= 1;
                     stats.turns += 1;
                     self.waiting.push_back(row);

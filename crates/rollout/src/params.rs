@@ -132,11 +132,14 @@ pub struct GenerationStats {
     /// Multi-turn calls: turns that ended with a stop token and waited for the caller, the
     /// appended (tool / template) tokens run through the model on resuming, the positions
     /// recomputed because a waiting sequence's KV had been evicted, and the seconds the engine
-    /// sat with nothing to run while every unfinished sequence waited for the caller.
+    /// sat with nothing to run while every unfinished sequence waited for the caller (part of
+    /// `driver_secs`).
     pub turns: usize,
     pub appended_tokens: usize,
     pub evicted_waiting: usize,
     pub idle_secs: f64,
+    /// Multi-turn: seconds spent in the caller's driver (answering, and waiting when idle).
+    pub driver_secs: f64,
 }
 
 /// How the paged engine lays out its KV cache and schedules sequences. Outputs never depend on

@@ -17,6 +17,10 @@ use verl_rollout::{
 const VOCAB: i64 = 1000;
 
 fn model() -> Transformer {
+    model_on(tch::Device::Cpu)
+}
+
+fn model_on(device: tch::Device) -> Transformer {
     let cfg = ModelConfig::from_value(
         json!({
             "model_type": "qwen2",
@@ -29,7 +33,14 @@ fn model() -> Transformer {
     )
     .unwrap();
     tch::manual_seed(3);
-    Transformer::new(cfg, &ModelOptions::default()).unwrap()
+    Transformer::new(
+        cfg,
+        &ModelOptions {
+            device,
+            ..ModelOptions::default()
+        },
+    )
+    .unwrap()
 }
 
 fn prompts() -> Vec<Vec<i64>> {
@@ -65,6 +76,8 @@ struct Scripted {
     seen: HashMap<usize, Vec<TurnEnd>>,
     calls: usize,
     idle_calls: usize,
+    /// Added to a row before choosing what to append (a call over a slice of the prompts).
+    row_base: usize,
 }
 
 impl Scripted {
@@ -76,6 +89,7 @@ impl Scripted {
             seen: HashMap::new(),
             calls: 0,
             idle_calls: 0,
+            row_base: 0,
         }
     }
 
@@ -94,15 +108,13 @@ impl TurnDriver for Scripted {
         for e in ended {
             let k = self.seen.get(&e.row).map_or(0, Vec::len);
             let row = e.row;
-            let room = e.response_len + Self::appended(row, k).len() < 40;
+            let tokens = Self::appended(row + self.row_base, k);
+            let room = e.response_len + tokens.len() < 40;
             let waits = e.waits;
             self.seen.entry(row).or_default().push(e);
             if waits {
                 let answer = if k < self.turns && room {
-                    Resume::Continue {
-                        row,
-                        tokens: Self::appended(row, k),
-                    }
+                    Resume::Continue { row, tokens }
                 } else {
                     Resume::Finish { row }
                 };
@@ -350,4 +362,86 @@ fn wrong_answers_are_named() {
     .unwrap()
     .to_string();
     assert!(e.contains("waiting sequences"), "{e}");
+}
+
+/// On CUDA the decode steps replay CUDA graphs and run ahead of the host (async scheduling):
+/// a step queued before a sequence's stop token reached the host, and before the driver resumed
+/// it, must not leak a token into its next turn. The conversations equal the eager ones.
+#[test]
+#[ignore = "needs CUDA"]
+fn graphed_async_turns_equal_eager_turns_on_cuda() {
+    let device = verl_test_support::cuda::cuda_device();
+    let m = model_on(device);
+    let (ids, mask) = left_pad(&prompts());
+    let (ids, mask) = (ids.to_device(device), mask.to_device(device));
+    let p = params(13);
+    let run_with = |cfg: &EngineConfig, delay: usize| {
+        let mut d = Scripted::new(3, delay);
+        let (g, stats) = generate_turns(&m, &ids, &mask, &p, None, cfg, &mut d).unwrap();
+        (
+            rows(&g.responses.to_device(tch::Device::Cpu)),
+            rows(&g.sampled_mask.unwrap().to_device(tch::Device::Cpu)),
+            stats,
+        )
+    };
+    let eager = EngineConfig {
+        cuda_graphs: false,
+        async_decode: false,
+        ..EngineConfig::default()
+    };
+    let (want, want_mask, _) = run_with(&eager, 0);
+    for delay in [0, 2] {
+        let (got, got_mask, stats) = run_with(&EngineConfig::default(), delay);
+        assert!(
+            stats.cuda_graph_steps > 0 && stats.overlapped_steps > 0,
+            "{stats:?}"
+        );
+        assert_eq!(got, want, "delay {delay}");
+        assert_eq!(got_mask, want_mask, "delay {delay}");
+    }
+}
+
+/// Many conversations in one call, their turns interleaved in the continuous batch, are the
+/// conversations of one call per prompt.
+#[test]
+fn interleaved_conversations_are_each_prompts_own() {
+    let m = model();
+    let many: Vec<Vec<i64>> = (0..12)
+        .map(|i| {
+            (0..3 + i % 5)
+                .map(|k| 200 + (i * 31 + k * 7) as i64 % 700)
+                .collect()
+        })
+        .collect();
+    let p = SamplingParams { n: 4, ..params(21) };
+    let (ids, mask) = left_pad(&many);
+    let mut d = Scripted::new(3, 1);
+    let (all, stats) =
+        generate_turns(&m, &ids, &mask, &p, None, &EngineConfig::default(), &mut d).unwrap();
+    assert!(stats.turns >= 40, "{stats:?}");
+    let all = rows(&all.responses);
+    for (i, prompt) in many.iter().enumerate() {
+        let (ids, mask) = left_pad(std::slice::from_ref(prompt));
+        let one = SamplingParams {
+            row_offset: i as u64,
+            ..p.clone()
+        };
+        let mut d = Scripted::new(3, 1);
+        // Rows of a single-prompt call are numbered from 0: shift the scripted answers.
+        d.row_base = i * 4;
+        let (g, _) = generate_turns(
+            &m,
+            &ids,
+            &mask,
+            &one,
+            None,
+            &EngineConfig::default(),
+            &mut d,
+        )
+        .unwrap();
+        let got = rows(&g.responses);
+        for j in 0..4 {
+            assert_eq!(got[j], all[i * 4 + j], "prompt {i} sample {j}");
+        }
+    }
 }

@@ -12,7 +12,7 @@ use crate::contract::{
     self, GenerateOptions, InitArgs, LogProbOptions, ScoreOptions, UpdateOptions, ValueOptions,
 };
 use crate::error::{Error, Result};
-use crate::ffi::{ActorBox, BackendModuleRef, CriticBox, DataParallel, RewardBox};
+use crate::ffi::{ActorBox, BackendModuleRef, CriticBox, DataParallel, RewardBox, ToolBox};
 use crate::sdk::metrics_from_ffi;
 use crate::Metrics;
 
@@ -49,6 +49,8 @@ pub struct ActorClient {
     obj: ActorBox,
     plugin: String,
     role: &'static str,
+    /// The plugin's [`crate::ffi::BackendModule::generate_turns`], when it has one.
+    turns: Option<crate::ffi::GenerateTurnsFn>,
 }
 
 impl ActorClient {
@@ -57,6 +59,20 @@ impl ActorClient {
             obj,
             plugin: plugin.into(),
             role,
+            turns: None,
+        }
+    }
+
+    /// The actor of a backend module: its multi-turn generation comes from the module.
+    pub fn of_module(
+        obj: ActorBox,
+        module: BackendModuleRef,
+        plugin: impl Into<String>,
+        role: &'static str,
+    ) -> Self {
+        ActorClient {
+            turns: module.generate_turns(),
+            ..ActorClient::new(obj, plugin, role)
         }
     }
 
@@ -79,6 +95,38 @@ impl ActorClient {
             .map_err(|e| Error::from_ffi(e, &self.plugin, &format!("{}.generate", self.role)))?;
         let rows = prompts.rows() as u64 * options.n.max(1) as u64;
         out.check(&call, contract::GENERATE_OUT, &[("rows", rows)])?;
+        Ok(out)
+    }
+
+    /// Multi-turn generation: `options.n` conversations per prompt row, continued by `driver`
+    /// (see [`crate::turns`]).
+    pub fn generate_turns(
+        &mut self,
+        prompts: &Batch,
+        options: &GenerateOptions,
+        driver: &mut dyn crate::turns::TurnDriver,
+    ) -> Result<Batch> {
+        let call = self.call_name("generate_turns");
+        prompts.check(&format!("input of {call}"), contract::GENERATE_IN, &[])?;
+        let Some(f) = self.turns else {
+            return Err(Error::from_ffi(
+                Error::not_implemented(
+                    "multi-turn generation (the plugin has no generate_turns: built before it, \
+                     or not created through its backend module)",
+                )
+                .into_ffi(),
+                &self.plugin,
+                &format!("{}.generate_turns", self.role),
+            ));
+        };
+        let json = to_json(options);
+        let obj = &mut self.obj;
+        let out = crate::turns::with_driver(driver, |d| {
+            f(obj, prompts, RStr::from_str(&json), d).into_result()
+        })
+        .map_err(|e| Error::from_ffi(e, &self.plugin, &format!("{}.generate_turns", self.role)))?;
+        let rows = prompts.rows() as u64 * options.n.max(1) as u64;
+        out.check(&call, contract::GENERATE_TURNS_OUT, &[("rows", rows)])?;
         Ok(out)
     }
 
@@ -341,5 +389,129 @@ impl RewardModelClient {
             )
             .into_result()
             .map_err(|e| Error::from_ffi(e, &self.plugin, &format!("reward_model.{method}")))
+    }
+}
+
+/// A created tool: its checked schema, and its lifecycle calls with the plugin and the tool named
+/// in every error. `&self` throughout: one client serves parallel calls.
+pub struct ToolClient {
+    obj: ToolBox,
+    plugin: String,
+    name: String,
+    schema: serde_json::Value,
+}
+
+impl ToolClient {
+    /// Wraps a created tool, reading its schema once (it names the tool); a schema verl would
+    /// refuse is an error naming the key.
+    pub fn new(obj: ToolBox, plugin: impl Into<String>) -> Result<Self> {
+        let plugin = plugin.into();
+        let text = obj.schema().into_string();
+        let bad = |message: String| Error::Plugin {
+            plugin: plugin.clone(),
+            call: "tool schema".into(),
+            kind: crate::ErrorKind::InvalidInput,
+            message,
+        };
+        let schema: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not JSON ({e}): {text}")))?;
+        let name = contract::tool_schema_name(&schema).map_err(|p| bad(p.to_string()))?;
+        Ok(ToolClient {
+            obj,
+            plugin,
+            name,
+            schema,
+        })
+    }
+
+    pub fn plugin(&self) -> &str {
+        &self.plugin
+    }
+
+    /// The tool's name: what the model calls (`function.name` of its schema).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The OpenAI function schema.
+    pub fn schema(&self) -> &serde_json::Value {
+        &self.schema
+    }
+
+    fn err(&self, e: crate::error::FfiError, method: &str) -> Error {
+        Error::from_ffi(e, &self.plugin, &format!("{}.{method}", self.name))
+    }
+
+    /// Starts an instance; `create_kwargs` is the row's `tools_kwargs[name].create_kwargs`.
+    pub fn create(&self, create_kwargs: &serde_json::Value) -> Result<String> {
+        let kwargs = match create_kwargs {
+            serde_json::Value::Null => "{}".to_string(),
+            other => other.to_string(),
+        };
+        self.obj
+            .create(RStr::from_str(&kwargs))
+            .into_result()
+            .map(|id| id.into_string())
+            .map_err(|e| self.err(e, "create"))
+    }
+
+    /// Runs one call on an instance; a reply that is not a [`contract::ToolOutput`] is an error.
+    pub fn execute(
+        &self,
+        instance_id: &str,
+        arguments: &serde_json::Value,
+    ) -> Result<contract::ToolOutput> {
+        let out = self
+            .obj
+            .execute(
+                RStr::from_str(instance_id),
+                RStr::from_str(&arguments.to_string()),
+            )
+            .into_result()
+            .map_err(|e| self.err(e, "execute"))?;
+        serde_json::from_str(out.as_str()).map_err(|e| Error::Plugin {
+            plugin: self.plugin.clone(),
+            call: format!("{}.execute", self.name),
+            kind: crate::ErrorKind::InvalidInput,
+            message: format!("the reply is not {{text, reward?, metrics?}} ({e}): {out}"),
+        })
+    }
+
+    pub fn release(&self, instance_id: &str) -> Result<()> {
+        self.obj
+            .release(RStr::from_str(instance_id))
+            .into_result()
+            .map_err(|e| self.err(e, "release"))
+    }
+
+    /// verl's `calc_reward`: the instance's reward so far.
+    pub fn calc_reward(&self, instance_id: &str) -> Result<f64> {
+        let v = self.call(
+            "calc_reward",
+            &serde_json::json!({ "instance_id": instance_id }),
+        )?;
+        v.get("reward")
+            .and_then(serde_json::Value::as_f64)
+            .ok_or_else(|| Error::Plugin {
+                plugin: self.plugin.clone(),
+                call: format!("{}.calc_reward", self.name),
+                kind: crate::ErrorKind::InvalidInput,
+                message: format!("expected {{\"reward\": number}}, found {v}"),
+            })
+    }
+
+    /// The extension call: `method` with JSON options, a JSON answer.
+    pub fn call(&self, method: &str, options: &serde_json::Value) -> Result<serde_json::Value> {
+        let out = self
+            .obj
+            .call(RStr::from_str(method), RStr::from_str(&options.to_string()))
+            .into_result()
+            .map_err(|e| self.err(e, method))?;
+        serde_json::from_str(out.as_str()).map_err(|e| Error::Plugin {
+            plugin: self.plugin.clone(),
+            call: format!("{}.{method}", self.name),
+            kind: crate::ErrorKind::InvalidInput,
+            message: format!("the reply is not JSON ({e}): {out}"),
+        })
     }
 }

@@ -82,6 +82,18 @@ pub const GENERATE_OUT: &[ColumnSpec] = &[
     ColumnSpec::tensor(col::ROLLOUT_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),
     ColumnSpec::strings(col::FINISH_REASON).optional(),
 ];
+/// `Actor.generate_turns` output: [`GENERATE_OUT`] where `responses` holds every turn and what
+/// the host appended between turns, and `loss_mask` is 1 on the tokens the model sampled.
+pub const GENERATE_TURNS_OUT: &[ColumnSpec] = &[
+    ColumnSpec::tensor(col::PROMPTS, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::PROMPT_MASK, DType::I64, &[ROWS, PL]),
+    ColumnSpec::tensor(col::RESPONSES, DType::I64, &[ROWS, RL]),
+    ColumnSpec::tensor(col::RESPONSE_MASK, DType::I64, &[ROWS, RL]),
+    ColumnSpec::tensor(col::LOSS_MASK, DType::I64, &[ROWS, RL]),
+    ColumnSpec::tensor(col::PROMPT_INDEX, DType::I64, &[ROWS]),
+    ColumnSpec::tensor(col::ROLLOUT_LOG_PROBS, DType::F32, &[ROWS, RL]).optional(),
+    ColumnSpec::strings(col::FINISH_REASON).optional(),
+];
 /// Input of every call that scores a whole (prompt, response) sequence.
 pub const SEQUENCE_IN: &[ColumnSpec] = &[
     ColumnSpec::tensor(col::PROMPTS, DType::I64, &[ROWS, PL]),
@@ -339,4 +351,276 @@ pub fn prompt_batch(rows: &[&[i64]], pad: i64) -> crate::Batch {
     b.insert_tensor(col::PROMPTS, &[rows.len(), width], &ids);
     b.insert_tensor(col::PROMPT_MASK, &[rows.len(), width], &mask);
     b
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tools (multi-turn rollouts): verl's tool config entries and what a call returns.
+
+/// Keys of a tool's `config` the host acts on for every tool, built-in or plugin: `type` (verl's
+/// tool type; only `native` exists) and `timeout` (seconds the host waits for one call before it
+/// answers with a timed-out error). A tool accepts them beside its own keys.
+pub const HOST_TOOL_KEYS: &[&str] = &["type", "timeout"];
+
+/// What a tool plugin's `create_tool` gets: one entry of verl's tool config YAML
+/// (`tools: [{class_name, config, tool_schema}]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolInit {
+    pub class_name: String,
+    /// The entry's `config` object (verl hands it to the tool's constructor); `{}` when absent.
+    #[serde(default = "empty_object")]
+    pub config: serde_json::Value,
+    /// The entry's `tool_schema` (an OpenAI function schema), when given: it names the tool and
+    /// is what the model sees, in place of the tool's default schema (as in verl).
+    #[serde(default)]
+    pub tool_schema: Option<serde_json::Value>,
+}
+
+fn empty_object() -> serde_json::Value {
+    serde_json::Value::Object(Default::default())
+}
+
+impl ToolInit {
+    pub fn new(class_name: impl Into<String>, config: serde_json::Value) -> Self {
+        ToolInit {
+            class_name: class_name.into(),
+            config,
+            tool_schema: None,
+        }
+    }
+
+    pub fn with_schema(mut self, tool_schema: serde_json::Value) -> Self {
+        self.tool_schema = Some(tool_schema);
+        self
+    }
+
+    /// The config's `tool_schema` when given, else the tool's `default`.
+    pub fn schema_or(&self, default: serde_json::Value) -> serde_json::Value {
+        self.tool_schema.clone().unwrap_or(default)
+    }
+
+    /// The config as an object, refusing a key that is neither in `known` nor one the host acts
+    /// on ([`HOST_TOOL_KEYS`]): every key acts or is refused.
+    pub fn config_object(
+        &self,
+        known: &[&str],
+    ) -> crate::Result<serde_json::Map<String, serde_json::Value>> {
+        let obj = match &self.config {
+            serde_json::Value::Null => return Ok(Default::default()),
+            serde_json::Value::Object(m) => m,
+            other => {
+                return Err(crate::Error::invalid_input(format!(
+                    "tool `{}`: `config` must be a mapping, found {other}",
+                    self.class_name
+                )))
+            }
+        };
+        if let Some(key) = obj
+            .keys()
+            .find(|k| !known.contains(&k.as_str()) && !HOST_TOOL_KEYS.contains(&k.as_str()))
+        {
+            let mut accepted: Vec<&str> = known.to_vec();
+            accepted.extend(HOST_TOOL_KEYS);
+            return Err(crate::Error::invalid_input(format!(
+                "tool `{}`: unknown config key `config.{key}` (accepted: {})",
+                self.class_name,
+                accepted.join(", ")
+            )));
+        }
+        Ok(obj.clone())
+    }
+}
+
+/// What one tool call returns (verl's `(ToolResponse, step reward, metrics)`), JSON across the
+/// ABI.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ToolOutput {
+    /// The text the model sees as the tool message (before the host's length truncation).
+    pub text: String,
+    /// The call's step reward (verl's `tool_reward`), when the tool gives one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward: Option<f64>,
+    /// The tool's metrics for this call (verl's `res` dict).
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub metrics: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ToolOutput {
+    pub fn text(text: impl Into<String>) -> Self {
+        ToolOutput {
+            text: text.into(),
+            ..Default::default()
+        }
+    }
+    pub fn with_reward(mut self, reward: f64) -> Self {
+        self.reward = Some(reward);
+        self
+    }
+}
+
+/// A tool schema that verl would refuse: which key, what was expected, what was found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaProblem {
+    /// The key inside the schema, e.g. `function.name`.
+    pub key: String,
+    pub expected: &'static str,
+    pub found: String,
+}
+
+impl std::fmt::Display for SchemaProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "`{}`: expected {}, found {}",
+            self.key, self.expected, self.found
+        )
+    }
+}
+
+/// Checks an OpenAI function schema as verl's `OpenAIFunctionToolSchema` does (a `type`, a
+/// `function` with a non-empty `name`, a `description` and, when present, a boolean `strict`;
+/// `parameters`, when present, an object schema whose properties each have a `type`) and
+/// returns the tool's name.
+pub fn tool_schema_name(schema: &serde_json::Value) -> Result<String, SchemaProblem> {
+    use serde_json::Value;
+    let problem = |key: &str, expected: &'static str, found: Option<&Value>| SchemaProblem {
+        key: key.into(),
+        expected,
+        found: found.map_or("nothing".into(), |v| v.to_string()),
+    };
+    let obj = schema
+        .as_object()
+        .ok_or_else(|| problem("tool_schema", "a mapping", Some(schema)))?;
+    match obj.get("type") {
+        Some(Value::String(t)) if t == "function" => {}
+        other => return Err(problem("type", "\"function\"", other)),
+    }
+    let f = match obj.get("function") {
+        Some(Value::Object(f)) => f,
+        other => return Err(problem("function", "a mapping", other)),
+    };
+    let name = match f.get("name") {
+        Some(Value::String(n)) if !n.trim().is_empty() => n.clone(),
+        other => return Err(problem("function.name", "a non-empty string", other)),
+    };
+    if !matches!(f.get("description"), Some(Value::String(_))) {
+        return Err(problem(
+            "function.description",
+            "a string",
+            f.get("description"),
+        ));
+    }
+    if let Some(strict) = f.get("strict") {
+        if !strict.is_boolean() {
+            return Err(problem("function.strict", "true or false", Some(strict)));
+        }
+    }
+    if let Some(p) = f.get("parameters") {
+        let p = p
+            .as_object()
+            .ok_or_else(|| problem("function.parameters", "a mapping", Some(p)))?;
+        if !matches!(p.get("type"), Some(Value::String(_))) {
+            return Err(problem(
+                "function.parameters.type",
+                "a string (\"object\")",
+                p.get("type"),
+            ));
+        }
+        let props = match p.get("properties") {
+            Some(Value::Object(m)) => m,
+            other => {
+                return Err(problem(
+                    "function.parameters.properties",
+                    "a mapping",
+                    other,
+                ))
+            }
+        };
+        for (k, v) in props {
+            let typed = match v.get("type") {
+                Some(Value::String(_)) => true,
+                Some(Value::Array(a)) => a.iter().all(Value::is_string),
+                _ => false,
+            };
+            if !typed {
+                return Err(SchemaProblem {
+                    key: format!("function.parameters.properties.{k}.type"),
+                    expected: "a type name or a list of them",
+                    found: v.get("type").map_or("nothing".into(), |t| t.to_string()),
+                });
+            }
+        }
+        if let Some(r) = p.get("required") {
+            if !r.as_array().is_some_and(|a| a.iter().all(Value::is_string)) {
+                return Err(problem(
+                    "function.parameters.required",
+                    "a list of parameter names",
+                    Some(r),
+                ));
+            }
+        }
+    }
+    Ok(name)
+}
+
+#[cfg(test)]
+mod tool_tests {
+    use super::*;
+    use serde_json::json;
+
+    fn schema() -> serde_json::Value {
+        json!({"type": "function", "function": {
+            "name": "calculator", "description": "evaluates arithmetic",
+            "parameters": {"type": "object",
+                "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}})
+    }
+
+    #[test]
+    fn a_verl_function_schema_names_its_tool() {
+        assert_eq!(tool_schema_name(&schema()).unwrap(), "calculator");
+        let mut bare = schema();
+        bare["function"]
+            .as_object_mut()
+            .unwrap()
+            .remove("parameters");
+        assert_eq!(tool_schema_name(&bare).unwrap(), "calculator");
+    }
+
+    #[test]
+    fn a_schema_verl_would_refuse_names_the_key() {
+        let mut s = schema();
+        s["function"]["name"] = json!("");
+        assert_eq!(tool_schema_name(&s).unwrap_err().key, "function.name");
+        let mut s = schema();
+        s["function"].as_object_mut().unwrap().remove("description");
+        assert_eq!(
+            tool_schema_name(&s).unwrap_err().key,
+            "function.description"
+        );
+        let mut s = schema();
+        s["function"]["parameters"]["properties"]["expression"] = json!({"description": "x"});
+        let p = tool_schema_name(&s).unwrap_err();
+        assert_eq!(p.key, "function.parameters.properties.expression.type");
+        assert!(p.to_string().contains("found nothing"), "{p}");
+        assert_eq!(
+            tool_schema_name(&json!({"function": {}})).unwrap_err().key,
+            "type"
+        );
+    }
+
+    #[test]
+    fn config_keys_act_or_are_refused() {
+        let init = ToolInit::new(
+            "calculator",
+            json!({"type": "native", "timeout": 3, "precision": 2}),
+        );
+        let e = init.config_object(&[]).unwrap_err().to_string();
+        assert!(e.contains("`config.precision`"), "{e}");
+        assert!(e.contains("accepted: type, timeout"), "{e}");
+        let ok = init.config_object(&["precision"]).unwrap();
+        assert_eq!(ok["precision"], 2);
+        assert!(ToolInit::new("x", serde_json::Value::Null)
+            .config_object(&[])
+            .unwrap()
+            .is_empty());
+    }
 }

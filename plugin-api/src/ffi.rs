@@ -100,10 +100,32 @@ pub trait ModelServicesFfi: Send + Sync {
     ) -> RResult<Batch, FfiError>;
 }
 
+/// A tool the model calls in a multi-turn rollout (verl's `BaseTool`). Every method takes
+/// `&self`: one tool object serves the calls of many trajectories at once, each on its own
+/// instance. JSON text in and out, so the contract grows without layout changes.
+#[sabi_trait]
+pub trait ToolFfi: Send + Sync {
+    /// The OpenAI function schema (`{"type": "function", "function": {name, description,
+    /// parameters}}`) as JSON: what the chat template's `tools` gets.
+    fn schema(&self) -> RString;
+    /// Starts an instance for one trajectory's call; `create_kwargs` is the JSON object of the
+    /// row's `tools_kwargs[name].create_kwargs` (`{}` when it has none). Returns the instance id.
+    fn create(&self, create_kwargs: RStr<'_>) -> RResult<RString, FfiError>;
+    /// Runs the call with the model's `arguments` (a JSON object). Returns the JSON of
+    /// [`crate::contract::ToolOutput`]: `{"text", "reward"?, "metrics"?}`.
+    fn execute(&self, instance_id: RStr<'_>, arguments: RStr<'_>) -> RResult<RString, FfiError>;
+    fn release(&self, instance_id: RStr<'_>) -> RResult<(), FfiError>;
+    /// Extension point: a named call with JSON options and a JSON answer (`calc_reward` with
+    /// `{"instance_id"}` answers `{"reward"}`).
+    #[sabi(last_prefix_field)]
+    fn call(&self, method: RStr<'_>, options: RStr<'_>) -> RResult<RString, FfiError>;
+}
+
 pub type ActorBox = ActorFfi_TO<'static, RBox<()>>;
 pub type ModelServicesBox = ModelServicesFfi_TO<'static, RBox<()>>;
 pub type CriticBox = CriticFfi_TO<'static, RBox<()>>;
 pub type RewardBox = RewardFfi_TO<'static, RBox<()>>;
+pub type ToolBox = ToolFfi_TO<'static, RBox<()>>;
 
 /// Log levels as they cross the ABI.
 pub mod level {
@@ -158,7 +180,27 @@ pub struct BackendModule {
     /// micro-batching. Absent on plugins built before it existed.
     #[sabi(missing_field(option))]
     pub create_reward_model: extern "C" fn(init: RStr<'_>) -> RResult<RewardBox, FfiError>,
+    /// Multi-turn generation by an actor this plugin created ([`crate::turns`]): like the
+    /// actor's `generate`, but a sequence that stops waits for `driver`'s answer. Returns
+    /// [`crate::contract::GENERATE_TURNS_OUT`]. A root-module function rather than an actor
+    /// method because abi_stable's layout check refuses a host whose trait vtable has more
+    /// methods than an older plugin's. Absent on plugins built before it existed.
+    #[sabi(missing_field(option))]
+    pub generate_turns: extern "C" fn(
+        actor: &mut ActorBox,
+        prompts: &Batch,
+        options: RStr<'_>,
+        driver: crate::turns::TurnDriverRef<'_>,
+    ) -> RResult<Batch, FfiError>,
 }
+
+/// [`BackendModule::generate_turns`].
+pub type GenerateTurnsFn = extern "C" fn(
+    actor: &mut ActorBox,
+    prompts: &Batch,
+    options: RStr<'_>,
+    driver: crate::turns::TurnDriverRef<'_>,
+) -> RResult<Batch, FfiError>;
 
 impl RootModule for BackendModuleRef {
     declare_root_module_statics! {BackendModuleRef}
@@ -214,7 +256,10 @@ pub mod v1 {
         // pointer whose prefix (the fields above) was checked against this layout. The appended
         // fields' accessors read the plugin's own metadata, which says they are absent.
         let current: super::BackendModuleRef = unsafe { std::mem::transmute(m) };
-        (current.validate().is_none() && current.create_reward_model().is_none()).then_some(current)
+        (current.validate().is_none()
+            && current.create_reward_model().is_none()
+            && current.generate_turns().is_none())
+        .then_some(current)
     }
 }
 
@@ -260,7 +305,56 @@ pub mod v2 {
     pub fn as_current(m: BackendModuleRef) -> Option<super::BackendModuleRef> {
         // SAFETY: as in `v1::as_current`; this prefix's fields passed the layout check.
         let current: super::BackendModuleRef = unsafe { std::mem::transmute(m) };
-        current.create_reward_model().is_none().then_some(current)
+        (current.create_reward_model().is_none() && current.generate_turns().is_none())
+            .then_some(current)
+    }
+}
+
+/// The backend root module as plugins built with `create_reward_model` but before
+/// `generate_turns` have it (frozen; see [`v1`]).
+pub mod v3 {
+    use abi_stable::{
+        declare_root_module_statics,
+        library::RootModule,
+        package_version_strings,
+        sabi_types::VersionStrings,
+        std_types::{ROption, RResult, RStr, RString},
+        StableAbi,
+    };
+
+    use super::{ActorBox, CriticBox, HostCallbacks, RewardBox};
+    use crate::error::FfiError;
+
+    #[repr(C)]
+    #[derive(StableAbi)]
+    #[sabi(kind(Prefix(prefix_ref = BackendModuleRef)))]
+    #[sabi(missing_field(panic))]
+    pub struct BackendModule {
+        pub header: extern "C" fn() -> RString,
+        pub set_host: extern "C" fn(HostCallbacks),
+        pub create_actor: extern "C" fn(init: RStr<'_>) -> RResult<ActorBox, FfiError>,
+        pub create_reference: extern "C" fn(init: RStr<'_>) -> RResult<ActorBox, FfiError>,
+        #[sabi(last_prefix_field)]
+        pub create_critic: extern "C" fn(init: RStr<'_>) -> RResult<CriticBox, FfiError>,
+        #[sabi(missing_field(option))]
+        pub validate: extern "C" fn(init: RStr<'_>) -> RResult<ROption<RString>, FfiError>,
+        #[sabi(missing_field(option))]
+        pub create_reward_model: extern "C" fn(init: RStr<'_>) -> RResult<RewardBox, FfiError>,
+    }
+
+    impl RootModule for BackendModuleRef {
+        declare_root_module_statics! {BackendModuleRef}
+        const BASE_NAME: &'static str = "verl_backend";
+        const NAME: &'static str = "verl_backend";
+        const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    }
+
+    /// The module as the current [`super::BackendModuleRef`] when it has no field appended
+    /// after `create_reward_model` (see [`super::v1::as_current`]).
+    pub fn as_current(m: BackendModuleRef) -> Option<super::BackendModuleRef> {
+        // SAFETY: as in `v1::as_current`; this prefix's fields passed the layout check.
+        let current: super::BackendModuleRef = unsafe { std::mem::transmute(m) };
+        current.generate_turns().is_none().then_some(current)
     }
 }
 
@@ -334,6 +428,28 @@ pub mod reward_v1 {
     }
 }
 
+/// Root module of a tool plugin: one library may serve several tool classes (the header's
+/// `tools` lists their `class_name`s).
+#[repr(C)]
+#[derive(StableAbi)]
+#[sabi(kind(Prefix(prefix_ref = ToolModuleRef)))]
+#[sabi(missing_field(panic))]
+pub struct ToolModule {
+    pub header: extern "C" fn() -> RString,
+    pub set_host: extern "C" fn(HostCallbacks),
+    /// `init` is the JSON of [`crate::contract::ToolInit`]: verl's tool config entry
+    /// (`class_name`, `config`, `tool_schema`).
+    #[sabi(last_prefix_field)]
+    pub create_tool: extern "C" fn(init: RStr<'_>) -> RResult<ToolBox, FfiError>,
+}
+
+impl RootModule for ToolModuleRef {
+    declare_root_module_statics! {ToolModuleRef}
+    const BASE_NAME: &'static str = "verl_tool";
+    const NAME: &'static str = "verl_tool";
+    const VERSION_STRINGS: VersionStrings = package_version_strings!();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -399,6 +515,7 @@ mod tests {
             create_critic,
             validate,
             create_reward_model,
+            generate_turns,
         }
         .leak_into_prefix();
         let through_v1: v1::BackendModuleRef = unsafe { std::mem::transmute(new) };
@@ -429,6 +546,56 @@ mod tests {
         let seen = v2::as_current(old).expect("a v2 plugin is usable");
         assert!(seen.validate().is_some());
         assert!(seen.create_reward_model().is_none());
+    }
+
+    extern "C" fn generate_turns(
+        _: &mut ActorBox,
+        _: &Batch,
+        _: RStr<'_>,
+        _: crate::turns::TurnDriverRef<'_>,
+    ) -> RResult<Batch, FfiError> {
+        unreachable!()
+    }
+
+    #[test]
+    fn a_plugin_built_before_generate_turns_passes_the_v3_prefix_and_has_none() {
+        assert!(check_layout_compatibility(
+            <BackendModuleRef as StableAbi>::LAYOUT,
+            <v3::BackendModuleRef as StableAbi>::LAYOUT,
+        )
+        .is_err());
+        check_layout_compatibility(
+            <v3::BackendModuleRef as StableAbi>::LAYOUT,
+            <BackendModuleRef as StableAbi>::LAYOUT,
+        )
+        .unwrap();
+        let old = v3::BackendModule {
+            header,
+            set_host,
+            create_actor,
+            create_reference: create_actor,
+            create_critic,
+            validate,
+            create_reward_model,
+        }
+        .leak_into_prefix();
+        let seen = v3::as_current(old).expect("a v3 plugin is usable");
+        assert!(seen.create_reward_model().is_some());
+        assert!(seen.generate_turns().is_none());
+        // A current plugin seen through the v3 prefix is not taken for an old one.
+        let new = BackendModule {
+            header,
+            set_host,
+            create_actor,
+            create_reference: create_actor,
+            create_critic,
+            validate,
+            create_reward_model,
+            generate_turns,
+        }
+        .leak_into_prefix();
+        let through_v3: v3::BackendModuleRef = unsafe { std::mem::transmute(new) };
+        assert!(v3::as_current(through_v3).is_none());
     }
 
     extern "C" fn create_reward(_: RStr<'_>) -> RResult<RewardBox, FfiError> {

@@ -21,6 +21,8 @@ pub const API_VERSION: &str = env!("CARGO_PKG_VERSION");
 pub enum PluginKind {
     Backend,
     Reward,
+    /// Tools a model calls in multi-turn rollouts; the header's `tools` lists their class names.
+    Tool,
 }
 
 impl std::fmt::Display for PluginKind {
@@ -28,6 +30,7 @@ impl std::fmt::Display for PluginKind {
         f.write_str(match self {
             PluginKind::Backend => "backend",
             PluginKind::Reward => "reward",
+            PluginKind::Tool => "tool",
         })
     }
 }
@@ -84,6 +87,8 @@ pub struct Capability {
 /// base model's log-probs with them off; on a critic, one that trains adapters from
 /// `critic.model.lora_rank`.
 pub const FEATURE_LORA: &str = "lora";
+/// An actor that runs multi-turn rollouts (`Actor.generate_turns`, [`crate::turns`]).
+pub const FEATURE_MULTI_TURN: &str = "multi_turn";
 
 fn yes() -> bool {
     true
@@ -175,6 +180,9 @@ pub struct PluginHeader {
     pub capabilities: Vec<Capability>,
     #[serde(default)]
     pub build: BuildInfo,
+    /// A tool plugin's tool classes: the `class_name`s of verl's tool config it serves.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<String>,
 }
 
 impl PluginHeader {
@@ -189,7 +197,13 @@ impl PluginHeader {
             description: info.description,
             capabilities: info.capabilities,
             build: info.build,
+            tools: Vec::new(),
         }
+    }
+
+    /// Whether this is a tool plugin serving `class_name`.
+    pub fn provides_tool(&self, class_name: &str) -> bool {
+        self.kind == PluginKind::Tool && self.tools.iter().any(|t| t == class_name)
     }
 
     /// Whether the plugin provides `role` (declared and implemented).
@@ -284,5 +298,27 @@ mod tests {
         assert!(PluginHeader::parse(r#"{"name":"x"}"#)
             .unwrap_err()
             .contains("magic"));
+    }
+
+    #[test]
+    fn a_tool_header_lists_its_classes_and_older_headers_list_none() {
+        let info = PluginInfo {
+            name: "tools".into(),
+            version: "0.1.0".into(),
+            description: String::new(),
+            capabilities: vec![],
+            build: BuildInfo::plain(),
+        };
+        let mut h = PluginHeader::from_info(info, PluginKind::Tool);
+        h.tools = vec!["calculator".into()];
+        let json = serde_json::to_string(&h).unwrap();
+        assert!(json.contains(r#""kind":"tool""#), "{json}");
+        let back = PluginHeader::parse(&json).unwrap();
+        assert!(back.provides_tool("calculator"));
+        assert!(!back.provides_tool("python"));
+        // A header written before `tools` existed (a reward plugin) reads with none.
+        let old = r#"{"magic":"verl-plugin","header_version":1,"api_version":"0.1.0","name":"r","version":"1","kind":"reward"}"#;
+        let old = PluginHeader::parse(old).unwrap();
+        assert!(old.tools.is_empty() && !old.provides_tool("calculator"));
     }
 }

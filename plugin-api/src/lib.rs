@@ -1,10 +1,12 @@
 //! verl-plugin-api: the stable ABI between the `verl` host and its plugins (abi_stable), and the
 //! SDK plugin authors use. It owns the contracts — root modules, the Actor/Critic/Reward role
-//! objects, the `Batch` carrier and its checks, the header — and must never link libtorch.
+//! objects, the Tool object, the `Batch` carrier and its checks, the header — and must never
+//! link libtorch.
 //!
-//! A plugin author implements [`sdk::BackendPlugin`] (+ [`sdk::Actor`], [`sdk::Critic`]) or
-//! [`sdk::RewardPlugin`] (+ [`sdk::Reward`]) and calls [`export_backend_plugin!`] /
-//! [`export_reward_plugin!`]; [`testing`] runs it in-process for unit tests.
+//! A plugin author implements [`sdk::BackendPlugin`] (+ [`sdk::Actor`], [`sdk::Critic`]),
+//! [`sdk::RewardPlugin`] (+ [`sdk::Reward`]) or [`sdk::ToolPlugin`] (+ [`sdk::Tool`]) and calls
+//! [`export_backend_plugin!`] / [`export_reward_plugin!`] / [`export_tool_plugin!`]; [`testing`]
+//! runs it in-process for unit tests.
 #![allow(non_local_definitions)]
 
 pub mod batch;
@@ -17,20 +19,23 @@ mod log;
 pub mod sdk;
 pub mod services;
 pub mod testing;
+pub mod turns;
 
 pub use batch::{Batch, Column, ColumnSpec, ColumnType, DType, Dim, Element, Tensor};
 pub use contract::{
     col, GenerateOptions, InitArgs, LogProbOptions, Rendezvous, RewardModelSpec, ScoreOptions,
-    UpdateOptions, ValueOptions,
+    ToolInit, ToolOutput, UpdateOptions, ValueOptions,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use ffi::DataParallel;
 pub use header::{
     api_compatible, BuildInfo, Capability, PluginHeader, PluginInfo, PluginKind, Role, API_VERSION,
-    FEATURE_LORA,
+    FEATURE_LORA, FEATURE_MULTI_TURN,
 };
 pub use log::{current_max_level, forward_to_tracing};
-pub use sdk::{Actor, BackendPlugin, Critic, Reward, RewardPlugin, RewardRow, RowReward};
+pub use sdk::{
+    Actor, BackendPlugin, Critic, Reward, RewardPlugin, RewardRow, RowReward, Tool, ToolPlugin,
+};
 pub use services::{ModelInfo, ModelKind, ModelProvider, ModelServices, TextGenerateOptions};
 
 /// Metrics a call returns: (verl metric name, value), in order.

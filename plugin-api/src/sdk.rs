@@ -18,14 +18,15 @@ use serde::de::DeserializeOwned;
 
 use crate::batch::Batch;
 use crate::contract::{
-    GenerateOptions, InitArgs, LogProbOptions, ScoreOptions, UpdateOptions, ValueOptions,
+    GenerateOptions, InitArgs, LogProbOptions, ScoreOptions, ToolInit, ToolOutput, UpdateOptions,
+    ValueOptions,
 };
 use crate::error::{Error, ErrorKind, FfiError, Result};
 use crate::ffi::ModelServicesBox;
 use crate::ffi::{
     ActorBox, ActorFfi, ActorFfi_TO, BackendModule, BackendModuleRef, CriticBox, CriticFfi,
     CriticFfi_TO, DataParallel, FfiMetrics, HostCallbacks, RewardBox, RewardFfi, RewardFfi_TO,
-    RewardModule, RewardModuleRef,
+    RewardModule, RewardModuleRef, ToolBox, ToolFfi, ToolFfi_TO, ToolModule, ToolModuleRef,
 };
 use crate::header::{PluginHeader, PluginInfo, PluginKind};
 use crate::services::ModelServices;
@@ -57,6 +58,17 @@ pub trait Actor: Send + 'static {
         _options: &serde_json::Value,
     ) -> Result<Batch> {
         Err(Error::not_implemented(format!("call `{method}`")))
+    }
+    /// Multi-turn generation ([`crate::turns`]): like `generate`, but a sequence that stops waits
+    /// for `driver`'s answer. Returns [`crate::contract::GENERATE_TURNS_OUT`]. A backend that
+    /// implements it declares [`crate::FEATURE_MULTI_TURN`].
+    fn generate_turns(
+        &mut self,
+        _prompts: &Batch,
+        _options: &GenerateOptions,
+        _driver: &mut dyn crate::turns::TurnDriver,
+    ) -> Result<Batch> {
+        Err(Error::not_implemented("multi-turn generation"))
     }
 }
 
@@ -139,6 +151,49 @@ pub trait RewardPlugin: 'static {
     fn create_reward_with(init: &InitArgs, _services: ModelServices) -> Result<Box<dyn Reward>> {
         Self::create_reward(init)
     }
+}
+
+/// A tool the model calls in multi-turn rollouts (verl's `BaseTool`). One object serves every
+/// trajectory, calls arrive in parallel (`&self`), and each call runs on its own instance:
+/// `create` (with the row's `tools_kwargs[name].create_kwargs`) → `execute` → `release`. A
+/// stateless tool implements `schema` and `execute` only.
+pub trait Tool: Send + Sync + 'static {
+    /// The OpenAI function schema the model sees; use [`ToolInit::schema_or`] so a `tool_schema`
+    /// in the job's tool config wins, as in verl.
+    fn schema(&self) -> serde_json::Value;
+    /// Starts an instance; returns its id (default: a fresh id, no state).
+    fn create(&self, _create_kwargs: &serde_json::Value) -> Result<String> {
+        Ok(next_instance_id())
+    }
+    /// Runs one call with the model's arguments (a JSON object). An `Err` becomes verl's
+    /// `Error executing tool '<name>': <message>` text for the model.
+    fn execute(&self, instance_id: &str, arguments: &serde_json::Value) -> Result<ToolOutput>;
+    /// verl's `calc_reward`: the instance's reward so far (default 0.0).
+    fn calc_reward(&self, _instance_id: &str) -> Result<f64> {
+        Ok(0.0)
+    }
+    fn release(&self, _instance_id: &str) -> Result<()> {
+        Ok(())
+    }
+    fn call(&self, method: &str, _options: &serde_json::Value) -> Result<serde_json::Value> {
+        Err(Error::not_implemented(format!("call `{method}`")))
+    }
+}
+
+/// A tool plugin: describes itself, lists the tool classes it serves (the `class_name`s of verl's
+/// tool config) and creates a tool from one config entry.
+pub trait ToolPlugin: 'static {
+    fn info() -> PluginInfo;
+    /// The `class_name`s this plugin serves (they go into its header, so the host finds it).
+    fn tool_classes() -> Vec<String>;
+    fn create_tool(init: &ToolInit) -> Result<Box<dyn Tool>>;
+}
+
+/// A process-unique instance id, for tools that keep per-instance state.
+pub fn next_instance_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    format!("instance-{}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -357,6 +412,55 @@ impl RewardFfi for RewardAdapter {
     }
 }
 
+struct ToolAdapter(Box<dyn Tool>);
+
+impl ToolFfi for ToolAdapter {
+    fn schema(&self) -> RString {
+        guard(|| Ok(self.0.schema().to_string()))
+            .unwrap_or_default()
+            .into()
+    }
+    fn create(&self, create_kwargs: RStr<'_>) -> RResult<RString, FfiError> {
+        ffi("Tool.create", || {
+            let kwargs: serde_json::Value = parse_options("Tool.create", create_kwargs)?;
+            self.0.create(&kwargs).map(RString::from)
+        })
+    }
+    fn execute(&self, instance_id: RStr<'_>, arguments: RStr<'_>) -> RResult<RString, FfiError> {
+        ffi("Tool.execute", || {
+            let args: serde_json::Value = parse_options("Tool.execute", arguments)?;
+            let out = self.0.execute(instance_id.as_str(), &args)?;
+            if let Some(r) = out.reward.filter(|r| !r.is_finite()) {
+                return Err(Error::failed(format!("the tool's reward is {r}")));
+            }
+            Ok(serde_json::to_string(&out)
+                .expect("tool output serialises")
+                .into())
+        })
+    }
+    fn release(&self, instance_id: RStr<'_>) -> RResult<(), FfiError> {
+        ffi("Tool.release", || self.0.release(instance_id.as_str()))
+    }
+    fn call(&self, method: RStr<'_>, options: RStr<'_>) -> RResult<RString, FfiError> {
+        ffi("Tool.call", || {
+            let opts: serde_json::Value = parse_options("Tool.call", options)?;
+            let answer = match method.as_str() {
+                "calc_reward" => {
+                    let id = opts
+                        .get("instance_id")
+                        .and_then(serde_json::Value::as_str)
+                        .ok_or_else(|| {
+                            Error::invalid_input("calc_reward: options need `instance_id`")
+                        })?;
+                    serde_json::json!({ "reward": self.0.calc_reward(id)? })
+                }
+                other => self.0.call(other, &opts)?,
+            };
+            Ok(answer.to_string().into())
+        })
+    }
+}
+
 fn metrics_to_ffi(m: Metrics) -> FfiMetrics {
     FfiMetrics {
         entries: m
@@ -389,8 +493,42 @@ pub fn reward_header_json<P: RewardPlugin>() -> String {
 }
 
 #[doc(hidden)]
+pub fn tool_header_json<P: ToolPlugin>() -> String {
+    let mut header = PluginHeader::from_info(P::info(), PluginKind::Tool);
+    header.tools = P::tool_classes();
+    serde_json::to_string(&header).expect("header serialises")
+}
+
+#[doc(hidden)]
+pub fn tool_box(tool: Box<dyn Tool>) -> ToolBox {
+    ToolFfi_TO::from_value(ToolAdapter(tool), TD_Opaque)
+}
+
+#[doc(hidden)]
 pub fn actor_box(actor: Box<dyn Actor>) -> ActorBox {
-    ActorFfi_TO::from_value(ActorAdapter(actor), TD_Opaque)
+    // Downcastable: the root module's `generate_turns` finds the actor behind the object.
+    ActorFfi_TO::from_value(ActorAdapter(actor), abi_stable::sabi_trait::TD_CanDowncast)
+}
+
+/// [`crate::ffi::BackendModule::generate_turns`] of every SDK plugin: the actor behind `actor`
+/// (one this plugin created) runs [`Actor::generate_turns`].
+extern "C" fn generate_turns(
+    actor: &mut ActorBox,
+    prompts: &Batch,
+    options: RStr<'_>,
+    driver: crate::turns::TurnDriverRef<'_>,
+) -> RResult<Batch, FfiError> {
+    ffi("Actor.generate_turns", || {
+        let adapter = actor.obj.downcast_as_mut::<ActorAdapter>().map_err(|_| {
+            Error::invalid_input("generate_turns was given an actor this plugin did not create")
+        })?;
+        prompts.validate("Actor.generate_turns input")?;
+        let opts: GenerateOptions = parse_options("Actor.generate_turns", options)?;
+        let mut remote = crate::turns::RemoteDriver(driver);
+        let out = adapter.0.generate_turns(prompts, &opts, &mut remote)?;
+        out.validate("Actor.generate_turns output")?;
+        Ok(out)
+    })
 }
 
 #[doc(hidden)]
@@ -458,6 +596,7 @@ pub fn backend_module<P: BackendPlugin>() -> BackendModuleRef {
         create_critic: create_critic::<P>,
         validate: validate::<P>,
         create_reward_model: create_reward_model::<P>,
+        generate_turns,
     }
     .leak_into_prefix()
 }
@@ -500,6 +639,38 @@ pub fn reward_module<P: RewardPlugin>() -> RewardModuleRef {
         set_host: set_host_cb::<P>,
         create_reward: create_reward::<P>,
         create_reward_with_services: create_reward_with_services::<P>,
+    }
+    .leak_into_prefix()
+}
+
+#[doc(hidden)]
+pub fn tool_module<P: ToolPlugin>() -> ToolModuleRef {
+    extern "C" fn header<P: ToolPlugin>() -> RString {
+        guard(|| Ok(tool_header_json::<P>()))
+            .unwrap_or_default()
+            .into()
+    }
+    extern "C" fn set_host_cb<P: ToolPlugin>(cb: HostCallbacks) {
+        let _ = guard(|| {
+            set_host(cb, &P::info().name);
+            Ok(())
+        });
+    }
+    extern "C" fn create_tool<P: ToolPlugin>(init: RStr<'_>) -> RResult<ToolBox, FfiError> {
+        ffi("create_tool", || {
+            let init: ToolInit =
+                serde_json::from_str(init.as_str()).map_err(|e| Error::Options {
+                    call: "create_tool".into(),
+                    message: format!("init arguments: {e}"),
+                })?;
+            Ok(tool_box(P::create_tool(&init)?))
+        })
+    }
+    use abi_stable::prefix_type::PrefixTypeTrait;
+    ToolModule {
+        header: header::<P>,
+        set_host: set_host_cb::<P>,
+        create_tool: create_tool::<P>,
     }
     .leak_into_prefix()
 }
@@ -559,6 +730,24 @@ macro_rules! export_reward_plugin {
     };
 }
 
+/// Export a tool plugin: `verl_plugin_api::export_tool_plugin!(MyTools);` where
+/// `MyTools: ToolPlugin`.
+#[macro_export]
+macro_rules! export_tool_plugin {
+    ($plugin:ty) => {
+        #[no_mangle]
+        pub extern "C" fn verl_plugin_header() -> *const ::std::os::raw::c_char {
+            static HEADER: ::std::sync::OnceLock<::std::ffi::CString> =
+                ::std::sync::OnceLock::new();
+            $crate::sdk::header_cstr(&HEADER, $crate::sdk::tool_header_json::<$plugin>)
+        }
+        $crate::__export_root_module!(
+            $crate::ffi::ToolModuleRef,
+            $crate::sdk::tool_module::<$plugin>
+        );
+    };
+}
+
 /// What abi_stable's `#[export_root_module]` expands to, spelled through our re-export so plugin
 /// crates need no direct `abi_stable` dependency. The symbol name is abi_stable 0.11's
 /// `ROOT_MODULE_LOADER_NAME` (a unit test pins it).
@@ -586,6 +775,117 @@ macro_rules! __export_root_module {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::{testing, BuildInfo};
+    use serde_json::json;
+
+    /// A tool plugin in a dozen lines: `echo` repeats its `text`, panics on `panic`, and counts
+    /// calls per instance (its `calc_reward`).
+    struct Echo;
+    struct EchoTool {
+        schema: serde_json::Value,
+        calls: std::sync::Mutex<std::collections::HashMap<String, f64>>,
+    }
+
+    impl ToolPlugin for Echo {
+        fn info() -> PluginInfo {
+            PluginInfo {
+                name: "echo".into(),
+                version: "0.1.0".into(),
+                description: String::new(),
+                capabilities: vec![],
+                build: BuildInfo::plain(),
+            }
+        }
+        fn tool_classes() -> Vec<String> {
+            vec!["echo".into()]
+        }
+        fn create_tool(init: &ToolInit) -> Result<Box<dyn Tool>> {
+            init.config_object(&[])?;
+            Ok(Box::new(EchoTool {
+                schema: init.schema_or(json!({"type": "function", "function": {
+                    "name": "echo", "description": "repeats its text"}})),
+                calls: Default::default(),
+            }))
+        }
+    }
+
+    impl Tool for EchoTool {
+        fn schema(&self) -> serde_json::Value {
+            self.schema.clone()
+        }
+        fn create(&self, _kwargs: &serde_json::Value) -> Result<String> {
+            let id = next_instance_id();
+            self.calls.lock().unwrap().insert(id.clone(), 0.0);
+            Ok(id)
+        }
+        fn execute(&self, id: &str, args: &serde_json::Value) -> Result<ToolOutput> {
+            let text = args["text"].as_str().unwrap_or_default();
+            if text == "panic" {
+                panic!("echo was asked to panic");
+            }
+            *self.calls.lock().unwrap().get_mut(id).unwrap() += 1.0;
+            let reward = if text == "nan" { f64::NAN } else { 0.5 };
+            Ok(ToolOutput::text(text).with_reward(reward))
+        }
+        fn calc_reward(&self, id: &str) -> Result<f64> {
+            Ok(self.calls.lock().unwrap()[id])
+        }
+    }
+
+    #[test]
+    fn a_tool_plugin_runs_its_lifecycle_through_the_abi() {
+        let h = testing::tool_header::<Echo>().unwrap();
+        assert_eq!(h.kind, crate::PluginKind::Tool);
+        assert!(h.provides_tool("echo"));
+        let tool =
+            testing::tool::<Echo>(&ToolInit::new("echo", json!({"type": "native"}))).unwrap();
+        assert_eq!(tool.name(), "echo");
+        let id = tool.create(&json!({})).unwrap();
+        let out = tool.execute(&id, &json!({"text": "hi"})).unwrap();
+        assert_eq!(out, ToolOutput::text("hi").with_reward(0.5));
+        assert_eq!(tool.calc_reward(&id).unwrap(), 1.0);
+        tool.release(&id).unwrap();
+        let e = tool.call("frobnicate", &json!({})).unwrap_err().to_string();
+        assert!(
+            e.contains("plugin `echo` echo.frobnicate: not implemented"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_tool_schema_from_the_config_names_the_tool() {
+        let init = ToolInit::new("echo", json!({})).with_schema(json!({"type": "function",
+            "function": {"name": "say", "description": "says it"}}));
+        assert_eq!(testing::tool::<Echo>(&init).unwrap().name(), "say");
+    }
+
+    #[test]
+    fn a_panicking_tool_and_a_bad_reward_come_back_as_named_errors() {
+        let tool = testing::tool::<Echo>(&ToolInit::new("echo", json!({}))).unwrap();
+        let id = tool.create(&json!({})).unwrap();
+        let e = tool.execute(&id, &json!({"text": "panic"})).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Panic);
+        let msg = e.to_string();
+        assert!(
+            msg.contains("plugin `echo` echo.execute: panicked: echo was asked to panic"),
+            "{msg}"
+        );
+        let msg = tool
+            .execute(&id, &json!({"text": "nan"}))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("reward is NaN"), "{msg}");
+        let msg = testing::tool::<Echo>(&ToolInit::new("echo", json!({"colour": "red"})))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            msg.contains("plugin `echo` create_tool") && msg.contains("`config.colour`"),
+            "{msg}"
+        );
+    }
+
     #[test]
     fn root_module_symbol_matches_abi_stable() {
         assert_eq!(

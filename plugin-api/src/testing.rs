@@ -9,11 +9,13 @@
 use abi_stable::std_types::RStr;
 
 use crate::batch::Batch;
-use crate::client::{ActorClient, CriticClient, RewardClient, RewardModelClient};
-use crate::contract::{col, InitArgs};
+use crate::client::{ActorClient, CriticClient, RewardClient, RewardModelClient, ToolClient};
+use crate::contract::{col, InitArgs, ToolInit};
 use crate::error::{Error, Result};
 use crate::header::{api_compatible, PluginHeader, API_VERSION};
-use crate::sdk::{backend_module, reward_module, BackendPlugin, RewardPlugin};
+use crate::sdk::{
+    backend_module, reward_module, tool_module, BackendPlugin, RewardPlugin, ToolPlugin,
+};
 use crate::services::{services_box, ModelProvider};
 
 fn init_json(init: &InitArgs) -> String {
@@ -30,6 +32,23 @@ pub fn backend_header<P: BackendPlugin>() -> Result<PluginHeader> {
 pub fn reward_header<P: RewardPlugin>() -> Result<PluginHeader> {
     let m = reward_module::<P>();
     check_header((m.header())().as_str())
+}
+
+/// The tool plugin's header as the host would read it, checked for compatibility.
+pub fn tool_header<P: ToolPlugin>() -> Result<PluginHeader> {
+    let m = tool_module::<P>();
+    check_header((m.header())().as_str())
+}
+
+/// Create one tool of the plugin through the ABI adapter, from a tool config entry.
+pub fn tool<P: ToolPlugin>(init: &ToolInit) -> Result<ToolClient> {
+    let m = tool_module::<P>();
+    let name = P::info().name;
+    let json = serde_json::to_string(init).expect("tool init serialises");
+    let obj = (m.create_tool())(RStr::from_str(&json))
+        .into_result()
+        .map_err(|e| Error::from_ffi(e, &name, "create_tool"))?;
+    ToolClient::new(obj, name)
 }
 
 fn check_header(json: &str) -> Result<PluginHeader> {
@@ -50,7 +69,7 @@ pub fn actor<P: BackendPlugin>(init: &InitArgs) -> Result<ActorClient> {
     let obj = (m.create_actor())(RStr::from_str(&init_json(init)))
         .into_result()
         .map_err(|e| Error::from_ffi(e, &name, "create_actor"))?;
-    Ok(ActorClient::new(obj, name, "actor"))
+    Ok(ActorClient::of_module(obj, m, name, "actor"))
 }
 
 /// Create the plugin's reference policy through the ABI adapter.
@@ -60,7 +79,7 @@ pub fn reference<P: BackendPlugin>(init: &InitArgs) -> Result<ActorClient> {
     let obj = (m.create_reference())(RStr::from_str(&init_json(init)))
         .into_result()
         .map_err(|e| Error::from_ffi(e, &name, "create_reference"))?;
-    Ok(ActorClient::new(obj, name, "reference"))
+    Ok(ActorClient::of_module(obj, m, name, "reference"))
 }
 
 /// Create the plugin's critic through the ABI adapter.

@@ -185,3 +185,48 @@ fn plugins_built_against_the_api_before_reward_models_still_load() {
         "{e}"
     );
 }
+
+/// A turn driver that must never be called: the old plugin has no multi-turn generation.
+struct NeverCalled;
+
+impl verl_plugin_api::turns::TurnDriver for NeverCalled {
+    fn turns(
+        &mut self,
+        _: Vec<verl_plugin_api::turns::TurnEnd>,
+        _: bool,
+    ) -> verl_plugin_api::Result<Vec<verl_plugin_api::turns::Resume>> {
+        panic!("an old plugin called the turn driver")
+    }
+}
+
+#[test]
+fn an_actor_built_before_multi_turn_generates_and_refuses_turns_by_name() {
+    let dir = old_api_plugins();
+    let mut loader = Loader::new(&[]);
+    let backend = loader
+        .load(dir.join("libold_api_backend.so").to_str().unwrap())
+        .unwrap();
+    assert!(!backend
+        .header
+        .supports(Role::Actor, verl_plugin_api::FEATURE_MULTI_TURN));
+    let mut actor = backend
+        .create_actor(&InitArgs::new(Role::Actor, serde_json::json!({})))
+        .unwrap();
+    let prompts = verl_plugin_api::contract::prompt_batch(&[&[5, 6, 7], &[9]], 0);
+    let opts = verl_plugin_api::GenerateOptions {
+        n: 2,
+        ..Default::default()
+    };
+    // Its vtable ends before `generate_turns`: the calls it has still work ...
+    let out = actor.generate(&prompts, &opts).unwrap();
+    assert_eq!(out.tensor::<i64>(col::RESPONSES).unwrap().data, vec![7, 7, 9, 9]);
+    // ... and the appended one answers with its default: not implemented, naming the plugin.
+    let e = actor
+        .generate_turns(&prompts, &opts, &mut NeverCalled)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("old_api_backend") && e.contains("generate_turns") && e.contains("not implemented"),
+        "{e}"
+    );
+}

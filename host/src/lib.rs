@@ -11,6 +11,7 @@ pub mod loader;
 pub mod models;
 pub mod paths;
 pub mod python_reward;
+pub mod tools;
 pub mod torchlib;
 pub mod trainer;
 

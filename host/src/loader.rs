@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use abi_stable::library::{lib_header_from_path, LibHeader, LibraryError};
-use verl_plugin_api::ffi::{BackendModuleRef, RewardModuleRef};
+use verl_plugin_api::ffi::{BackendModuleRef, RewardModuleRef, ToolModuleRef};
 use verl_plugin_api::header::HEADER_SYMBOL;
 use verl_plugin_api::{api_compatible, PluginHeader, PluginKind, API_VERSION};
 
@@ -86,6 +86,7 @@ impl LoadError {
 pub enum Module {
     Backend(BackendModuleRef),
     Reward(RewardModuleRef),
+    Tool(ToolModuleRef),
 }
 
 /// A plugin loaded into this process (never unloaded).
@@ -102,13 +103,19 @@ impl LoadedPlugin {
     pub fn backend(&self) -> Result<BackendModuleRef, LoadError> {
         match self.module {
             Module::Backend(m) => Ok(m),
-            Module::Reward(_) => Err(self.wrong_kind(PluginKind::Backend)),
+            _ => Err(self.wrong_kind(PluginKind::Backend)),
         }
     }
     pub fn reward(&self) -> Result<RewardModuleRef, LoadError> {
         match self.module {
             Module::Reward(m) => Ok(m),
-            Module::Backend(_) => Err(self.wrong_kind(PluginKind::Reward)),
+            _ => Err(self.wrong_kind(PluginKind::Reward)),
+        }
+    }
+    pub fn tool(&self) -> Result<ToolModuleRef, LoadError> {
+        match self.module {
+            Module::Tool(m) => Ok(m),
+            _ => Err(self.wrong_kind(PluginKind::Tool)),
         }
     }
     fn wrong_kind(&self, expected: PluginKind) -> LoadError {
@@ -258,11 +265,16 @@ impl Loader {
             PluginKind::Reward => {
                 Module::Reward(reward_root(lib).map_err(|e| library_error(&path, &header, e))?)
             }
+            PluginKind::Tool => Module::Tool(
+                lib.init_root_module::<ToolModuleRef>()
+                    .map_err(|e| library_error(&path, &header, e))?,
+            ),
         };
         let callbacks = verl_plugin_api::forward_to_tracing(verl_plugin_api::current_max_level());
         match module {
             Module::Backend(m) => (m.set_host())(callbacks),
             Module::Reward(m) => (m.set_host())(callbacks),
+            Module::Tool(m) => (m.set_host())(callbacks),
         }
         tracing::debug!(plugin = %header.name, path = %path.display(), "plugin loaded");
         let loaded = LoadedPlugin {
@@ -274,6 +286,27 @@ impl Loader {
         self.loaded.insert(key, loaded.clone());
         Ok(loaded)
     }
+
+    /// The first tool plugin on the search path that serves `class_name` (its header lists it),
+    /// loaded. Libraries that link libtorch are skipped unopened: a tool plugin never does, and
+    /// opening a backend would load libtorch for nothing.
+    pub fn find_tool_plugin(
+        &mut self,
+        class_name: &str,
+    ) -> Option<Result<LoadedPlugin, LoadError>> {
+        for path in self.discover() {
+            if torch_dependencies(&path).map_or(true, |deps| !deps.is_empty()) {
+                continue;
+            }
+            let Ok(header) = read_header(&path) else {
+                continue;
+            };
+            if header.provides_tool(class_name) {
+                return Some(self.load(&path.display().to_string()));
+            }
+        }
+        None
+    }
 }
 
 /// A backend's root module. One built before fields were appended to [`BackendModuleRef`] fails
@@ -281,13 +314,18 @@ impl Loader {
 /// then checked against the frozen prefix (`ffi::v1`) and, when it has none of the appended fields,
 /// used with those fields absent (their accessors return `None`, e.g. no upfront `validate`).
 fn backend_root(lib: &'static LibHeader) -> Result<BackendModuleRef, LibraryError> {
-    use verl_plugin_api::ffi::{v1, v2};
+    use verl_plugin_api::ffi::{v1, v2, v3};
     match lib.init_root_module::<BackendModuleRef>() {
         Err(full @ LibraryError::AbiInstability(_)) => {
             let older = lib
-                .init_root_module::<v2::BackendModuleRef>()
+                .init_root_module::<v3::BackendModuleRef>()
                 .ok()
-                .and_then(v2::as_current)
+                .and_then(v3::as_current)
+                .or_else(|| {
+                    lib.init_root_module::<v2::BackendModuleRef>()
+                        .ok()
+                        .and_then(v2::as_current)
+                })
                 .or_else(|| {
                     lib.init_root_module::<v1::BackendModuleRef>()
                         .ok()
@@ -338,6 +376,20 @@ fn candidate_files(name: &str) -> Vec<String> {
 
 /// Check the file is an ELF shared library and preload libtorch if it needs it.
 fn prepare(path: &Path) -> Result<(bool, Option<TorchLib>), LoadError> {
+    let torch_needed = torch_dependencies(path)?;
+    if torch_needed.is_empty() {
+        return Ok((false, None));
+    }
+    let torch = torchlib::preload(&torch_needed).map_err(|tried| LoadError::NoLibtorch {
+        path: path.into(),
+        needed: torch_needed.join(", "),
+        tried,
+    })?;
+    Ok((true, Some(torch)))
+}
+
+/// The libtorch libraries an ELF shared library links (checked to be one; nothing is loaded).
+fn torch_dependencies(path: &Path) -> Result<Vec<String>, LoadError> {
     let data = std::fs::read(path).map_err(|e| LoadError::Open {
         path: path.into(),
         reason: e.to_string(),
@@ -356,21 +408,12 @@ fn prepare(path: &Path) -> Result<(bool, Option<TorchLib>), LoadError> {
             goblin::elf::header::et_to_str(elf.header.e_type)
         )));
     }
-    let torch_needed: Vec<String> = elf
+    Ok(elf
         .libraries
         .iter()
         .filter(|l| torchlib::is_torch_library(l))
         .map(|l| l.to_string())
-        .collect();
-    if torch_needed.is_empty() {
-        return Ok((false, None));
-    }
-    let torch = torchlib::preload(&torch_needed).map_err(|tried| LoadError::NoLibtorch {
-        path: path.into(),
-        needed: torch_needed.join(", "),
-        tried,
-    })?;
-    Ok((true, Some(torch)))
+        .collect())
 }
 
 fn read_header(path: &Path) -> Result<PluginHeader, LoadError> {
@@ -457,8 +500,9 @@ impl LoadedPlugin {
         let obj = (m.create_actor())(Self::init_json(init).as_str().into())
             .into_result()
             .map_err(|e| ffi_error(e, &self.header.name, "create_actor"))?;
-        Ok(verl_plugin_api::client::ActorClient::new(
+        Ok(verl_plugin_api::client::ActorClient::of_module(
             obj,
+            m,
             self.header.name.clone(),
             "actor",
         ))
@@ -472,8 +516,9 @@ impl LoadedPlugin {
         let obj = (m.create_reference())(Self::init_json(init).as_str().into())
             .into_result()
             .map_err(|e| ffi_error(e, &self.header.name, "create_reference"))?;
-        Ok(verl_plugin_api::client::ActorClient::new(
+        Ok(verl_plugin_api::client::ActorClient::of_module(
             obj,
+            m,
             self.header.name.clone(),
             "reference",
         ))
@@ -552,6 +597,25 @@ impl LoadedPlugin {
             obj,
             self.header.name.clone(),
         ))
+    }
+}
+
+/// Creating a tool from a loaded tool plugin.
+impl LoadedPlugin {
+    /// Creates the tool of one tool config entry; its schema is read and checked.
+    pub fn create_tool(
+        &self,
+        init: &verl_plugin_api::ToolInit,
+    ) -> anyhow::Result<verl_plugin_api::client::ToolClient> {
+        let m = self.tool()?;
+        let json = serde_json::to_string(init).expect("tool init serialises");
+        let obj = (m.create_tool())(json.as_str().into())
+            .into_result()
+            .map_err(|e| ffi_error(e, &self.header.name, "create_tool"))?;
+        Ok(verl_plugin_api::client::ToolClient::new(
+            obj,
+            self.header.name.clone(),
+        )?)
     }
 }
 

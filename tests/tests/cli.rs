@@ -77,6 +77,29 @@ fn plugins_are_found_by_name_next_to_the_binary() {
 }
 
 #[test]
+fn the_built_in_tools_are_found_by_name_and_inspected() {
+    let inst = install(&["libverl_tools.so"]);
+    let o = run(&inst.path().join("verl"), &["plugin", "inspect", "tools"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("kind          tool"), "{out}");
+    assert!(
+        out.contains("tools         calculator, gsm8k, verl.tools.gsm8k_tool.Gsm8kTool, python"),
+        "{out}"
+    );
+    assert!(out.contains("compatible    yes"), "{out}");
+    assert!(
+        out.contains("`calculator`: Evaluate an arithmetic expression"),
+        "{out}"
+    );
+    assert!(
+        out.contains("`calc_gsm8k_reward`: A tool for calculating"),
+        "{out}"
+    );
+    assert!(out.contains("`python`: Run Python 3 code"), "{out}");
+}
+
+#[test]
 fn plugin_path_env_is_searched_first() {
     let inst = install(&[]);
     let o = std::process::Command::new(inst.path().join("verl"))

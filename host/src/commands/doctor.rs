@@ -95,12 +95,17 @@ pub fn checks(loader: &Loader) -> Vec<Check> {
                         }
                     })
                     .collect();
+                let serves = if i.header.tools.is_empty() {
+                    roles.join(", ")
+                } else {
+                    i.header.tools.join(", ")
+                };
                 let detail = format!(
                     "{} {} ({} plugin: {}) at {}",
                     i.header.name,
                     i.header.version,
                     i.header.kind,
-                    roles.join(", "),
+                    serves,
                     i.path.display()
                 );
                 match i.compatible {

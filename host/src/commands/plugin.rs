@@ -71,7 +71,11 @@ fn inspect(spec: &str) -> anyhow::Result<ExitCode> {
         h.api_version,
         verl_plugin_api::API_VERSION
     );
-    println!("roles");
+    if h.kind == verl_plugin_api::PluginKind::Tool {
+        println!("tools         {}", h.tools.join(", "));
+    } else {
+        println!("roles");
+    }
     for c in &h.capabilities {
         let state = if c.implemented {
             "ready"
@@ -125,9 +129,34 @@ fn inspect(spec: &str) -> anyhow::Result<ExitCode> {
         );
     }
     // Full handshake: the root module's layout and initialisation.
-    loader.load(spec)?;
+    let plugin = loader.load(spec)?;
     println!("compatible    yes (header, plugin-api semver and root-module layout checked)");
+    if h.kind == verl_plugin_api::PluginKind::Tool {
+        describe_tools(&plugin);
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Each tool class created with an empty config: the tool's name and description, or why it
+/// needs a config.
+fn describe_tools(plugin: &crate::LoadedPlugin) {
+    println!("tool schemas  (each class with an empty config)");
+    for class in &plugin.header.tools {
+        let init = verl_plugin_api::ToolInit::new(class.clone(), serde_json::json!({}));
+        match plugin.create_tool(&init) {
+            Ok(tool) => {
+                let description = tool.schema()["function"]["description"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+                println!("  {class:<34} `{}`: {description}", tool.name());
+            }
+            Err(e) => println!("  {class:<34} needs a config: {e:#}"),
+        }
+    }
 }
 
 fn list() -> anyhow::Result<ExitCode> {

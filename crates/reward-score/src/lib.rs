@@ -1,5 +1,10 @@
-//! `default_compute_score`: routes a sample to its scorer by `data_source`, exactly as verl 0.9.1
-//! does, and shapes the result (plain score, or score plus extra metrics).
+//! verl-reward-score: verl 0.9.1's rule reward scorers (`verl.utils.reward_score`: gsm8k,
+//! hendrycks MATH, math_dapo) as plain functions, text in and score out, bit-for-bit verl's.
+//! `default_compute_score` routes a sample to its scorer by `data_source` and shapes the result
+//! (plain score, or score plus extra metrics).
+//!
+//! Shared by the `rewards` plugin and the gsm8k tool of the `tools` plugin. It must not know about
+//! the plugin ABI, batches or tokens, and must never link libtorch.
 
 pub mod gsm8k;
 pub mod math_dapo;

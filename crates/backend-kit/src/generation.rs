@@ -73,6 +73,33 @@ impl GenerateCall {
         })
     }
 
+    /// [`GenerateCall::run`] of a multi-turn call: sequences that stop wait for `driver`
+    /// ([`verl_rollout::generate_turns`]).
+    pub fn run_turns(
+        &self,
+        model: &verl_nn::Transformer,
+        config: &verl_rollout::EngineConfig,
+        driver: &mut dyn verl_plugin_api::turns::TurnDriver,
+    ) -> Result<(Generation, verl_rollout::GenerationStats)> {
+        let mut bridge = Bridge(driver);
+        tch::no_grad(|| {
+            verl_rollout::generate_turns(
+                model,
+                &self.ids,
+                &self.mask,
+                &self.params,
+                None,
+                config,
+                &mut bridge,
+            )
+        })
+        .map_err(|e| {
+            crate::BackendError::Api(verl_plugin_api::Error::failed(format!(
+                "multi-turn generation: {e}"
+            )))
+        })
+    }
+
     /// The engine's output as the host's batch: each response row with its prompt repeated, the
     /// masks, the prompt index, the rollout log-probs when asked for, the finish reasons, and the
     /// engine's metrics in `meta`.
@@ -104,6 +131,9 @@ impl GenerateCall {
             &[rows, rl],
             &i64_vec(&gen.response_mask)?,
         );
+        if let Some(sampled) = &gen.sampled_mask {
+            out.insert_tensor(col::LOSS_MASK, &[rows, rl], &i64_vec(sampled)?);
+        }
         out.insert_tensor(col::PROMPT_INDEX, &[rows], &gen.prompt_index);
         if let Some(lp) = &gen.log_probs {
             out.insert_tensor(
@@ -123,6 +153,40 @@ impl GenerateCall {
         out.insert_strings(col::FINISH_REASON, &reasons);
         out.set_meta(meta);
         Ok(out)
+    }
+}
+
+/// The host's turn driver (across the ABI) as the engine's.
+struct Bridge<'a>(&'a mut dyn verl_plugin_api::turns::TurnDriver);
+
+impl verl_rollout::TurnDriver for Bridge<'_> {
+    fn turns(
+        &mut self,
+        ended: Vec<verl_rollout::TurnEnd>,
+        idle: bool,
+    ) -> verl_rollout::Result<Vec<verl_rollout::Resume>> {
+        use verl_plugin_api::turns::{Resume, TurnEnd};
+        let ended = ended
+            .into_iter()
+            .map(|e| TurnEnd {
+                row: e.row,
+                tokens: e.tokens,
+                stopped: e.finish == FinishReason::Stop,
+                waits: e.waits,
+                response_len: e.response_len,
+            })
+            .collect();
+        let answers = self
+            .0
+            .turns(ended, idle)
+            .map_err(|e| verl_rollout::RolloutError::Driver(e.to_string()))?;
+        Ok(answers
+            .into_iter()
+            .map(|a| match a {
+                Resume::Continue { row, tokens } => verl_rollout::Resume::Continue { row, tokens },
+                Resume::Finish { row } => verl_rollout::Resume::Finish { row },
+            })
+            .collect())
     }
 }
 

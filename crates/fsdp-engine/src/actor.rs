@@ -288,6 +288,25 @@ impl FsdpActor {
         call.into_batch(&gen, &meta)
     }
 
+    fn do_generate_turns(
+        &mut self,
+        prompts: &Batch,
+        o: &GenerateOptions,
+        driver: &mut dyn verl_plugin_api::turns::TurnDriver,
+    ) -> Result<Batch> {
+        let seed = derive_seed(self.settings.seed, self.settings.generate_calls);
+        let eos = self.model().config().eos_token_ids.clone();
+        let call = GenerateCall::new(prompts, o, self.device, &eos, seed)?;
+        self.settings.generate_calls += 1;
+        let (engine_keys, device) = (self.engine.clone(), self.device);
+        let (gen, meta) = self.run_model(|model| {
+            let budget = kv_budget(model, device, &engine_keys, &call.mask, &call.params)?;
+            let (gen, stats) = call.run_turns(model, &budget.config, driver)?;
+            Ok((gen, budget.metrics(&stats)))
+        })?;
+        call.into_batch(&gen, &meta)
+    }
+
     fn do_log_prob(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {
         if !o.base_model {
             return self.with_params_on_device(|s| s.log_prob_on_device(batch, o));
@@ -572,6 +591,16 @@ impl Actor for FsdpActor {
     fn generate(&mut self, prompts: &Batch, options: &GenerateOptions) -> ApiResult<Batch> {
         let _trace = verl_nn::profile::trace("generate", self.device);
         let r = self.with_params_on_device(|s| s.do_generate(prompts, options));
+        Ok(self.spmd(r)?)
+    }
+    fn generate_turns(
+        &mut self,
+        prompts: &Batch,
+        options: &GenerateOptions,
+        driver: &mut dyn verl_plugin_api::turns::TurnDriver,
+    ) -> ApiResult<Batch> {
+        let _trace = verl_nn::profile::trace("generate", self.device);
+        let r = self.with_params_on_device(|s| s.do_generate_turns(prompts, options, driver));
         Ok(self.spmd(r)?)
     }
     fn compute_log_prob(&mut self, batch: &Batch, options: &LogProbOptions) -> ApiResult<Batch> {

@@ -44,7 +44,10 @@ impl BackendPlugin for FsdpPlugin {
             ),
             capabilities: vec![
                 Capability {
-                    features: vec![verl_plugin_api::FEATURE_LORA.into()],
+                    features: vec![
+                        verl_plugin_api::FEATURE_LORA.into(),
+                        verl_plugin_api::FEATURE_MULTI_TURN.into(),
+                    ],
                     ..ready(Role::Actor)
                 },
                 ready(Role::Reference),

@@ -19,7 +19,7 @@ pub use tokenizer::{
     CHAT_TEMPLATE_JSON_FILE, GENERATION_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE,
     TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
 };
-pub use train::train_bpe;
+pub use train::{train_bpe, train_bpe_with, BpeOptions};
 
 /// Re-exported so callers can name the training/`inner()` type without their own dependency.
 pub use tokenizers;

@@ -72,3 +72,129 @@ pub(crate) fn rule_rewards<S: AsRef<str>>(truths: impl ExactSizeIterator<Item = 
         None,
     ))
 }
+
+/// The Arrow type of a JSON value as pyarrow infers it from Python objects: objects become
+/// structs (fields in key order), arrays lists of their first element's type, integers `int64`,
+/// other numbers `float64`. `null` becomes the null type.
+fn json_type(v: &serde_json::Value) -> DataType {
+    use serde_json::Value;
+    match v {
+        Value::Null => DataType::Null,
+        Value::Bool(_) => DataType::Boolean,
+        Value::Number(n) if n.is_i64() => DataType::Int64,
+        Value::Number(_) => DataType::Float64,
+        Value::String(_) => DataType::Utf8,
+        Value::Array(a) => DataType::List(Arc::new(Field::new(
+            LIST_ITEM,
+            a.first().map_or(DataType::Null, json_type),
+            true,
+        ))),
+        Value::Object(o) => DataType::Struct(Fields::from(
+            o.iter()
+                .map(|(k, v)| Field::new(k, json_type(v), true))
+                .collect::<Vec<_>>(),
+        )),
+    }
+}
+
+/// A column of `values` (one per row, all of the first non-null value's shape; a missing
+/// struct field is null). `Err` names the first value that does not fit that shape.
+pub(crate) fn json_column(values: &[serde_json::Value]) -> Result<ArrayRef, String> {
+    let ty = values
+        .iter()
+        .find(|v| !v.is_null())
+        .map_or(DataType::Null, json_type);
+    json_array(values.iter().collect(), &ty)
+}
+
+fn json_array(values: Vec<&serde_json::Value>, ty: &DataType) -> Result<ArrayRef, String> {
+    use arrow_array::{BooleanArray, Float64Array, Int64Array, NullArray};
+    use arrow_buffer::NullBuffer;
+    use serde_json::Value;
+    let mismatch = |v: &Value| format!("a value of type {ty}, found {v}");
+    let valid = NullBuffer::from(values.iter().map(|v| !v.is_null()).collect::<Vec<_>>());
+    let nulls = (valid.null_count() > 0).then_some(valid);
+    let out: ArrayRef = match ty {
+        DataType::Null => Arc::new(NullArray::new(values.len())),
+        DataType::Boolean => Arc::new(
+            values
+                .iter()
+                .map(|v| match v {
+                    Value::Null => Ok(None),
+                    Value::Bool(b) => Ok(Some(*b)),
+                    v => Err(mismatch(v)),
+                })
+                .collect::<Result<BooleanArray, _>>()?,
+        ),
+        DataType::Int64 => Arc::new(
+            values
+                .iter()
+                .map(|v| match v {
+                    Value::Null => Ok(None),
+                    v => v.as_i64().map(Some).ok_or_else(|| mismatch(v)),
+                })
+                .collect::<Result<Int64Array, _>>()?,
+        ),
+        DataType::Float64 => Arc::new(
+            values
+                .iter()
+                .map(|v| match v {
+                    Value::Null => Ok(None),
+                    v => v.as_f64().map(Some).ok_or_else(|| mismatch(v)),
+                })
+                .collect::<Result<Float64Array, _>>()?,
+        ),
+        DataType::Utf8 => Arc::new(
+            values
+                .iter()
+                .map(|v| match v {
+                    Value::Null => Ok(None),
+                    Value::String(s) => Ok(Some(s.as_str())),
+                    v => Err(mismatch(v)),
+                })
+                .collect::<Result<StringArray, _>>()?,
+        ),
+        DataType::List(item) => {
+            let mut lengths = Vec::with_capacity(values.len());
+            let mut children = Vec::new();
+            for v in &values {
+                match v {
+                    Value::Null => lengths.push(0),
+                    Value::Array(a) => {
+                        lengths.push(a.len());
+                        children.extend(a.iter());
+                    }
+                    v => return Err(mismatch(v)),
+                }
+            }
+            let child = json_array(children, item.data_type())?;
+            Arc::new(ListArray::new(
+                item.clone(),
+                OffsetBuffer::from_lengths(lengths),
+                child,
+                nulls,
+            ))
+        }
+        DataType::Struct(fields) => {
+            for v in &values {
+                if !matches!(v, Value::Null | Value::Object(_)) {
+                    return Err(mismatch(v));
+                }
+            }
+            let columns = fields
+                .iter()
+                .map(|f| {
+                    let child = values
+                        .iter()
+                        .map(|v| v.get(f.name()).unwrap_or(&Value::Null))
+                        .collect();
+                    json_array(child, f.data_type())
+                        .map_err(|e| format!("field `{}`: {e}", f.name()))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Arc::new(StructArray::new(fields.clone(), columns, nulls))
+        }
+        other => return Err(format!("a JSON-representable type, found {other}")),
+    };
+    Ok(out)
+}

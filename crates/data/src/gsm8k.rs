@@ -122,21 +122,48 @@ fn extra_fields() -> Fields {
 
 /// The Arrow schema of verl's GSM8K parquet (column order and nested field names included).
 pub fn gsm8k_schema() -> Schema {
-    Schema::new(vec![
+    gsm8k_schema_with(false)
+}
+
+/// `gsm8k_schema`, with verl's per-row agent loop selector `agent_name` after `data_source` when
+/// `agent` (the column verl's `gsm8k_tool_agent_loop.py` adds), in the fields and in the
+/// `datasets` feature metadata.
+fn gsm8k_schema_with(agent: bool) -> Schema {
+    let mut fields = vec![
         utf8("data_source"),
         prompt_field(),
         utf8("ability"),
         reward_field(),
         Field::new("extra_info", DataType::Struct(extra_fields()), true),
-    ])
-    .with_metadata(HashMap::from([(
-        "huggingface".to_string(),
-        HF_FEATURES.to_string(),
-    )]))
+    ];
+    let mut features = HF_FEATURES.to_string();
+    if agent {
+        fields.insert(1, utf8("agent_name"));
+        let v: Value = serde_json::from_str(HF_FEATURES).expect("valid feature metadata");
+        let mut out = serde_json::Map::new();
+        for (k, f) in v["info"]["features"].as_object().expect("features object") {
+            out.insert(k.clone(), f.clone());
+            if k == "data_source" {
+                out.insert("agent_name".into(), f.clone());
+            }
+        }
+        features = crate::py_json::dumps(&serde_json::json!({"info": {"features": out}}), None);
+    }
+    Schema::new(fields).with_metadata(HashMap::from([("huggingface".to_string(), features)]))
 }
 
 /// Builds the record batch of `rows` in verl's schema.
 pub fn gsm8k_record_batch(rows: &[Gsm8kRow]) -> Result<RecordBatch> {
+    gsm8k_record_batch_with(rows, GSM8K_INSTRUCTION, None)
+}
+
+/// [`gsm8k_record_batch`] with another instruction after each question (one space between), and
+/// with an `agent_name` column (verl's per-row agent loop, e.g. `tool_agent`) when given.
+pub fn gsm8k_record_batch_with(
+    rows: &[Gsm8kRow],
+    instruction: &str,
+    agent_name: Option<&str>,
+) -> Result<RecordBatch> {
     let n = rows.len();
     let extra = StructArray::new(
         extra_fields(),
@@ -148,20 +175,26 @@ pub fn gsm8k_record_batch(rows: &[Gsm8kRow]) -> Result<RecordBatch> {
         ],
         None,
     );
-    RecordBatch::try_new(
-        Arc::new(gsm8k_schema()),
-        vec![
-            strings(std::iter::repeat_n(GSM8K_DATA_SOURCE, n)),
-            user_prompts(rows.iter().map(Gsm8kRow::prompt_content).collect()),
-            strings(std::iter::repeat_n("math", n)),
-            rule_rewards(rows.iter().map(|r| r.solution.as_str())),
-            Arc::new(extra),
-        ],
+    let mut columns = vec![
+        strings(std::iter::repeat_n(GSM8K_DATA_SOURCE, n)),
+        user_prompts(
+            rows.iter()
+                .map(|r| format!("{} {instruction}", r.question))
+                .collect(),
+        ),
+        strings(std::iter::repeat_n("math", n)),
+        rule_rewards(rows.iter().map(|r| r.solution.as_str())),
+        Arc::new(extra),
+    ];
+    if let Some(agent) = agent_name {
+        columns.insert(1, strings(std::iter::repeat_n(agent, n)));
+    }
+    RecordBatch::try_new(Arc::new(gsm8k_schema_with(agent_name.is_some())), columns).map_err(
+        |source| DataError::Arrow {
+            path: PathBuf::from("<gsm8k record batch>"),
+            source,
+        },
     )
-    .map_err(|source| DataError::Arrow {
-        path: PathBuf::from("<gsm8k record batch>"),
-        source,
-    })
 }
 
 /// Files written by [`gsm8k_preprocess`].
@@ -213,5 +246,40 @@ mod tests {
         assert_eq!(extract_solution("####5"), None);
         assert_eq!(extract_solution("#### -"), None);
         assert_eq!(extract_solution("no answer"), None);
+    }
+
+    #[test]
+    fn agent_schema_adds_agent_name_after_data_source_in_fields_and_features() {
+        let plain = gsm8k_schema();
+        let agent = gsm8k_schema_with(true);
+        let names = |s: &Schema| {
+            s.fields()
+                .iter()
+                .map(|f| f.name().clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            names(&agent),
+            [
+                "data_source",
+                "agent_name",
+                "prompt",
+                "ability",
+                "reward_model",
+                "extra_info"
+            ]
+        );
+        assert_eq!(plain.metadata()["huggingface"], HF_FEATURES);
+        let features: Value = serde_json::from_str(&agent.metadata()["huggingface"]).unwrap();
+        let keys: Vec<&String> = features["info"]["features"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .collect();
+        assert_eq!(keys, names(&agent).iter().collect::<Vec<_>>());
+        assert_eq!(
+            features["info"]["features"]["agent_name"],
+            serde_json::json!({"dtype": "string", "_type": "Value"})
+        );
     }
 }

@@ -1,7 +1,9 @@
 //! `verl sft JOB.yaml [overrides]`: supervised fine-tuning with verl's SFT trainer semantics
 //! (`verl/trainer/fsdp_sft_trainer.py`, keys of `sft_trainer.yaml`): (prompt, response) pairs from
 //! parquet, the prompt rendered with the model's chat template, the response followed by EOS, the
-//! loss on response tokens only; seeded shuffling per epoch with `drop_last`, `train_batch_size`
+//! loss on response tokens only; or, with `data.multiturn.enable`, conversations (verl's
+//! `MultiTurnSFTDataset`: each message rendered on its own, the row's tools with the first, the
+//! loss on the assistant messages' tokens only, their headers excluded); seeded shuffling per epoch with `drop_last`, `train_batch_size`
 //! rows per optimizer step in `micro_batch_size_per_gpu` micro-batches, warmup + cosine/constant
 //! LR, validation loss each `test_freq` steps and at the end, HF checkpoints each `save_freq` steps
 //! and at the end, metrics through the `trainer.logger` sinks.
@@ -69,6 +71,12 @@ data:
   response_key: answer
   prompt_dict_keys: null
   response_dict_keys: null
+  multiturn:
+    enable: false
+    messages_key: messages
+    tools_key: tools
+    enable_thinking_key: enable_thinking
+  ignore_input_ids_mismatch: false
   max_length: 1024
   truncation: error
   chat_template: null
@@ -125,6 +133,19 @@ pub struct DataSection {
     pub response_dict_keys: Option<Vec<String>>,
     pub max_length: usize,
     pub truncation: String,
+    pub multiturn: MultiturnSection,
+    /// Multi-turn: accept (with a warning) a conversation whose message-by-message tokens differ
+    /// from the whole conversation's rendering, instead of failing (verl's key).
+    pub ignore_input_ids_mismatch: bool,
+}
+
+/// `data.multiturn`: verl's switch to `MultiTurnSFTDataset` and its column names.
+#[derive(Debug, Deserialize)]
+pub struct MultiturnSection {
+    pub enable: bool,
+    pub messages_key: String,
+    pub tools_key: String,
+    pub enable_thinking_key: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -333,13 +354,19 @@ impl SftConfig {
     }
 }
 
-/// One tokenized pair: prompt ids (chat template, generation prompt) and response ids (+ EOS).
+/// One tokenized example: prompt ids (chat template, generation prompt) and response ids (+ EOS);
+/// for a conversation, the ids before its first trained token and the rest, with `loss_mask`
+/// marking the trained (assistant) tokens of the rest.
 struct Example {
     prompt: Vec<i64>,
     response: Vec<i64>,
+    loss_mask: Option<Vec<i64>>,
 }
 
 fn tokenize(cfg: &SftConfig, tok: &Tokenizer, files: &[PathBuf]) -> anyhow::Result<Vec<Example>> {
+    if cfg.data.multiturn.enable {
+        return tokenize_conversations(cfg, tok, files);
+    }
     let keys = verl_data::SftKeys {
         prompt_key: cfg.data.prompt_key.clone(),
         response_key: cfg.data.response_key.clone(),
@@ -392,12 +419,158 @@ fn tokenize(cfg: &SftConfig, tok: &Tokenizer, files: &[PathBuf]) -> anyhow::Resu
                 ),
             }
         }
-        out.push(Example { prompt, response });
+        out.push(Example {
+            prompt,
+            response,
+            loss_mask: None,
+        });
     }
     Ok(out)
 }
 
-/// The sequence batch of `rows`: left-padded prompts, right-padded responses (mask = loss mask).
+/// The token ids of `messages` rendered with `opts`.
+fn ids(
+    tok: &Tokenizer,
+    messages: &[serde_json::Value],
+    opts: &ChatOptions,
+) -> anyhow::Result<Vec<i64>> {
+    Ok(tok
+        .apply_chat_template_ids(messages, opts)?
+        .into_iter()
+        .map(i64::from)
+        .collect())
+}
+
+/// One conversation as verl's `MultiTurnSFTDataset` tokenizes it: each message rendered on its
+/// own (the tools with the first; later messages without the system prompt the template puts
+/// before every rendering), concatenated; the loss mask is 1 on an assistant message's tokens
+/// after the generation prompt (its content, end-of-turn marker and what follows it).
+fn conversation_ids(
+    tok: &Tokenizer,
+    c: &verl_data::SftConversation,
+    base: &ChatOptions,
+    system_prompt: usize,
+    generation_prompt: usize,
+) -> anyhow::Result<(Vec<i64>, Vec<i64>)> {
+    let (mut input, mut mask) = (Vec::new(), Vec::new());
+    for (i, m) in c.messages.iter().enumerate() {
+        let opts = ChatOptions {
+            tools: if i == 0 { c.tools.clone() } else { None },
+            ..base.clone()
+        };
+        let mut part = ids(tok, std::slice::from_ref(m), &opts)?;
+        let role = m["role"].as_str().unwrap_or_default();
+        if i != 0 && role != "system" {
+            part.drain(..system_prompt.min(part.len()));
+        }
+        let trained = if role == "assistant" { 1 } else { 0 };
+        mask.extend((0..part.len()).map(|k| if k < generation_prompt { 0 } else { trained }));
+        input.extend(part);
+    }
+    Ok((input, mask))
+}
+
+/// `data.multiturn.enable`: the conversations of `files` as examples.
+fn tokenize_conversations(
+    cfg: &SftConfig,
+    tok: &Tokenizer,
+    files: &[PathBuf],
+) -> anyhow::Result<Vec<Example>> {
+    let mt = &cfg.data.multiturn;
+    let keys = verl_data::MultiturnKeys {
+        messages_key: mt.messages_key.clone(),
+        tools_key: mt.tools_key.clone(),
+        enable_thinking_key: mt.enable_thinking_key.clone(),
+    };
+    let conversations = verl_data::read_sft_conversations(files, &keys)?;
+    // verl's `extract_system_prompt_and_generation`: what the template puts before any message
+    // and what it appends for a generation prompt, from renderings of empty user turns.
+    let empty = serde_json::json!({"role": "user", "content": ""});
+    let plain = ChatOptions::default();
+    let one = ids(tok, std::slice::from_ref(&empty), &plain)?;
+    let two = ids(tok, &[empty.clone(), empty.clone()], &plain)?;
+    let system_prompt = one
+        .len()
+        .saturating_sub(two.len().saturating_sub(one.len()));
+    let generation_prompt = ids(
+        tok,
+        std::slice::from_ref(&empty),
+        &ChatOptions::with_generation_prompt(),
+    )?
+    .len()
+    .saturating_sub(one.len());
+    let max = cfg.data.max_length;
+    let mut warned = false;
+    let mut out = Vec::with_capacity(conversations.len());
+    for (i, c) in conversations.iter().enumerate() {
+        let mut base = ChatOptions::default();
+        if let Some(t) = c.enable_thinking {
+            base.extra_vars
+                .insert("enable_thinking".into(), serde_json::Value::Bool(t));
+        }
+        let (mut input, mut mask) =
+            conversation_ids(tok, c, &base, system_prompt, generation_prompt)?;
+        let whole = ids(
+            tok,
+            &c.messages,
+            &ChatOptions {
+                tools: c.tools.clone(),
+                ..base.clone()
+            },
+        )?;
+        if whole != input {
+            let msg = format!(
+                "{files:?} conversation {i}: its messages tokenized one by one ({} tokens) differ \
+                 from the whole conversation's rendering ({} tokens); the chat template renders a \
+                 message differently in context",
+                input.len(),
+                whole.len()
+            );
+            if !cfg.data.ignore_input_ids_mismatch {
+                bail!("{msg} (set data.ignore_input_ids_mismatch=true to train on the message-by-message tokens)");
+            }
+            if !warned {
+                tracing::warn!("{msg}; training on the message-by-message tokens");
+                warned = true;
+            }
+        }
+        if input.len() > max {
+            match cfg.data.truncation.as_str() {
+                "left" => {
+                    input.drain(..input.len() - max);
+                    mask.drain(..mask.len() - max);
+                }
+                "right" => {
+                    input.truncate(max);
+                    mask.truncate(max);
+                }
+                _ => bail!(
+                    "{files:?} conversation {i}: {} tokens exceed data.max_length={max} \
+                     (data.truncation=error; raise max_length or set truncation to left/right)",
+                    input.len()
+                ),
+            }
+        }
+        let Some(first) = mask.iter().position(|&m| m == 1) else {
+            bail!(
+                "{files:?} conversation {i}: no assistant tokens to train on (after truncation to \
+                 data.max_length={max}); each conversation needs an assistant message"
+            );
+        };
+        // The first token is always context: it predicts nothing.
+        let split = first.max(1);
+        let response = input.split_off(split);
+        out.push(Example {
+            prompt: input,
+            response,
+            loss_mask: Some(mask.split_off(split)),
+        });
+    }
+    Ok(out)
+}
+
+/// The sequence batch of `rows`: left-padded prompts, right-padded responses (mask = loss mask,
+/// or a `loss_mask` column beside it when the examples carry one).
 fn batch_of(examples: &[Example], rows: &[usize], pad: i64) -> Batch {
     let pw = rows
         .iter()
@@ -409,7 +582,8 @@ fn batch_of(examples: &[Example], rows: &[usize], pad: i64) -> Batch {
         .map(|&r| examples[r].response.len())
         .max()
         .unwrap_or(1);
-    let (mut p, mut pm, mut r, mut rm) = (vec![], vec![], vec![], vec![]);
+    let with_loss_mask = rows.iter().any(|&r| examples[r].loss_mask.is_some());
+    let (mut p, mut pm, mut r, mut rm, mut lm) = (vec![], vec![], vec![], vec![], vec![]);
     for &i in rows {
         let e = &examples[i];
         let padn = pw - e.prompt.len();
@@ -423,12 +597,22 @@ fn batch_of(examples: &[Example], rows: &[usize], pad: i64) -> Batch {
                 .chain(std::iter::repeat_n(pad, rpad)),
         );
         rm.extend(std::iter::repeat_n(1i64, e.response.len()).chain(std::iter::repeat_n(0, rpad)));
+        if with_loss_mask {
+            match &e.loss_mask {
+                Some(m) => lm.extend(m.iter().copied()),
+                None => lm.extend(std::iter::repeat_n(1i64, e.response.len())),
+            }
+            lm.extend(std::iter::repeat_n(0i64, rpad));
+        }
     }
     let mut b = Batch::new();
     b.insert_tensor(col::PROMPTS, &[rows.len(), pw], &p);
     b.insert_tensor(col::PROMPT_MASK, &[rows.len(), pw], &pm);
     b.insert_tensor(col::RESPONSES, &[rows.len(), rw], &r);
     b.insert_tensor(col::RESPONSE_MASK, &[rows.len(), rw], &rm);
+    if with_loss_mask {
+        b.insert_tensor(col::LOSS_MASK, &[rows.len(), rw], &lm);
+    }
     b
 }
 
@@ -647,6 +831,126 @@ mod tests {
             .to_string();
         assert!(
             e.contains("optim.learning_rate") && e.contains("clip_grad"),
+            "{e}"
+        );
+    }
+
+    /// A model folder from `verl init-model` on the tool variant's data, and a config reading it
+    /// as multi-turn conversations.
+    fn tool_setup(dir: &Path) -> (Tokenizer, SftConfig, PathBuf) {
+        let data = verl_data::arith_write(
+            &dir.join("data"),
+            &verl_data::ArithConfig {
+                train: 64,
+                val: 4,
+                min_operand: 100,
+                max_operand: 9999,
+                tool_rate: Some(0.5),
+                ..verl_data::ArithConfig::default()
+            },
+        )
+        .unwrap();
+        let spec = crate::commands::init_model::ModelSpec {
+            vocab: 1024,
+            hidden: 16,
+            intermediate: 32,
+            heads: 2,
+            kv_heads: 1,
+            digit_group: Some(1),
+            ..Default::default()
+        };
+        let model = dir.join("model");
+        crate::commands::init_model::init_model(
+            &model,
+            std::slice::from_ref(&data.sft_train),
+            &spec,
+        )
+        .unwrap();
+        let job = dir.join("sft.yaml");
+        std::fs::write(
+            &job,
+            "data:\n  multiturn:\n    enable: true\n  max_length: 400\n",
+        )
+        .unwrap();
+        let cfg = SftConfig::load(&job, &[]).unwrap();
+        (Tokenizer::from_dir(&model).unwrap(), cfg, data.sft_train)
+    }
+
+    #[test]
+    fn multiturn_trains_on_assistant_turns_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tok, cfg, file) = tool_setup(dir.path());
+        let examples = tokenize(&cfg, &tok, std::slice::from_ref(&file)).unwrap();
+        let rows =
+            verl_data::read_sft_conversations(&[&file], &verl_data::MultiturnKeys::default())
+                .unwrap();
+        assert_eq!(examples.len(), rows.len());
+        let text = |ids: &[i64]| {
+            let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+            tok.decode(&ids, false).unwrap()
+        };
+        let mut calls = 0;
+        for (e, c) in examples.iter().zip(&rows) {
+            let mask = e.loss_mask.as_ref().unwrap();
+            assert_eq!(mask.len(), e.response.len());
+            // The prompt is the tools block, the user turn and the assistant header.
+            let full = tok
+                .apply_chat_template(
+                    &c.messages,
+                    &ChatOptions {
+                        tools: c.tools.clone(),
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+            let prompt = text(&e.prompt);
+            assert!(prompt.ends_with("<|im_start|>assistant\n"), "{prompt}");
+            assert_eq!(prompt.clone() + &text(&e.response), full);
+            // Trained: exactly the assistant messages' text, each with its `<|im_end|>\n`.
+            let trained: Vec<i64> = e
+                .response
+                .iter()
+                .zip(mask)
+                .filter(|(_, &m)| m == 1)
+                .map(|(&t, _)| t)
+                .collect();
+            let assistant: String = c
+                .messages
+                .iter()
+                .filter(|m| m["role"] == "assistant")
+                .map(|m| format!("{}<|im_end|>\n", m["content"].as_str().unwrap()))
+                .collect();
+            assert_eq!(text(&trained), assistant);
+            if c.messages.len() == 4 {
+                calls += 1;
+                // The tool's turn is context, not trained.
+                let untrained: Vec<i64> = e
+                    .response
+                    .iter()
+                    .zip(mask)
+                    .filter(|(_, &m)| m == 0)
+                    .map(|(&t, _)| t)
+                    .collect();
+                assert!(text(&untrained).contains("<tool_response>"));
+            }
+        }
+        assert!(calls > 0);
+        // The loss mask travels as its own column beside the response mask.
+        let b = batch_of(&examples, &[0, 1, 2], 0);
+        assert!(b.contains(col::LOSS_MASK));
+    }
+
+    #[test]
+    fn multiturn_names_conversations_over_max_length() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tok, mut cfg, file) = tool_setup(dir.path());
+        cfg.data.max_length = 20;
+        let e = tokenize(&cfg, &tok, std::slice::from_ref(&file))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("conversation 0") && e.contains("data.max_length=20"),
             "{e}"
         );
     }

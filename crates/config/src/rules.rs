@@ -119,9 +119,17 @@ const LORA_ADAPTER_TESTS: &[&str] = &[
 ];
 const CRITIC_LORA_TESTS: &[&str] =
     &["plugins/fsdp/tests/roles.rs::critic_lora_trains_its_adapters_and_value_head_only"];
-const MULTI_TURN: &str = "multi-turn rollouts with tools or interactions";
-const MULTI_TURN_INSTEAD: &str =
-    "verl-rs rolls out single-turn responses; multi-turn/tool rollouts are not implemented yet";
+const MULTI_TURN: &str = "a multi-turn setting verl-rs does not have";
+const MULTI_TURN_INSTEAD: &str = "verl-rs runs verl's tool agent loop with the multi_turn keys listed on this page; leave this one unset";
+const MT_CONFIG: &str =
+    "crates/config/src/multi_turn.rs::tests::multi_turn_reads_verls_keys_with_verls_defaults";
+const MT_TOKENS: &str =
+    "host/src/trainer/agent/tests.rs::tool_turns_are_the_tokens_one_pass_over_the_conversation_gives";
+const MT_LIMITS: &str = "host/src/trainer/agent/tests.rs::conversations_end_where_verls_loop_ends_them";
+const MT_E2E: &str =
+    "tests/tests/multi_turn.rs::grpo_with_a_calculator_trains_on_the_models_own_tokens";
+const MT_TRUNCATE: &str = "host/src/trainer/agent/tests.rs::tool_responses_are_cut_as_verl_cuts_them";
+const MT_PARSE: &str = "host/src/trainer/agent/tests.rs::hermes_calls_are_parsed_as_verl_parses_them";
 const ULYSSES: &str = "Ulysses sequence parallelism";
 const ULYSSES_INSTEAD: &str =
     "set it to 1 (with Megatron, long sequences can be split with tensor/pipeline parallelism)";
@@ -209,8 +217,8 @@ pub static RULES: &[Rule] = &[
     Rule::refused("data.custom_cls.*", "a custom Python dataset class", "convert the data to verl-format parquet (prompt, data_source, reward_model.ground_truth, extra_info)"),
     Rule::refused("data.sampler.*", "a custom Python sampler (curriculum)", "verl-rs samples with data.shuffle and data.seed"),
     Rule::refused("data.datagen.*", "a Python data generator", "generate the data into parquet before training"),
-    Rule::refused("data.tool_config_path", MULTI_TURN, MULTI_TURN_INSTEAD),
-    Rule::refused("data.function_tool_path", MULTI_TURN, MULTI_TURN_INSTEAD),
+    Rule::acts("data.tool_config_path", "the overlong-prompt filter renders a tool agent's prompt with the tools of actor_rollout_ref.rollout.multi_turn.tool_config_path (verl's default for this key)", &[MT_TOKENS]).checked(same_tool_config),
+    Rule::refused("data.function_tool_path", "Python @function_tool functions", "declare the tools in actor_rollout_ref.rollout.multi_turn.tool_config_path: the built-ins (calculator, gsm8k, python) or a tool plugin"),
     Rule::refused("data.gen_batch_size", "generating for a different number of prompts than data.train_batch_size (DAPO)", "leave it null"),
     Rule::refused("data.continuous_token.*", "continuous-token training", "leave data.continuous_token.enable=false"),
     // ---- model ----
@@ -441,7 +449,20 @@ pub static RULES: &[Rule] = &[
     Rule::refused("actor_rollout_ref.rollout.quantization_config_file", "quantized generation", "leave it null"),
     Rule::refused("actor_rollout_ref.rollout.over_sample_rate", "over-sampling (dropping the slowest rollouts)", "leave it 0"),
     Rule::refused("actor_rollout_ref.rollout.multi_turn.*", MULTI_TURN, MULTI_TURN_INSTEAD),
-    Rule::refused("actor_rollout_ref.rollout.agent.*", "verl's agent loop", MULTI_TURN_INSTEAD),
+    Rule::acts("actor_rollout_ref.rollout.multi_turn.enable", "rolls out conversations: verl's tool agent loop on the host, token in / token out, the engine serving every other sequence while tools run", &[MT_CONFIG, MT_E2E]).checked(multi_turn_backend),
+    Rule::acts("actor_rollout_ref.rollout.multi_turn.tool_config_path", "verl's tool YAML: the built-in tools (calculator, verl's gsm8k tool, a sandboxed python runner) and tools from tool plugins", &[MT_CONFIG, MT_E2E]),
+    Rule::acts("actor_rollout_ref.rollout.multi_turn.max_assistant_turns|actor_rollout_ref.rollout.multi_turn.max_user_turns", "ends a conversation after that many model / tool turns (null: no limit)", &[MT_CONFIG, MT_LIMITS]),
+    Rule::acts("actor_rollout_ref.rollout.multi_turn.max_parallel_calls", "the tool calls of one turn that run (the rest are dropped, as verl drops them)", &[MT_CONFIG, MT_LIMITS]),
+    Rule::acts("actor_rollout_ref.rollout.multi_turn.max_tool_response_length|actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side", "cuts tool responses to that many characters, keeping the left, right or both ends", &[MT_CONFIG, MT_TRUNCATE]),
+    Rule::acts("actor_rollout_ref.rollout.multi_turn.format", "the tool-call format parsed from the model's turns", &[MT_PARSE]).checked(hermes_format),
+    Rule::acts("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", "false: trains on the token ids the model generated (verl-rs's only way)", &[MT_TOKENS]).checked(token_ids_only),
+    Rule::harmless("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "verl re-tokenises each turn and compares it with the whole conversation; verl-rs never re-tokenises what the model wrote (only the tool turns are tokenized, starting at the model's end-of-turn token), so there is nothing to compare"),
+    Rule::refused("actor_rollout_ref.rollout.multi_turn.function_tool_path", "Python @function_tool functions", "declare the tools in multi_turn.tool_config_path: the built-ins (calculator, gsm8k, python) or a tool plugin"),
+    Rule::refused("actor_rollout_ref.rollout.multi_turn.interaction_config_path", "interactions (a scripted user answering between turns)", "leave it null: verl-rs continues conversations with tool responses only"),
+    Rule::refused("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", "repeating each multi-turn rollout", "leave it null and set actor_rollout_ref.rollout.n"),
+    Rule::refused("actor_rollout_ref.rollout.agent.*", "a setting of verl's Python agent-loop workers", "leave it unset: verl-rs's agent loop runs on the host"),
+    Rule::acts("actor_rollout_ref.rollout.agent.default_agent_loop", "the agent of rows without an agent_name column: single_turn_agent or tool_agent", &[MT_LIMITS]).checked(agent_loop_name),
+    Rule::refused("actor_rollout_ref.rollout.agent.agent_loop_config_path", "custom Python agent loops", "use tool_agent (rows' agent_name or agent.default_agent_loop) with tools in multi_turn.tool_config_path"),
     Rule::refused("actor_rollout_ref.rollout.agent.custom_async_server.*", "a custom rollout server", "verl-rs generates with its own engine"),
     Rule::harmless("actor_rollout_ref.rollout.agent.num_workers", "agent-loop workers; verl-rs generates in the backend plugin"),
     Rule::refused("actor_rollout_ref.rollout.enable_rollout_routing_replay", ROUTER_REPLAY, ROUTER_REPLAY_INSTEAD),
@@ -662,6 +683,55 @@ fn lora_verdict(cfg: &Config, critic: bool, setting: bool) -> Verdict {
         ))
     } else {
         Verdict::Acts
+    }
+}
+
+fn multi_turn_backend(v: &Value, cfg: &Config) -> Verdict {
+    if v.as_bool() == Some(true) && cfg.actor_rollout_ref.actor.strategy == "megatron" {
+        Verdict::Refused(
+            "multi-turn rollouts on the Megatron backend, whose actor has no multi-turn generation; use actor_rollout_ref.actor.strategy=fsdp".into(),
+        )
+    } else {
+        Verdict::Acts
+    }
+}
+
+fn hermes_format(v: &Value, _: &Config) -> Verdict {
+    match text(v).as_str() {
+        "hermes" => Verdict::Acts,
+        other => Verdict::Refused(format!(
+            "the `{other}` tool-call format, which verl-rs does not parse; use hermes (<tool_call>{{\"name\": ..., \"arguments\": ...}}</tool_call>)"
+        )),
+    }
+}
+
+fn token_ids_only(v: &Value, _: &Config) -> Verdict {
+    if v.as_bool() == Some(true) {
+        Verdict::Refused("re-rendering the model's turns with the inference chat template (training on tokens the model did not generate); leave it false".into())
+    } else {
+        Verdict::Acts
+    }
+}
+
+fn agent_loop_name(v: &Value, _: &Config) -> Verdict {
+    match text(v).as_str() {
+        "single_turn_agent" | "tool_agent" => Verdict::Acts,
+        other => Verdict::Refused(format!(
+            "the `{other}` agent loop, which verl-rs does not have; use single_turn_agent or tool_agent"
+        )),
+    }
+}
+
+fn same_tool_config(v: &Value, cfg: &Config) -> Verdict {
+    let mt = cfg.multi_turn().tool_config_path;
+    match (v, mt) {
+        (Value::Null, _) => Verdict::Acts,
+        (v, Some(p)) if text(v) == p => Verdict::Acts,
+        (v, p) => Verdict::Refused(format!(
+            "a dataset tool config ({}) other than actor_rollout_ref.rollout.multi_turn.tool_config_path ({}); set only multi_turn.tool_config_path",
+            text(v),
+            p.unwrap_or_else(|| "null".into())
+        )),
     }
 }
 

@@ -103,6 +103,9 @@ impl RunArgs {
 struct JobPlugins {
     backend: LoadedPlugin,
     rewards: Vec<(String, LoadedPlugin)>,
+    /// Tool plugins given with `--plugin` (the tool config's classes are looked for there
+    /// first).
+    tools: Vec<LoadedPlugin>,
 }
 
 fn load_job_plugins(
@@ -112,6 +115,7 @@ fn load_job_plugins(
 ) -> anyhow::Result<JobPlugins> {
     let mut backend: Option<LoadedPlugin> = None;
     let mut explicit_rewards = Vec::new();
+    let mut tools = Vec::new();
     for spec in plugins {
         let p = loader.load(spec)?;
         match p.header.kind {
@@ -128,6 +132,8 @@ fn load_job_plugins(
                 backend = Some(p);
             }
             PluginKind::Reward => explicit_rewards.push(p),
+            // Tool plugins serve the classes of the multi-turn tool config (`ToolSet::load`).
+            PluginKind::Tool => tools.push(p),
         }
     }
     let backend = match backend {
@@ -165,7 +171,11 @@ fn load_job_plugins(
             .with_context(|| format!("loading reward plugin `{name}` (plugins.reward)"))?;
         rewards.push((name, p));
     }
-    Ok(JobPlugins { backend, rewards })
+    Ok(JobPlugins {
+        backend,
+        rewards,
+        tools,
+    })
 }
 
 /// `verl run`: checks the job (and with `--dry-run` stops there), then trains it in this
@@ -250,6 +260,31 @@ pub fn run(cli_plugins: &[String], verbose: u8, args: &RunArgs) -> anyhow::Resul
             } else {
                 ""
             }
+        );
+    }
+    if crate::trainer::multi_turn_backend(&cfg, &plugins.backend)? {
+        let mt = cfg.multi_turn();
+        let tools = match &mt.tool_config_path {
+            Some(p) => {
+                let set = crate::tools::ToolSet::load(
+                    &crate::paths::expand_home(p),
+                    &crate::tools::ToolPlugins::new(plugins.tools.clone(), search.clone()),
+                )
+                .with_context(|| {
+                    format!("actor_rollout_ref.rollout.multi_turn.tool_config_path={p}")
+                })?;
+                set.names()
+                    .iter()
+                    .map(|n| format!("{n} ({})", set.class_name(n).unwrap_or("?")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+            None => "none (no tool_config_path: tool agents answer in one turn)".into(),
+        };
+        outln!(
+            "multi-turn    {} format, rows without agent_name run {}; tools: {tools}",
+            mt.format,
+            mt.default_agent_loop
         );
     }
     if cfg.need_critic() {
@@ -505,7 +540,9 @@ pub fn run(cli_plugins: &[String], verbose: u8, args: &RunArgs) -> anyhow::Resul
             (Some(env), quiet)
         }
     };
-    let job_plugins = crate::trainer::JobPlugins::new(plugins.backend, plugins.rewards);
+    let search: Vec<PathBuf> = cfg.plugins.search_path.iter().map(PathBuf::from).collect();
+    let job_plugins = crate::trainer::JobPlugins::new(plugins.backend, plugins.rewards)
+        .with_tools(crate::tools::ToolPlugins::new(plugins.tools, search));
     let summary = match rank_env {
         None => {
             let opts = crate::trainer::FitOptions {

@@ -10,6 +10,7 @@ use verl_config::{validate_batches, BatchPlan, Config, Layout};
 use verl_data::{DataConfig, DataLoader, Dataset, LoaderOptions, Split};
 use verl_metrics::{MetricsLogger, ValGeneration};
 
+use super::agent::AgentLoop;
 use super::checkpoint::Checkpoints;
 use super::options::{FitOptions, FitSummary};
 use super::plugins::JobPlugins;
@@ -62,6 +63,8 @@ pub(super) struct Trainer<'a> {
     pub(super) val_ds: Option<Arc<Dataset>>,
     pub(super) dcfg: DataConfig,
     pub(super) enc: PromptEncoder,
+    /// `multi_turn.enable`: the agent loop (also in `enc`, which renders tool prompts).
+    pub(super) agent: Option<Arc<AgentLoop>>,
     pub(super) algo: Algorithm,
     pub(super) plan: BatchPlan,
     pub(super) dp: DataLayout,
@@ -89,7 +92,12 @@ impl<'a> Trainer<'a> {
         )?;
         let mut algo = Algorithm::new(cfg)?;
 
-        let enc = PromptEncoder::new(cfg, &tokenizer_dir(cfg))?;
+        let mut enc = PromptEncoder::new(cfg, &tokenizer_dir(cfg))?;
+        let agent = AgentLoop::from_config(cfg, |path| {
+            Ok(crate::tools::ToolSet::load(path, &plugins.tools)?)
+        })?
+        .map(Arc::new);
+        enc.agent = agent.clone();
         let dcfg = data_config(cfg)?;
         let train_ds = Arc::new(load_split(
             &cfg.data.train_files.to_vec(),
@@ -138,6 +146,7 @@ impl<'a> Trainer<'a> {
             plan,
             algo,
             enc,
+            agent,
             dcfg,
             val_ds,
             workers,

@@ -12,6 +12,7 @@
 //! `step.rs` is one step, phase by phase; `workers.rs` holds the roles, their phase calls and
 //! the phases' clock (`verl bench grpo` runs its step through the same); `rollout.rs` generates and scores; `validate.rs` validates.
 
+mod agent;
 mod checkpoint;
 mod dump;
 mod error;
@@ -37,7 +38,7 @@ pub use prompts::tokenizer_dir;
 pub use reward::{CUSTOM_REWARD_FUNCTION, REWARD_MODEL};
 pub use rollout_corr::rollout_correction;
 pub use setup::data_config;
-pub(crate) use setup::lora_backend;
+pub(crate) use setup::{lora_backend, multi_turn_backend};
 pub(crate) use step::on_policy_old_log_prob_unused;
 pub(crate) use workers::{PhaseEnd, Timed, Workers};
 

@@ -141,6 +141,8 @@ impl<P: RewardPlugin> RewardFactory for InProcessReward<P> {
 pub struct JobPlugins {
     pub backend: Box<dyn BackendFactory>,
     pub rewards: Vec<(String, Box<dyn RewardFactory>)>,
+    /// Where a multi-turn job's tool classes are looked for.
+    pub tools: crate::tools::ToolPlugins,
 }
 
 impl JobPlugins {
@@ -152,6 +154,7 @@ impl JobPlugins {
                 .into_iter()
                 .map(|(n, p)| (n, Box::new(p) as Box<dyn RewardFactory>))
                 .collect(),
+            tools: crate::tools::ToolPlugins::default(),
         }
     }
 
@@ -160,7 +163,17 @@ impl JobPlugins {
         backend: Box<dyn BackendFactory>,
         rewards: Vec<(String, Box<dyn RewardFactory>)>,
     ) -> Self {
-        JobPlugins { backend, rewards }
+        JobPlugins {
+            backend,
+            rewards,
+            tools: crate::tools::ToolPlugins::default(),
+        }
+    }
+
+    /// Where the tool config's classes are looked for (`--plugin` tool plugins, search path).
+    pub fn with_tools(mut self, tools: crate::tools::ToolPlugins) -> Self {
+        self.tools = tools;
+        self
     }
 
     /// Adds a reward plugin under routing name `name`.

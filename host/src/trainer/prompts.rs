@@ -24,7 +24,9 @@ pub fn tokenizer_dir(cfg: &Config) -> PathBuf {
 
 pub(crate) struct PromptEncoder {
     pub tokenizer: Tokenizer,
-    chat: ChatOptions,
+    pub chat: ChatOptions,
+    /// A multi-turn job's agent loop: a tool agent's prompt is rendered with the tool schemas.
+    pub agent: Option<std::sync::Arc<super::agent::AgentLoop>>,
     max_len: usize,
     truncation: Truncation,
     pub pad_id: i64,
@@ -56,6 +58,7 @@ impl PromptEncoder {
         Ok(PromptEncoder {
             tokenizer,
             chat,
+            agent: None,
             max_len: cfg.data.max_prompt_length as usize,
             truncation,
             pad_id,
@@ -65,8 +68,23 @@ impl PromptEncoder {
 
     /// Token ids of one sample's prompt before truncation (the overlong filter's length).
     pub fn raw_ids(&self, sample: &Sample) -> anyhow::Result<Vec<u32>> {
+        let tools = match &self.agent {
+            Some(a) => a.prompt_tools(sample)?,
+            None => None,
+        };
+        let with_tools;
+        let chat = match tools {
+            Some(t) => {
+                with_tools = ChatOptions {
+                    tools: Some(t),
+                    ..self.chat.clone()
+                };
+                &with_tools
+            }
+            None => &self.chat,
+        };
         self.tokenizer
-            .apply_chat_template_ids(&sample.prompt, &self.chat)
+            .apply_chat_template_ids(&sample.prompt, chat)
             .with_context(|| {
                 format!(
                     "applying the chat template to row {} of {}",

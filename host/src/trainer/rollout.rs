@@ -1,12 +1,15 @@
 //! Rollouts: what a generation call samples with (seeds, options), which prompts each rank
 //! generates for, verl's batch balancing, and a generated batch decoded and scored.
 
+use std::sync::Arc;
+
 use anyhow::bail;
 use verl_algos::{Grid, Groups};
 use verl_config::Config;
 use verl_data::Sample;
 use verl_plugin_api::{col, Batch, GenerateOptions, Tensor};
 
+use super::agent::AgentDriver;
 use super::dump::DumpRows;
 use super::error::TrainerError;
 use super::fit::Trainer;
@@ -197,6 +200,8 @@ pub(super) fn balance_rollout(
 pub(super) struct Rollout {
     pub(super) responses: Tensor<i64>,
     pub(super) response_mask: Tensor<i64>,
+    /// Multi-turn: the tokens the model sampled (the tool turns are 0).
+    pub(super) loss_mask: Option<Tensor<i64>>,
     pub(super) prompt_index: Vec<usize>,
     pub(super) reward: RewardOutput,
     pub(super) prompt_text: Vec<String>,
@@ -238,8 +243,55 @@ impl Trainer<'_> {
         gen: &GenerateOptions,
     ) -> anyhow::Result<Rollout> {
         let prompts = self.enc.encode(samples, indices)?;
-        let batch = self.workers.actor.generate(&prompts, gen)?;
+        let batch = match &self.agent {
+            None => self.workers.actor.generate(&prompts, gen)?,
+            Some(agent) => {
+                let agent = Arc::clone(agent);
+                let n = gen.n.max(1) as usize;
+                let mut driver = AgentDriver::new(
+                    &self.enc.tokenizer,
+                    &self.enc.chat,
+                    &agent,
+                    samples,
+                    n,
+                    gen.max_new_tokens as usize,
+                )?;
+                let mut b = self
+                    .workers
+                    .actor
+                    .generate_turns(&prompts, gen, &mut driver)?;
+                driver.finish().add_columns(&mut b);
+                b
+            }
+        };
         self.score(samples, &batch)
+    }
+
+    /// The step's rollout of `prompts` (those of `samples`), timed as `gen`: the actor's
+    /// responses, or with `multi_turn.enable` the agent loop's conversations (with each row's
+    /// turn and tool-call counts as columns), and the tool metrics.
+    pub(super) fn roll_out(
+        &mut self,
+        prompts: &Batch,
+        samples: &[&Sample],
+        gen: &GenerateOptions,
+    ) -> anyhow::Result<(Batch, Vec<(String, f64)>)> {
+        let Some(agent) = self.agent.clone() else {
+            return Ok((self.workers.generate(prompts, gen)?, Vec::new()));
+        };
+        let n = gen.n.max(1) as usize;
+        let mut driver = AgentDriver::new(
+            &self.enc.tokenizer,
+            &self.enc.chat,
+            &agent,
+            samples,
+            n,
+            gen.max_new_tokens as usize,
+        )?;
+        let mut batch = self.workers.generate_turns(prompts, gen, &mut driver)?;
+        let report = driver.finish();
+        report.add_columns(&mut batch);
+        Ok((batch, report.metrics()))
     }
 
     /// Decodes and scores an already generated batch whose `prompt_index` points into `samples`.
@@ -262,6 +314,8 @@ impl Trainer<'_> {
             );
         }
         let enc = &self.enc;
+        let loss_mask = batch.tensor::<i64>(col::LOSS_MASK).ok();
+        let num_turns = batch.tensor::<f32>(super::agent::NUM_TURNS).ok();
         let prompt_text = enc.decode_rows(&prompt_ids, &prompt_mask)?;
         let response_text = enc.decode_rows(&responses, &response_mask)?;
         let s = |r: usize| samples[prompt_index[r]];
@@ -270,7 +324,16 @@ impl Trainer<'_> {
         let ground_truth: Vec<serde_json::Value> = (0..n)
             .map(|r| s(r).reward_model.ground_truth.clone())
             .collect();
-        let extra_info: Vec<serde_json::Value> = (0..n).map(|r| s(r).extra_info.clone()).collect();
+        // verl's reward loop tells the reward function each row's `num_turns`.
+        let extra_info: Vec<serde_json::Value> = (0..n)
+            .map(|r| {
+                let mut e = s(r).extra_info.clone();
+                if let (Some(t), Some(map)) = (&num_turns, e.as_object_mut()) {
+                    map.insert("num_turns".into(), serde_json::json!(t.data[r] as i64));
+                }
+                e
+            })
+            .collect();
         let raw_prompt: Vec<&[verl_data::Message]> =
             (0..n).map(|r| s(r).prompt.as_slice()).collect();
         let reward = self.rewards.score(
@@ -292,6 +355,7 @@ impl Trainer<'_> {
         Ok(Rollout {
             responses,
             response_mask,
+            loss_mask,
             prompt_index,
             reward,
             prompt_text,

@@ -105,6 +105,7 @@ pub(super) fn create_roles(
         ..InitArgs::new(role, config_json.clone())
     };
     let backend = &plugins.backend;
+    multi_turn_backend(cfg, backend.as_ref())?;
     let actor = backend
         .create_actor(&init(Role::Actor))
         .with_context(|| format!("creating the actor of backend `{}`", backend.name()))?;
@@ -214,6 +215,26 @@ pub(crate) fn lora_backend(cfg: &Config, backend: &dyn BackendFactory) -> anyhow
                 .as_deref()
                 .map(|p| format!(" / lora_adapter_path={p}"))
                 .unwrap_or_default(),
+            backend.name()
+        );
+    }
+    Ok(true)
+}
+
+/// Whether the job rolls out conversations (`multi_turn.enable`); an error when it does and the
+/// backend's actor does not declare the `multi_turn` feature (it could only answer single turns).
+pub(crate) fn multi_turn_backend(
+    cfg: &Config,
+    backend: &dyn BackendFactory,
+) -> anyhow::Result<bool> {
+    if !cfg.multi_turn().enable {
+        return Ok(false);
+    }
+    if !backend.supports(Role::Actor, verl_plugin_api::FEATURE_MULTI_TURN) {
+        bail!(
+            "actor_rollout_ref.rollout.multi_turn.enable=true asks for multi-turn rollouts with \
+             tools, and backend `{}` does not run them (its actor declares no `multi_turn` \
+             feature): use the fsdp backend, or set multi_turn.enable=false",
             backend.name()
         );
     }

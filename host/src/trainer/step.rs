@@ -102,7 +102,8 @@ impl<'a> Trainer<'a> {
         };
         // Tokenising the prompts counts as generation.
         let prompts = self.timed("gen", |t| t.enc.encode(&samples, &indices))?;
-        let mut batch = self.workers.generate(&prompts, &gen)?;
+        let (mut batch, tool_metrics) = self.roll_out(&prompts, &samples, &gen)?;
+        metrics.extend(self.ranks.metrics(tool_metrics)?);
         if cfg.trainer.balance_batch {
             let balanced = balance_rollout(cfg, batch, slice.clone(), &self.dp, self.ranks)?;
             batch = balanced.batch;
@@ -164,7 +165,8 @@ impl<'a> Trainer<'a> {
         let rollout = self.timed("reward", |t| t.score(&s.samples, &s.batch))?;
         s.metrics
             .extend(self.ranks.metrics(rollout.reward.metrics.clone())?);
-        let mask = mask_grid(&rollout.response_mask)?;
+        // Multi-turn: the model's own tokens (verl's response_mask), not the tool turns.
+        let mask = mask_grid(rollout.loss_mask.as_ref().unwrap_or(&rollout.response_mask))?;
         Ok(Scored { rollout, mask })
     }
 
@@ -452,6 +454,14 @@ impl<'a> Trainer<'a> {
             .map(|r| ones(rollout.response_mask.row(r)))
             .collect();
         let sequence_scores: Vec<f64> = row_sums(&adv.scores);
+        let per_row = |name: &str| -> Option<Vec<f64>> {
+            let t = s.batch.tensor::<f32>(name).ok()?;
+            Some(t.data.iter().map(|&x| f64::from(x)).collect())
+        };
+        let (num_turns, tool_call_counts) = (
+            per_row(super::agent::NUM_TURNS),
+            per_row(super::agent::TOOL_CALL_COUNTS),
+        );
         let step_data = StepData {
             max_response_length: rollout.responses.cols(),
             max_prompt_length: prompt_mask.cols(),
@@ -463,8 +473,8 @@ impl<'a> Trainer<'a> {
             response_mask: scored.mask.as_slice(),
             prompt_lengths: &prompt_lengths,
             response_lengths: &response_lengths,
-            num_turns: None,
-            tool_call_counts: None,
+            num_turns: num_turns.as_deref(),
+            tool_call_counts: tool_call_counts.as_deref(),
         };
         let step_summary = self
             .ranks

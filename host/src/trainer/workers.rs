@@ -97,6 +97,18 @@ impl<H: PhaseEnd> Workers<H> {
         self.timed("gen", |w| Ok(w.actor.generate(prompts, opts)?))
     }
 
+    /// `gen` of a multi-turn job: the actor's conversations, continued by `driver`.
+    pub(crate) fn generate_turns(
+        &mut self,
+        prompts: &Batch,
+        opts: &GenerateOptions,
+        driver: &mut dyn verl_plugin_api::turns::TurnDriver,
+    ) -> anyhow::Result<Batch> {
+        self.timed("gen", |w| {
+            Ok(w.actor.generate_turns(prompts, opts, driver)?)
+        })
+    }
+
     /// `old_log_prob`: the actor's log-probs of the batch's responses, which become its
     /// `old_log_probs`. Returns them, and the actor's whole answer (its entropy, when asked for).
     pub(crate) fn old_log_prob(

@@ -1,4 +1,5 @@
-# The two commands of the README: `make run` (the CPU quickstart) and `make test` (every test that
+# The two commands of the README: `make run` (the CPU quickstarts: GRPO on arithmetic, then GRPO
+# with a calculator tool) and `make test` (every test that
 # runs without a GPU). Both do their own set-up (torch venv, test Python packages) and are quick
 # when it is already done. `make test-gpu` runs the GPU-only tests, on a machine with CUDA.
 SHELL := /bin/bash
@@ -30,6 +31,7 @@ build-debug: setup
 
 run: build
 	@bash scripts/quickstart.sh
+	@bash scripts/quickstart_tools.sh
 
 test: setup-tests build-debug
 	@$(ENV) $(CARGO_TEST)

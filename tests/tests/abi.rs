@@ -219,14 +219,19 @@ fn an_actor_built_before_multi_turn_generates_and_refuses_turns_by_name() {
     };
     // Its vtable ends before `generate_turns`: the calls it has still work ...
     let out = actor.generate(&prompts, &opts).unwrap();
-    assert_eq!(out.tensor::<i64>(col::RESPONSES).unwrap().data, vec![7, 7, 9, 9]);
+    assert_eq!(
+        out.tensor::<i64>(col::RESPONSES).unwrap().data,
+        vec![7, 7, 9, 9]
+    );
     // ... and the appended one answers with its default: not implemented, naming the plugin.
     let e = actor
         .generate_turns(&prompts, &opts, &mut NeverCalled)
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("old_api_backend") && e.contains("generate_turns") && e.contains("not implemented"),
+        e.contains("old_api_backend")
+            && e.contains("generate_turns")
+            && e.contains("not implemented"),
         "{e}"
     );
 }

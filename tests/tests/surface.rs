@@ -143,13 +143,65 @@ fn lora_dry_runs_on_fsdp_and_is_refused_by_name_where_it_cannot_act() {
 }
 
 #[test]
-fn multi_turn_rollouts_are_refused_by_name() {
+fn multi_turn_dry_runs_with_its_tools_and_is_refused_by_name_where_it_cannot_act() {
+    // The dry run loads the tool config (the built-in plugin next to the binary) and says what
+    // the agent loop will run.
+    let inst = install(&["libverl_rewards.so", "libverl_fsdp.so", "libverl_tools.so"]);
+    let tools = repo().join("examples/quickstart/tools.yaml");
+    let tool_key = format!(
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path={}",
+        tools.display()
+    );
+    let mut args: Vec<String> = vec!["run".into()];
+    args.extend(tiny_inputs().overrides());
+    args.extend(CPU_JOB.iter().map(|s| s.to_string()));
+    args.extend([
+        "data.max_response_length=16".to_string(),
+        "actor_rollout_ref.rollout.multi_turn.enable=true".into(),
+        tool_key.clone(),
+        "--dry-run".into(),
+    ]);
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = run(&inst.path().join("verl"), &a);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(
+        out.contains("multi-turn    hermes format, rows without agent_name run single_turn_agent; tools: calculator (calculator)"),
+        "{out}"
+    );
+    // What verl-rs's agent loop does not have is refused by key.
+    let on = "actor_rollout_ref.rollout.multi_turn.enable=true";
     refused(
-        &["actor_rollout_ref.rollout.multi_turn.enable=true"],
+        &[on, "actor_rollout_ref.actor.strategy=megatron"],
+        &["actor_rollout_ref.rollout.multi_turn.enable", "fsdp"],
+    );
+    refused(
         &[
-            "actor_rollout_ref.rollout.multi_turn.enable=true",
-            "multi-turn",
+            on,
+            "actor_rollout_ref.rollout.multi_turn.format=llama3_json",
         ],
+        &["actor_rollout_ref.rollout.multi_turn.format", "hermes"],
+    );
+    refused(
+        &[
+            on,
+            "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=true",
+        ],
+        &["use_inference_chat_template", "leave it false"],
+    );
+    refused(
+        &[
+            on,
+            "actor_rollout_ref.rollout.multi_turn.function_tool_path=tools.py",
+        ],
+        &["function_tool_path", "tool_config_path"],
+    );
+    refused(
+        &[
+            on,
+            "actor_rollout_ref.rollout.agent.default_agent_loop=react_agent",
+        ],
+        &["default_agent_loop", "tool_agent"],
     );
 }
 

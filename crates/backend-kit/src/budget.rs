@@ -66,8 +66,14 @@ impl KvBudget {
             // Multi-turn: turns continued, tokens appended between turns, waiting sequences
             // whose KV was evicted, and the time the engine had nothing to run.
             m.insert("rollout/continued_turns".into(), stats.turns.into());
-            m.insert("rollout/appended_tokens".into(), stats.appended_tokens.into());
-            m.insert("rollout/evicted_waiting".into(), stats.evicted_waiting.into());
+            m.insert(
+                "rollout/appended_tokens".into(),
+                stats.appended_tokens.into(),
+            );
+            m.insert(
+                "rollout/evicted_waiting".into(),
+                stats.evicted_waiting.into(),
+            );
             m.insert("rollout/idle_s".into(), stats.idle_secs.into());
             m.insert("rollout/driver_s".into(), stats.driver_secs.into());
             m.insert("rollout/prefill_steps".into(), stats.prefill_steps.into());

@@ -36,12 +36,7 @@ impl Config {
     pub fn multi_turn(&self) -> MultiTurn {
         let r = &self.actor_rollout_ref.rollout;
         let (m, a) = (&r.multi_turn, &r.agent);
-        let text = |k: &str, d: &str| {
-            get(m, k)
-                .and_then(Value::as_str)
-                .unwrap_or(d)
-                .to_string()
-        };
+        let text = |k: &str, d: &str| get(m, k).and_then(Value::as_str).unwrap_or(d).to_string();
         MultiTurn {
             enable: get(m, "enable").and_then(Value::as_bool).unwrap_or(false),
             tool_config_path: get(m, "tool_config_path")
@@ -73,12 +68,12 @@ mod tests {
     fn multi_turn_reads_verls_keys_with_verls_defaults() {
         let d = Config::from_overrides::<&str>(&[]).unwrap().multi_turn();
         assert!(!d.enable);
-        assert_eq!(
-            (d.max_parallel_calls, d.max_tool_response_length),
-            (1, 256)
-        );
+        assert_eq!((d.max_parallel_calls, d.max_tool_response_length), (1, 256));
         assert_eq!(d.tool_response_truncate_side, "middle");
-        assert_eq!((d.format.as_str(), d.default_agent_loop.as_str()), ("hermes", "single_turn_agent"));
+        assert_eq!(
+            (d.format.as_str(), d.default_agent_loop.as_str()),
+            ("hermes", "single_turn_agent")
+        );
         assert_eq!((d.max_assistant_turns, d.max_user_turns), (None, None));
         let c = Config::from_overrides(&[
             "actor_rollout_ref.rollout.multi_turn.enable=true",
@@ -94,7 +89,10 @@ mod tests {
         .multi_turn();
         assert!(c.enable);
         assert_eq!(c.tool_config_path.as_deref(), Some("tools.yaml"));
-        assert_eq!((c.max_assistant_turns, c.max_user_turns), (Some(3), Some(2)));
+        assert_eq!(
+            (c.max_assistant_turns, c.max_user_turns),
+            (Some(3), Some(2))
+        );
         assert_eq!((c.max_parallel_calls, c.max_tool_response_length), (4, 64));
         assert_eq!(c.tool_response_truncate_side, "left");
         assert_eq!(c.default_agent_loop, "tool_agent");

@@ -125,11 +125,14 @@ const MT_CONFIG: &str =
     "crates/config/src/multi_turn.rs::tests::multi_turn_reads_verls_keys_with_verls_defaults";
 const MT_TOKENS: &str =
     "host/src/trainer/agent/tests.rs::tool_turns_are_the_tokens_one_pass_over_the_conversation_gives";
-const MT_LIMITS: &str = "host/src/trainer/agent/tests.rs::conversations_end_where_verls_loop_ends_them";
+const MT_LIMITS: &str =
+    "host/src/trainer/agent/tests.rs::conversations_end_where_verls_loop_ends_them";
 const MT_E2E: &str =
     "tests/tests/multi_turn.rs::grpo_with_a_calculator_trains_on_the_models_own_tokens";
-const MT_TRUNCATE: &str = "host/src/trainer/agent/tests.rs::tool_responses_are_cut_as_verl_cuts_them";
-const MT_PARSE: &str = "host/src/trainer/agent/tests.rs::hermes_calls_are_parsed_as_verl_parses_them";
+const MT_TRUNCATE: &str =
+    "host/src/trainer/agent/tests.rs::tool_responses_are_cut_as_verl_cuts_them";
+const MT_PARSE: &str =
+    "host/src/trainer/agent/tests.rs::hermes_calls_are_parsed_as_verl_parses_them";
 const ULYSSES: &str = "Ulysses sequence parallelism";
 const ULYSSES_INSTEAD: &str =
     "set it to 1 (with Megatron, long sequences can be split with tensor/pipeline parallelism)";

@@ -24,11 +24,7 @@ fn appended(row: usize, k: usize) -> Vec<i64> {
 }
 
 impl TurnDriver for TwoToolTurns {
-    fn turns(
-        &mut self,
-        ended: Vec<TurnEnd>,
-        _idle: bool,
-    ) -> verl_plugin_api::Result<Vec<Resume>> {
+    fn turns(&mut self, ended: Vec<TurnEnd>, _idle: bool) -> verl_plugin_api::Result<Vec<Resume>> {
         let mut answers = Vec::new();
         for e in ended {
             let (row, waits, used) = (e.row, e.waits, e.response_len);
@@ -103,14 +99,19 @@ fn turns_cross_the_abi_and_the_training_forward_gives_their_log_probs_back() {
                 continued += 1;
             }
         }
-        let row = |t: &verl_plugin_api::Tensor<i64>| t.data[r * RL as usize..(r + 1) * RL as usize].to_vec();
+        let row = |t: &verl_plugin_api::Tensor<i64>| {
+            t.data[r * RL as usize..(r + 1) * RL as usize].to_vec()
+        };
         assert_eq!(row(&resp)[..want.len()], want[..], "row {r}");
         assert_eq!(row(&loss)[..want.len()], sampled[..], "row {r}");
         assert!(row(&loss)[want.len()..].iter().all(|&m| m == 0));
         assert!(row(&mask)[..want.len()].iter().all(|&m| m == 1));
         assert!(row(&mask)[want.len()..].iter().all(|&m| m == 0));
     }
-    assert!(continued >= 4, "too few continued turns to test ({continued})");
+    assert!(
+        continued >= 4,
+        "too few continued turns to test ({continued})"
+    );
     assert!(out.meta().contains_key("rollout/continued_turns"));
 
     // The training forward over the whole conversation: the same log-prob at every sampled
@@ -132,8 +133,14 @@ fn turns_cross_the_abi_and_the_training_forward_gives_their_log_probs_back() {
         if loss.data[i] == 1 {
             worst = worst.max((lp.data[i] - rollout.data[i]).abs());
         } else {
-            assert_eq!(rollout.data[i], 0.0, "position {i}: an appended token has no log-prob");
+            assert_eq!(
+                rollout.data[i], 0.0,
+                "position {i}: an appended token has no log-prob"
+            );
         }
     }
-    assert!(worst < 1e-4, "max |training - rollout| over sampled tokens = {worst:.3e}");
+    assert!(
+        worst < 1e-4,
+        "max |training - rollout| over sampled tokens = {worst:.3e}"
+    );
 }

@@ -55,6 +55,29 @@ pub fn run(bin: &Path, args: &[&str]) -> Output {
         .expect("run verl")
 }
 
+/// Run the installed `verl` of `inst` in `cwd` (the quickstart pipelines' way): no inherited
+/// plugin-path settings, metrics files under `cwd/logs`.
+pub fn run_in(inst: &Path, cwd: &Path, args: &[&str]) -> Output {
+    Command::new(inst.join("verl"))
+        .args(args)
+        .current_dir(cwd)
+        .env_remove("VERL_PLUGIN_PATH")
+        .env_remove("VERL_LOG")
+        .env("VERL_FILE_LOGGER_ROOT", cwd.join("logs"))
+        .output()
+        .expect("run verl")
+}
+
+/// Assert the command succeeded, showing its output otherwise.
+pub fn assert_ok(o: &Output, what: &str) {
+    assert!(
+        o.status.success(),
+        "{what} failed\nstdout:\n{}\nstderr:\n{}",
+        stdout(o),
+        stderr(o)
+    );
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }

@@ -19,26 +19,6 @@ use verl_e2e::*;
 /// copies numbers well; the quickstart's 1000 steps are for that).
 const SFT_STEPS: usize = 250;
 
-fn ok(o: &std::process::Output, what: &str) {
-    assert!(
-        o.status.success(),
-        "{what} failed\nstdout:\n{}\nstderr:\n{}",
-        stdout(o),
-        stderr(o)
-    );
-}
-
-fn verl(inst: &Path, cwd: &Path, args: &[&str]) -> std::process::Output {
-    std::process::Command::new(inst.join("verl"))
-        .args(args)
-        .current_dir(cwd)
-        .env_remove("VERL_PLUGIN_PATH")
-        .env_remove("VERL_LOG")
-        .env("VERL_FILE_LOGGER_ROOT", cwd.join("logs"))
-        .output()
-        .expect("run verl")
-}
-
 fn examples() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/quickstart")
 }
@@ -50,8 +30,8 @@ fn grpo_with_a_calculator_trains_on_the_models_own_tokens() {
     let cwd = tmp.path();
     let d = |p: &str| cwd.join(p).display().to_string();
     let inst = inst.path();
-    ok(
-        &verl(
+    assert_ok(
+        &run_in(
             inst,
             cwd,
             &[
@@ -79,8 +59,8 @@ fn grpo_with_a_calculator_trains_on_the_models_own_tokens() {
         ),
         "verl data arith --tools calculator",
     );
-    ok(
-        &verl(
+    assert_ok(
+        &run_in(
             inst,
             cwd,
             &[
@@ -113,8 +93,8 @@ fn grpo_with_a_calculator_trains_on_the_models_own_tokens() {
         ),
         "verl init-model",
     );
-    ok(
-        &verl(
+    assert_ok(
+        &run_in(
             inst,
             cwd,
             &[
@@ -131,7 +111,7 @@ fn grpo_with_a_calculator_trains_on_the_models_own_tokens() {
         ),
         "verl sft (multi-turn)",
     );
-    let run = verl(
+    let run = run_in(
         inst,
         cwd,
         &[
@@ -162,7 +142,7 @@ fn grpo_with_a_calculator_trains_on_the_models_own_tokens() {
             "actor_rollout_ref.actor.fsdp_config.dtype=fp32",
         ],
     );
-    ok(&run, "verl run with the tool agent loop");
+    assert_ok(&run, "verl run with the tool agent loop");
     let metrics = cwd.join("logs/verl_rs_quickstart/arith_tools_grpo_cpu.jsonl");
     let text = std::fs::read_to_string(&metrics).unwrap();
     let steps: Vec<Value> = text

@@ -23,26 +23,6 @@ const RL_STEPS: usize = 12;
 /// Steps of the second run, which checks determinism (a prefix of the first run's metrics).
 const REPLAY_STEPS: usize = 3;
 
-fn ok(o: &std::process::Output, what: &str) {
-    assert!(
-        o.status.success(),
-        "{what} failed\nstdout:\n{}\nstderr:\n{}",
-        stdout(o),
-        stderr(o)
-    );
-}
-
-fn verl(inst: &Path, cwd: &Path, args: &[&str]) -> std::process::Output {
-    std::process::Command::new(inst.join("verl"))
-        .args(args)
-        .current_dir(cwd)
-        .env_remove("VERL_PLUGIN_PATH")
-        .env_remove("VERL_LOG")
-        .env("VERL_FILE_LOGGER_ROOT", cwd.join("logs"))
-        .output()
-        .expect("run verl")
-}
-
 fn scores(path: &Path) -> BTreeMap<u64, f64> {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut out = BTreeMap::new();
@@ -64,8 +44,8 @@ fn prepare(inst: &Path, cwd: &Path) {
     let job_dir = job_dir();
     std::fs::create_dir_all(cwd).unwrap();
     let d = |p: &str| cwd.join(p).display().to_string();
-    ok(
-        &verl(
+    assert_ok(
+        &run_in(
             inst,
             cwd,
             &[
@@ -85,8 +65,8 @@ fn prepare(inst: &Path, cwd: &Path) {
         ),
         "verl data arith",
     );
-    ok(
-        &verl(
+    assert_ok(
+        &run_in(
             inst,
             cwd,
             &[
@@ -113,7 +93,7 @@ fn prepare(inst: &Path, cwd: &Path) {
         ),
         "verl init-model",
     );
-    let sft = verl(
+    let sft = run_in(
         inst,
         cwd,
         &[
@@ -129,7 +109,7 @@ fn prepare(inst: &Path, cwd: &Path) {
             "trainer.logger=[file]",
         ],
     );
-    ok(&sft, "verl sft");
+    assert_ok(&sft, "verl sft");
 }
 
 /// The installed binary and plugins and the prepared SFT model, shared by this file's tests (the
@@ -160,7 +140,7 @@ fn grpo_with(
 ) -> BTreeMap<u64, f64> {
     let job_dir = job_dir();
     let d = |p: &str| cwd.join(p).display().to_string();
-    let rl = verl(
+    let rl = run_in(
         inst,
         cwd,
         &[
@@ -185,7 +165,7 @@ fn grpo_with(
         .chain(extra.iter().copied())
         .collect::<Vec<_>>(),
     );
-    ok(&rl, "verl run");
+    assert_ok(&rl, "verl run");
     scores(&cwd.join(format!("logs/verl_rs_quickstart/{name}.jsonl")))
 }
 

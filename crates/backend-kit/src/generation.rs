@@ -52,51 +52,35 @@ impl GenerateCall {
     }
 
     /// Runs the generation engine on `model` with the call's prompts and parameters under `config`
-    /// (no autograd).
+    /// (no autograd); with a `driver`, as conversations whose turns it continues
+    /// ([`verl_rollout::generate_turns`]).
     pub fn run(
         &self,
         model: &verl_nn::Transformer,
         config: &verl_rollout::EngineConfig,
+        driver: Option<&mut dyn verl_plugin_api::turns::TurnDriver>,
     ) -> Result<(Generation, verl_rollout::GenerationStats)> {
-        tch::no_grad(|| {
-            verl_rollout::generate_with_config(
+        tch::no_grad(|| match driver {
+            None => verl_rollout::generate_with_config(
                 model,
                 &self.ids,
                 &self.mask,
                 &self.params,
                 None,
                 config,
-            )
+            ),
+            Some(d) => verl_rollout::generate_turns(
+                model,
+                &self.ids,
+                &self.mask,
+                &self.params,
+                None,
+                config,
+                &mut Bridge(d),
+            ),
         })
         .map_err(|e| {
             crate::BackendError::Api(verl_plugin_api::Error::failed(format!("generation: {e}")))
-        })
-    }
-
-    /// [`GenerateCall::run`] of a multi-turn call: sequences that stop wait for `driver`
-    /// ([`verl_rollout::generate_turns`]).
-    pub fn run_turns(
-        &self,
-        model: &verl_nn::Transformer,
-        config: &verl_rollout::EngineConfig,
-        driver: &mut dyn verl_plugin_api::turns::TurnDriver,
-    ) -> Result<(Generation, verl_rollout::GenerationStats)> {
-        let mut bridge = Bridge(driver);
-        tch::no_grad(|| {
-            verl_rollout::generate_turns(
-                model,
-                &self.ids,
-                &self.mask,
-                &self.params,
-                None,
-                config,
-                &mut bridge,
-            )
-        })
-        .map_err(|e| {
-            crate::BackendError::Api(verl_plugin_api::Error::failed(format!(
-                "multi-turn generation: {e}"
-            )))
         })
     }
 

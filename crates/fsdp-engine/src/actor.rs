@@ -271,7 +271,13 @@ impl FsdpActor {
         r.map_err(|e| self.dp.fail(e))
     }
 
-    fn do_generate(&mut self, prompts: &Batch, o: &GenerateOptions) -> Result<Batch> {
+    /// A generate call; with a `driver`, multi-turn (`Actor.generate_turns`).
+    fn do_generate(
+        &mut self,
+        prompts: &Batch,
+        o: &GenerateOptions,
+        driver: Option<&mut dyn verl_plugin_api::turns::TurnDriver>,
+    ) -> Result<Batch> {
         let seed = derive_seed(self.settings.seed, self.settings.generate_calls);
         let eos = self.model().config().eos_token_ids.clone();
         let call = GenerateCall::new(prompts, o, self.device, &eos, seed)?;
@@ -282,26 +288,7 @@ impl FsdpActor {
         let (engine_keys, device) = (self.engine.clone(), self.device);
         let (gen, meta) = self.run_model(|model| {
             let budget = kv_budget(model, device, &engine_keys, &call.mask, &call.params)?;
-            let (gen, stats) = call.run(model, &budget.config)?;
-            Ok((gen, budget.metrics(&stats)))
-        })?;
-        call.into_batch(&gen, &meta)
-    }
-
-    fn do_generate_turns(
-        &mut self,
-        prompts: &Batch,
-        o: &GenerateOptions,
-        driver: &mut dyn verl_plugin_api::turns::TurnDriver,
-    ) -> Result<Batch> {
-        let seed = derive_seed(self.settings.seed, self.settings.generate_calls);
-        let eos = self.model().config().eos_token_ids.clone();
-        let call = GenerateCall::new(prompts, o, self.device, &eos, seed)?;
-        self.settings.generate_calls += 1;
-        let (engine_keys, device) = (self.engine.clone(), self.device);
-        let (gen, meta) = self.run_model(|model| {
-            let budget = kv_budget(model, device, &engine_keys, &call.mask, &call.params)?;
-            let (gen, stats) = call.run_turns(model, &budget.config, driver)?;
+            let (gen, stats) = call.run(model, &budget.config, driver)?;
             Ok((gen, budget.metrics(&stats)))
         })?;
         call.into_batch(&gen, &meta)
@@ -590,7 +577,7 @@ impl UpdateEngine for ActorEngine<'_> {
 impl Actor for FsdpActor {
     fn generate(&mut self, prompts: &Batch, options: &GenerateOptions) -> ApiResult<Batch> {
         let _trace = verl_nn::profile::trace("generate", self.device);
-        let r = self.with_params_on_device(|s| s.do_generate(prompts, options));
+        let r = self.with_params_on_device(|s| s.do_generate(prompts, options, None));
         Ok(self.spmd(r)?)
     }
     fn generate_turns(
@@ -600,7 +587,7 @@ impl Actor for FsdpActor {
         driver: &mut dyn verl_plugin_api::turns::TurnDriver,
     ) -> ApiResult<Batch> {
         let _trace = verl_nn::profile::trace("generate", self.device);
-        let r = self.with_params_on_device(|s| s.do_generate_turns(prompts, options, driver));
+        let r = self.with_params_on_device(|s| s.do_generate(prompts, options, Some(driver)));
         Ok(self.spmd(r)?)
     }
     fn compute_log_prob(&mut self, batch: &Batch, options: &LogProbOptions) -> ApiResult<Batch> {

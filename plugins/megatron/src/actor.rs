@@ -296,7 +296,7 @@ impl MegatronActor {
             tp.all_reduce_f64(&mut tokens, ReduceOp::Min, "all_reduce (KV pool tokens)")?;
             budget.config.kv_cache_tokens = Some(tokens[0] as usize);
         }
-        let (gen, stats) = call.run(model, &budget.config)?;
+        let (gen, stats) = call.run(model, &budget.config, None)?;
         Ok(call.into_batch(&gen, &budget.metrics(&stats))?)
     }
 

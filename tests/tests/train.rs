@@ -31,7 +31,7 @@ fn write_model(dir: &Path) {
         .to_string(),
     )
     .unwrap();
-    let (h, inter, layers, heads, kv, hd) = (32usize, 64usize, 2usize, 4usize, 2usize, 8usize);
+    let (h, inter, layers, heads, kv, hd) = (32usize, 64usize, 2usize, 4usize, 4usize, 8usize);
     std::fs::write(
         dir.join("config.json"),
         json!({
@@ -504,8 +504,8 @@ fn grpo_on_two_and_four_cpu_ranks_equals_one_rank_and_resumes_across_world_sizes
     );
 }
 
-/// The Megatron backend through `verl run` on CPU ranks: TP=2, TP=2 × DP=2, PP=2 and TP=2 × PP=2
-/// must train exactly like the FSDP backend on one rank — actor, reference and critic. The host gives the ranks of one tensor-parallel group the same prompts and counts
+/// The Megatron backend through `verl run` on CPU ranks: TP=2, TP=2 × DP=2, PP=2, TP=2 × PP=2 and
+/// TP=2 × PP=2 × DP=2 with generation at TP=4 must train exactly like the FSDP backend on one rank — actor, reference and critic. The host gives the ranks of one tensor-parallel group the same prompts and counts
 /// their copies once in every batch-wide statistic (data metrics, whitening, validation). PPO
 /// with GAE, because the tiny random policy never earns a reward: GRPO's advantages would all be
 /// zero and the update pure rounding noise, while the critic's values make GAE's advantages real.
@@ -557,23 +557,33 @@ fn megatron_tensor_and_pipeline_parallel_ranks_train_like_one_fsdp_rank() {
         "critic.strategy=megatron",
         "critic.megatron.dtype=float32",
     ];
-    let layouts: [(&str, &str, u32, u32); 4] = [
-        ("tp2", "2", 2, 1),
-        ("tp2_dp2", "4", 2, 1),
-        ("pp2", "2", 1, 2),
-        ("tp2_pp2", "4", 2, 2),
+    // (name, ranks, TP, PP, rollout TP): verl's default rollout TP 2 where it fits; the last is
+    // the layout of verl's run_qwen2_5-7b_math_megatron_diff_tp.sh (train TP 2 × PP 2 × DP 2,
+    // generation at TP 4 in two rollout groups), scaled down.
+    let layouts: [(&str, &str, u32, u32, u32); 5] = [
+        ("tp2", "2", 2, 1, 2),
+        ("tp2_dp2", "4", 2, 1, 2),
+        ("pp2", "2", 1, 2, 2),
+        ("tp2_pp2", "4", 2, 2, 2),
+        ("tp2_pp2_dp2_rollout_tp4", "8", 2, 2, 4),
     ];
-    for (name, world, tp, pp) in layouts {
+    for (name, world, tp, pp, rollout_tp) in layouts {
         let sizes = [
             format!("trainer.n_gpus_per_node={world}"),
             format!("actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}"),
             format!("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"),
             format!("critic.megatron.tensor_model_parallel_size={tp}"),
             format!("critic.megatron.pipeline_model_parallel_size={pp}"),
+            format!("actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}"),
         ];
         let mut extra = megatron.to_vec();
         extra.extend(sizes.iter().map(String::as_str));
         let m = metrics_by_step(&jsonl_of(&run(name, &extra)));
+        assert_eq!(
+            m[&1].get("rollout/tp").and_then(Value::as_f64),
+            Some(rollout_tp as f64),
+            "{name}: generation's tensor-parallel size"
+        );
         let mut bad = Vec::new();
         for step in 1..=3 {
             let (a, b) = (comparable(&base[&step]), comparable(&m[&step]));

@@ -278,6 +278,99 @@ impl Dp {
         }
     }
 
+    /// This group split into sub-groups: `groups` lists every sub-group (as ranks of this group),
+    /// the same list on every rank; returns the one this rank is in (a one-rank group when it is
+    /// alone, or in none). Members create their sub-groups in list order, so each rendezvous pairs
+    /// the right ranks.
+    pub fn subgroup(&self, groups: &[Vec<usize>]) -> Result<Dp> {
+        let Some(comm) = self.comm() else {
+            return Ok(Dp::single());
+        };
+        let mut mine = Dp::single();
+        for g in groups.iter().filter(|g| g.len() > 1) {
+            if let Some(c) = comm.new_group(g).map_err(|source| BackendError::Comm {
+                op: "create a sub-group",
+                source,
+            })? {
+                mine = Dp::with_communicator(c, self.device);
+            }
+        }
+        Ok(mine)
+    }
+
+    /// Sums (or maxes) `t` in place over the group; one rank: unchanged.
+    pub fn all_reduce_tensor(
+        &self,
+        t: &mut Tensor,
+        op: ReduceOp,
+        what: &'static str,
+    ) -> Result<()> {
+        match self.comm() {
+            Some(c) => c
+                .all_reduce(t, op)
+                .map_err(|source| BackendError::Comm { op: what, source }),
+            None => Ok(()),
+        }
+    }
+
+    /// Every member's `t` (same shape everywhere), in rank order.
+    pub fn all_gather(&self, t: &Tensor, what: &'static str) -> Result<Vec<Tensor>> {
+        match self.comm() {
+            Some(c) => {
+                let t = t.f_contiguous().ctx(what)?;
+                c.all_gather(&t)
+                    .map_err(|source| BackendError::Comm { op: what, source })
+            }
+            None => Ok(vec![t.shallow_clone()]),
+        }
+    }
+
+    /// Every member's `t` in rank order, where `t` is `[rows, ..]` with the same trailing
+    /// dimensions and kind everywhere but any number of rows (zero included): the rows are padded
+    /// to the largest count for one flat all-gather and cut back afterwards.
+    pub fn all_gather_rows(&self, t: &Tensor, what: &'static str) -> Result<Vec<Tensor>> {
+        if self.comm().is_none() {
+            return Ok(vec![t.shallow_clone()]);
+        }
+        let shape = t.size();
+        let rows = shape.first().copied().unwrap_or(0);
+        let rest: Vec<i64> = shape.iter().skip(1).copied().collect();
+        let mut counts = vec![0f64; self.size];
+        counts[self.rank] = rows as f64;
+        self.all_reduce_f64(&mut counts, ReduceOp::Sum, what)?;
+        let max = counts.iter().fold(0f64, |a, &b| a.max(b)) as i64;
+        let width: i64 = rest.iter().product();
+        let padded = match rows < max {
+            true => {
+                let mut pad_shape = vec![max - rows];
+                pad_shape.extend(&rest);
+                let pad =
+                    Tensor::f_zeros(pad_shape.as_slice(), (t.kind(), self.device)).ctx(what)?;
+                Tensor::f_cat(&[t.f_to_device(self.device).ctx(what)?, pad], 0).ctx(what)?
+            }
+            false => t.f_to_device(self.device).ctx(what)?,
+        };
+        let flat = padded
+            .f_contiguous()
+            .and_then(|p| p.f_view([-1]))
+            .ctx(what)?;
+        let mut out =
+            Tensor::f_empty([self.size as i64 * max * width], (t.kind(), self.device)).ctx(what)?;
+        self.all_gather_into(&mut out, &flat)?;
+        counts
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| {
+                let mut s = vec![max];
+                s.extend(&rest);
+                out.f_narrow(0, r as i64 * max * width, max * width)
+                    .and_then(|b| b.f_view(s.as_slice()))
+                    .and_then(|b| b.f_narrow(0, 0, n as i64))
+                    .ctx(what)
+            })
+            .collect()
+    }
+
     /// Declares this rank failed with `error`, so that every other rank's pending and later
     /// collectives fail naming this rank instead of waiting for it. Returns `error`.
     pub fn fail(&self, error: BackendError) -> BackendError {

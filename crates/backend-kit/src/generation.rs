@@ -14,6 +14,9 @@ pub struct GenerateCall {
     pub ids: Tensor,
     pub mask: Tensor,
     pub params: SamplingParams,
+    /// Per-prompt request seeds in place of those `params.seed` and `row_offset` give (a share of
+    /// a larger batch: [`crate::hybrid::share`]).
+    pub request_seeds: Option<Vec<u64>>,
 }
 
 impl GenerateCall {
@@ -48,6 +51,7 @@ impl GenerateCall {
                 ignore_eos: o.ignore_eos,
                 return_log_probs: o.return_log_probs,
             },
+            request_seeds: None,
         })
     }
 
@@ -66,7 +70,7 @@ impl GenerateCall {
                 &self.ids,
                 &self.mask,
                 &self.params,
-                None,
+                self.request_seeds.as_deref(),
                 config,
             ),
             Some(d) => verl_rollout::generate_turns(
@@ -74,7 +78,7 @@ impl GenerateCall {
                 &self.ids,
                 &self.mask,
                 &self.params,
-                None,
+                self.request_seeds.as_deref(),
                 config,
                 &mut Bridge(d),
             ),

@@ -13,6 +13,7 @@ pub mod dp;
 pub mod error;
 pub mod generation;
 pub mod host_params;
+pub mod hybrid;
 pub mod metrics;
 pub mod model_files;
 pub mod optim;

@@ -422,7 +422,7 @@ pub static RULES: &[Rule] = &[
     Rule::acts("actor_rollout_ref.rollout.cudagraph_capture_sizes", "the batch sizes decode graphs are captured for", &[SECTIONS]),
     Rule::acts("actor_rollout_ref.rollout.consistent_attention", "verl-rs: rollout and log-prob passes share one attention kernel (FSDP)", &[SECTIONS, "plugins/megatron/src/validate.rs::consistent_attention_and_prefix_grouper_are_refused_by_name"]),
     Rule::acts("actor_rollout_ref.rollout.calculate_log_probs", "reports rollout-vs-training log-prob metrics (runs the old-log-prob pass)", &["tests/tests/train.rs::on_policy_steps_skip_the_old_log_prob_pass_without_changing_any_metric"]),
-    Rule::acts("actor_rollout_ref.rollout.tensor_model_parallel_size", "Megatron: generation at TP 1 or the actor's TP; FSDP generates on gathered weights", &["plugins/megatron/tests/tp_generate.rs::a_rollout_tp_other_than_1_or_the_actors_is_refused"]).checked(rollout_tp),
+    Rule::acts("actor_rollout_ref.rollout.tensor_model_parallel_size", "generation's tensor-parallel size, resharded from the training layout; each rollout group generates its own share of the prompts", &["plugins/megatron/tests/reshard.rs::every_rollout_tp_over_every_training_layout_generates_what_one_rank_does", "plugins/fsdp/tests/reshard.rs::every_rollout_tp_over_four_fsdp_ranks_generates_what_one_rank_does", "plugins/megatron/tests/tp_generate.rs::a_rollout_tp_the_layout_cannot_take_is_refused"]).checked(rollout_tp),
     Rule::acts("actor_rollout_ref.rollout.dtype", "must be the actor's compute dtype (generation uses the training weights)", &["crates/config/tests/layouts.rs::rollout_dtype_must_be_the_compute_dtype"]).checked(rollout_dtype),
     Rule::acts("actor_rollout_ref.rollout.logprobs_mode", "rollout log-probs are the training forward's (processed)", &["crates/config/tests/layouts.rs::raw_rollout_log_probs_are_refused"]).checked(logprobs_mode),
     Rule::refused("actor_rollout_ref.rollout.seed", "a rollout sampling seed of its own", "set trainer.seed: verl-rs seeds every sampling call from it"),
@@ -983,13 +983,19 @@ fn transformer_overrides(v: &Value, _: &Config) -> Verdict {
     }
 }
 
-fn rollout_tp(_: &Value, cfg: &Config) -> Verdict {
-    if cfg.actor_rollout_ref.actor.strategy == "megatron" {
-        Verdict::Acts
+fn rollout_tp(v: &Value, cfg: &Config) -> Verdict {
+    let arr = &cfg.actor_rollout_ref;
+    let asked = v.as_u64().unwrap_or(1);
+    if asked <= 1 {
+        return Verdict::Acts;
+    }
+    let multi_turn = cfg.multi_turn().enable;
+    if arr.actor.strategy != "megatron" && arr.model.lora_rank > 0 {
+        Verdict::Ignored("a LoRA actor generates at rollout TP 1, each rank its own prompts (same samples, a speed and memory layout)".into())
+    } else if arr.actor.strategy != "megatron" && multi_turn {
+        Verdict::Ignored("multi-turn rollouts generate at rollout TP 1, each rank its own prompts (same samples, a speed and memory layout)".into())
     } else {
-        Verdict::Ignored(
-            "the FSDP backend generates on each rank with the weights gathered, which is rollout TP 1 (same samples, a speed and memory layout)".into(),
-        )
+        Verdict::Acts
     }
 }
 

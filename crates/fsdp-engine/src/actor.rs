@@ -56,6 +56,12 @@ pub struct FsdpActor {
     /// The reference's parameters in host memory between calls
     /// (`actor_rollout_ref.ref.fsdp_config.param_offload` on a GPU).
     host_params: Option<HostParams>,
+    /// `actor_rollout_ref.rollout.tensor_model_parallel_size`: rollout groups of this many
+    /// consecutive ranks, each generating its members' prompts together on one tensor-parallel
+    /// shard per rank ([`verl_backend_kit::hybrid`]); 1: each rank its own prompts, whole model.
+    rollout_tp: usize,
+    /// The rollout group's communicator, made by the first generate call.
+    rollout_group: Option<std::sync::Arc<Dp>>,
 }
 
 pub(crate) fn load_model(
@@ -160,6 +166,8 @@ impl FsdpActor {
                 head_chunk,
                 engine,
                 host_params,
+                rollout_tp: 1,
+                rollout_group: None,
                 settings: ActorSettings::resolve(cfg, None, dirs, &trainer, dp_size, fsdp.seed)?,
             });
         }
@@ -185,6 +193,13 @@ impl FsdpActor {
             );
         }
         let plan = ActorUpdatePlan::resolve(cfg, &actor, &rollout, dp.size)?;
+        let tp1_because = crate::validate::tp1_because(cfg, lora.is_some(), model.config());
+        let rollout_tp = verl_backend_kit::hybrid::data_parallel_rollout_tp(
+            cfg,
+            dp.size,
+            model.config(),
+            tp1_because,
+        )?;
         let head_chunk = head_chunk_tokens(model.config().vocab_size);
         let offload = Offload {
             params: actor.fsdp_config.param_offload,
@@ -223,6 +238,8 @@ impl FsdpActor {
             head_chunk,
             engine,
             host_params: None,
+            rollout_tp,
+            rollout_group: None,
             settings: ActorSettings::resolve(
                 cfg,
                 Some(plan),
@@ -282,16 +299,79 @@ impl FsdpActor {
         let eos = self.model().config().eos_token_ids.clone();
         let call = GenerateCall::new(prompts, o, self.device, &eos, seed)?;
         self.settings.generate_calls += 1;
+        let (engine_keys, device) = (self.engine.clone(), self.device);
+        if self.rollout_tp > 1 && driver.is_none() {
+            return self.generate_tensor_parallel(call);
+        }
         // Hybrid engine: the engine reads the live training weights; its KV cache lives only for
         // this call and is dropped before returning. The KV budget is taken once the weights are
         // resident (gathered, on several ranks), so they count as memory in use.
-        let (engine_keys, device) = (self.engine.clone(), self.device);
-        let (gen, meta) = self.run_model(|model| {
+        let (gen, mut meta) = self.run_model(|model| {
             let budget = kv_budget(model, device, &engine_keys, &call.mask, &call.params)?;
             let (gen, stats) = call.run(model, &budget.config, driver)?;
             Ok((gen, budget.metrics(&stats)))
         })?;
+        meta.insert("rollout/tp".into(), 1.into());
         call.into_batch(&gen, &meta)
+    }
+
+    /// Generation at rollout TP > 1: the rollout group's members' prompts generated together,
+    /// each rank on its shard of the weights, resharded unit by unit from the FSDP shards for
+    /// this call and dropped after it.
+    fn generate_tensor_parallel(&mut self, call: GenerateCall) -> Result<Batch> {
+        use verl_backend_kit::hybrid::{self, DpTpComm};
+        let (world, tp, rank) = (self.dp.size, self.rollout_tp, self.dp.rank);
+        if self.rollout_group.is_none() {
+            let g = self.dp.subgroup(&hybrid::data_parallel_groups(world, tp))?;
+            self.rollout_group = Some(std::sync::Arc::new(g));
+        }
+        let group = self.rollout_group.clone().expect("made above");
+        let start = std::time::Instant::now();
+        let comm: std::sync::Arc<dyn verl_nn::TpComm> =
+            std::sync::Arc::new(DpTpComm(group.clone()));
+        let (model, moved) = match &mut self.weights {
+            Weights::Train(t) => t.rollout_shard(&self.dp, comm)?,
+            Weights::Frozen(_) => {
+                return Err(BackendError::Api(ApiError::failed(
+                    "the reference role does not generate",
+                )))
+            }
+        };
+        let reshard_s = start.elapsed().as_secs_f64();
+        let shared = hybrid::share(
+            &call,
+            &self.dp,
+            hybrid::data_parallel_placement(rank, world, tp),
+        )?;
+        let mut budget = kv_budget(
+            &model,
+            self.device,
+            &self.engine,
+            &shared.call.mask,
+            &shared.call.params,
+        )?;
+        // The group runs the engine in lock-step: one pool size for all (the smallest).
+        let mut tokens = [-(budget
+            .config
+            .kv_cache_tokens
+            .unwrap_or(budget.all_sequences_tokens) as f64)];
+        group.all_reduce_max(&mut tokens)?;
+        budget.config.kv_cache_tokens = Some((-tokens[0]) as usize);
+        let (gen, stats) = shared.run(|c| c.run(&model, &budget.config, None))?;
+        drop(model);
+        let gen = shared.gather_back(&gen, &self.dp)?;
+        let mut meta = budget.metrics(&stats);
+        meta.insert("rollout/tp".into(), tp.into());
+        meta.insert("rollout/group_prompts".into(), shared.prompts().into());
+        meta.insert("rollout/reshard_mb".into(), (moved / 1e6).into());
+        meta.insert("rollout/reshard_s".into(), reshard_s.into());
+        call.into_batch(&gen, &meta)
+    }
+
+    /// Generation's tensor-parallel size (`actor_rollout_ref.rollout.tensor_model_parallel_size`
+    /// as resolved for this job).
+    pub fn rollout_tp(&self) -> usize {
+        self.rollout_tp
     }
 
     fn do_log_prob(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {

@@ -520,6 +520,75 @@ impl TrainableModel {
         Ok(v)
     }
 
+    /// This rank's shard (`tp_rank` of `comm.size()`) of the live weights as a tensor-parallel
+    /// generation model talking over `comm`. On several ranks the units are gathered one at a
+    /// time, sliced and freed, so a rank never holds more than one whole unit beside its shard.
+    /// Returns the model and the bytes this rank received. Every rank calls it together.
+    pub fn rollout_shard(
+        &mut self,
+        dp: &Dp,
+        comm: std::sync::Arc<dyn verl_nn::TpComm>,
+    ) -> Result<(Transformer, f64)> {
+        let (rank, size) = (comm.rank(), comm.size());
+        let out = Transformer::tp_shard(
+            self.model.config().clone(),
+            &verl_nn::ModelOptions {
+                device: self.model.device(),
+                dtype: self.model.dtype(),
+                head: verl_nn::HeadKind::CausalLm,
+            },
+            comm,
+        )?;
+        let dst: std::collections::HashMap<String, Tensor> = out
+            .named_parameters()
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let mut done = std::collections::HashSet::new();
+        let mut moved = 0.0;
+        let world = dp.size;
+        let mut copy = |model: &Transformer, unit: verl_nn::Unit| -> Result<()> {
+            tch::no_grad(|| -> Result<()> {
+                for i in model.unit_parameters(unit) {
+                    let (name, full) = &model.named_parameters()[i];
+                    if !done.insert(name.clone()) {
+                        continue;
+                    }
+                    moved += (full.numel() * full.kind().elt_size_in_bytes()) as f64
+                        * (world - 1) as f64
+                        / world as f64;
+                    let Some(d) = dst.get(name) else { continue };
+                    let piece = verl_nn::tp::shard_of(full, name, rank, size)?;
+                    d.shallow_clone()
+                        .f_copy_(&piece)
+                        .ctx("copy rollout shard")?;
+                }
+                Ok(())
+            })
+        };
+        match self.shard.as_mut() {
+            None => {
+                for unit in self.model.units() {
+                    copy(&self.model, unit)?;
+                }
+                moved = 0.0;
+            }
+            Some(shard) => {
+                for unit in self.model.units() {
+                    let groups = shard.layout.unit_groups(unit);
+                    let r = groups
+                        .iter()
+                        .try_for_each(|&g| shard.acquire(dp, g))
+                        .and_then(|_| copy(&self.model, unit));
+                    let released = groups.iter().try_for_each(|&g| shard.release(g));
+                    r?;
+                    released?;
+                }
+            }
+        }
+        Ok((out, moved))
+    }
+
     /// Bytes this rank holds in parameters, gradients and optimizer state.
     pub fn memory(&self) -> MemoryStats {
         if let Some(s) = &self.shard {

@@ -38,8 +38,26 @@ pub fn validate(init: &InitArgs) -> Result<String> {
         } else {
             actor_model()?
         };
+        let generation = match role {
+            "actor" => {
+                let sec: ModelSection = section(cfg, "actor_rollout_ref.model")?;
+                let lora = sec.lora("actor_rollout_ref.model")?.is_some();
+                let world = init.world_size.max(1) as usize;
+                let tp = verl_backend_kit::hybrid::data_parallel_rollout_tp(
+                    cfg,
+                    world,
+                    &model,
+                    tp1_because(cfg, lora, &model),
+                )?;
+                format!(
+                    "; generation at tensor-parallel size {tp} in {} rollout group(s)",
+                    world / tp
+                )
+            }
+            _ => String::new(),
+        };
         lines.push(format!(
-            "{role}: {}, {} layers, hidden {}{}; {} rank(s)",
+            "{role}: {}, {} layers, hidden {}{}; {} rank(s){generation}",
             model.arch,
             model.num_hidden_layers,
             model.hidden_size,
@@ -51,4 +69,27 @@ pub fn validate(init: &InitArgs) -> Result<String> {
         ));
     }
     Ok(lines.join("\n"))
+}
+
+/// What makes this actor generate at rollout TP 1 whatever
+/// `actor_rollout_ref.rollout.tensor_model_parallel_size` asks: LoRA adapters, MoE blocks and
+/// multi-turn conversations are not split for generation.
+pub fn tp1_because(
+    cfg: &serde_json::Value,
+    lora: bool,
+    model: &ModelConfig,
+) -> Option<&'static str> {
+    let multi_turn = cfg
+        .pointer("/actor_rollout_ref/rollout/multi_turn/enable")
+        .and_then(serde_json::Value::as_bool)
+        .unwrap_or(false);
+    if lora {
+        Some("a LoRA actor (its adapters are not split for generation)")
+    } else if model.moe.is_some() {
+        Some("a mixture-of-experts model (its MoE blocks are not split for generation)")
+    } else if multi_turn {
+        Some("a multi-turn rollout (multi_turn.enable)")
+    } else {
+        None
+    }
 }

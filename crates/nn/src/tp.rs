@@ -41,6 +41,47 @@ pub trait TpComm: Send + Sync {
     fn all_gather_last(&self, t: &Tensor) -> Result<Tensor>;
 }
 
+/// The dimension a parameter (by HF name) is split along in the tensor-parallel layout above:
+/// 0 for column-parallel and vocabulary-parallel tensors (q/k/v, gate/up, embedding, LM head), 1
+/// for the row-parallel matrices (o_proj, down_proj), `None` for replicated ones (norms,
+/// row-parallel biases). Block `r` of `size` along that dimension is rank `r`'s shard, so `k`
+/// consecutive shards of a size-`tp` layout concatenate into one shard of the size-`tp / k`
+/// layout, and a shard splits into `m` consecutive shards of the size-`tp × m` layout.
+pub fn split_dim(name: &str) -> Option<i64> {
+    if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+        Some(1)
+    } else if name.contains("q_proj")
+        || name.contains("k_proj")
+        || name.contains("v_proj")
+        || name.contains("gate_proj")
+        || name.contains("up_proj")
+        || name.contains("embed_tokens")
+        || name.starts_with("lm_head")
+    {
+        Some(0)
+    } else {
+        None
+    }
+}
+
+/// Rank `rank`'s shard (of `size`) of `t`, a whole tensor or a coarser shard of parameter
+/// `name`: block `rank` along [`split_dim`] (a view, no copy), or `t` itself when replicated.
+pub fn shard_of(t: &Tensor, name: &str, rank: usize, size: usize) -> Result<Tensor> {
+    let Some(d) = split_dim(name) else {
+        return Ok(t.shallow_clone());
+    };
+    let n = t.size()[d as usize];
+    if size == 0 || n % size as i64 != 0 {
+        return Err(NnError::input(
+            format!("tensor-parallel split of `{name}`"),
+            format!("a dimension {d} divisible by {size}"),
+            format!("shape {:?}", t.size()),
+        ));
+    }
+    let n = n / size as i64;
+    Ok(t.f_narrow(d, rank as i64 * n, n)?)
+}
+
 /// One rank's view of a sharded model: the communicator and the vocabulary rows it holds.
 #[derive(Clone)]
 pub(crate) struct TpShard {
@@ -284,27 +325,7 @@ pub(crate) mod tests {
 
     /// Megatron's split of a full HF tensor for rank `rank` of `size`.
     pub(crate) fn shard_like(full: &Tensor, name: &str, rank: usize, size: usize) -> Tensor {
-        let dim = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
-            Some(1)
-        } else if name.contains("q_proj")
-            || name.contains("k_proj")
-            || name.contains("v_proj")
-            || name.contains("gate_proj")
-            || name.contains("up_proj")
-            || name.contains("embed_tokens")
-            || name.starts_with("lm_head")
-        {
-            Some(0)
-        } else {
-            None
-        };
-        match dim {
-            None => full.copy(),
-            Some(d) => {
-                let n = full.size()[d as usize] / size as i64;
-                full.narrow(d, rank as i64 * n, n).copy()
-            }
-        }
+        super::shard_of(full, name, rank, size).unwrap().copy()
     }
 
     #[test]

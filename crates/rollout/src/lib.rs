@@ -36,3 +36,11 @@ pub use error::{Result, RolloutError};
 pub use generate::{generate, generate_seeded, generate_with_config, generate_with_stats};
 pub use params::{EngineConfig, FinishReason, Generation, GenerationStats, SamplingParams};
 pub use turns::{generate_turns, Resume, TurnDriver, TurnEnd};
+
+/// The request seed of the prompt with global index `index` in a call seeded `seed`: what the
+/// engine derives for prompt `i` from [`SamplingParams::seed`] and `row_offset + i`. Passing these
+/// as request seeds lets a caller generate any subset of a batch, in any grouping, exactly as one
+/// call over the whole batch would.
+pub fn prompt_seed(seed: u64, index: u64) -> u64 {
+    rng::derive(seed, index)
+}

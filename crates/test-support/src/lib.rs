@@ -8,6 +8,7 @@
 //!   failure where there is none;
 //! - [`model`] (feature `nn`): tiny random qwen2 model folders.
 //! - [`tiny`] (feature `nn`): one tiny random qwen2 model in memory, and saved as an HF folder.
+//! - [`ranks`] (feature `ranks`): a multi-rank job's ranks as threads of the test.
 
 pub mod json;
 pub mod rng;
@@ -17,6 +18,8 @@ pub mod shared;
 pub mod cuda;
 #[cfg(feature = "nn")]
 pub mod model;
+#[cfg(feature = "ranks")]
+pub mod ranks;
 #[cfg(feature = "nn")]
 pub mod tiny;
 

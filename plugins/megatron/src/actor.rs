@@ -1,15 +1,14 @@
 //! The Actor role (policy: generate, log-probs, PPO update, checkpoints, HF export) and the Reference
 //! role (the same model, frozen: log-probs only) on the tensor-parallel model.
 //!
-//! Generation runs the `verl_rollout` engine at rollout TP = actor TP by default: every rank of a
-//! tensor-parallel group builds a `verl_nn::Transformer` holding only its own shard (local heads,
-//! MLP columns and vocabulary rows; its KV cache holds its key/value heads only) and the ranks run
-//! the engine in lock-step, all-reducing the row-parallel outputs and all-gathering the logits
-//! before sampling, so every rank samples the same tokens. With
-//! `actor_rollout_ref.rollout.tensor_model_parallel_size: 1` (and for pipeline-parallel or MoE
-//! models) every rank gathers the full weights into a TP=1 copy instead ([`crate::rollout`]). The
-//! generation model is kept between calls and rebuilt after each update (with `param_offload` it is
-//! dropped at the end of every call: [`crate::offload`]).
+//! Generation runs the `verl_rollout` engine at `actor_rollout_ref.rollout.tensor_model_parallel_size`
+//! (the actor's TP by default): every rank builds a `verl_nn::Transformer` holding only its rollout
+//! shard (local heads, MLP columns and vocabulary rows; its KV cache holds its key/value heads
+//! only), resharded from the training shards ([`crate::rollout`]), and the ranks of a rollout group
+//! run the engine in lock-step, all-reducing the row-parallel outputs and all-gathering the logits
+//! before sampling, so every rank samples the same tokens. Each rollout group generates its own
+//! share of the prompts. The generation model is kept between calls and rebuilt after each update
+//! (with `param_offload` it is dropped at the end of every call: [`crate::offload`]).
 
 use std::path::Path;
 
@@ -20,7 +19,6 @@ use verl_backend_kit::config::{
     RolloutEngineSection,
 };
 use verl_backend_kit::data::Sequences;
-use verl_comm::ReduceOp;
 use verl_losses::ChunkedLmHead;
 use verl_nn::{HeadKind, ModelConfig, SaveOptions, Transformer};
 use verl_plugin_api::{
@@ -35,7 +33,7 @@ use crate::common::{
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::offload::{move_params, on_device, HostHomes, Need, Offload, Place};
 use crate::parallel::Parallel;
-use crate::rollout::RolloutTp;
+use crate::rollout::{Reshard, RolloutComms, RolloutLayout};
 use crate::tp::TpModel;
 use crate::train::TpTrainer;
 use verl_backend_kit::generation::{derive_seed, GenerateCall};
@@ -52,11 +50,13 @@ pub struct MegatronActor {
     weights: Weights,
     par: Parallel,
     device: Device,
-    /// The model generation runs on (this rank's shard, or the gathered TP=1 copy); `None` when
-    /// stale.
+    /// The model generation runs on (this rank's rollout shard); `None` when stale.
     rollout_model: Option<Transformer>,
-    /// Which of the two ([`crate::rollout::resolve`]).
-    rollout_tp: RolloutTp,
+    /// Generation's layout ([`crate::rollout::resolve`]), its communicators (made at the first
+    /// generate call) and what the last reshard moved.
+    rollout: RolloutLayout,
+    rollout_comms: Option<RolloutComms>,
+    reshard: Reshard,
     /// The generation engine's keys (`rollout.gpu_memory_utilization`, `max_num_seqs`,
     /// `enforce_eager`, ...), as the FSDP backend reads them.
     engine: RolloutEngineSection,
@@ -86,7 +86,7 @@ impl MegatronActor {
             (p, megatron_section(cfg, p, None)?)
         };
         let layout = common::role_layout(&mg, prefix, init, &model_cfg)?;
-        let rollout_tp = crate::rollout::resolve(cfg, &layout, &model_cfg)?;
+        let rollout_layout = crate::rollout::resolve(cfg, &layout, &model_cfg)?;
         let aux_loss_coeff = common::aux_loss_coeff(&mg, prefix, &model_cfg)?;
         let dtype = compute_dtype(&mg, prefix)?;
         let role = if reference { "reference" } else { "actor" };
@@ -119,7 +119,9 @@ impl MegatronActor {
                 par,
                 device,
                 rollout_model: None,
-                rollout_tp,
+                rollout: rollout_layout,
+                rollout_comms: None,
+                reshard: Reshard::default(),
                 engine: section(cfg, "actor_rollout_ref.rollout")?,
                 offload,
                 homes: HostHomes::default(),
@@ -140,7 +142,9 @@ impl MegatronActor {
             par,
             device,
             rollout_model: None,
-            rollout_tp,
+            rollout: rollout_layout,
+            rollout_comms: None,
+            reshard: Reshard::default(),
             engine: section(cfg, "actor_rollout_ref.rollout")?,
             offload,
             homes: HostHomes::default(),
@@ -241,30 +245,34 @@ impl MegatronActor {
         r.map_err(|e| self.par.fail(e))
     }
 
-    /// How generation gets its model (`actor_rollout_ref.rollout.tensor_model_parallel_size`).
-    pub fn rollout_tp(&self) -> RolloutTp {
-        self.rollout_tp
+    /// Generation's layout (`actor_rollout_ref.rollout.tensor_model_parallel_size`).
+    pub fn rollout_layout(&self) -> &RolloutLayout {
+        &self.rollout
     }
 
-    /// The model generation runs on: this rank's tensor-parallel shard, or the gathered TP=1 copy
-    /// (rebuilt when the weights changed since the last call). With the gathered copy every rank
-    /// of the tensor- and pipeline-parallel groups must call this together.
+    /// What the last reshard moved into this rank (bytes) and how long it took.
+    pub fn last_reshard(&self) -> Reshard {
+        self.reshard
+    }
+
+    /// The model generation runs on: this rank's rollout shard, resharded from the training
+    /// shards when the weights changed since the last call. Every rank of the job calls this
+    /// together.
     pub fn rollout_model(&mut self) -> Result<&Transformer> {
         if self.rollout_model.is_none() {
-            let m = self.model();
-            let model = match self.rollout_tp {
-                RolloutTp::Sharded => crate::rollout::shard_model(m, &self.par.tp, self.device)?,
-                RolloutTp::Gathered => {
-                    let weights = gather_live_model(m, &self.par)?;
-                    assemble(
-                        m.config(),
-                        HeadKind::CausalLm,
-                        m.dtype(),
-                        self.device,
-                        &weights,
-                    )?
-                }
-            };
+            if self.rollout_comms.is_none() {
+                let world = self.par.world_group()?;
+                self.rollout_comms = Some(RolloutComms::new(world, &self.rollout.grid)?);
+            }
+            let comms = self.rollout_comms.as_ref().expect("made above");
+            let (model, moved) = crate::rollout::reshard(
+                self.model(),
+                &self.rollout.grid,
+                comms,
+                &self.par,
+                self.device,
+            )?;
+            self.reshard = moved;
             self.rollout_model = Some(model);
         }
         self.rollout_model.as_ref().ok_or_else(|| {
@@ -278,26 +286,71 @@ impl MegatronActor {
         let call = GenerateCall::new(prompts, o, self.device, &eos, seed)?;
         self.settings.generate_calls += 1;
         let (device, engine) = (self.device, self.engine.clone());
-        let sharded = matches!(self.rollout_tp, RolloutTp::Sharded) && self.par.tp.size > 1;
-        let tp = self.par.tp.clone();
-        let model = self.rollout_model()?;
+        let resharded = self.rollout_model.is_none();
+        self.rollout_model()?;
+        let layout = &self.par.layout;
+        // The rollout groups are the training replicas themselves (rollout TP = actor TP, one
+        // stage): each generates its own prompts. Otherwise the prompts are shared out.
+        let own = self.rollout.grid.tp == layout.tp && layout.pp == 1 && layout.cp == 1;
+        let placement = self.rollout.placement(layout, self.par.rank);
+        let comms = self.rollout_comms.as_ref().expect("made by rollout_model");
+        let model = self.rollout_model.as_ref().expect("built above");
+        let shared = match own || self.par.layout.world() == 1 {
+            true => None,
+            false => Some(verl_backend_kit::hybrid::share(
+                &call,
+                &comms.world,
+                placement,
+            )?),
+        };
+        let run = shared.as_ref().map_or(&call, |s| &s.call);
         // The FSDP backend's engine configuration: KV pool from gpu_memory_utilization, CUDA
         // graphs unless enforce_eager, max_num_seqs / max_num_batched_tokens.
         let mut budget =
-            verl_backend_kit::budget::kv_budget(model, device, &engine, &call.mask, &call.params)
+            verl_backend_kit::budget::kv_budget(model, device, &engine, &run.mask, &run.params)
                 .map_err(|e| MegatronError::Api(ApiError::failed(format!("KV budget: {e}"))))?;
-        if sharded {
-            // The shards run the engine in lock-step: one pool size for the whole group (each
-            // rank measured its own free memory).
-            let mut tokens = [budget
+        if comms.group.size > 1 {
+            // A rollout group runs the engine in lock-step: one pool size for the whole group
+            // (each rank measured its own free memory).
+            let mut tokens = [-(budget
                 .config
                 .kv_cache_tokens
-                .unwrap_or(budget.all_sequences_tokens) as f64];
-            tp.all_reduce_f64(&mut tokens, ReduceOp::Min, "all_reduce (KV pool tokens)")?;
+                .unwrap_or(budget.all_sequences_tokens) as f64)];
+            comms.group.all_reduce_max(&mut tokens)?;
+            tokens[0] = -tokens[0];
             budget.config.kv_cache_tokens = Some(tokens[0] as usize);
         }
-        let (gen, stats) = call.run(model, &budget.config, None)?;
-        Ok(call.into_batch(&gen, &budget.metrics(&stats))?)
+        let (gen, stats) = match &shared {
+            None => call.run(model, &budget.config, None)?,
+            Some(sh) => {
+                let (g, stats) = sh.run(|c| c.run(model, &budget.config, None))?;
+                (sh.gather_back(&g, &comms.world)?, stats)
+            }
+        };
+        let mut meta = budget.metrics(&stats);
+        self.rollout_metrics(&mut meta, resharded, shared.as_ref().map(|s| s.prompts()));
+        Ok(call.into_batch(&gen, &meta)?)
+    }
+
+    /// Generation's layout metrics: the rollout TP, this rank's rollout group's prompts and, when
+    /// this call resharded, the bytes it moved into this rank and the seconds it took.
+    fn rollout_metrics(
+        &self,
+        meta: &mut serde_json::Map<String, serde_json::Value>,
+        resharded: bool,
+        prompts: Option<usize>,
+    ) {
+        meta.insert("rollout/tp".into(), self.rollout.grid.tp.into());
+        if let Some(n) = prompts {
+            meta.insert("rollout/group_prompts".into(), n.into());
+        }
+        if resharded {
+            meta.insert(
+                "rollout/reshard_mb".into(),
+                (self.reshard.bytes_in / 1e6).into(),
+            );
+            meta.insert("rollout/reshard_s".into(), self.reshard.secs.into());
+        }
     }
 
     fn do_log_prob(&mut self, batch: &Batch, o: &LogProbOptions) -> Result<Batch> {

@@ -232,6 +232,7 @@ pub fn gather_live_model(model: &TpModel, par: &Parallel) -> Result<HashMap<Stri
         model.stage().chunks,
         out,
         model.dtype(),
+        1,
     )
 }
 

@@ -462,6 +462,25 @@ impl Parallel {
         })
     }
 
+    /// Every rank of the job as a group of its own (a fresh communicator, so its collectives
+    /// never interleave with the layout's groups): generation's exchanges between rollout groups.
+    /// Every rank calls it together.
+    pub fn world_group(&self) -> Result<Dp> {
+        let Some(w) = &self.world else {
+            return Ok(Dp::single());
+        };
+        let all: Vec<usize> = (0..w.world_size()).collect();
+        let comm = w.new_group(&all).map_err(|source| MegatronError::Comm {
+            group: "world",
+            op: "create a sub-group",
+            source: Box::new(source),
+        })?;
+        Ok(match comm {
+            Some(c) => Dp::with_communicator(c, self.device),
+            None => Dp::single(),
+        })
+    }
+
     /// Declares this rank failed so every peer's collectives stop naming it; returns `error`.
     pub fn fail(&self, error: MegatronError) -> MegatronError {
         if let Some(w) = &self.world {

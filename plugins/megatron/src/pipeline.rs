@@ -717,6 +717,7 @@ pub fn gather_stages(
     chunks: usize,
     mine: HashMap<String, Tensor>,
     kind: Kind,
+    shards: usize,
 ) -> Result<HashMap<String, Tensor>> {
     if pp.size == 1 {
         return Ok(mine);
@@ -739,7 +740,13 @@ pub fn gather_stages(
         )?
         .into_iter()
         .filter(|(n, _, _)| !out.contains_key(n))
-        .map(|(n, shape, _)| (n, shape))
+        .map(|(n, mut shape, split)| {
+            // A tensor-parallel shard's size (every split tensor divided `shards` ways).
+            if let (Some(d), true) = (split.dim(), shards > 1) {
+                shape[d as usize] /= shards as i64;
+            }
+            (n, shape)
+        })
         .collect();
         let numel: i64 = specs.iter().map(|(_, sh)| sh.iter().product::<i64>()).sum();
         let mut flat = if s == pp.rank {

@@ -1,21 +1,36 @@
-//! The model generation runs on: the actor's tensor-parallel shards as they are (rollout TP =
-//! actor TP: every rank of a tensor-parallel group runs the `verl_rollout` engine in lock-step on a
-//! `verl_nn::Transformer` holding its own shard), or a TP=1 copy gathered from them on every rank
-//! (rollout TP = 1; also pipeline-parallel and mixture-of-experts models, whatever was asked).
+//! Generation at its own tensor-parallel size (HybridFlow's 3D-HybridEngine): training runs at
+//! TP_t × PP × DP, generation at `actor_rollout_ref.rollout.tensor_model_parallel_size` = TP_r over
+//! the same ranks, in `world / TP_r` rollout groups that each generate their own share of the
+//! prompts ([`verl_backend_kit::hybrid`]).
 //!
-//! `actor_rollout_ref.rollout.tensor_model_parallel_size` picks one; re-sharding to any other
-//! rollout TP is not supported.
+//! Each rank builds its rollout shard from its training shard, moving only what it lacks
+//! ([`RolloutGrid`]):
+//!
+//! * TP_r divides TP_t (k = TP_t / TP_r): the rollout group is strided — ranks `a, a + k, ...` of
+//!   a tensor-parallel group — so that rollout shard `j` is training shards `j·k .. j·k + k`,
+//!   held by the `k` consecutive ranks around this one: one all-gather in that block of `k`;
+//! * TP_r = TP_t: the training shard as it is;
+//! * TP_r a multiple of TP_t (m = TP_r / TP_t): a rollout group spans `m` consecutive training
+//!   replicas (or stages) and rollout shard `t·m + s` is block `s` of training shard `t`: a slice,
+//!   no communication;
+//! * with pipeline parallelism the stages' rollout shards are then gathered over the pipeline
+//!   group (each rank receives the other stages' part of its own shard).
+//!
+//! MoE models generate at rollout TP 1 (a MoE block is not split for generation); TP_r = 1 is the
+//! whole model on every rank, each rank generating its own share.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde_json::Value;
 use tch::{Device, Tensor};
-use verl_comm::ReduceOp;
-use verl_nn::{HeadKind, ModelConfig, ModelOptions, NnError, TpComm, Transformer};
+use verl_backend_kit::dp::Dp;
+use verl_backend_kit::hybrid::{DpTpComm, Placement};
+use verl_nn::{HeadKind, ModelConfig, ModelOptions, TpComm, Transformer};
 
 use crate::error::{MegatronError, Result, TorchContext};
 use crate::layout::Layout;
-use crate::parallel::Group;
+use crate::parallel::Parallel;
 use crate::tp::TpModel;
 
 /// The config key choosing the rollout tensor-parallel size.
@@ -23,35 +38,115 @@ pub const ROLLOUT_TP_KEY: &str = "actor_rollout_ref.rollout.tensor_model_paralle
 
 /// verl's default `rollout.tensor_model_parallel_size` (its `ppo_trainer.yaml`), which the host's
 /// defaults fill in when a job does not set the key.
-const VERL_DEFAULT_ROLLOUT_TP: u64 = 2;
+const VERL_DEFAULT_ROLLOUT_TP: usize = 2;
 
-/// How generation gets its model.
+/// The two layouts over the job's ranks: rank = t + TP_t · q, `t` its training tensor-parallel
+/// index and `q` the rest of its coordinates (context, data, pipeline) in Megatron's order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RolloutTp {
-    /// Every rank gathers the full weights into a TP=1 model (rollout TP = 1).
-    Gathered,
-    /// Every rank runs on its own tensor-parallel shard, collectives over the TP group (rollout
-    /// TP = actor TP).
-    Sharded,
+pub struct RolloutGrid {
+    /// Training tensor-parallel size, context × data-parallel size and world.
+    pub train_tp: usize,
+    pub cp_dp: usize,
+    pub world: usize,
+    /// Rollout tensor-parallel size.
+    pub tp: usize,
+}
+
+impl RolloutGrid {
+    fn split(&self, rank: usize) -> (usize, usize) {
+        (rank % self.train_tp, rank / self.train_tp)
+    }
+
+    /// Rollout groups (`world / TP_r`).
+    pub fn groups(&self) -> usize {
+        self.world / self.tp
+    }
+
+    /// `(rollout group, rollout shard index)` of `rank`.
+    pub fn place(&self, rank: usize) -> (usize, usize) {
+        let (t, q) = self.split(rank);
+        if self.tp <= self.train_tp {
+            let k = self.train_tp / self.tp;
+            (q * k + t % k, t / k)
+        } else {
+            let m = self.tp / self.train_tp;
+            (q / m, t * m + q % m)
+        }
+    }
+
+    /// The rank holding rollout shard `j` of group `g`.
+    fn rank_at(&self, g: usize, j: usize) -> usize {
+        if self.tp <= self.train_tp {
+            let k = self.train_tp / self.tp;
+            (g / k) * self.train_tp + j * k + g % k
+        } else {
+            let m = self.tp / self.train_tp;
+            j / m + self.train_tp * (g * m + j % m)
+        }
+    }
+
+    /// Every rollout group's ranks, in shard order, groups in order.
+    pub fn rollout_groups(&self) -> Vec<Vec<usize>> {
+        (0..self.groups())
+            .map(|g| (0..self.tp).map(|j| self.rank_at(g, j)).collect())
+            .collect()
+    }
+
+    /// TP_r < TP_t: the blocks of `TP_t / TP_r` consecutive training shards that make one rollout
+    /// shard (empty otherwise).
+    pub fn gather_blocks(&self) -> Vec<Vec<usize>> {
+        if self.tp >= self.train_tp {
+            return Vec::new();
+        }
+        let k = self.train_tp / self.tp;
+        (0..self.world / k)
+            .map(|b| (b * k..(b + 1) * k).collect())
+            .collect()
+    }
+
+    /// Whether a rank's pipeline peers (same t, context and data index) hold the same rollout
+    /// shard, so stages can be gathered at the rollout shard's size; otherwise they are gathered
+    /// at the training shard's size and sliced afterwards.
+    pub fn stages_share_shard(&self) -> bool {
+        self.tp <= self.train_tp || self.cp_dp.is_multiple_of(self.tp / self.train_tp)
+    }
+}
+
+/// What generation runs at: the grid, or why it runs at TP 1 whatever was asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RolloutLayout {
+    pub grid: RolloutGrid,
+}
+
+/// The rollout tensor-parallel sizes valid for this layout and model.
+fn valid_sizes(layout: &Layout, model: &ModelConfig) -> Vec<usize> {
+    let world = layout.world();
+    (1..=world)
+        .filter(|&r| {
+            let fits = if r <= layout.tp {
+                layout.tp.is_multiple_of(r)
+            } else {
+                r.is_multiple_of(layout.tp)
+                    && world.is_multiple_of(r)
+                    && (world / layout.tp).is_multiple_of(r / layout.tp)
+            };
+            fits && verl_backend_kit::hybrid::model_allows(model, r)
+        })
+        .collect()
 }
 
 /// Resolves `actor_rollout_ref.rollout.tensor_model_parallel_size` against the actor's layout:
-///
-/// * 1: the gathered TP=1 copy;
-/// * the actor's `tensor_model_parallel_size`, or absent / null: the TP-sharded weights (the
-///   gathered copy when the actor's TP is 1, or for a pipeline-parallel or MoE model, which this
-///   backend does not generate from sharded: then the asked rollout TP is ignored with a warning,
-///   since it changes speed only);
-/// * verl's default 2 when the actor's TP is not 2: treated as unset (the host's defaults fill it
-///   in for every job), with a warning when the actor's TP is above 1;
-/// * anything else: refused (re-sharding to a different rollout TP is not supported).
-pub fn resolve(cfg: &Value, layout: &Layout, model: &ModelConfig) -> Result<RolloutTp> {
-    let tp = layout.tp as u64;
+/// any size that divides the actor's TP, or is a multiple of it that the ranks split into, and
+/// that divides the model's heads, key/value heads, MLP width and vocabulary. Absent or null:
+/// the actor's TP. verl's default 2 where it does not fit is taken as unset, with a warning. A MoE
+/// model generates at TP 1 (a warning when more was asked).
+pub fn resolve(cfg: &Value, layout: &Layout, model: &ModelConfig) -> Result<RolloutLayout> {
+    let tp = layout.tp;
     let v = cfg.pointer("/actor_rollout_ref/rollout/tensor_model_parallel_size");
     let asked = match v {
         None | Some(Value::Null) => tp,
         Some(v) => match v.as_u64() {
-            Some(n) if n >= 1 => n,
+            Some(n) if n >= 1 => n as usize,
             _ => {
                 return Err(MegatronError::config(
                     ROLLOUT_TP_KEY,
@@ -61,119 +156,215 @@ pub fn resolve(cfg: &Value, layout: &Layout, model: &ModelConfig) -> Result<Roll
             }
         },
     };
-    let set = asked;
-    // At actor TP = 1 verl's default 2 is every job that leaves the key alone: taken as unset.
-    let default_as_unset = asked != 1 && asked != tp && asked == VERL_DEFAULT_ROLLOUT_TP;
-    let asked = if default_as_unset { tp } else { asked };
-    if asked != 1 && asked != tp {
-        return Err(MegatronError::config(
-            ROLLOUT_TP_KEY,
-            format!(
-                "1 (generation on a gathered TP=1 copy) or the actor's tensor_model_parallel_size={tp} \
-                 (generation on the TP-sharded weights): re-sharding to a different rollout \
-                 tensor-parallel size is not supported"
-            ),
-            asked,
+    let grid = |r: usize| RolloutGrid {
+        train_tp: tp,
+        cp_dp: layout.cp * layout.dp,
+        world: layout.world(),
+        tp: r,
+    };
+    if model.moe.is_some() {
+        if asked != 1 {
+            tracing::warn!(
+                "{ROLLOUT_TP_KEY}={asked}: a mixture-of-experts model generates at rollout TP 1 \
+                 (the whole model on every rank, each rank generating its own share of the \
+                 prompts: the same tokens, only the speed differs); set it to 1 to silence this"
+            );
+        }
+        return Ok(RolloutLayout { grid: grid(1) });
+    }
+    let valid = valid_sizes(layout, model);
+    if valid.contains(&asked) {
+        return Ok(RolloutLayout { grid: grid(asked) });
+    }
+    if asked == VERL_DEFAULT_ROLLOUT_TP && valid.contains(&tp) {
+        tracing::warn!(
+            "{ROLLOUT_TP_KEY}={asked} (verl's default) does not fit this layout (actor \
+             tensor_model_parallel_size={tp}, {} ranks): taken as unset, generation runs at \
+             TP={tp}; set it to one of {valid:?} to silence this",
+            layout.world()
+        );
+        return Ok(RolloutLayout { grid: grid(tp) });
+    }
+    Err(MegatronError::config(
+        ROLLOUT_TP_KEY,
+        format!(
+            "one of {valid:?}: a divisor of the actor's tensor_model_parallel_size={tp} or a \
+             multiple of it that the {} ranks split into ({} data-parallel × {} pipeline), \
+             dividing the model's heads, key/value heads, MLP width and vocabulary",
+            layout.world(),
+            layout.dp,
+            layout.pp
+        ),
+        asked,
+    ))
+}
+
+impl RolloutLayout {
+    /// This rank's place for [`verl_backend_kit::hybrid::share`]: its training data replica
+    /// (every tensor × pipeline rank of a replica gets the same prompts) and rollout group.
+    pub fn placement(&self, layout: &Layout, rank: usize) -> Placement {
+        let (group, tp_rank) = self.grid.place(rank);
+        Placement {
+            replica: layout.coords(rank).dp,
+            group,
+            groups: self.grid.groups(),
+            tp_rank,
+        }
+    }
+}
+
+/// The communicators generation uses, made once by every rank together.
+pub struct RolloutComms {
+    /// Every rank (the prompts and outputs exchanged between rollout groups).
+    pub world: Dp,
+    /// This rank's rollout group.
+    pub group: Arc<Dp>,
+    /// TP_r < TP_t: this rank's block of training shards.
+    pub block: Dp,
+}
+
+impl RolloutComms {
+    pub fn new(world: Dp, grid: &RolloutGrid) -> Result<RolloutComms> {
+        let group = Arc::new(world.subgroup(&grid.rollout_groups())?);
+        let block = world.subgroup(&grid.gather_blocks())?;
+        Ok(RolloutComms {
+            world,
+            group,
+            block,
+        })
+    }
+}
+
+/// What a reshard moved: bytes this rank received and seconds it took.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Reshard {
+    pub bytes_in: f64,
+    pub secs: f64,
+}
+
+fn bytes(t: &Tensor) -> f64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as f64
+}
+
+/// This rank's rollout shard of `model` (its live compute-dtype weights), built as the module docs
+/// say; a plain TP=1 model when TP_r = 1. Every rank of the job calls it together.
+pub fn reshard(
+    model: &TpModel,
+    grid: &RolloutGrid,
+    comms: &RolloutComms,
+    par: &Parallel,
+    device: Device,
+) -> Result<(Transformer, Reshard)> {
+    let start = std::time::Instant::now();
+    let (rank, pp) = (par.rank, &par.pp);
+    if grid.tp == 1 {
+        // The whole model on every rank: every shard of every stage (and every expert) is needed.
+        let own: f64 = model.params.iter().map(|p| bytes(&p.local)).sum();
+        let weights = crate::common::gather_live_model(model, par)?;
+        let full: f64 = weights.values().map(bytes).sum();
+        let out = crate::common::assemble(
+            model.config(),
+            HeadKind::CausalLm,
+            model.dtype(),
+            device,
+            &weights,
+        )?;
+        return Ok((
+            out,
+            Reshard {
+                bytes_in: full - own,
+                secs: start.elapsed().as_secs_f64(),
+            },
         ));
     }
-    let gathered_because = if asked == 1 || tp == 1 {
-        None
-    } else if layout.pp > 1 {
-        Some("a pipeline-parallel actor")
-    } else if model.moe.is_some() {
-        Some("a mixture-of-experts model")
-    } else {
-        return {
-            if default_as_unset {
-                tracing::warn!(
-                    "{ROLLOUT_TP_KEY}={set} (verl's default) differs from the actor's \
-                     tensor_model_parallel_size={tp}: taken as unset, generation runs on the \
-                     TP={tp} shards; set it to 1 or {tp} to silence this"
-                );
+    let mut moved = 0.0;
+    let (_, j) = grid.place(rank);
+    let share = grid.stages_share_shard();
+    // Step 1, along the tensor-parallel axis, this stage's parameters.
+    let mut mine: HashMap<String, Tensor> = HashMap::new();
+    for p in &model.params {
+        if p.expert.is_some() {
+            return Err(MegatronError::Api(verl_plugin_api::Error::failed(
+                "internal: a routed expert reached the tensor-parallel rollout reshard",
+            )));
+        }
+        let local = p.local.f_detach().ctx("live weight")?;
+        let t = match verl_nn::tp::split_dim(&p.name) {
+            None => local,
+            Some(_) if grid.tp == grid.train_tp => local,
+            Some(d) if grid.tp < grid.train_tp => {
+                let parts = comms
+                    .block
+                    .all_gather(&local, "all_gather (rollout reshard)")?;
+                moved += bytes(&local) * (parts.len() - 1) as f64;
+                Tensor::f_cat(&parts, d).ctx("rollout shard")?
             }
-            Ok(RolloutTp::Sharded)
+            Some(_) => {
+                let m = grid.tp / grid.train_tp;
+                match share {
+                    true => verl_nn::tp::shard_of(&local, &p.name, j % m, m)?,
+                    false => local,
+                }
+            }
         };
+        mine.insert(p.name.clone(), t);
+    }
+    // Step 2, the other stages' parts of this shard.
+    let level = match grid.tp > grid.train_tp && !share {
+        true => grid.train_tp,
+        false => grid.tp,
     };
-    // One message for what generation does, whatever the value asked.
-    if let Some(why) = gathered_because {
-        tracing::warn!(
-            "{ROLLOUT_TP_KEY}={set} is ignored: {why} generates on a gathered TP=1 copy \
-             (the same tokens; the rollout TP only changes speed); set it to 1 to silence this"
-        );
+    if pp.size > 1 {
+        let own: f64 = mine.values().map(bytes).sum();
+        mine = crate::pipeline::gather_stages(
+            model.config(),
+            model.head_kind(),
+            pp,
+            model.stage().chunks,
+            mine,
+            model.dtype(),
+            level,
+        )?;
+        moved += mine.values().map(bytes).sum::<f64>() - own;
     }
-    Ok(RolloutTp::Gathered)
-}
-
-/// [`TpComm`] over the tensor-parallel [`Group`]: the all-reduce of the communicator (NCCL's
-/// result, or the CPU communicator's, is the same on every member) and an all-gather joined along
-/// the last dimension.
-pub struct GroupComm(pub Arc<Group>);
-
-fn comm_err(what: &str, e: MegatronError) -> NnError {
-    NnError::InvalidInput {
-        what: format!("tensor-parallel {what}"),
-        expected: "a completed collective".into(),
-        found: e.to_string(),
+    if level != grid.tp {
+        let m = grid.tp / grid.train_tp;
+        for (name, t) in mine.iter_mut() {
+            *t = verl_nn::tp::shard_of(t, name, j % m, m)?;
+        }
     }
-}
-
-impl TpComm for GroupComm {
-    fn rank(&self) -> usize {
-        self.0.rank
-    }
-    fn size(&self) -> usize {
-        self.0.size
-    }
-    fn all_reduce_sum(&self, t: &Tensor) -> verl_nn::Result<Tensor> {
-        let mut s = t.f_contiguous()?.f_detach_copy()?;
-        self.0
-            .all_reduce(&mut s, ReduceOp::Sum, "all_reduce (generation)")
-            .map_err(|e| comm_err("all-reduce", e))?;
-        Ok(s)
-    }
-    fn all_gather_last(&self, t: &Tensor) -> verl_nn::Result<Tensor> {
-        let parts = self
-            .0
-            .all_gather(t, "all_gather (generation logits)")
-            .map_err(|e| comm_err("all-gather", e))?;
-        Ok(Tensor::f_cat(&parts, -1)?)
-    }
-}
-
-/// This rank's shard of `model` as a `verl_nn::Transformer` for generation: the live
-/// (compute-dtype) weights copied as they are, no communication.
-pub fn shard_model(model: &TpModel, tp: &Arc<Group>, device: Device) -> Result<Transformer> {
-    let out = Transformer::tp_shard(
-        model.config().clone(),
-        &ModelOptions {
-            device,
-            dtype: model.dtype(),
-            head: HeadKind::CausalLm,
-        },
-        Arc::new(GroupComm(tp.clone())),
-    )?;
+    let opts = ModelOptions {
+        device,
+        dtype: model.dtype(),
+        head: HeadKind::CausalLm,
+    };
+    let comm: Arc<dyn TpComm> = Arc::new(DpTpComm(comms.group.clone()));
+    let out = Transformer::tp_shard(model.config().clone(), &opts, comm)?;
     tch::no_grad(|| -> Result<()> {
         for (name, dst) in out.named_parameters() {
-            let i = model.param_index(name).ok_or_else(|| {
+            let src = mine.get(name).ok_or_else(|| {
                 MegatronError::Api(verl_plugin_api::Error::failed(format!(
-                    "internal: no tensor-parallel parameter `{name}` for the generation shard"
+                    "internal: no rollout shard for `{name}`"
                 )))
             })?;
-            let src = &model.params[i].local;
             if src.size() != dst.size() {
                 return Err(MegatronError::Api(verl_plugin_api::Error::failed(format!(
-                    "internal: generation shard `{name}` is {:?}, the training shard {:?}",
-                    dst.size(),
-                    src.size()
+                    "internal: rollout shard `{name}` is {:?}, the engine's {:?}",
+                    src.size(),
+                    dst.size()
                 ))));
             }
-            dst.shallow_clone()
-                .f_copy_(&src.f_detach().ctx("live weight")?)
-                .ctx("copy generation shard")?;
+            dst.shallow_clone().f_copy_(src).ctx("copy rollout shard")?;
         }
         Ok(())
     })?;
-    Ok(out)
+    Ok((
+        out,
+        Reshard {
+            bytes_in: moved,
+            secs: start.elapsed().as_secs_f64(),
+        },
+    ))
 }
 
 #[cfg(test)]
@@ -184,7 +375,7 @@ mod tests {
     fn model(moe: bool) -> ModelConfig {
         let mut v = json!({
             "model_type": "qwen2", "vocab_size": 40, "hidden_size": 16, "intermediate_size": 40,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
         });
         if moe {
             v = json!({
@@ -196,9 +387,10 @@ mod tests {
         ModelConfig::from_value(v, "inline/config.json").unwrap()
     }
 
-    fn layout(tp: usize, pp: usize) -> Layout {
+    fn layout(tp: usize, dp: usize, pp: usize) -> Layout {
         Layout {
             tp,
+            dp,
             pp,
             ..Layout::single()
         }
@@ -208,33 +400,93 @@ mod tests {
         json!({"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": v}}})
     }
 
+    fn tp_of(v: Value, tp: usize, dp: usize, pp: usize) -> usize {
+        resolve(&cfg(v), &layout(tp, dp, pp), &model(false))
+            .unwrap()
+            .grid
+            .tp
+    }
+
     #[test]
     fn rollout_tp_resolution() {
-        let dense = model(false);
-        let r = |v: Value, tp, pp| resolve(&cfg(v), &layout(tp, pp), &dense);
-        assert_eq!(r(json!(2), 2, 1).unwrap(), RolloutTp::Sharded);
-        assert_eq!(r(Value::Null, 2, 1).unwrap(), RolloutTp::Sharded);
-        assert_eq!(
-            resolve(&json!({}), &layout(4, 1), &dense).unwrap(),
-            RolloutTp::Sharded
-        );
-        assert_eq!(r(json!(1), 2, 1).unwrap(), RolloutTp::Gathered);
-        assert_eq!(r(json!(1), 1, 1).unwrap(), RolloutTp::Gathered);
-        // verl's default 2 with another actor TP: taken as unset.
-        assert_eq!(r(json!(2), 1, 1).unwrap(), RolloutTp::Gathered);
-        assert_eq!(r(json!(2), 4, 1).unwrap(), RolloutTp::Sharded);
-        // Pipeline-parallel and MoE actors generate on the gathered copy.
-        assert_eq!(r(json!(2), 2, 2).unwrap(), RolloutTp::Gathered);
-        assert_eq!(
-            resolve(&cfg(json!(2)), &layout(2, 1), &model(true)).unwrap(),
-            RolloutTp::Gathered
-        );
-        let e = r(json!(4), 2, 1).unwrap_err().to_string();
+        assert_eq!(tp_of(json!(2), 2, 1, 1), 2);
+        assert_eq!(tp_of(Value::Null, 4, 1, 1), 4);
+        assert_eq!(tp_of(json!(1), 2, 1, 1), 1);
+        assert_eq!(tp_of(json!(2), 4, 1, 1), 2);
+        // A multiple of the actor's TP over data-parallel replicas or stages.
+        assert_eq!(tp_of(json!(4), 2, 2, 1), 4);
+        assert_eq!(tp_of(json!(4), 2, 1, 2), 4);
+        assert_eq!(tp_of(json!(4), 2, 2, 2), 4);
+        // verl's default 2 where it does not fit: the actor's TP.
+        assert_eq!(tp_of(json!(2), 1, 1, 1), 1);
+        // MoE: TP 1.
+        let r = resolve(&cfg(json!(2)), &layout(2, 1, 1), &model(true)).unwrap();
+        assert_eq!(r.grid.tp, 1);
+        let e = resolve(&cfg(json!(4)), &layout(2, 1, 1), &model(false))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(ROLLOUT_TP_KEY), "{e}");
         assert!(e.contains("found 4"), "{e}");
-        assert!(e.contains("tensor_model_parallel_size=2"), "{e}");
-        assert!(e.contains("re-sharding"), "{e}");
-        let e = r(json!(0), 2, 1).unwrap_err().to_string();
+        assert!(e.contains("one of [1, 2]"), "{e}");
+        // 3 divides no head count here.
+        let e = resolve(&cfg(json!(3)), &layout(1, 3, 1), &model(false))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one of [1]"), "{e}");
+        let e = resolve(&cfg(json!(0)), &layout(2, 1, 1), &model(false))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("positive integer"), "{e}");
+    }
+
+    /// Every rank is in exactly one rollout group at the shard index `place` gives; a rollout
+    /// shard is made of training shards the rank's block (or its own shard) holds.
+    #[test]
+    fn grids_cover_every_rank_once() {
+        for (train_tp, cp_dp, pp, tp) in [
+            (2, 1, 1, 1),
+            (4, 1, 1, 2),
+            (4, 2, 1, 1),
+            (2, 2, 1, 4),
+            (2, 1, 2, 4),
+            (2, 2, 2, 4),
+            (1, 4, 1, 4),
+            (2, 2, 2, 8),
+        ] {
+            let world = train_tp * cp_dp * pp;
+            let g = RolloutGrid {
+                train_tp,
+                cp_dp,
+                world,
+                tp,
+            };
+            let groups = g.rollout_groups();
+            assert_eq!(groups.len(), world / tp);
+            let mut seen = vec![false; world];
+            for (gi, members) in groups.iter().enumerate() {
+                for (j, &r) in members.iter().enumerate() {
+                    assert!(!seen[r], "{g:?}: rank {r} twice");
+                    seen[r] = true;
+                    assert_eq!(g.place(r), (gi, j), "{g:?} rank {r}");
+                    let t = r % train_tp;
+                    if tp <= train_tp {
+                        // Rollout shard j = training shards j·k..j·k+k: its block.
+                        let k = train_tp / tp;
+                        assert_eq!(t / k, j);
+                        let block = g
+                            .gather_blocks()
+                            .into_iter()
+                            .find(|b| b.contains(&r))
+                            .unwrap_or_else(|| vec![r]);
+                        let ts: Vec<usize> = block.iter().map(|x| x % train_tp).collect();
+                        assert_eq!(ts, (j * k..j * k + k).collect::<Vec<_>>());
+                    } else {
+                        // Rollout shard j lies inside training shard t.
+                        assert_eq!(j / (tp / train_tp), t);
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&s| s), "{g:?}");
+        }
     }
 }

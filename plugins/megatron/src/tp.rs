@@ -91,7 +91,7 @@ pub enum Split {
 }
 
 impl Split {
-    fn dim(self) -> Option<i64> {
+    pub fn dim(self) -> Option<i64> {
         match self {
             Split::Replicated => None,
             Split::Rows => Some(0),

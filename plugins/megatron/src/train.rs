@@ -459,6 +459,7 @@ impl TpTrainer {
             m.stage().chunks,
             mine,
             Kind::Float,
+            1,
         )
     }
 

@@ -10,7 +10,6 @@ use verl_plugin_api::InitArgs;
 use crate::common::{self, megatron_section};
 use crate::error::Result;
 use crate::layout::Layout;
-use crate::rollout::RolloutTp;
 
 /// One line per role the job creates (`init.extra.roles`; the actor alone when absent), e.g.
 /// `actor: TP 2 × PP 2 (VPP 2) × CP 1 × DP 1 = 4 ranks; ...`, or the first role's layout error.
@@ -61,11 +60,12 @@ pub fn validate(init: &InitArgs) -> Result<String> {
                 let prefix = "actor_rollout_ref.actor.megatron";
                 let mg = megatron_section(cfg, prefix, None)?;
                 let layout = common::role_layout(&mg, prefix, init, &model)?;
-                let generation = match crate::rollout::resolve(cfg, &layout, &model)? {
-                    RolloutTp::Gathered if layout.tp > 1 => "; generation on a gathered TP=1 copy",
-                    RolloutTp::Gathered => "",
-                    RolloutTp::Sharded => "; generation on the tensor-parallel shards",
-                };
+                let rollout = crate::rollout::resolve(cfg, &layout, &model)?;
+                let generation = format!(
+                    "; generation at tensor-parallel size {} in {} rollout groups",
+                    rollout.grid.tp,
+                    rollout.grid.groups()
+                );
                 format!("{}{generation}", summary(&layout))
             }
             "reference" => {

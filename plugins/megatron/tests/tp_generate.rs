@@ -1,12 +1,12 @@
-//! Tensor-parallel generation (rollout TP = actor TP): at TP=2 each rank runs the rollout engine on
-//! its own shard of the weights, ranks as threads over the CPU communicator; the tokens, masks and
-//! rollout log-probs equal those of the TP=1 actor (greedy and sampled, same seed), the shards are
-//! half-size, rollout TP = 1 still gathers, and any other rollout TP is refused.
+//! Tensor-parallel generation at TP=2: each rank runs the rollout engine on its own shard of the
+//! weights, ranks as threads over the CPU communicator; the tokens, masks and rollout log-probs
+//! equal those of the TP=1 actor (greedy and sampled, same seed), the shards are half-size, and a
+//! rollout TP the layout cannot take is refused. Other layouts: `reshard.rs`.
 
 mod support;
 
 use serde_json::{json, Value};
-use verl_megatron::rollout::{RolloutTp, ROLLOUT_TP_KEY};
+use verl_megatron::rollout::ROLLOUT_TP_KEY;
 use verl_megatron::MegatronActor;
 use verl_nn::HeadKind;
 use verl_plugin_api::{col, testing, Actor, Batch, GenerateOptions, Role};
@@ -51,7 +51,7 @@ fn generate(
     tp: u64,
     patch: Value,
     opts: &[GenerateOptions],
-) -> Vec<(RolloutTp, Vec<Batch>)> {
+) -> Vec<(usize, Vec<Batch>)> {
     let job = std::sync::Arc::new(Job::new(tp as usize));
     let cfg = config(model, tp, true, patch);
     let (j, opts) = (job.clone(), opts.to_vec());
@@ -59,7 +59,7 @@ fn generate(
         let mut a = MegatronActor::create(&j.init(Role::Actor, rank, &cfg), false).unwrap();
         let p = prompts();
         let out = opts.iter().map(|o| a.generate(&p, o).unwrap()).collect();
-        (a.rollout_tp(), out)
+        (a.rollout_layout().grid.tp, out)
     })
 }
 
@@ -88,7 +88,7 @@ fn check_tp2_equals_tp1(tied: bool) {
     let dir = tiny_model(tied, HeadKind::CausalLm);
     let opts = [greedy(), sampled()];
     let (mode, want) = generate(dir.path(), 1, json!({}), &opts).remove(0);
-    assert_eq!(mode, RolloutTp::Gathered);
+    assert_eq!(mode, 1);
     // The generations are not trivial: some rows stop early, some run to the length limit.
     let lengths: Vec<i64> = i64s(&want[1], col::RESPONSE_MASK)
         .chunks(8)
@@ -97,14 +97,14 @@ fn check_tp2_equals_tp1(tied: bool) {
     assert!(lengths.iter().any(|&l| l > 1), "{lengths:?}");
     for (patch, expect) in [
         // The key absent (the config helper sets none): the actor's TP.
-        (json!({}), RolloutTp::Sharded),
+        (json!({}), 2),
         (
             json!({"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 2}}}),
-            RolloutTp::Sharded,
+            2,
         ),
         (
             json!({"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 1}}}),
-            RolloutTp::Gathered,
+            1,
         ),
     ] {
         let runs = generate(dir.path(), 2, patch.clone(), &opts);
@@ -119,7 +119,7 @@ fn check_tp2_equals_tp1(tied: bool) {
                 eprintln!("tied {tied} {patch} rank {rank} {name}: rollout log-prob diff {d:e}");
             }
         }
-        // Both tensor-parallel ranks sampled exactly the same thing.
+        // Both ranks return exactly the same thing (one replica's prompts).
         assert_eq!(
             f32s(&runs[0].1[1], col::ROLLOUT_LOG_PROBS),
             f32s(&runs[1].1[1], col::ROLLOUT_LOG_PROBS)
@@ -200,7 +200,7 @@ fn each_rank_holds_half_of_the_weights_and_kv_heads() {
 }
 
 #[test]
-fn a_rollout_tp_other_than_1_or_the_actors_is_refused() {
+fn a_rollout_tp_the_layout_cannot_take_is_refused() {
     let dir = tiny_model(false, HeadKind::CausalLm);
     let cfg = config(
         dir.path(),
@@ -216,11 +216,9 @@ fn a_rollout_tp_other_than_1_or_the_actors_is_refused() {
         .to_string();
     assert!(e.contains(ROLLOUT_TP_KEY), "{e}");
     assert!(e.contains("found 4"), "{e}");
+    assert!(e.contains("one of [1, 2]"), "{e}");
     assert!(
-        e.contains(
-            "1 (generation on a gathered TP=1 copy) or the actor's tensor_model_parallel_size=2"
-        ),
+        e.contains("a divisor of the actor's tensor_model_parallel_size=2"),
         "{e}"
     );
-    assert!(e.contains("re-sharding"), "{e}");
 }

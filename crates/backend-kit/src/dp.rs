@@ -325,6 +325,28 @@ impl Dp {
         }
     }
 
+    /// All-to-all with unequal splits along dim 0: `input_splits[j]` rows of `input` go to rank
+    /// `j`; returns the `output_splits[j]` rows from each rank `j`, in rank order.
+    pub fn all_to_all_v(
+        &self,
+        input: &Tensor,
+        input_splits: &[usize],
+        output_splits: &[usize],
+        what: &'static str,
+    ) -> Result<Tensor> {
+        let input = input.f_contiguous().ctx(what)?;
+        let Some(c) = self.comm() else {
+            return Ok(input);
+        };
+        let mut shape = input.size();
+        shape[0] = output_splits.iter().sum::<usize>() as i64;
+        let mut out =
+            Tensor::f_empty(shape.as_slice(), (input.kind(), input.device())).ctx(what)?;
+        c.all_to_all_v(&mut out, &input, output_splits, input_splits)
+            .map_err(|source| BackendError::Comm { op: what, source })?;
+        Ok(out)
+    }
+
     /// Every member's `t` in rank order, where `t` is `[rows, ..]` with the same trailing
     /// dimensions and kind everywhere but any number of rows (zero included): the rows are padded
     /// to the largest count for one flat all-gather and cut back afterwards.

@@ -920,6 +920,208 @@ impl ParamGate for Gate<'_> {
     }
 }
 
+/// A run of a group's flat vector that a tensor-parallel shard needs: `len` elements from
+/// `start`, or (a column-split matrix) `w` columns from `col0` of `rows` consecutive rows of width
+/// `c` beginning at flat index `start`.
+#[derive(Debug, Clone, Copy)]
+enum Seg {
+    Range {
+        start: usize,
+        len: usize,
+    },
+    Cols {
+        start: usize,
+        rows: usize,
+        c: usize,
+        col0: usize,
+        w: usize,
+    },
+}
+
+impl Seg {
+    fn len(&self) -> usize {
+        match *self {
+            Seg::Range { len, .. } => len,
+            Seg::Cols { rows, w, .. } => rows * w,
+        }
+    }
+
+    /// The segment's elements out of `block`, which holds flat indices from `b0`.
+    fn take(&self, block: &Tensor, b0: usize) -> Result<Tensor> {
+        let t = match *self {
+            Seg::Range { start, len } => block.f_narrow(0, (start - b0) as i64, len as i64),
+            Seg::Cols {
+                start,
+                rows,
+                c,
+                col0,
+                w,
+            } => block
+                .f_narrow(0, (start - b0) as i64, (rows * c) as i64)
+                .and_then(|m| m.f_view([rows as i64, c as i64]))
+                .and_then(|m| m.f_narrow(1, col0 as i64, w as i64))
+                .and_then(|m| m.f_reshape([-1])),
+        };
+        t.ctx("rollout shard piece")
+    }
+}
+
+/// The segments of flat indices `b0..b1` of `group` that shard `t` of `size` of its parameters
+/// needs, in ascending order (see [`verl_nn::tp::split_dim`]).
+fn shard_segments(group: &Group, b0: usize, b1: usize, t: usize, size: usize) -> Vec<Seg> {
+    let mut out = Vec::new();
+    let range = |s: usize, e: usize, out: &mut Vec<Seg>| {
+        let (s, e) = (s.max(b0), e.min(b1));
+        if s < e {
+            out.push(Seg::Range {
+                start: s,
+                len: e - s,
+            });
+        }
+    };
+    for k in 0..group.params.len() {
+        let (off, n, shape) = (group.offsets[k], group.numels[k], &group.shapes[k]);
+        if off + n <= b0 || off >= b1 {
+            continue;
+        }
+        match verl_nn::tp::split_dim(&group.names[k]) {
+            None => range(off, off + n, &mut out),
+            Some(0) => {
+                let per = n / size;
+                range(off + t * per, off + (t + 1) * per, &mut out);
+            }
+            Some(_) => {
+                // Rows of width c; shard t needs columns col0..col0 + w of each. The rows inside
+                // the block: a cut first / last row as plain ranges, whole ones as one segment.
+                let c = shape[1] as usize;
+                let w = c / size;
+                let col0 = t * w;
+                let (s, e) = (off.max(b0), (off + n).min(b1));
+                let (first, last) = ((s - off) / c, (e - off - 1) / c);
+                let row = |r: usize, out: &mut Vec<Seg>| {
+                    let r0 = off + r * c;
+                    let (a, b) = ((r0 + col0).max(s), (r0 + col0 + w).min(e));
+                    if a < b {
+                        out.push(Seg::Range {
+                            start: a,
+                            len: b - a,
+                        });
+                    }
+                };
+                if first == last {
+                    row(first, &mut out);
+                    continue;
+                }
+                let mut whole = first..last + 1;
+                if (s - off) % c != 0 {
+                    row(first, &mut out);
+                    whole.start += 1;
+                }
+                let cut_last = (e - off) % c != 0;
+                if cut_last {
+                    whole.end -= 1;
+                }
+                if !whole.is_empty() {
+                    out.push(Seg::Cols {
+                        start: off + whole.start * c,
+                        rows: whole.len(),
+                        c,
+                        col0,
+                        w,
+                    });
+                }
+                if cut_last {
+                    row(last, &mut out);
+                }
+            }
+        }
+    }
+    out
+}
+
+impl ShardState {
+    /// Every parameter of group `g` as shard `t` of `size` of the tensor-parallel layout
+    /// ([`verl_nn::tp::split_dim`]), in the compute dtype, built with one all-to-all: each rank
+    /// sends every other exactly the elements of its master block that the other's shard needs,
+    /// so a rank receives its shard and nothing else. Ranks `r` hold shard `shard_of(r)`. Every
+    /// rank calls it together. Returns `(model parameter index, shard)` pairs and the bytes this
+    /// rank received from others.
+    pub fn tensor_parallel_shards(
+        &self,
+        dp: &Dp,
+        g: usize,
+        size: usize,
+        shard_of: impl Fn(usize) -> usize,
+    ) -> Result<(Vec<(usize, Tensor)>, f64)> {
+        let group = &self.layout.groups[g];
+        let len = group.shard_len(self.world);
+        let (b0, b1) = (self.rank * len, (self.rank + 1) * len);
+        let block = self.masters[g]
+            .f_to_device(self.device)
+            .and_then(|m| m.f_to_kind(self.compute))
+            .ctx("master shard to compute dtype")?;
+        // What this rank's block holds of each shard, sent to every rank of that shard.
+        let pieces: Vec<Tensor> = (0..size)
+            .map(|t| -> Result<Tensor> {
+                let parts = shard_segments(group, b0, b1, t, size)
+                    .iter()
+                    .map(|s| s.take(&block, b0))
+                    .collect::<Result<Vec<_>>>()?;
+                match parts.is_empty() {
+                    true => Tensor::f_empty([0], (self.compute, self.device)).ctx("empty piece"),
+                    false => Tensor::f_cat(&parts, 0).ctx("rollout shard pieces"),
+                }
+            })
+            .collect::<Result<_>>()?;
+        let mut input = Vec::with_capacity(self.world);
+        let mut input_splits = Vec::with_capacity(self.world);
+        for q in 0..self.world {
+            let piece = &pieces[shard_of(q)];
+            input_splits.push(piece.size()[0] as usize);
+            input.push(piece.shallow_clone());
+        }
+        let input = Tensor::f_cat(&input, 0).ctx("rollout shard pieces")?;
+        let me = shard_of(self.rank);
+        let output_splits: Vec<usize> = (0..self.world)
+            .map(|r| {
+                shard_segments(group, r * len, (r + 1) * len, me, size)
+                    .iter()
+                    .map(Seg::len)
+                    .sum()
+            })
+            .collect();
+        let received: usize = output_splits
+            .iter()
+            .enumerate()
+            .filter(|&(r, _)| r != self.rank)
+            .map(|(_, n)| n)
+            .sum();
+        let flat = dp.all_to_all_v(
+            &input,
+            &input_splits,
+            &output_splits,
+            "all_to_all (rollout reshard)",
+        )?;
+        // The shard's elements arrive in ascending flat order: parameter by parameter, row-major.
+        let mut out = Vec::with_capacity(group.params.len());
+        let mut at = 0i64;
+        for k in 0..group.params.len() {
+            let mut shape = group.shapes[k].clone();
+            if let Some(d) = verl_nn::tp::split_dim(&group.names[k]) {
+                shape[d as usize] /= size as i64;
+            }
+            let n: i64 = shape.iter().product();
+            let t = flat
+                .f_narrow(0, at, n)
+                .and_then(|t| t.f_view(shape.as_slice()))
+                .ctx("rollout shard")?;
+            at += n;
+            out.push((group.params[k], t));
+        }
+        Ok((out, (received * self.compute.elt_size_in_bytes()) as f64))
+    }
+}
+
 /// Bytes of tensors, for the one-rank [`MemoryStats`].
 pub(crate) fn sum_bytes<'a>(ts: impl IntoIterator<Item = &'a Tensor>) -> usize {
     ts.into_iter().map(bytes).sum()
@@ -928,6 +1130,72 @@ pub(crate) fn sum_bytes<'a>(ts: impl IntoIterator<Item = &'a Tensor>) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// For every world size and shard, the segments of every rank's block, taken in rank order,
+    /// are exactly the shard's tensors flattened in parameter order: blocks that cut a matrix
+    /// inside a row, at both ends of one row, or hold no element of it.
+    #[test]
+    fn shard_segments_of_all_blocks_make_each_shard() {
+        let specs: [(&str, [i64; 2]); 4] = [
+            ("a.q_proj.weight", [8, 6]),
+            ("a.o_proj.weight", [6, 8]),
+            ("a.input_layernorm.weight", [5, 1]),
+            ("a.mlp.down_proj.weight", [3, 12]),
+        ];
+        let mut group = Group {
+            name: "g".into(),
+            params: vec![],
+            names: vec![],
+            shapes: vec![],
+            offsets: vec![],
+            numels: vec![],
+            numel: 0,
+        };
+        for (k, (name, shape)) in specs.iter().enumerate() {
+            let shape = if shape[1] == 1 {
+                vec![shape[0]]
+            } else {
+                shape.to_vec()
+            };
+            let n = shape.iter().product::<i64>() as usize;
+            group.params.push(k);
+            group.names.push(name.to_string());
+            group.shapes.push(shape);
+            group.offsets.push(group.numel);
+            group.numels.push(n);
+            group.numel += n;
+        }
+        for world in 1..=7 {
+            let len = group.shard_len(world);
+            let flat = Tensor::arange((len * world) as i64, (Kind::Float, Device::Cpu));
+            for size in [1, 2, 4] {
+                for t in 0..size {
+                    let want: Vec<Tensor> = (0..group.params.len())
+                        .map(|k| {
+                            let v = flat
+                                .narrow(0, group.offsets[k] as i64, group.numels[k] as i64)
+                                .view(group.shapes[k].as_slice());
+                            verl_nn::tp::shard_of(&v, &group.names[k], t, size)
+                                .unwrap()
+                                .reshape([-1])
+                        })
+                        .collect();
+                    let mut got = Vec::new();
+                    for r in 0..world {
+                        let block = flat.narrow(0, (r * len) as i64, len as i64);
+                        for seg in shard_segments(&group, r * len, (r + 1) * len, t, size) {
+                            got.push(seg.take(&block, r * len).unwrap());
+                        }
+                    }
+                    let (want, got) = (Tensor::cat(&want, 0), Tensor::cat(&got, 0));
+                    assert!(
+                        want.equal(&got),
+                        "world {world}, shard {t} of {size}: {want:?} != {got:?}"
+                    );
+                }
+            }
+        }
+    }
 
     /// The units `forward_backward_gated` enters, in order, for `layers` layers.
     fn visiting_order(layers: usize) -> Vec<Unit> {

@@ -520,9 +520,11 @@ impl TrainableModel {
         Ok(v)
     }
 
-    /// This rank's shard (`tp_rank` of `comm.size()`) of the live weights as a tensor-parallel
-    /// generation model talking over `comm`. On several ranks the units are gathered one at a
-    /// time, sliced and freed, so a rank never holds more than one whole unit beside its shard.
+    /// This rank's shard (`comm.rank()` of `comm.size()`, rank `q` of the job holding shard
+    /// `q % comm.size()`) of the live weights as a tensor-parallel generation model talking over
+    /// `comm`. On several ranks each group's shard comes from the ZeRO-3 master blocks by one
+    /// all-to-all that moves exactly what every rank's shard needs
+    /// ([`crate::shard::ShardState::tensor_parallel_shards`]): no rank gathers a whole unit.
     /// Returns the model and the bytes this rank received. Every rank calls it together.
     pub fn rollout_shard(
         &mut self,
@@ -539,52 +541,44 @@ impl TrainableModel {
             },
             comm,
         )?;
-        let dst: std::collections::HashMap<String, Tensor> = out
+        let dst: std::collections::HashMap<&str, Tensor> = out
             .named_parameters()
             .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .map(|(n, t)| (n.as_str(), t.shallow_clone()))
             .collect();
-        let mut done = std::collections::HashSet::new();
+        let names = self.model.named_parameters();
+        let mut filled = 0;
         let mut moved = 0.0;
-        let world = dp.size;
-        let mut copy = |model: &Transformer, unit: verl_nn::Unit| -> Result<()> {
-            tch::no_grad(|| -> Result<()> {
-                for i in model.unit_parameters(unit) {
-                    let (name, full) = &model.named_parameters()[i];
-                    if !done.insert(name.clone()) {
-                        continue;
-                    }
-                    moved += (full.numel() * full.kind().elt_size_in_bytes()) as f64
-                        * (world - 1) as f64
-                        / world as f64;
-                    let Some(d) = dst.get(name) else { continue };
-                    let piece = verl_nn::tp::shard_of(full, name, rank, size)?;
-                    d.shallow_clone()
-                        .f_copy_(&piece)
-                        .ctx("copy rollout shard")?;
-                }
-                Ok(())
-            })
+        let mut put = |i: usize, shard: &Tensor| -> Result<()> {
+            if let Some(d) = dst.get(names[i].0.as_str()) {
+                tch::no_grad(|| d.shallow_clone().f_copy_(shard)).ctx("copy rollout shard")?;
+                filled += 1;
+            }
+            Ok(())
         };
-        match self.shard.as_mut() {
+        match self.shard.as_ref() {
             None => {
-                for unit in self.model.units() {
-                    copy(&self.model, unit)?;
+                for (i, (name, full)) in names.iter().enumerate() {
+                    put(i, &verl_nn::tp::shard_of(full, name, rank, size)?)?;
                 }
-                moved = 0.0;
             }
             Some(shard) => {
-                for unit in self.model.units() {
-                    let groups = shard.layout.unit_groups(unit);
-                    let r = groups
-                        .iter()
-                        .try_for_each(|&g| shard.acquire(dp, g))
-                        .and_then(|_| copy(&self.model, unit));
-                    let released = groups.iter().try_for_each(|&g| shard.release(g));
-                    r?;
-                    released?;
+                for g in 0..shard.layout.groups.len() {
+                    let (pieces, bytes) =
+                        shard.tensor_parallel_shards(dp, g, size, |q| q % size)?;
+                    moved += bytes;
+                    for (i, t) in pieces {
+                        put(i, &t)?;
+                    }
                 }
             }
+        }
+        if filled != dst.len() {
+            return Err(BackendError::Api(verl_plugin_api::Error::failed(format!(
+                "internal: {filled} of the rollout shard's {} parameters filled (a frozen \
+                 parameter has no ZeRO-3 group)",
+                dst.len()
+            ))));
         }
         Ok((out, moved))
     }

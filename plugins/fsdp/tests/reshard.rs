@@ -18,6 +18,10 @@ use verl_test_support::{merge, Lcg};
 const VOCAB: i64 = 40;
 const PROMPTS: usize = 8;
 const WORLD: usize = 4;
+/// Elements of [`model`]: embedding and LM head 2 × 640; per layer q/k/v with biases 3 × 272,
+/// o_proj 256, MLP 3 × 640, norms 32; the final norm 16. `NORMS`: the replicated ones.
+const FULL: f64 = 1280.0 + 2.0 * (3.0 * 272.0 + 256.0 + 1920.0 + 32.0) + 16.0;
+const NORMS: f64 = 2.0 * 32.0 + 16.0;
 
 /// 4 heads and 4 key/value heads, 40 MLP columns, 40 tokens: splits 1, 2 and 4 ways.
 fn model() -> tempfile::TempDir {
@@ -84,14 +88,19 @@ fn prompts(range: std::ops::Range<usize>) -> Batch {
 /// Per rank: (its prompt range, its generations, its `rollout/tp` and `rollout/reshard_mb`).
 type Ran = (std::ops::Range<usize>, Vec<Batch>, i64, f64);
 
-fn run(dir: &std::path::Path, world: usize, rollout_tp: u64) -> Vec<Ran> {
+/// Every rank's generations; rank `r` holds prompts `bounds[r]..bounds[r + 1]` (even slices
+/// when `bounds` is empty).
+fn run(dir: &std::path::Path, world: usize, rollout_tp: u64, bounds: &[usize]) -> Vec<Ran> {
     let job = Arc::new(Job::new(world));
+    let bounds: Vec<usize> = match bounds.is_empty() {
+        true => (0..=world).map(|r| r * PROMPTS / world).collect(),
+        false => bounds.to_vec(),
+    };
     let cfg = config(dir, rollout_tp);
     let j = job.clone();
     job.run(Duration::from_secs(120), move |rank| {
         let mut a = FsdpActor::create(&j.init(Role::Actor, rank, &cfg), false).unwrap();
-        let per = PROMPTS / world;
-        let range = rank * per..(rank + 1) * per;
+        let range = bounds[rank]..bounds[rank + 1];
         let batch = prompts(range.clone());
         let outs: Vec<Batch> = options()
             .into_iter()
@@ -162,21 +171,35 @@ fn check(want: &Batch, got: &Batch, range: &std::ops::Range<usize>, what: &str) 
 #[test]
 fn every_rollout_tp_over_four_fsdp_ranks_generates_what_one_rank_does() {
     let dir = model();
-    let want = run(dir.path(), 1, 1).remove(0).1;
+    let want = run(dir.path(), 1, 1, &[]).remove(0).1;
     let reasons = want[1].strings(col::FINISH_REASON).unwrap();
     assert!(reasons.iter().any(|r| r == "stop"), "{reasons:?}");
     assert!(reasons.iter().any(|r| r == "length"), "{reasons:?}");
-    for rtp in [1u64, 2, 4] {
-        for (rank, (range, outs, tp, mb)) in run(dir.path(), WORLD, rtp).iter().enumerate() {
+    // Even slices, and uneven ones (validation splits need not be even).
+    for (rtp, bounds) in [
+        (1u64, vec![]),
+        (2, vec![]),
+        (4, vec![]),
+        (2, vec![0, 3, 4, 7, 8]),
+        (4, vec![0, 1, 1, 6, 8]),
+    ] {
+        for (rank, (range, outs, tp, mb)) in run(dir.path(), WORLD, rtp, &bounds).iter().enumerate()
+        {
             assert_eq!(*tp, rtp as i64, "rank {rank}");
             for (k, name) in ["greedy", "sampled"].iter().enumerate() {
-                let what = format!("rollout TP {rtp}, rank {rank}, {name}");
+                let what = format!("rollout TP {rtp}, prompts {range:?}, rank {rank}, {name}");
                 let d = check(&want[k], &outs[k], range, &what);
                 eprintln!("{what}: log-prob diff {d:e}");
             }
-            // The units are gathered from the ZeRO-3 shards: 3/4 of the model comes in.
+            // A rank receives only what its shard lacks: at most its 1/rtp of the split tensors
+            // plus the replicated norms (fp32), never the 3/4 of the model an all-gather brings.
             if rtp > 1 {
-                assert!(*mb > 0.0, "rollout TP {rtp}, rank {rank}");
+                let bytes = mb * 1e6;
+                let most = 4.0 * (FULL / rtp as f64 + NORMS);
+                assert!(
+                    bytes > 0.0 && bytes <= most,
+                    "rollout TP {rtp}, rank {rank}: received {bytes} bytes, its shard is {most}"
+                );
             }
         }
     }

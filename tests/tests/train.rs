@@ -422,7 +422,8 @@ fn generate_runs_through_the_fsdp_plugin_and_is_batch_invariant_when_greedy() {
 }
 
 /// `trainer.n_gpus_per_node=N` on CPU ranks: the launcher spawns N `verl` processes, each trains
-/// on its contiguous quarter/half of the step's prompts with ZeRO-3 sharded weights, and the
+/// on its contiguous quarter/half of the step's prompts with ZeRO-3 sharded weights, generates at
+/// rollout TP 2 / 4 (weights resharded from the ZeRO-3 blocks, prompts shared out), and the
 /// metrics must be those of one rank on the whole batch. One mini-batch per step (verl's ranks
 /// each chunk their own rows, so several mini-batches would differ from one rank by design).
 #[test]
@@ -465,10 +466,23 @@ fn grpo_on_two_and_four_cpu_ranks_equals_one_rank_and_resumes_across_world_sizes
     let (one, _) = run("one", &[]);
     let base = metrics_by_step(&jsonl_of(&one));
     assert!(base[&3].contains_key("actor/pg_loss"), "{:?}", base[&3]);
-    for world in ["2", "4"] {
+    // verl's default rollout TP 2 at 2 ranks; rollout TP 4 at 4 (one rollout group, each rank a
+    // quarter of every split weight): the samples are one rank's.
+    for (world, rollout_tp) in [("2", "2"), ("4", "4")] {
         let name = format!("world{world}");
-        let (dir, _) = run(&name, &[&format!("trainer.n_gpus_per_node={world}")]);
+        let (dir, _) = run(
+            &name,
+            &[
+                &format!("trainer.n_gpus_per_node={world}"),
+                &format!("actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}"),
+            ],
+        );
         let m = metrics_by_step(&jsonl_of(&dir));
+        assert_eq!(
+            m[&1].get("rollout/tp").and_then(Value::as_f64),
+            rollout_tp.parse::<f64>().ok(),
+            "{world} ranks: generation's tensor-parallel size"
+        );
         for step in 1..=3 {
             close(
                 &format!("{world} ranks, step {step}"),

@@ -88,7 +88,9 @@ pub fn model_allows(model: &verl_nn::ModelConfig, tp: usize) -> bool {
 /// ranks: rollout groups of that many consecutive ranks. Any divisor of the world that the model
 /// splits into; absent, null or 1: each rank generates its own prompts on the whole model.
 /// `tp1_because` names what makes this job generate at TP 1 whatever was asked (a warning when
-/// more was). verl's default 2 where it does not fit is taken as 1 (a warning on several ranks).
+/// more was). verl's default 2 on an odd number of ranks is taken as 1 (a warning on several
+/// ranks); a size the ranks split into but the model's heads do not becomes the largest divisor
+/// of it that fits both (a warning); any other size is refused.
 pub fn data_parallel_rollout_tp(
     cfg: &serde_json::Value,
     world: usize,
@@ -125,16 +127,37 @@ pub fn data_parallel_rollout_tp(
     if valid.contains(&asked) {
         return Ok(asked);
     }
-    if asked == 2 {
+    if asked == 2 && !world.is_multiple_of(2) {
         // verl's default, filled in for every job that leaves the key alone.
         if world > 1 {
             tracing::warn!(
-                "{ROLLOUT_TP_KEY}=2 (verl's default) does not fit {world} ranks and this model: \
-                 taken as unset, each rank generates its own prompts at TP 1; set it to one of \
-                 {valid:?} to silence this"
+                "{ROLLOUT_TP_KEY}=2 (verl's default) does not divide {world} ranks: taken as \
+                 unset, each rank generates its own prompts at TP 1; set it to one of {valid:?} \
+                 to silence this"
             );
         }
         return Ok(1);
+    }
+    if world.is_multiple_of(asked) {
+        // The ranks split, the model does not (vLLM would replicate key/value heads): the
+        // largest size that splits both, as the same tokens come out at any size.
+        let fit = valid
+            .iter()
+            .copied()
+            .filter(|r| asked.is_multiple_of(*r))
+            .max()
+            .unwrap_or(1);
+        tracing::warn!(
+            "{ROLLOUT_TP_KEY}={asked}: the model's heads ({} attention, {} key/value), MLP width \
+             {} or vocabulary {} do not split {asked} ways (verl-rs does not replicate key/value \
+             heads); generation runs at tensor-parallel size {fit} (the same tokens, only the \
+             speed differs); set it to one of {valid:?} to silence this",
+            model.num_attention_heads,
+            model.num_key_value_heads,
+            model.intermediate_size,
+            model.vocab_size
+        );
+        return Ok(fit);
     }
     Err(BackendError::config(
         ROLLOUT_TP_KEY,
@@ -460,5 +483,58 @@ impl Shared {
                 .collect(),
             prompt_index: tail(1)?.into_iter().map(|g| g - lo).collect(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn model(kv: i64) -> verl_nn::ModelConfig {
+        verl_nn::ModelConfig::from_value(
+            json!({
+                "model_type": "qwen2", "vocab_size": 40, "hidden_size": 16,
+                "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": kv,
+            }),
+            "inline/config.json",
+        )
+        .unwrap()
+    }
+
+    fn tp(v: serde_json::Value, world: usize, kv: i64, why: Option<&str>) -> Result<usize> {
+        let cfg = json!({"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": v}}});
+        data_parallel_rollout_tp(&cfg, world, &model(kv), why)
+    }
+
+    #[test]
+    fn data_parallel_rollout_sizes() {
+        assert_eq!(tp(serde_json::Value::Null, 4, 4, None).unwrap(), 1);
+        assert_eq!(tp(json!(2), 4, 4, None).unwrap(), 2);
+        assert_eq!(tp(json!(4), 4, 4, None).unwrap(), 4);
+        // verl's default on one rank or an odd number of ranks: unset.
+        assert_eq!(tp(json!(2), 1, 4, None).unwrap(), 1);
+        assert_eq!(tp(json!(2), 3, 4, None).unwrap(), 1);
+        // The ranks split 4 ways, 2 key/value heads do not: the largest size that fits.
+        assert_eq!(tp(json!(4), 4, 2, None).unwrap(), 2);
+        // LoRA, MoE, multi-turn: TP 1.
+        assert_eq!(tp(json!(4), 4, 4, Some("a LoRA actor")).unwrap(), 1);
+        let e = tp(json!(3), 4, 4, None).unwrap_err().to_string();
+        assert!(
+            e.contains(ROLLOUT_TP_KEY) && e.contains("one of [1, 2, 4]"),
+            "{e}"
+        );
+        let e = tp(json!(8), 4, 4, None).unwrap_err().to_string();
+        assert!(e.contains("found 8"), "{e}");
+        let e = tp(json!("x"), 4, 4, None).unwrap_err().to_string();
+        assert!(e.contains("positive integer"), "{e}");
+    }
+
+    #[test]
+    fn data_parallel_groups_are_consecutive_ranks() {
+        assert_eq!(data_parallel_groups(4, 2), vec![vec![0, 1], vec![2, 3]]);
+        let p = data_parallel_placement(3, 4, 2);
+        assert_eq!((p.replica, p.group, p.groups, p.tp_rank), (3, 1, 2, 1));
     }
 }

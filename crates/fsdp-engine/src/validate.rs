@@ -41,7 +41,13 @@ pub fn validate(init: &InitArgs) -> Result<String> {
         let generation = match role {
             "actor" => {
                 let sec: ModelSection = section(cfg, "actor_rollout_ref.model")?;
-                let lora = sec.lora("actor_rollout_ref.model")?.is_some();
+                // Whether LoRA is asked for (the adapter folder itself is read when the ranks
+                // load the model).
+                let lora = sec.lora_rank > 0
+                    || sec
+                        .lora_adapter_path
+                        .as_deref()
+                        .is_some_and(|p| !p.is_empty());
                 let world = init.world_size.max(1) as usize;
                 let tp = verl_backend_kit::hybrid::data_parallel_rollout_tp(
                     cfg,

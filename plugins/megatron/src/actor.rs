@@ -86,7 +86,11 @@ impl MegatronActor {
             (p, megatron_section(cfg, p, None)?)
         };
         let layout = common::role_layout(&mg, prefix, init, &model_cfg)?;
-        let rollout_layout = crate::rollout::resolve(cfg, &layout, &model_cfg)?;
+        // The reference never generates: its layout is not resolved (nor warned about).
+        let rollout_layout = match reference {
+            true => RolloutLayout::unused(&layout),
+            false => crate::rollout::resolve(cfg, &layout, &model_cfg)?,
+        };
         let aux_loss_coeff = common::aux_loss_coeff(&mg, prefix, &model_cfg)?;
         let dtype = compute_dtype(&mg, prefix)?;
         let role = if reference { "reference" } else { "actor" };

@@ -119,27 +119,33 @@ pub struct RolloutLayout {
 }
 
 /// The rollout tensor-parallel sizes valid for this layout and model.
-fn valid_sizes(layout: &Layout, model: &ModelConfig) -> Vec<usize> {
+/// Whether rollout TP `r` fits the layout: a divisor of the actor's TP, or a multiple of it that
+/// the ranks split into.
+fn layout_fits(layout: &Layout, r: usize) -> bool {
     let world = layout.world();
-    (1..=world)
-        .filter(|&r| {
-            let fits = if r <= layout.tp {
-                layout.tp.is_multiple_of(r)
-            } else {
-                r.is_multiple_of(layout.tp)
-                    && world.is_multiple_of(r)
-                    && (world / layout.tp).is_multiple_of(r / layout.tp)
-            };
-            fits && verl_backend_kit::hybrid::model_allows(model, r)
-        })
+    if r <= layout.tp {
+        layout.tp.is_multiple_of(r)
+    } else {
+        r.is_multiple_of(layout.tp)
+            && world.is_multiple_of(r)
+            && (world / layout.tp).is_multiple_of(r / layout.tp)
+    }
+}
+
+/// The rollout tensor-parallel sizes valid for this layout and model.
+fn valid_sizes(layout: &Layout, model: &ModelConfig) -> Vec<usize> {
+    (1..=layout.world())
+        .filter(|&r| layout_fits(layout, r) && verl_backend_kit::hybrid::model_allows(model, r))
         .collect()
 }
 
 /// Resolves `actor_rollout_ref.rollout.tensor_model_parallel_size` against the actor's layout:
 /// any size that divides the actor's TP, or is a multiple of it that the ranks split into, and
 /// that divides the model's heads, key/value heads, MLP width and vocabulary. Absent or null:
-/// the actor's TP. verl's default 2 where it does not fit is taken as unset, with a warning. A MoE
-/// model generates at TP 1 (a warning when more was asked).
+/// the actor's TP. A size the layout takes but the model's heads do not becomes the largest
+/// divisor of it that fits both, and verl's default 2 where the layout does not take it is taken
+/// as unset (each with a warning). A MoE model generates at TP 1 (a warning when more was asked).
+/// Any other size is refused.
 pub fn resolve(cfg: &Value, layout: &Layout, model: &ModelConfig) -> Result<RolloutLayout> {
     let tp = layout.tp;
     let v = cfg.pointer("/actor_rollout_ref/rollout/tensor_model_parallel_size");
@@ -176,6 +182,27 @@ pub fn resolve(cfg: &Value, layout: &Layout, model: &ModelConfig) -> Result<Roll
     if valid.contains(&asked) {
         return Ok(RolloutLayout { grid: grid(asked) });
     }
+    if layout_fits(layout, asked) {
+        // The layout takes it, the model's heads do not (vLLM would replicate key/value heads):
+        // the largest size dividing it that fits both, as the same tokens come out at any size.
+        let fit = valid
+            .iter()
+            .copied()
+            .filter(|r| asked.is_multiple_of(*r))
+            .max()
+            .unwrap_or(1);
+        tracing::warn!(
+            "{ROLLOUT_TP_KEY}={asked}: the model's heads ({} attention, {} key/value), MLP width \
+             {} or vocabulary {} do not split {asked} ways (verl-rs does not replicate key/value \
+             heads); generation runs at tensor-parallel size {fit} (the same tokens, only the \
+             speed differs); set it to one of {valid:?} to silence this",
+            model.num_attention_heads,
+            model.num_key_value_heads,
+            model.intermediate_size,
+            model.vocab_size
+        );
+        return Ok(RolloutLayout { grid: grid(fit) });
+    }
     if asked == VERL_DEFAULT_ROLLOUT_TP && valid.contains(&tp) {
         tracing::warn!(
             "{ROLLOUT_TP_KEY}={asked} (verl's default) does not fit this layout (actor \
@@ -200,6 +227,18 @@ pub fn resolve(cfg: &Value, layout: &Layout, model: &ModelConfig) -> Result<Roll
 }
 
 impl RolloutLayout {
+    /// The layout of a role that never generates (the reference): rollout TP = its TP.
+    pub fn unused(layout: &Layout) -> RolloutLayout {
+        RolloutLayout {
+            grid: RolloutGrid {
+                train_tp: layout.tp,
+                cp_dp: layout.cp * layout.dp,
+                world: layout.world(),
+                tp: layout.tp,
+            },
+        }
+    }
+
     /// This rank's place for [`verl_backend_kit::hybrid::share`]: its training data replica
     /// (every tensor × pipeline rank of a replica gets the same prompts) and rollout group.
     pub fn placement(&self, layout: &Layout, rank: usize) -> Placement {
@@ -428,11 +467,9 @@ mod tests {
         assert!(e.contains(ROLLOUT_TP_KEY), "{e}");
         assert!(e.contains("found 4"), "{e}");
         assert!(e.contains("one of [1, 2]"), "{e}");
-        // 3 divides no head count here.
-        let e = resolve(&cfg(json!(3)), &layout(1, 3, 1), &model(false))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("one of [1]"), "{e}");
+        // The layout takes 3, the model's 4 heads do not: the largest size that fits both.
+        assert_eq!(tp_of(json!(3), 1, 3, 1), 1);
+        assert_eq!(tp_of(json!(4), 2, 2, 1), 4);
         let e = resolve(&cfg(json!(0)), &layout(2, 1, 1), &model(false))
             .unwrap_err()
             .to_string();

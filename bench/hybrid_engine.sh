@@ -59,6 +59,7 @@ for shape in $SHAPES; do
     args=(trainer.device="$DEVICE" trainer.n_gpus_per_node="$GPUS" trainer.total_training_steps="$STEPS"
       trainer.test_freq=-1 trainer.save_freq=-1 trainer.val_before_train=false
       trainer.project_name=hybrid_engine trainer.experiment_name="$name"
+      trainer.default_local_dir="$OUT/ckpt/$name" trainer.resume_mode=disable
       data.train_files="$OUT/data/train.parquet" data.val_files="$OUT/data/val.parquet"
       data.train_batch_size="$PROMPTS" data.max_prompt_length=256 data.max_response_length="$RESPONSE"
       actor_rollout_ref.model.path="$model" actor_rollout_ref.rollout.n="$N"

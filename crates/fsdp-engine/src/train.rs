@@ -541,25 +541,13 @@ impl TrainableModel {
             },
             comm,
         )?;
-        let dst: std::collections::HashMap<&str, Tensor> = out
-            .named_parameters()
-            .iter()
-            .map(|(n, t)| (n.as_str(), t.shallow_clone()))
-            .collect();
         let names = self.model.named_parameters();
-        let mut filled = 0;
+        let mut weights = std::collections::HashMap::new();
         let mut moved = 0.0;
-        let mut put = |i: usize, shard: &Tensor| -> Result<()> {
-            if let Some(d) = dst.get(names[i].0.as_str()) {
-                tch::no_grad(|| d.shallow_clone().f_copy_(shard)).ctx("copy rollout shard")?;
-                filled += 1;
-            }
-            Ok(())
-        };
         match self.shard.as_ref() {
             None => {
-                for (i, (name, full)) in names.iter().enumerate() {
-                    put(i, &verl_nn::tp::shard_of(full, name, rank, size)?)?;
+                for (name, full) in names {
+                    weights.insert(name.clone(), verl_nn::tp::shard_of(full, name, rank, size)?);
                 }
             }
             Some(shard) => {
@@ -568,18 +556,14 @@ impl TrainableModel {
                         shard.tensor_parallel_shards(dp, g, size, |q| q % size)?;
                     moved += bytes;
                     for (i, t) in pieces {
-                        put(i, &t)?;
+                        weights.insert(names[i].0.clone(), t);
                     }
                 }
             }
         }
-        if filled != dst.len() {
-            return Err(BackendError::Api(verl_plugin_api::Error::failed(format!(
-                "internal: {filled} of the rollout shard's {} parameters filled (a frozen \
-                 parameter has no ZeRO-3 group)",
-                dst.len()
-            ))));
-        }
+        // The received shards become the model's weights without a copy (a parameter outside
+        // every ZeRO-3 group, a frozen one, is named as missing).
+        out.share_parameters(&weights)?;
         Ok((out, moved))
     }
 

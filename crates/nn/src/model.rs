@@ -281,6 +281,14 @@ impl Transformer {
         Transformer::build(config, opts, InitMode::Random { std })
     }
 
+    /// A frozen model whose weights the caller sets next (zeros, norms ones, until then):
+    /// [`Transformer::share_parameters`] without the cost of a random init.
+    pub fn for_weights(config: ModelConfig, opts: &ModelOptions) -> Result<Transformer> {
+        let mut m = Transformer::build(config, opts, InitMode::Zeros)?;
+        m.set_requires_grad(false)?;
+        Ok(m)
+    }
+
     pub(crate) fn build(
         config: ModelConfig,
         opts: &ModelOptions,
@@ -460,6 +468,35 @@ impl Transformer {
     /// The var store holding every parameter (keys are HF names). Use it for optimizers.
     pub fn var_store(&self) -> &nn::VarStore {
         &self.vs
+    }
+
+    /// Points every parameter at the tensor `weights` holds under its name, without copying: the
+    /// model then shares their memory (a non-contiguous tensor is made contiguous first). Shapes,
+    /// dtypes and devices must match; a missing or mismatched tensor is an error naming it.
+    pub fn share_parameters(
+        &self,
+        weights: &std::collections::HashMap<String, Tensor>,
+    ) -> Result<()> {
+        tch::no_grad(|| -> Result<()> {
+            for (name, dst) in &self.params {
+                let src = weights.get(name).ok_or_else(|| {
+                    NnError::input(format!("parameter `{name}`"), "a tensor to share", "none")
+                })?;
+                if src.size() != dst.size()
+                    || src.kind() != dst.kind()
+                    || src.device() != dst.device()
+                {
+                    return Err(NnError::input(
+                        format!("parameter `{name}`"),
+                        format!("{:?} {:?} on {:?}", dst.size(), dst.kind(), dst.device()),
+                        format!("{:?} {:?} on {:?}", src.size(), src.kind(), src.device()),
+                    ));
+                }
+                let src = src.f_detach()?.f_contiguous()?;
+                dst.shallow_clone().f_set_data(&src)?;
+            }
+            Ok(())
+        })
     }
 
     /// Parameters in a fixed order (embedding, layers, final norm, head) with their HF names.

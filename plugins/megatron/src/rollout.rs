@@ -301,13 +301,16 @@ pub fn reshard(
         let own: f64 = model.params.iter().map(|p| bytes(&p.local)).sum();
         let weights = crate::common::gather_live_model(model, par)?;
         let full: f64 = weights.values().map(bytes).sum();
-        let out = crate::common::assemble(
-            model.config(),
-            HeadKind::CausalLm,
-            model.dtype(),
-            device,
-            &weights,
+        let out = Transformer::for_weights(
+            model.config().clone(),
+            &ModelOptions {
+                device,
+                dtype: model.dtype(),
+                head: HeadKind::CausalLm,
+            },
         )?;
+        // The gathered tensors become the model's weights: no second copy.
+        out.share_parameters(&weights)?;
         return Ok((
             out,
             Reshard {
@@ -379,24 +382,9 @@ pub fn reshard(
     };
     let comm: Arc<dyn TpComm> = Arc::new(DpTpComm(comms.group.clone()));
     let out = Transformer::tp_shard(model.config().clone(), &opts, comm)?;
-    tch::no_grad(|| -> Result<()> {
-        for (name, dst) in out.named_parameters() {
-            let src = mine.get(name).ok_or_else(|| {
-                MegatronError::Api(verl_plugin_api::Error::failed(format!(
-                    "internal: no rollout shard for `{name}`"
-                )))
-            })?;
-            if src.size() != dst.size() {
-                return Err(MegatronError::Api(verl_plugin_api::Error::failed(format!(
-                    "internal: rollout shard `{name}` is {:?}, the engine's {:?}",
-                    src.size(),
-                    dst.size()
-                ))));
-            }
-            dst.shallow_clone().f_copy_(src).ctx("copy rollout shard")?;
-        }
-        Ok(())
-    })?;
+    // The rollout shard's tensors become the engine's weights without a copy: at rollout TP =
+    // the actor's TP they are the training weights themselves.
+    out.share_parameters(&mine)?;
     Ok((
         out,
         Reshard {

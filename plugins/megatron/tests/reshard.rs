@@ -68,6 +68,7 @@ fn prompts(range: std::ops::Range<usize>) -> Batch {
 
 struct Ran {
     outs: Vec<Batch>,
+    shares_training_memory: bool,
     reshard_bytes: f64,
     rollout_numel: usize,
     group_prompts: i64,
@@ -106,13 +107,20 @@ fn run(dir: &std::path::Path, world: usize, tp: u64, pp: u64, rtp: Option<u64>) 
             .get("rollout/group_prompts")
             .and_then(|v| v.as_i64())
             .unwrap_or(-1);
-        let rollout_numel = a
+        let rollout: Vec<(String, usize, usize)> = a
             .rollout_model()
             .unwrap()
             .named_parameters()
             .iter()
-            .map(|(_, t)| t.numel())
-            .sum();
+            .map(|(n, t)| (n.clone(), t.numel(), t.data_ptr() as usize))
+            .collect();
+        let rollout_numel = rollout.iter().map(|r| r.1).sum();
+        // Whether every rollout weight is the training weight itself (same memory).
+        let m = a.model();
+        let shares_training_memory = rollout.iter().all(|(n, _, ptr)| {
+            m.param_index(n)
+                .is_some_and(|i| m.params[i].local.data_ptr() as usize == *ptr)
+        });
         let mut outs = outs;
         // Each prompt slice is checked against the reference rows of the same prompts.
         for b in &mut outs {
@@ -120,6 +128,7 @@ fn run(dir: &std::path::Path, world: usize, tp: u64, pp: u64, rtp: Option<u64>) 
         }
         Ran {
             outs,
+            shares_training_memory,
             reshard_bytes: a.last_reshard().bytes_in,
             rollout_numel,
             group_prompts,
@@ -209,6 +218,13 @@ fn every_rollout_tp_over_every_training_layout_generates_what_one_rank_does() {
                 if rtp as usize == 1 {
                     assert_eq!(r.rollout_numel, full, "{what}");
                 }
+                // At the actor's TP (one stage) generation runs on the training weights
+                // themselves: no second copy.
+                assert_eq!(
+                    r.shares_training_memory,
+                    rtp == tp && pp == 1,
+                    "{what}: rank {rank}"
+                );
                 // Nothing moves where the rollout shard is (part of) the training shard.
                 if pp == 1 && rtp >= tp {
                     assert_eq!(r.reshard_bytes, 0.0, "{what}: rank {rank}");

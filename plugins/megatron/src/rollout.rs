@@ -13,8 +13,9 @@
 //! * TP_r a multiple of TP_t (m = TP_r / TP_t): a rollout group spans `m` consecutive training
 //!   replicas (or stages) and rollout shard `t·m + s` is block `s` of training shard `t`: a slice,
 //!   no communication;
-//! * with pipeline parallelism the stages' rollout shards are then gathered over the pipeline
-//!   group (each rank receives the other stages' part of its own shard).
+//! * with pipeline parallelism each rank then receives the other stages' part of its own rollout
+//!   shard: broadcast over the pipeline group, or — where a rollout group spans the stages, so
+//!   that pipeline peers hold different shards — sent to each peer on its own.
 //!
 //! MoE models generate at rollout TP 1 (a MoE block is not split for generation); TP_r = 1 is the
 //! whole model on every rank, each rank generating its own share.
@@ -352,11 +353,7 @@ pub fn reshard(
         mine.insert(p.name.clone(), t);
     }
     // Step 2, the other stages' parts of this shard.
-    let level = match grid.tp > grid.train_tp && !share {
-        true => grid.train_tp,
-        false => grid.tp,
-    };
-    if pp.size > 1 {
+    if pp.size > 1 && share {
         let own: f64 = mine.values().map(bytes).sum();
         mine = crate::pipeline::gather_stages(
             model.config(),
@@ -365,15 +362,23 @@ pub fn reshard(
             model.stage().chunks,
             mine,
             model.dtype(),
-            level,
+            grid.tp,
         )?;
         moved += mine.values().map(bytes).sum::<f64>() - own;
-    }
-    if level != grid.tp {
+    } else if pp.size > 1 {
+        // The stages hold different rollout shards (a rollout group spans them): each sends
+        // every other exactly the piece of its training shard that the other's shard needs.
+        let (got, received) = exchange_stage_pieces(model, grid, par, &mine)?;
+        moved += received;
         let m = grid.tp / grid.train_tp;
         for (name, t) in mine.iter_mut() {
             *t = verl_nn::tp::shard_of(t, name, j % m, m)?;
         }
+        mine.extend(got);
+    } else if !share {
+        return Err(MegatronError::Api(verl_plugin_api::Error::failed(
+            "internal: rollout shards differ across pipeline peers of a one-stage layout",
+        )));
     }
     let opts = ModelOptions {
         device,
@@ -392,6 +397,107 @@ pub fn reshard(
             secs: start.elapsed().as_secs_f64(),
         },
     ))
+}
+
+/// TP_r > TP_t with a rollout group spanning the pipeline stages: every stage sends each other
+/// stage's rank (same tensor, context and data index) the sub-piece of its training shard that
+/// the receiver's rollout shard needs, over a ring of send/receive pairs; `mine` is this stage's
+/// training shard. Returns the other stages' pieces (a name held by several stages, the tied
+/// embedding, comes from the first one) and the bytes received.
+fn exchange_stage_pieces(
+    model: &TpModel,
+    grid: &RolloutGrid,
+    par: &Parallel,
+    mine: &HashMap<String, Tensor>,
+) -> Result<(HashMap<String, Tensor>, f64)> {
+    use crate::tp::{stage_specs, Stage};
+    let pp = &par.pp;
+    let m = grid.tp / grid.train_tp;
+    let (cfg, head, chunks) = (model.config(), model.head_kind(), model.stage().chunks);
+    let specs = |s: usize| -> Result<Vec<(String, Vec<i64>, crate::tp::Split)>> {
+        stage_specs(
+            cfg,
+            head,
+            Stage {
+                index: s,
+                count: pp.size,
+                chunks,
+            },
+        )
+    };
+    let all: Vec<_> = (0..pp.size).map(specs).collect::<Result<_>>()?;
+    // What stage `from` sends stage `to`: its parameters no earlier stage holds and `to` lacks.
+    let sent = |from: usize, to: usize| -> Vec<(String, Vec<i64>, crate::tp::Split)> {
+        all[from]
+            .iter()
+            .filter(|(n, _, _)| {
+                !all[..from]
+                    .iter()
+                    .any(|st| st.iter().any(|(x, _, _)| x == n))
+                    && !all[to].iter().any(|(x, _, _)| x == n)
+            })
+            .cloned()
+            .collect()
+    };
+    // The sub-piece (of m) of a training shard the rank at stage `s` of this pipeline group needs.
+    let sub_at = |s: usize| {
+        let r = par.layout.rank_of(crate::layout::Coords {
+            pp: s,
+            ..par.coords
+        });
+        grid.place(r).1 % m
+    };
+    let me = pp.rank;
+    let (kind, device) = (model.dtype(), model.device());
+    let mut got = HashMap::new();
+    let mut received = 0.0;
+    for d in 1..pp.size {
+        let (dst, src) = ((me + d) % pp.size, (me + pp.size - d) % pp.size);
+        let out_parts = sent(me, dst)
+            .iter()
+            .map(|(n, _, _)| -> Result<Tensor> {
+                let t = mine.get(n).ok_or_else(|| {
+                    MegatronError::Api(verl_plugin_api::Error::failed(format!(
+                        "internal: stage {me} lacks its parameter `{n}`"
+                    )))
+                })?;
+                verl_nn::tp::shard_of(t, n, sub_at(dst), m)?
+                    .f_reshape([-1])
+                    .ctx("stage piece")
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let out = match out_parts.is_empty() {
+            true => Tensor::f_zeros([0], (kind, device)).ctx("stage piece")?,
+            false => Tensor::f_cat(&out_parts, 0).ctx("stage pieces")?,
+        };
+        let incoming: Vec<(String, Vec<i64>)> = sent(src, me)
+            .into_iter()
+            .map(|(n, mut shape, split)| {
+                if let Some(dim) = split.dim() {
+                    shape[dim as usize] /= grid.tp as i64;
+                }
+                (n, shape)
+            })
+            .collect();
+        let numel: i64 = incoming
+            .iter()
+            .map(|(_, sh)| sh.iter().product::<i64>())
+            .sum();
+        let mut into = Tensor::f_zeros([numel], (kind, device)).ctx("stage piece buffer")?;
+        pp.send_recv(&out, dst, &mut into, src, "send_recv (rollout reshard)")?;
+        received += bytes(&into);
+        let mut off = 0;
+        for (n, shape) in incoming {
+            let len: i64 = shape.iter().product();
+            let t = into
+                .f_narrow(0, off, len)
+                .and_then(|t| t.f_view(shape.as_slice()))
+                .ctx("split stage pieces")?;
+            off += len;
+            got.insert(n, t);
+        }
+    }
+    Ok((got, received))
 }
 
 #[cfg(test)]

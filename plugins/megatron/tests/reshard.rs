@@ -20,7 +20,11 @@ const PROMPTS: usize = 8;
 
 /// 4 heads and 4 key/value heads, 40 MLP columns, 40 tokens: splits 1, 2 and 4 ways.
 fn model() -> tempfile::TempDir {
-    let mut c = qwen2_config(VOCAB, 16, 40, 2, 64, false);
+    model_tied(false)
+}
+
+fn model_tied(tied: bool) -> tempfile::TempDir {
+    let mut c = qwen2_config(VOCAB, 16, 40, 2, 64, tied);
     c["num_key_value_heads"] = json!(4);
     model_dir(c, Some(11), HeadKind::CausalLm)
 }
@@ -230,12 +234,10 @@ fn every_rollout_tp_over_every_training_layout_generates_what_one_rank_does() {
                     assert_eq!(r.reshard_bytes, 0.0, "{what}: rank {rank}");
                 } else {
                     assert!(r.reshard_bytes > 0.0, "{what}: rank {rank}");
-                    // Never more than the rollout shard it builds; where the rollout group spans
-                    // the pipeline stages (rollout TP 4 over TP 2 × PP 2, one replica) the other
-                    // stage comes at the training shard's size.
-                    let level = if rtp > tp && pp > 1 { tp } else { rtp } as usize;
+                    // Never more than the rollout shard it builds (fp32), also where the rollout
+                    // group spans the pipeline stages (rollout TP 4 over TP 2 × PP 2).
                     assert!(
-                        r.reshard_bytes <= (4 * full / level) as f64,
+                        r.reshard_bytes <= (4 * full / rtp as usize) as f64,
                         "{what}: rank {rank} received {} bytes",
                         r.reshard_bytes
                     );
@@ -250,6 +252,25 @@ fn every_rollout_tp_over_every_training_layout_generates_what_one_rank_does() {
                 assert_eq!(
                     total, PROMPTS as i64,
                     "{what}: shares {shares:?} over {groups} groups"
+                );
+            }
+        }
+    }
+}
+
+/// Tied embeddings live on the first and the last stage: where the stages exchange their pieces
+/// (a rollout group across them) and where they broadcast them, each rank gets the embedding once.
+#[test]
+fn tied_embeddings_across_stages_reshard_to_what_one_rank_generates() {
+    let dir = model_tied(true);
+    let want = run(dir.path(), 1, 1, 1, None).remove(0).outs;
+    for rtp in [1u64, 2, 4] {
+        for (rank, r) in run(dir.path(), 4, 2, 2, Some(rtp)).iter().enumerate() {
+            for (k, name) in ["greedy", "sampled"].iter().enumerate() {
+                check_rows(
+                    &want[k],
+                    &r.outs[k],
+                    &format!("tied, TP 2 × PP 2, rollout TP {rtp}, rank {rank}, {name}"),
                 );
             }
         }

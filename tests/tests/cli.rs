@@ -179,9 +179,13 @@ fn dry_run_of_the_quickstart_checks_config_plugins_and_batches() {
     assert!(out.contains("(Qwen2ForCausalLM), tokenizer"), "{out}");
     assert!(out.contains("logger        console: ok ✓"), "{out}");
     assert!(out.contains("dry run       ok"), "{out}");
-    // The fsdp backend reads the model's config.json upfront.
+    // The fsdp backend reads the model's config.json upfront, and says how generation is laid
+    // out (verl's default rollout TP 2 does not fit one rank).
     assert!(
-        out.contains("layout        actor: qwen2, 1 layers, hidden 32; 1 rank(s) ✓"),
+        out.contains(
+            "layout        actor: qwen2, 1 layers, hidden 32; 1 rank(s); generation at \
+             tensor-parallel size 1 in 1 rollout group(s) ✓"
+        ),
         "{out}"
     );
 }

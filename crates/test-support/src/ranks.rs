@@ -52,8 +52,14 @@ impl Job {
     }
 
     /// Runs `f(rank)` on every rank, each on its own thread, and returns the results in rank
-    /// order; a rank's panic is re-raised, and a rank slower than `limit` fails the test (a hang).
-    pub fn run<T: Send + 'static>(
+    /// order; a rank's panic is re-raised, and a rank slower than two minutes fails the test (a
+    /// hang).
+    pub fn run<T: Send + 'static>(&self, f: impl Fn(usize) -> T + Send + Sync + 'static) -> Vec<T> {
+        self.run_within(Duration::from_secs(120), f)
+    }
+
+    /// [`Job::run`] with its own limit.
+    pub fn run_within<T: Send + 'static>(
         &self,
         limit: Duration,
         f: impl Fn(usize) -> T + Send + Sync + 'static,

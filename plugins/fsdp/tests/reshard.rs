@@ -5,7 +5,6 @@
 //! does not divide the ranks is refused by key.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use serde_json::json;
 use verl_fsdp::FsdpActor;
@@ -98,7 +97,7 @@ fn run(dir: &std::path::Path, world: usize, rollout_tp: u64, bounds: &[usize]) -
     };
     let cfg = config(dir, rollout_tp);
     let j = job.clone();
-    job.run(Duration::from_secs(120), move |rank| {
+    job.run(move |rank| {
         let mut a = FsdpActor::create(&j.init(Role::Actor, rank, &cfg), false).unwrap();
         let range = bounds[rank]..bounds[rank + 1];
         let batch = prompts(range.clone());
@@ -210,7 +209,7 @@ fn a_rollout_tp_that_does_not_divide_the_ranks_is_refused_by_key() {
     let dir = model();
     let job = Arc::new(Job::new(WORLD));
     let (j, cfg) = (job.clone(), config(dir.path(), 3));
-    let errors = job.run(Duration::from_secs(120), move |rank| {
+    let errors = job.run(move |rank| {
         FsdpActor::create(&j.init(Role::Actor, rank, &cfg), false)
             .err()
             .expect("refused")

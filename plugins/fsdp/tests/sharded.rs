@@ -4,18 +4,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::mpsc;
-use std::time::Duration;
 
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
-use verl_comm::StoreServer;
 use verl_fsdp::{FsdpActor, FsdpPlugin};
 use verl_nn::HeadKind;
 use verl_plugin_api::client::{ActorClient, CriticClient};
 use verl_plugin_api::{
-    col, testing, Actor, Batch, InitArgs, LogProbOptions, Rendezvous, Role, UpdateOptions,
-    ValueOptions,
+    col, testing, Actor, Batch, InitArgs, LogProbOptions, Role, UpdateOptions, ValueOptions,
 };
 use verl_test_support::model::{model_dir, qwen2_config};
 use verl_test_support::{merge, Lcg};
@@ -62,74 +58,7 @@ fn config(model: &Path, patch: Value) -> Value {
     c
 }
 
-/// The job of `world` ranks: a store on a free port, and each rank's init args.
-struct Job {
-    _server: Option<StoreServer>,
-    port: u16,
-    world: usize,
-}
-
-impl Job {
-    fn new(world: usize) -> Job {
-        if world == 1 {
-            return Job {
-                _server: None,
-                port: 0,
-                world,
-            };
-        }
-        let server = StoreServer::bind("127.0.0.1:0").unwrap();
-        let port = server.local_addr().port();
-        Job {
-            _server: Some(server),
-            port,
-            world,
-        }
-    }
-
-    fn init(&self, role: Role, rank: usize, config: &Value) -> InitArgs {
-        let mut init = InitArgs::new(role, config.clone());
-        init.rank = rank as u32;
-        init.local_rank = rank as u32;
-        init.world_size = self.world as u32;
-        if self.world > 1 {
-            init.rendezvous = Some(Rendezvous {
-                master_addr: "127.0.0.1".into(),
-                master_port: self.port,
-                timeout_s: 60,
-            });
-        }
-        init
-    }
-
-    /// Runs `f(rank)` on every rank, each on its own thread; fails the test if a rank takes
-    /// longer than a minute (a hang).
-    fn run<T: Send + 'static>(&self, f: impl Fn(usize) -> T + Send + Sync + 'static) -> Vec<T> {
-        let f = std::sync::Arc::new(f);
-        let (tx, rx) = mpsc::channel();
-        for rank in 0..self.world {
-            let (f, tx) = (f.clone(), tx.clone());
-            std::thread::Builder::new()
-                .name(format!("rank{rank}"))
-                .spawn(move || {
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(rank)));
-                    let _ = tx.send((rank, r));
-                })
-                .unwrap();
-        }
-        let mut out: Vec<Option<T>> = (0..self.world).map(|_| None).collect();
-        for _ in 0..self.world {
-            let (rank, r) = rx
-                .recv_timeout(Duration::from_secs(60))
-                .expect("a rank hung for 60 s");
-            match r {
-                Ok(v) => out[rank] = Some(v),
-                Err(p) => std::panic::resume_unwind(p),
-            }
-        }
-        out.into_iter().map(|v| v.unwrap()).collect()
-    }
-}
+use verl_test_support::ranks::Job;
 
 /// The global batch of one step: sequences with uneven prompt / response lengths and every
 /// column the actor and critic updates read.

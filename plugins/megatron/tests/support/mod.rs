@@ -7,15 +7,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::mpsc;
-use std::time::Duration;
 
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
-use verl_comm::StoreServer;
 use verl_nn::HeadKind;
 use verl_plugin_api::client::ActorClient;
-use verl_plugin_api::{col, Batch, InitArgs, LogProbOptions, Rendezvous, Role, UpdateOptions};
+use verl_plugin_api::{col, Batch, LogProbOptions, UpdateOptions};
 use verl_test_support::model::{model_dir, qwen2_config};
 pub use verl_test_support::{merge, Lcg};
 
@@ -95,73 +92,7 @@ pub fn config_pp(model: &Path, tp: u64, pp: u64, distributed: bool, patch: Value
     c
 }
 
-pub struct Job {
-    _server: Option<StoreServer>,
-    port: u16,
-    world: usize,
-}
-
-impl Job {
-    pub fn new(world: usize) -> Job {
-        if world == 1 {
-            return Job {
-                _server: None,
-                port: 0,
-                world,
-            };
-        }
-        let server = StoreServer::bind("127.0.0.1:0").unwrap();
-        let port = server.local_addr().port();
-        Job {
-            _server: Some(server),
-            port,
-            world,
-        }
-    }
-
-    pub fn init(&self, role: Role, rank: usize, config: &Value) -> InitArgs {
-        let mut init = InitArgs::new(role, config.clone());
-        init.rank = rank as u32;
-        init.local_rank = rank as u32;
-        init.world_size = self.world as u32;
-        if self.world > 1 {
-            init.rendezvous = Some(Rendezvous {
-                master_addr: "127.0.0.1".into(),
-                master_port: self.port,
-                timeout_s: 60,
-            });
-        }
-        init
-    }
-
-    /// Runs `f(rank)` on every rank, each on its own thread; a rank slower than two minutes fails
-    /// the test (a hang).
-    pub fn run<T: Send + 'static>(&self, f: impl Fn(usize) -> T + Send + Sync + 'static) -> Vec<T> {
-        let f = std::sync::Arc::new(f);
-        let (tx, rx) = mpsc::channel();
-        for rank in 0..self.world {
-            let (f, tx) = (f.clone(), tx.clone());
-            std::thread::Builder::new()
-                .name(format!("rank{rank}"))
-                .spawn(move || {
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(rank)));
-                    let _ = tx.send((rank, r));
-                })
-                .unwrap();
-        }
-        let mut out: Vec<Option<T>> = (0..self.world).map(|_| None).collect();
-        for _ in 0..self.world {
-            let (rank, r) = rx
-                .recv_timeout(Duration::from_secs(120))
-                .expect("a rank hung for 120 s");
-            match r {
-                Ok(v) => out[rank] = Some(v),
-                Err(p) => std::panic::resume_unwind(p),
-            }
-        }
-        out.into_iter().map(|v| v.unwrap()).collect()
-    }
-}
+pub use verl_test_support::ranks::Job;
 
 /// The global batch of one step: uneven prompt / response lengths, every update column.
 pub fn global_batch(seed: u64) -> Batch {

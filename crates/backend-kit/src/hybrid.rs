@@ -139,25 +139,7 @@ pub fn data_parallel_rollout_tp(
         return Ok(1);
     }
     if world.is_multiple_of(asked) {
-        // The ranks split, the model does not (vLLM would replicate key/value heads): the
-        // largest size that splits both, as the same tokens come out at any size.
-        let fit = valid
-            .iter()
-            .copied()
-            .filter(|r| asked.is_multiple_of(*r))
-            .max()
-            .unwrap_or(1);
-        tracing::warn!(
-            "{ROLLOUT_TP_KEY}={asked}: the model's heads ({} attention, {} key/value), MLP width \
-             {} or vocabulary {} do not split {asked} ways (verl-rs does not replicate key/value \
-             heads); generation runs at tensor-parallel size {fit} (the same tokens, only the \
-             speed differs); set it to one of {valid:?} to silence this",
-            model.num_attention_heads,
-            model.num_key_value_heads,
-            model.intermediate_size,
-            model.vocab_size
-        );
-        return Ok(fit);
+        return Ok(fit_model(asked, &valid, model));
     }
     Err(BackendError::config(
         ROLLOUT_TP_KEY,
@@ -167,6 +149,29 @@ pub fn data_parallel_rollout_tp(
         ),
         asked,
     ))
+}
+
+/// A rollout TP `asked` that the ranks take but `model`'s heads do not (vLLM would replicate
+/// key/value heads; verl-rs does not): the largest of the `valid` sizes dividing it, with one
+/// warning, as the same tokens come out at any size.
+pub fn fit_model(asked: usize, valid: &[usize], model: &verl_nn::ModelConfig) -> usize {
+    let fit = valid
+        .iter()
+        .copied()
+        .filter(|r| asked.is_multiple_of(*r))
+        .max()
+        .unwrap_or(1);
+    tracing::warn!(
+        "{ROLLOUT_TP_KEY}={asked}: the model's heads ({} attention, {} key/value), MLP width {} or \
+         vocabulary {} do not split {asked} ways (verl-rs does not replicate key/value heads); \
+         generation runs at tensor-parallel size {fit} (the same tokens, only the speed \
+         differs); set it to one of {valid:?} to silence this",
+        model.num_attention_heads,
+        model.num_key_value_heads,
+        model.intermediate_size,
+        model.vocab_size
+    );
+    fit
 }
 
 /// Rollout groups of `tp` consecutive ranks of `world`, each rank its own data replica.

@@ -184,24 +184,7 @@ pub fn resolve(cfg: &Value, layout: &Layout, model: &ModelConfig) -> Result<Roll
         return Ok(RolloutLayout { grid: grid(asked) });
     }
     if layout_fits(layout, asked) {
-        // The layout takes it, the model's heads do not (vLLM would replicate key/value heads):
-        // the largest size dividing it that fits both, as the same tokens come out at any size.
-        let fit = valid
-            .iter()
-            .copied()
-            .filter(|r| asked.is_multiple_of(*r))
-            .max()
-            .unwrap_or(1);
-        tracing::warn!(
-            "{ROLLOUT_TP_KEY}={asked}: the model's heads ({} attention, {} key/value), MLP width \
-             {} or vocabulary {} do not split {asked} ways (verl-rs does not replicate key/value \
-             heads); generation runs at tensor-parallel size {fit} (the same tokens, only the \
-             speed differs); set it to one of {valid:?} to silence this",
-            model.num_attention_heads,
-            model.num_key_value_heads,
-            model.intermediate_size,
-            model.vocab_size
-        );
+        let fit = verl_backend_kit::hybrid::fit_model(asked, &valid, model);
         return Ok(RolloutLayout { grid: grid(fit) });
     }
     if asked == VERL_DEFAULT_ROLLOUT_TP && valid.contains(&tp) {

@@ -767,18 +767,26 @@ pub fn gather_stages(
             Tensor::f_zeros([numel], (kind, device)).ctx("stage weights buffer")?
         };
         pp.broadcast(&mut flat, s, "broadcast (stage weights)")?;
-        let mut off = 0;
-        for (n, shape) in specs {
+        out.extend(unflatten(&flat, specs)?);
+    }
+    Ok(out)
+}
+
+/// `flat` cut into the named tensors of `specs` (shapes), in order: views, no copy.
+pub fn unflatten(flat: &Tensor, specs: Vec<(String, Vec<i64>)>) -> Result<Vec<(String, Tensor)>> {
+    let mut off = 0;
+    specs
+        .into_iter()
+        .map(|(n, shape)| {
             let len: i64 = shape.iter().product();
             let t = flat
                 .f_narrow(0, off, len)
                 .and_then(|t| t.f_view(shape.as_slice()))
                 .ctx("split stage weights")?;
             off += len;
-            out.insert(n, t);
-        }
-    }
-    Ok(out)
+            Ok((n, t))
+        })
+        .collect()
 }
 
 /// Copies the last stage's per-row outputs (`[rows, R]` fp32 tensors) to every stage.

@@ -469,16 +469,7 @@ fn exchange_stage_pieces(
         let mut into = Tensor::f_zeros([numel], (kind, device)).ctx("stage piece buffer")?;
         pp.send_recv(&out, dst, &mut into, src, "send_recv (rollout reshard)")?;
         received += bytes(&into);
-        let mut off = 0;
-        for (n, shape) in incoming {
-            let len: i64 = shape.iter().product();
-            let t = into
-                .f_narrow(0, off, len)
-                .and_then(|t| t.f_view(shape.as_slice()))
-                .ctx("split stage pieces")?;
-            off += len;
-            got.insert(n, t);
-        }
+        got.extend(crate::pipeline::unflatten(&into, incoming)?);
     }
     Ok((got, received))
 }

@@ -32,8 +32,8 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 if ! "$venv/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.split('+')[0]=='$torch_version' else 1)" 2>/dev/null; then
-  # The wheels with their CUDA libraries take ~5 GiB installed, plus the largest wheel while it
-  # unpacks; the build after it (target/) takes ~6 GiB more.
+  # The wheels with their CUDA libraries take ~5.7 GiB installed, plus the largest wheel while it
+  # unpacks; the build after it (target/) takes ~5 GiB more (4.7 GiB after a whole `make test`).
   need_space "$venv" 7 "installing torch==$torch_version"
   need_space "${TMPDIR:-/tmp}" 1.5 "unpacking torch's wheels (TMPDIR)"
   echo "[setup] installing torch==$torch_version into $venv (one time, ~1 min)"

@@ -270,11 +270,11 @@ pub static RULES: &[Rule] = &[
     Rule::acts("actor_rollout_ref.actor.clip_ratio", "the PPO clip range where clip_ratio_low/high are null (verl's rule)", &["crates/losses/tests/behaviour.rs::clip_ratio_low_and_high_fall_back_to_clip_ratio", LOSSES]).checked(clip_ratio_fallback),
     Rule::acts("actor_rollout_ref.actor.clip_ratio_low", "the lower PPO clip range", &["crates/losses/tests/golden.rs::every_owned_golden_case_matches_verl", LOSSES]),
     Rule::acts("actor_rollout_ref.actor.clip_ratio_high", "the upper PPO clip range (DAPO's clip-higher)", &["crates/losses/tests/behaviour.rs::clip_ratio_low_and_high_fall_back_to_clip_ratio", LOSSES]),
-    Rule::acts("actor_rollout_ref.actor.clip_ratio_c", "the dual-clip bound", &["crates/losses/tests/behaviour.rs::dual_clip_bound_must_exceed_one", LOSSES]),
+    Rule::acts("actor_rollout_ref.actor.clip_ratio_c", "the dual-clip bound (vanilla); the importance-ratio truncation (dppo_tv, dppo_kl)", &["crates/losses/tests/behaviour.rs::dual_clip_bound_must_exceed_one", LOSSES]),
     Rule::acts("actor_rollout_ref.actor.tau_pos", "SAPO's gate temperature for positive advantages", &[LOSSES]),
     Rule::acts("actor_rollout_ref.actor.tau_neg", "SAPO's gate temperature for negative advantages", &[LOSSES]),
-    Rule::acts("actor_rollout_ref.actor.policy_loss.loss_mode", "the policy loss: vanilla, gspo, sapo, gpg, cispo", &["crates/losses/tests/behaviour.rs::unknown_loss_mode_names_the_key_and_lists_valid_modes", "crates/losses/tests/golden.rs::every_owned_golden_case_matches_verl"]).checked(loss_mode),
-    Rule::refused("actor_rollout_ref.actor.policy_loss.*", "a setting of a policy loss verl-rs does not have (clip_cov, kl_cov, dppo)", "use policy_loss.loss_mode vanilla, gspo, sapo, gpg or cispo"),
+    Rule::acts("actor_rollout_ref.actor.policy_loss.loss_mode", "the policy loss: vanilla, gspo, sapo, gpg, cispo, geo_mean, dppo_tv, dppo_kl", &["crates/losses/tests/behaviour.rs::unknown_loss_mode_names_the_key_and_lists_valid_modes", "crates/losses/tests/golden.rs::every_owned_golden_case_matches_verl", "crates/losses/tests/golden.rs::gmpo_and_dppo_match_verl_with_their_gradients"]).checked(loss_mode),
+    Rule::refused("actor_rollout_ref.actor.policy_loss.*", "a setting of a policy loss verl-rs does not have (clip_cov, kl_cov, dro)", "use policy_loss.loss_mode vanilla, gspo, sapo, gpg, cispo, geo_mean, dppo_tv or dppo_kl"),
     Rule::acts(trained!("loss_agg_mode"), "how token losses are aggregated", &["crates/losses/tests/behaviour.rs::unknown_agg_mode_and_kl_type_are_rejected_with_valid_names", LOSSES]),
     Rule::acts(trained!("loss_scale_factor"), "the divisor of seq-mean-token-sum-norm", &[LOSSES]),
     Rule::acts("actor_rollout_ref.actor.entropy_coeff", "the entropy bonus", &["crates/losses/tests/behaviour.rs::actor_loss_combines_terms_with_their_coefficients", LOSSES]),
@@ -759,7 +759,9 @@ fn clip_ratio_fallback(_: &Value, cfg: &Config) -> Verdict {
     }
 }
 
-const LOSS_MODES: &[&str] = &["vanilla", "gspo", "sapo", "gpg", "cispo"];
+const LOSS_MODES: &[&str] = &[
+    "vanilla", "gspo", "sapo", "gpg", "cispo", "geo_mean", "dppo_tv", "dppo_kl",
+];
 
 fn loss_mode(v: &Value, _: &Config) -> Verdict {
     let m = text(v);

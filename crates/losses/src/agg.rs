@@ -205,20 +205,7 @@ pub fn agg_loss(
     let kind = loss_mat.kind();
     let mask = mask_as(loss_mask, kind, OP)?;
     let masked = zero_outside(loss_mat, loss_mask, &mask, OP)?;
-    let dp_size = match norm {
-        Normaliser::Local => 1.0,
-        Normaliser::Global(scale) => {
-            if scale.dp_size == 0 {
-                return Err(LossError::Normaliser {
-                    op: OP,
-                    field: "dp_size",
-                    expected: ">= 1",
-                    found: 0.0,
-                });
-            }
-            scale.dp_size as f64
-        }
-    };
+    let dp_size = dp_factor(norm, OP)?;
 
     match spec.mode {
         LossAggMode::TokenMean => {
@@ -243,18 +230,7 @@ pub fn agg_loss(
                 seq_losses = seq_losses.f_div(&denom).op(OP)?;
             }
             let seq_valid = token_counts.f_gt(0.0).op(OP)?;
-            let seq_mask = seq_valid.f_to_kind(kind).op(OP)?;
-            let total = zero_outside(&seq_losses, &seq_valid, &seq_mask, OP)?
-                .f_sum(kind)
-                .op(OP)?;
-            let denom = match norm {
-                Normaliser::Local => local_denominator(&seq_mask, OP)?,
-                Normaliser::Global(s) => {
-                    positive(OP, "global_seqs", s.global_seqs)?;
-                    scalar(s.global_seqs, loss_mat)?
-                }
-            };
-            let mut loss = total.f_div(&denom).op(OP)?.f_mul_scalar(dp_size).op(OP)?;
+            let mut loss = seq_mean(&seq_losses, &seq_valid, norm)?;
             if spec.mode == LossAggMode::SeqMeanTokenSumNorm {
                 let horizon = match spec.loss_scale_factor {
                     Some(f) => {
@@ -273,6 +249,46 @@ pub fn agg_loss(
             }
             Ok(loss)
         }
+    }
+}
+
+/// The mean of per-sequence losses (`[batch]`) over the sequences where `seq_valid` is true, under
+/// the normaliser: the sequence-mean half of [`agg_loss`]'s `seq-mean-*` modes, for losses that are
+/// already one number per sequence (`geo_mean`). With [`Normaliser::Global`] the denominator is the
+/// mini-batch's `global_seqs` and the result is scaled by `dp_size`, as in [`agg_loss`].
+pub fn seq_mean(seq_losses: &Tensor, seq_valid: &Tensor, norm: &Normaliser) -> Result<Tensor> {
+    const OP: &str = "seq_mean";
+    check_same_shape(OP, "seq_valid", seq_valid, "seq_losses", seq_losses)?;
+    let kind = seq_losses.kind();
+    let seq_mask = mask_as(seq_valid, kind, OP)?;
+    let total = zero_outside(seq_losses, seq_valid, &seq_mask, OP)?
+        .f_sum(kind)
+        .op(OP)?;
+    let denom = match norm {
+        Normaliser::Local => local_denominator(&seq_mask, OP)?,
+        Normaliser::Global(s) => {
+            positive(OP, "global_seqs", s.global_seqs)?;
+            scalar(s.global_seqs, seq_losses)?
+        }
+    };
+    total
+        .f_div(&denom)
+        .op(OP)?
+        .f_mul_scalar(dp_factor(norm, OP)?)
+        .op(OP)
+}
+
+/// The factor that undoes the gradient reduction's division by the DP size (1 for a local loss).
+fn dp_factor(norm: &Normaliser, op: &'static str) -> Result<f64> {
+    match norm {
+        Normaliser::Local => Ok(1.0),
+        Normaliser::Global(scale) if scale.dp_size == 0 => Err(LossError::Normaliser {
+            op,
+            field: "dp_size",
+            expected: ">= 1",
+            found: 0.0,
+        }),
+        Normaliser::Global(scale) => Ok(scale.dp_size as f64),
     }
 }
 

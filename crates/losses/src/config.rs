@@ -274,6 +274,20 @@ impl PolicyLoss {
                 clip_ratio_low: low,
                 clip_ratio_high: high,
             },
+            "geo_mean" => PolicyLoss::GeoMean {
+                clip_ratio_low: low,
+                clip_ratio_high: high,
+            },
+            "dppo_tv" => PolicyLoss::DppoTv {
+                clip_ratio_low: low,
+                clip_ratio_high: high,
+                clip_ratio_c: cfg.clip_ratio_c,
+            },
+            "dppo_kl" => PolicyLoss::DppoKl {
+                clip_ratio_low: low,
+                clip_ratio_high: high,
+                clip_ratio_c: cfg.clip_ratio_c,
+            },
             other => {
                 let note = crate::policy::VERL_ONLY_MODES.contains(&other).then(|| {
                     format!("{other:?} exists in verl but is not implemented by verl-losses")

@@ -1,5 +1,5 @@
 //! verl-losses: the RL training losses of verl 0.9 on tch, for the backends' update steps — policy losses
-//! (`vanilla`, `gspo`, `sapo`, `gpg`, `cispo`), `agg_loss` with a global normaliser that keeps gradient
+//! (`vanilla`, `gspo`, `sapo`, `gpg`, `cispo`, `geo_mean`, `dppo_tv`, `dppo_kl`), `agg_loss` with a global normaliser that keeps gradient
 //! accumulation and data parallelism exact, KL and entropy terms, the clipped value loss, and a chunked
 //! LM-head log-prob/entropy path. It computes on tensors it is handed: it owns no model, optimizer,
 //! communicator or config file, never crosses the plugin ABI itself, and never panics (tch `f_*` calls only).
@@ -16,7 +16,8 @@ pub mod tokens;
 pub mod value;
 
 pub use agg::{
-    agg_loss, masked_mean, masked_sum, AggSpec, LossAggMode, LossScale, MaskCounts, Normaliser,
+    agg_loss, masked_mean, masked_sum, seq_mean, AggSpec, LossAggMode, LossScale, MaskCounts,
+    Normaliser,
 };
 pub use config::{
     ActorInputs, ActorLoss, ActorLossConfig, ActorOutput, CriticLoss, CriticLossConfig,

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 
 use crate::agg::{
-    agg_loss, check_2d, check_same_shape, masked_mean, AggSpec, LossAggMode, Normaliser,
+    agg_loss, check_2d, check_same_shape, mask_as, masked_mean, seq_mean, zero_outside, AggSpec,
+    LossAggMode, Normaliser,
 };
 use crate::deferred::DeferredMetrics;
 use crate::error::{LossError, Result, TorchContext};
@@ -16,17 +17,18 @@ const LOG_RATIO_CLAMP: f64 = 20.0;
 const GSPO_LOG_RATIO_MAX: f64 = 10.0;
 
 /// verl's policy-loss names this crate implements.
-pub const POLICY_LOSS_MODES: [&str; 5] = ["vanilla", "gspo", "sapo", "gpg", "cispo"];
-/// Names in verl's registry that this crate does not implement (they are rejected with a note, not as typos).
-pub(crate) const VERL_ONLY_MODES: [&str; 7] = [
-    "clip_cov",
-    "kl_cov",
-    "geo_mean",
-    "dppo_tv",
-    "dppo_kl",
-    "bypass_mode",
-    "reinforce",
+pub const POLICY_LOSS_MODES: [&str; 8] = [
+    "vanilla", "gspo", "sapo", "gpg", "cispo", "geo_mean", "dppo_tv", "dppo_kl",
 ];
+/// Names in verl's registry that this crate does not implement (they are rejected with a note, not as typos).
+pub(crate) const VERL_ONLY_MODES: [&str; 5] =
+    ["clip_cov", "kl_cov", "dro", "bypass_mode", "reinforce"];
+/// verl's epsilon in GMPO's per-sequence means.
+const GEO_MEAN_EPS: f64 = 1e-8;
+/// verl's epsilon inside DPPO-KL's `log((1 - p_old) / (1 - p))`.
+const DPPO_KL_EPS: f64 = 1e-8;
+/// verl's epsilon under the log of GMPO's rollout importance weights.
+const GEO_MEAN_IS_EPS: f64 = 1e-10;
 
 /// A policy loss with its parameters resolved (verl's fallbacks applied).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -50,6 +52,26 @@ pub enum PolicyLoss {
     Cispo {
         clip_ratio_low: f64,
         clip_ratio_high: f64,
+    },
+    /// GMPO: the geometric mean of the token ratios (each clipped in log space on the side the
+    /// advantage's sign selects) times the sequence's mean advantage, one term per sequence; the
+    /// mean is over sequences, whatever `loss_agg_mode` says.
+    GeoMean {
+        clip_ratio_low: f64,
+        clip_ratio_high: f64,
+    },
+    /// DPPO-Binary-TV: `-A · sg(min(ratio, c)) · log π`, dropped for tokens whose probability moved
+    /// past `clip_ratio_high` (A > 0) or `clip_ratio_low` (A ≤ 0) in total variation.
+    DppoTv {
+        clip_ratio_low: f64,
+        clip_ratio_high: f64,
+        clip_ratio_c: f64,
+    },
+    /// DPPO-Binary-KL: as `DppoTv`, with the token's binary KL divergence as the trust region.
+    DppoKl {
+        clip_ratio_low: f64,
+        clip_ratio_high: f64,
+        clip_ratio_c: f64,
     },
 }
 
@@ -111,6 +133,9 @@ impl PolicyLoss {
             PolicyLoss::Sapo { .. } => "sapo",
             PolicyLoss::Gpg => "gpg",
             PolicyLoss::Cispo { .. } => "cispo",
+            PolicyLoss::GeoMean { .. } => "geo_mean",
+            PolicyLoss::DppoTv { .. } => "dppo_tv",
+            PolicyLoss::DppoKl { .. } => "dppo_kl",
         }
     }
 
@@ -150,9 +175,33 @@ impl PolicyLoss {
             | PolicyLoss::Cispo {
                 clip_ratio_low,
                 clip_ratio_high,
+            }
+            | PolicyLoss::GeoMean {
+                clip_ratio_low,
+                clip_ratio_high,
             } => {
                 clip("actor.clip_ratio_low", clip_ratio_low)?;
                 clip("actor.clip_ratio_high", clip_ratio_high)?;
+            }
+            PolicyLoss::DppoTv {
+                clip_ratio_low,
+                clip_ratio_high,
+                clip_ratio_c,
+            }
+            | PolicyLoss::DppoKl {
+                clip_ratio_low,
+                clip_ratio_high,
+                clip_ratio_c,
+            } => {
+                clip("actor.clip_ratio_low", clip_ratio_low)?;
+                clip("actor.clip_ratio_high", clip_ratio_high)?;
+                if !(clip_ratio_c.is_finite() && clip_ratio_c > 0.0) {
+                    return Err(LossError::InvalidValue {
+                        key: "actor.clip_ratio_c",
+                        expected: "a finite number > 0 (DPPO's truncation of the ratio)",
+                        found: clip_ratio_c,
+                    });
+                }
             }
             PolicyLoss::Sapo { tau_pos, tau_neg } => {
                 for (key, v) in [("actor.tau_pos", tau_pos), ("actor.tau_neg", tau_neg)] {
@@ -202,7 +251,15 @@ impl PolicyLoss {
         let mask = x.response_mask;
         let adv = x.advantages;
 
-        let (pg_losses, agg, clipfrac, clipfrac_lower, ppo_kl) = match *self {
+        // A token-level loss matrix, weighted by the rollout-correction weights and aggregated.
+        let token_loss = |pg: Tensor, agg: AggSpec| -> Result<Tensor> {
+            let pg = match x.rollout_is_weights {
+                Some(w) => pg.f_mul(w).op(op)?,
+                None => pg,
+            };
+            agg_loss(&pg, mask, agg, norm)
+        };
+        let (loss, clipfrac, clipfrac_lower, ppo_kl) = match *self {
             PolicyLoss::Vanilla {
                 clip_ratio_low,
                 clip_ratio_high,
@@ -237,7 +294,12 @@ impl PolicyLoss {
                     .op(op)?;
                 let clipfrac_lower = masked_mean(&lower_hit, mask)?;
                 let pg = clipped2.f_where_self(&negative, &clipped1).op(op)?;
-                (pg, agg, Some(clipfrac), Some(clipfrac_lower), Some(ppo_kl))
+                (
+                    token_loss(pg, agg)?,
+                    Some(clipfrac),
+                    Some(clipfrac_lower),
+                    Some(ppo_kl),
+                )
             }
             PolicyLoss::Gspo {
                 clip_ratio_low,
@@ -286,7 +348,12 @@ impl PolicyLoss {
                     mode: LossAggMode::SeqMeanTokenMean,
                     ..agg
                 };
-                (pg, agg, Some(clipfrac), Some(zero(adv)?), Some(ppo_kl))
+                (
+                    token_loss(pg, agg)?,
+                    Some(clipfrac),
+                    Some(zero(adv)?),
+                    Some(ppo_kl),
+                )
             }
             PolicyLoss::Sapo { tau_pos, tau_neg } => {
                 let neg_kl = clamped_log_ratio(x, op)?;
@@ -312,11 +379,16 @@ impl PolicyLoss {
                     mode: LossAggMode::SeqMeanTokenMean,
                     ..agg
                 };
-                (pg, agg, Some(zero(adv)?), Some(zero(adv)?), Some(ppo_kl))
+                (
+                    token_loss(pg, agg)?,
+                    Some(zero(adv)?),
+                    Some(zero(adv)?),
+                    Some(ppo_kl),
+                )
             }
             PolicyLoss::Gpg => {
                 let pg = x.log_prob.f_mul(adv).op(op)?.f_neg().op(op)?;
-                (pg, agg, None, None, None)
+                (token_loss(pg, agg)?, None, None, None)
             }
             PolicyLoss::Cispo {
                 clip_ratio_low,
@@ -346,15 +418,92 @@ impl PolicyLoss {
                         .op(op)?,
                     mask,
                 )?;
-                (pg, agg, Some(clipfrac), Some(zero(adv)?), Some(ppo_kl))
+                (
+                    token_loss(pg, agg)?,
+                    Some(clipfrac),
+                    Some(zero(adv)?),
+                    Some(ppo_kl),
+                )
+            }
+            PolicyLoss::GeoMean {
+                clip_ratio_low,
+                clip_ratio_high,
+            } => {
+                let (loss, clipfrac, clipfrac_lower, ppo_kl) =
+                    geo_mean(x, clip_ratio_low, clip_ratio_high, norm)?;
+                (loss, Some(clipfrac), Some(clipfrac_lower), Some(ppo_kl))
+            }
+            PolicyLoss::DppoTv {
+                clip_ratio_low,
+                clip_ratio_high,
+                clip_ratio_c,
+            }
+            | PolicyLoss::DppoKl {
+                clip_ratio_low,
+                clip_ratio_high,
+                clip_ratio_c,
+            } => {
+                let neg_kl = clamped_log_ratio(x, op)?;
+                let ratio = neg_kl.f_exp().op(op)?;
+                let ppo_kl = masked_mean(&neg_kl.f_neg().op(op)?, mask)?;
+                // Truncated importance sampling in place of the dual clip; a constant weight.
+                let truncated = ratio.f_clamp_max(clip_ratio_c).op(op)?.f_detach().op(op)?;
+                let prob = x.log_prob.f_exp().op(op)?;
+                let old_prob = x.old_log_prob.f_exp().op(op)?;
+                let (up_ok, down_ok) = if matches!(self, PolicyLoss::DppoTv { .. }) {
+                    let moved = prob.f_sub(&old_prob).op(op)?;
+                    (
+                        moved.f_le(clip_ratio_high).op(op)?,
+                        moved.f_ge(-clip_ratio_low).op(op)?,
+                    )
+                } else {
+                    let binary_kl = binary_kl(&old_prob, &prob, x, op)?;
+                    (
+                        binary_kl
+                            .f_le(clip_ratio_high)
+                            .op(op)?
+                            .f_logical_or(&prob.f_le_tensor(&old_prob).op(op)?)
+                            .op(op)?,
+                        binary_kl
+                            .f_le(clip_ratio_low)
+                            .op(op)?
+                            .f_logical_or(&prob.f_ge_tensor(&old_prob).op(op)?)
+                            .op(op)?,
+                    )
+                };
+                let positive = adv.f_gt(0.0).op(op)?;
+                let valid = up_ok
+                    .f_where_self(&positive, &down_ok)
+                    .op(op)?
+                    .f_to_kind(adv.kind())
+                    .op(op)?;
+                let pg = adv
+                    .f_neg()
+                    .op(op)?
+                    .f_mul(&truncated)
+                    .op(op)?
+                    .f_mul(x.log_prob)
+                    .op(op)?
+                    .f_mul(&valid)
+                    .op(op)?;
+                let clipfrac = masked_mean(&valid.f_neg().op(op)?.f_add_scalar(1.0).op(op)?, mask)?;
+                let truncated_hit = ratio
+                    .f_gt(clip_ratio_c)
+                    .op(op)?
+                    .f_to_kind(adv.kind())
+                    .op(op)?
+                    .f_mul(&valid)
+                    .op(op)?;
+                let clipfrac_lower = masked_mean(&truncated_hit, mask)?;
+                (
+                    token_loss(pg, agg)?,
+                    Some(clipfrac),
+                    Some(clipfrac_lower),
+                    Some(ppo_kl),
+                )
             }
         };
 
-        let pg_losses = match x.rollout_is_weights {
-            Some(w) => pg_losses.f_mul(w).op(op)?,
-            None => pg_losses,
-        };
-        let loss = agg_loss(&pg_losses, mask, agg, norm)?;
         let mut metrics = DeferredMetrics::default();
         metrics.push("actor/pg_loss", &loss)?;
         let optional = [
@@ -369,6 +518,89 @@ impl PolicyLoss {
         }
         Ok((loss, metrics))
     }
+}
+
+/// GMPO (verl's `geo_mean`): the loss value and `pg_clipfrac`, `pg_clipfrac_lower`, `ppo_kl`.
+///
+/// Each sequence contributes `-Ā · exp(mean_t clip_A(log r_t))`, where `Ā` is its mean advantage and
+/// `clip_A` clamps the log-ratio to `[-low, high]` only on the side that would raise the objective
+/// (`sign(A) · min(sign(A) · x, sign(A) · clamp(x))`). Rollout-correction weights enter as their
+/// geometric mean over the sequence. The sequences are averaged with [`seq_mean`]: verl's plain
+/// `torch.mean` over the micro-batch, made exact under micro-batching and DP like every other loss
+/// here (a sequence with no valid token counts in neither numerator nor denominator).
+fn geo_mean(
+    x: &PolicyInputs<'_>,
+    clip_ratio_low: f64,
+    clip_ratio_high: f64,
+    norm: &Normaliser,
+) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    const OP: &str = "geo_mean";
+    let (adv, mask) = (x.advantages, x.response_mask);
+    let kind = adv.kind();
+    let m = mask_as(mask, kind, OP)?;
+    // Per-sequence masked means, NaN-safe outside the mask, with verl's epsilon.
+    let seq_tokens = m.f_sum_dim_intlist(-1, false, kind).op(OP)?;
+    let denom = seq_tokens.f_add_scalar(GEO_MEAN_EPS).op(OP)?;
+    let seq_avg = |t: &Tensor| -> Result<Tensor> {
+        zero_outside(t, mask, &m, OP)?
+            .f_sum_dim_intlist(-1, false, kind)
+            .op(OP)?
+            .f_div(&denom)
+            .op(OP)
+    };
+    let neg_kl = x.log_prob.f_sub(x.old_log_prob).op(OP)?;
+    let ppo_kl = masked_mean(&neg_kl.f_neg().op(OP)?, mask)?;
+    let sign = adv.f_sign().op(OP)?;
+    let clamped = neg_kl.f_clamp(-clip_ratio_low, clip_ratio_high).op(OP)?;
+    let kept = sign
+        .f_mul(&neg_kl)
+        .op(OP)?
+        .f_minimum(&sign.f_mul(&clamped).op(OP)?)
+        .op(OP)?
+        .f_mul(&sign)
+        .op(OP)?;
+    let ratio = seq_avg(&kept)?.f_exp().op(OP)?;
+    let mut seq_losses = seq_avg(adv)?.f_neg().op(OP)?.f_mul(&ratio).op(OP)?;
+    if let Some(w) = x.rollout_is_weights {
+        let log_w = w.f_add_scalar(GEO_MEAN_IS_EPS).op(OP)?.f_log().op(OP)?;
+        seq_losses = seq_losses.f_mul(&seq_avg(&log_w)?.f_exp().op(OP)?).op(OP)?;
+    }
+    let loss = seq_mean(&seq_losses, &seq_tokens.f_gt(0.0).op(OP)?, norm)?;
+    let clipped = neg_kl.f_ne_tensor(&clamped).op(OP)?;
+    let clipped_where = |side: Tensor| -> Result<Tensor> {
+        let hit = clipped
+            .f_logical_and(&side)
+            .op(OP)?
+            .f_to_kind(kind)
+            .op(OP)?;
+        masked_mean(&hit, mask)
+    };
+    let clipfrac = clipped_where(adv.f_gt(0.0).op(OP)?)?;
+    let clipfrac_lower = clipped_where(adv.f_lt(0.0).op(OP)?)?;
+    Ok((loss, clipfrac, clipfrac_lower, ppo_kl))
+}
+
+/// DPPO-KL's per-token binary KL divergence between the old and the current probability of the
+/// sampled token: `p_old · (log p_old - log p) + (1 - p_old) · log((1 - p_old + ε) / (1 - p + ε))`.
+fn binary_kl(
+    old_prob: &Tensor,
+    prob: &Tensor,
+    x: &PolicyInputs<'_>,
+    op: &'static str,
+) -> Result<Tensor> {
+    let rest = |p: &Tensor| -> Result<Tensor> { p.f_neg().op(op)?.f_add_scalar(1.0).op(op) };
+    let odds = rest(old_prob)?
+        .f_add_scalar(DPPO_KL_EPS)
+        .op(op)?
+        .f_div(&rest(prob)?.f_add_scalar(DPPO_KL_EPS).op(op)?)
+        .op(op)?
+        .f_log()
+        .op(op)?;
+    old_prob
+        .f_mul(&x.old_log_prob.f_sub(x.log_prob).op(op)?)
+        .op(op)?
+        .f_add(&rest(old_prob)?.f_mul(&odds).op(op)?)
+        .op(op)
 }
 
 fn clamped_log_ratio(x: &PolicyInputs<'_>, op: &'static str) -> Result<Tensor> {

@@ -60,7 +60,7 @@ fn unknown_loss_mode_names_the_key_and_lists_valid_modes() {
     let msg = err.to_string();
     assert!(msg.contains("actor.policy_loss.loss_mode"), "{msg}");
     assert!(msg.contains("\"ppo\""), "{msg}");
-    for name in ["vanilla", "gspo", "sapo", "gpg", "cispo"] {
+    for name in verl_losses::POLICY_LOSS_MODES {
         assert!(msg.contains(name), "{msg}");
     }
     let msg = PolicyLoss::from_config(&config("clip_cov"))

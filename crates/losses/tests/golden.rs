@@ -90,10 +90,11 @@ fn run(case: &Value) -> BTreeMap<String, Vec<f64>> {
                 .expect("mode");
             let (old, lp, adv, mask) = (
                 tensor_f64(input(case, "old_log_prob")),
-                tensor_f64(input(case, "log_prob")),
+                tensor_f64(input(case, "log_prob")).set_requires_grad(true),
                 tensor_f64(input(case, "advantages")),
                 tensor_f64(input(case, "response_mask")),
             );
+            let weights = case["inputs"].get("rollout_is_weights").map(tensor_f64);
             let o = loss
                 .compute(
                     &PolicyInputs {
@@ -101,7 +102,7 @@ fn run(case: &Value) -> BTreeMap<String, Vec<f64>> {
                         log_prob: &lp,
                         advantages: &adv,
                         response_mask: &mask,
-                        rollout_is_weights: None,
+                        rollout_is_weights: weights.as_ref(),
                     },
                     AggSpec::new(mode),
                     &Normaliser::Local,
@@ -119,6 +120,8 @@ fn run(case: &Value) -> BTreeMap<String, Vec<f64>> {
             out.insert("ppo_kl".into(), o.metrics.ppo_kl.into_iter().collect());
             // The differentiable loss and the logged metric are the same number.
             assert_eq!(o.loss.double_value(&[]), o.metrics.pg_loss);
+            o.loss.backward();
+            out.insert("grad_log_prob".into(), to_vec(&lp.grad()));
         }
         "value_loss" => {
             let mode = LossAggMode::parse("loss_agg_mode", param_str(case, "loss_agg_mode"))
@@ -160,18 +163,14 @@ fn flat(v: &Value) -> Vec<f64> {
     }
 }
 
-#[test]
-fn every_owned_golden_case_matches_verl() {
-    // Absent: a skip, or a failure under VERL_REQUIRE_SHARED=1 (CI).
-    let Some(path) = shared_path("golden/verl_core_algos.json") else {
-        return;
-    };
-    let text = std::fs::read_to_string(&path).expect("read golden file");
-    let doc: Value = serde_json::from_str(&text).expect("golden file is JSON");
-    let cases = doc["cases"].as_array().expect("`cases` is an array");
-
-    let mut expected: BTreeMap<&str, usize> = OURS.iter().map(|f| (*f, 0)).collect();
-    let mut ran: BTreeMap<&str, usize> = OURS.iter().map(|f| (*f, 0)).collect();
+/// Runs every case of `cases` whose `fn` is one of `ours` against the recorded outputs. Returns how
+/// many cases each fn has and how many ran; panics listing every mismatch.
+fn check_cases(
+    cases: &[Value],
+    ours: &[&'static str],
+) -> (BTreeMap<&'static str, usize>, BTreeMap<&'static str, usize>) {
+    let mut expected: BTreeMap<&str, usize> = ours.iter().map(|f| (*f, 0)).collect();
+    let mut ran: BTreeMap<&str, usize> = ours.iter().map(|f| (*f, 0)).collect();
     let mut failures = Vec::new();
     for (i, case) in cases.iter().enumerate() {
         let f = case["fn"].as_str().unwrap_or("");
@@ -216,6 +215,19 @@ fn every_owned_golden_case_matches_verl() {
         failures.len(),
         failures.join("\n")
     );
+    (expected, ran)
+}
+
+#[test]
+fn every_owned_golden_case_matches_verl() {
+    // Absent: a skip, or a failure under VERL_REQUIRE_SHARED=1 (CI).
+    let Some(path) = shared_path("golden/verl_core_algos.json") else {
+        return;
+    };
+    let text = std::fs::read_to_string(&path).expect("read golden file");
+    let doc: Value = serde_json::from_str(&text).expect("golden file is JSON");
+    let cases = doc["cases"].as_array().expect("`cases` is an array");
+    let (expected, ran) = check_cases(cases, &OURS);
     for f in OURS {
         assert!(
             expected[f] > 0,
@@ -227,5 +239,32 @@ fn every_owned_golden_case_matches_verl() {
     assert_eq!(
         total, 48,
         "expected 48 owned cases in verl_core_algos.json (84 in all), ran {total}"
+    );
+}
+
+/// verl's `geo_mean`, `dppo_tv` and `dppo_kl` losses on `tests/data/verl_policy_losses.json`
+/// (written by `scripts/golden_policy_losses.py` from verl's own core_algos.py, float64): the loss,
+/// its three metrics and the gradient with respect to `log_prob`, for every aggregation mode,
+/// tight and loose trust regions, a truncation that bites, and rollout importance weights.
+#[test]
+fn gmpo_and_dppo_match_verl_with_their_gradients() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/verl_policy_losses.json");
+    let text = std::fs::read_to_string(&path).expect("read tests/data/verl_policy_losses.json");
+    let doc: Value = serde_json::from_str(&text).expect("golden file is JSON");
+    let cases = doc["cases"].as_array().expect("`cases` is an array");
+    let (_, ran) = check_cases(cases, &["policy_loss"]);
+    let mut modes: BTreeMap<&str, usize> = BTreeMap::new();
+    for case in cases {
+        assert!(
+            case["outputs"].get("grad_log_prob").is_some(),
+            "every case carries verl's gradient"
+        );
+        *modes.entry(param_str(case, "loss_mode")).or_default() += 1;
+    }
+    assert_eq!(ran["policy_loss"], 24, "{modes:?}");
+    assert_eq!(
+        modes,
+        BTreeMap::from([("dppo_kl", 8), ("dppo_tv", 8), ("geo_mean", 8)])
     );
 }

@@ -270,9 +270,9 @@ pub static RULES: &[Rule] = &[
     Rule::acts("actor_rollout_ref.actor.clip_ratio", "the PPO clip range where clip_ratio_low/high are null (verl's rule)", &["crates/losses/tests/behaviour.rs::clip_ratio_low_and_high_fall_back_to_clip_ratio", LOSSES]).checked(clip_ratio_fallback),
     Rule::acts("actor_rollout_ref.actor.clip_ratio_low", "the lower PPO clip range", &["crates/losses/tests/golden.rs::every_owned_golden_case_matches_verl", LOSSES]),
     Rule::acts("actor_rollout_ref.actor.clip_ratio_high", "the upper PPO clip range (DAPO's clip-higher)", &["crates/losses/tests/behaviour.rs::clip_ratio_low_and_high_fall_back_to_clip_ratio", LOSSES]),
-    Rule::acts("actor_rollout_ref.actor.clip_ratio_c", "the dual-clip bound (vanilla); the importance-ratio truncation (dppo_tv, dppo_kl)", &["crates/losses/tests/behaviour.rs::dual_clip_bound_must_exceed_one", LOSSES]),
-    Rule::acts("actor_rollout_ref.actor.tau_pos", "SAPO's gate temperature for positive advantages", &[LOSSES]),
-    Rule::acts("actor_rollout_ref.actor.tau_neg", "SAPO's gate temperature for negative advantages", &[LOSSES]),
+    Rule::acts("actor_rollout_ref.actor.clip_ratio_c", "the dual-clip bound (vanilla); the importance-ratio truncation (dppo_tv, dppo_kl)", &["crates/losses/tests/behaviour.rs::dual_clip_bound_must_exceed_one", LOSSES, "crates/config/tests/load.rs::loss_keys_the_chosen_policy_loss_does_not_read_are_named_as_ignored"]).checked(clip_ratio_c_use),
+    Rule::acts("actor_rollout_ref.actor.tau_pos", "SAPO's gate temperature for positive advantages", &[LOSSES, "crates/config/tests/load.rs::loss_keys_the_chosen_policy_loss_does_not_read_are_named_as_ignored"]).checked(sapo_only),
+    Rule::acts("actor_rollout_ref.actor.tau_neg", "SAPO's gate temperature for negative advantages", &[LOSSES, "crates/config/tests/load.rs::loss_keys_the_chosen_policy_loss_does_not_read_are_named_as_ignored"]).checked(sapo_only),
     Rule::acts("actor_rollout_ref.actor.policy_loss.loss_mode", "the policy loss: vanilla, gspo, sapo, gpg, cispo, geo_mean, dppo_tv, dppo_kl", &["crates/losses/tests/behaviour.rs::unknown_loss_mode_names_the_key_and_lists_valid_modes", "crates/losses/tests/golden.rs::every_owned_golden_case_matches_verl", "crates/losses/tests/golden.rs::gmpo_and_dppo_match_verl_with_their_gradients"]).checked(loss_mode),
     Rule::refused("actor_rollout_ref.actor.policy_loss.*", "a setting of a policy loss verl-rs does not have (clip_cov, kl_cov, dro)", "use policy_loss.loss_mode vanilla, gspo, sapo, gpg, cispo, geo_mean, dppo_tv or dppo_kl"),
     Rule::acts(trained!("loss_agg_mode"), "how token losses are aggregated", &["crates/losses/tests/behaviour.rs::unknown_agg_mode_and_kl_type_are_rejected_with_valid_names", LOSSES]),
@@ -773,6 +773,30 @@ fn loss_mode(v: &Value, _: &Config) -> Verdict {
             LOSS_MODES.join(", ")
         ))
     }
+}
+
+/// `Ignored` when the job's policy loss is not one of `modes`, which read the key (`what` it is to them).
+fn loss_mode_reads(cfg: &Config, modes: &[&str], what: &str) -> Verdict {
+    let mode = &cfg.actor_rollout_ref.actor.policy_loss.loss_mode;
+    if modes.contains(&mode.as_str()) {
+        Verdict::Acts
+    } else {
+        Verdict::Ignored(format!(
+            "{what}; this job's actor_rollout_ref.actor.policy_loss.loss_mode is `{mode}`"
+        ))
+    }
+}
+
+fn clip_ratio_c_use(_: &Value, cfg: &Config) -> Verdict {
+    loss_mode_reads(
+        cfg,
+        &["vanilla", "dppo_tv", "dppo_kl"],
+        "it is the dual-clip bound of loss_mode=vanilla and the ratio truncation of dppo_tv and dppo_kl",
+    )
+}
+
+fn sapo_only(_: &Value, cfg: &Config) -> Verdict {
+    loss_mode_reads(cfg, &["sapo"], "it is a temperature of loss_mode=sapo")
 }
 
 fn kl_loss_type(v: &Value, _: &Config) -> Verdict {

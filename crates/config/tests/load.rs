@@ -798,3 +798,41 @@ fn kernel_switches_in_megatron_transformer_overrides_warn_and_numerics_refuse() 
     ]);
     assert!(e.contains("does not read: moe_z_loss_coeff;"), "{e}");
 }
+
+/// `clip_ratio_c` and SAPO's `tau_pos` / `tau_neg` are read by some policy losses only; set for
+/// another one, the job is told they are ignored (one warning each, naming the loss mode).
+#[test]
+fn loss_keys_the_chosen_policy_loss_does_not_read_are_named_as_ignored() {
+    let warnings = |mode: &str| {
+        Config::from_overrides(&[
+            format!("actor_rollout_ref.actor.policy_loss.loss_mode={mode}"),
+            "actor_rollout_ref.actor.clip_ratio_c=10000.0".into(),
+            "actor_rollout_ref.actor.tau_pos=2.0".into(),
+            "actor_rollout_ref.actor.tau_neg=1.5".into(),
+        ])
+        .unwrap()
+        .warnings
+    };
+    let ignored = |w: &[String], key: &str| {
+        w.iter().any(|l| {
+            l.contains(&format!("`actor_rollout_ref.actor.{key}=")) && l.contains("is ignored")
+        })
+    };
+    for mode in ["geo_mean", "gspo", "cispo"] {
+        let w = warnings(mode);
+        for key in ["clip_ratio_c", "tau_pos", "tau_neg"] {
+            assert!(ignored(&w, key), "{mode}: no warning for {key}: {w:#?}");
+        }
+        assert!(w.iter().any(|l| l.contains(&format!("`{mode}`"))), "{w:#?}");
+    }
+    for mode in ["vanilla", "dppo_tv", "dppo_kl"] {
+        let w = warnings(mode);
+        assert!(!ignored(&w, "clip_ratio_c"), "{mode}: {w:#?}");
+        assert!(ignored(&w, "tau_pos"), "{mode}: {w:#?}");
+    }
+    let w = warnings("sapo");
+    assert!(
+        ignored(&w, "clip_ratio_c") && !ignored(&w, "tau_pos") && !ignored(&w, "tau_neg"),
+        "{w:#?}"
+    );
+}

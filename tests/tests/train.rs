@@ -864,6 +864,23 @@ fn rollout_correction_bypasses_the_old_pass_and_corrects_through_the_plugins() {
         );
     }
     assert!(bad.is_empty(), "bypass vs recomputed:\n{}", bad.join("\n"));
+    // Another policy loss is anchored at the rollout log-probs the same way (verl's DPPO example).
+    let dppo = "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv";
+    let recomputed = run("fsdp_recompute_dppo", &[dppo]);
+    let bypassed = run("fsdp_bypass_dppo", &[bypass, dppo]);
+    for step in 1..=3 {
+        assert!(!bypassed[&step].contains_key("timing_s/old_log_prob"));
+        for k in ["actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"] {
+            let (va, vb) = (recomputed[&step][k].as_f64(), bypassed[&step][k].as_f64());
+            let (Some(va), Some(vb)) = (va, vb) else {
+                panic!("dppo_tv step {step}: `{k}` missing");
+            };
+            assert!(
+                (va - vb).abs() <= 1e-3 * va.abs().max(1e-1),
+                "dppo_tv step {step}: `{k}` is {vb} bypassed, {va} recomputed"
+            );
+        }
+    }
     let mega = run(
         "megatron_bypass",
         &[

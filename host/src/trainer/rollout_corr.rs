@@ -11,7 +11,10 @@ const CALC: &str = "actor_rollout_ref.rollout.calculate_log_probs";
 
 /// The job's rollout correction, `None` when it is off (verl's default). Checks what verl checks
 /// (late, or not at all) up front: the rollout's log-probs must be recorded, and bypass mode
-/// trains with verl's bypass loss (PPO-clip against the rollout log-probs).
+/// trains the job's policy loss against the rollout log-probs. (verl's trainer renames the loss to
+/// `bypass_mode` in its own copy of the config, which its actor workers, built before the first
+/// step, never see: they run the configured `loss_mode` with the rollout log-probs as the old
+/// ones, as DPPO's example script relies on. For `vanilla` that is verl's `bypass_ppo_clip`.)
 pub fn rollout_correction(cfg: &Config) -> anyhow::Result<Option<RolloutCorrection>> {
     let rc = &cfg.algorithm.rollout_correction;
     let keys = RolloutCorrectionKeys {
@@ -72,15 +75,6 @@ pub fn rollout_correction(cfg: &Config) -> anyhow::Result<Option<RolloutCorrecti
                 "in bypass mode verl rejects tokens inside the loss, per micro-batch, against the \
                  current policy; verl-rs does not yet (set rollout_rs=null, or bypass_mode=false \
                  for rejection against the recomputed old log-probs)",
-            )?;
-        }
-        let mode = &cfg.actor_rollout_ref.actor.policy_loss.loss_mode;
-        if mode != "vanilla" {
-            refuse(
-                "actor_rollout_ref.actor.policy_loss.loss_mode",
-                mode.clone(),
-                "bypass mode trains with the PPO-clip loss anchored at the rollout log-probs \
-                 (verl replaces loss_mode with it); set loss_mode=vanilla",
             )?;
         }
     }
@@ -168,13 +162,14 @@ mod tests {
                 ],
                 "rollout_rs=token_k1",
             ),
-            (
-                &["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
-                "loss_mode=gspo",
-            ),
         ] {
             let e = with(extra).unwrap_err().to_string();
             assert!(e.contains(key) && e.contains("bypass"), "{extra:?}: {e}");
+        }
+        // Any policy loss trains against the rollout log-probs (DPPO's recommended setting).
+        for mode in ["gspo", "dppo_tv", "geo_mean"] {
+            let m = format!("actor_rollout_ref.actor.policy_loss.loss_mode={mode}");
+            assert_eq!(with(&[m.as_str()]).unwrap(), Some(true), "{mode}");
         }
     }
 }

@@ -10,7 +10,7 @@ use crate::agg::{agg_loss, AggSpec, LossAggMode, Normaliser};
 use crate::deferred::DeferredMetrics;
 use crate::error::{LossError, Result, TorchContext};
 use crate::kl::KlPenalty;
-use crate::policy::{PolicyInputs, PolicyLoss, POLICY_LOSS_MODES};
+use crate::policy::{DppoDivergence, PolicyInputs, PolicyLoss, POLICY_LOSS_MODES};
 use crate::value::{value_loss, ValueInputs, ValueOutput};
 
 /// `actor.policy_loss`.
@@ -278,12 +278,12 @@ impl PolicyLoss {
                 clip_ratio_low: low,
                 clip_ratio_high: high,
             },
-            "dppo_tv" => PolicyLoss::DppoTv {
-                clip_ratio_low: low,
-                clip_ratio_high: high,
-                clip_ratio_c: cfg.clip_ratio_c,
-            },
-            "dppo_kl" => PolicyLoss::DppoKl {
+            "dppo_tv" | "dppo_kl" => PolicyLoss::Dppo {
+                divergence: if mode == "dppo_tv" {
+                    DppoDivergence::Tv
+                } else {
+                    DppoDivergence::Kl
+                },
                 clip_ratio_low: low,
                 clip_ratio_high: high,
                 clip_ratio_c: cfg.clip_ratio_c,

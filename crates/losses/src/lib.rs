@@ -26,6 +26,8 @@ pub use config::{
 pub use deferred::{fetch_scalars, DeferredMetrics};
 pub use error::{LossError, Result};
 pub use kl::{KlEstimator, KlPenalty};
-pub use policy::{PolicyInputs, PolicyLoss, PolicyMetrics, PolicyOutput, POLICY_LOSS_MODES};
+pub use policy::{
+    DppoDivergence, PolicyInputs, PolicyLoss, PolicyMetrics, PolicyOutput, POLICY_LOSS_MODES,
+};
 pub use tokens::{entropy_from_logits, logprobs_from_logits, ChunkedLmHead, TokenStats};
 pub use value::{value_loss, ValueInputs, ValueMetrics, ValueOutput};

@@ -60,19 +60,24 @@ pub enum PolicyLoss {
         clip_ratio_low: f64,
         clip_ratio_high: f64,
     },
-    /// DPPO-Binary-TV: `-A · sg(min(ratio, c)) · log π`, dropped for tokens whose probability moved
-    /// past `clip_ratio_high` (A > 0) or `clip_ratio_low` (A ≤ 0) in total variation.
-    DppoTv {
+    /// DPPO (`dppo_tv`, `dppo_kl`): `-A · sg(min(ratio, c)) · log π`, dropped for tokens that left
+    /// the trust region: moved up past `clip_ratio_high` (A > 0) or down past `clip_ratio_low`
+    /// (A ≤ 0) in the chosen divergence.
+    Dppo {
+        divergence: DppoDivergence,
         clip_ratio_low: f64,
         clip_ratio_high: f64,
         clip_ratio_c: f64,
     },
-    /// DPPO-Binary-KL: as `DppoTv`, with the token's binary KL divergence as the trust region.
-    DppoKl {
-        clip_ratio_low: f64,
-        clip_ratio_high: f64,
-        clip_ratio_c: f64,
-    },
+}
+
+/// The divergence that bounds DPPO's trust region around the old policy, per sampled token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DppoDivergence {
+    /// `dppo_tv`: the change of the token's probability (total variation of the binary distribution).
+    Tv,
+    /// `dppo_kl`: the binary KL divergence of the token's probability, one-sided.
+    Kl,
 }
 
 /// Tensors a policy loss reads; all `[batch, response_len]`, floating point, same dtype.
@@ -134,8 +139,14 @@ impl PolicyLoss {
             PolicyLoss::Gpg => "gpg",
             PolicyLoss::Cispo { .. } => "cispo",
             PolicyLoss::GeoMean { .. } => "geo_mean",
-            PolicyLoss::DppoTv { .. } => "dppo_tv",
-            PolicyLoss::DppoKl { .. } => "dppo_kl",
+            PolicyLoss::Dppo {
+                divergence: DppoDivergence::Tv,
+                ..
+            } => "dppo_tv",
+            PolicyLoss::Dppo {
+                divergence: DppoDivergence::Kl,
+                ..
+            } => "dppo_kl",
         }
     }
 
@@ -183,15 +194,11 @@ impl PolicyLoss {
                 clip("actor.clip_ratio_low", clip_ratio_low)?;
                 clip("actor.clip_ratio_high", clip_ratio_high)?;
             }
-            PolicyLoss::DppoTv {
+            PolicyLoss::Dppo {
                 clip_ratio_low,
                 clip_ratio_high,
                 clip_ratio_c,
-            }
-            | PolicyLoss::DppoKl {
-                clip_ratio_low,
-                clip_ratio_high,
-                clip_ratio_c,
+                ..
             } => {
                 clip("actor.clip_ratio_low", clip_ratio_low)?;
                 clip("actor.clip_ratio_high", clip_ratio_high)?;
@@ -433,12 +440,8 @@ impl PolicyLoss {
                     geo_mean(x, clip_ratio_low, clip_ratio_high, norm)?;
                 (loss, Some(clipfrac), Some(clipfrac_lower), Some(ppo_kl))
             }
-            PolicyLoss::DppoTv {
-                clip_ratio_low,
-                clip_ratio_high,
-                clip_ratio_c,
-            }
-            | PolicyLoss::DppoKl {
+            PolicyLoss::Dppo {
+                divergence,
                 clip_ratio_low,
                 clip_ratio_high,
                 clip_ratio_c,
@@ -450,7 +453,7 @@ impl PolicyLoss {
                 let truncated = ratio.f_clamp_max(clip_ratio_c).op(op)?.f_detach().op(op)?;
                 let prob = x.log_prob.f_exp().op(op)?;
                 let old_prob = x.old_log_prob.f_exp().op(op)?;
-                let (up_ok, down_ok) = if matches!(self, PolicyLoss::DppoTv { .. }) {
+                let (up_ok, down_ok) = if divergence == DppoDivergence::Tv {
                     let moved = prob.f_sub(&old_prob).op(op)?;
                     (
                         moved.f_le(clip_ratio_high).op(op)?,

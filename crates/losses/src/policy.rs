@@ -272,9 +272,7 @@ impl PolicyLoss {
                 clip_ratio_high,
                 clip_ratio_c,
             } => {
-                let neg_kl = clamped_log_ratio(x, op)?;
-                let ratio = neg_kl.f_exp().op(op)?;
-                let ppo_kl = masked_mean(&neg_kl.f_neg().op(op)?, mask)?;
+                let (ratio, ppo_kl) = clamped_ratio(x, op)?;
                 let neg_adv = adv.f_neg().op(op)?;
                 let l1 = neg_adv.f_mul(&ratio).op(op)?;
                 let l2 = neg_adv
@@ -363,8 +361,7 @@ impl PolicyLoss {
                 )
             }
             PolicyLoss::Sapo { tau_pos, tau_neg } => {
-                let neg_kl = clamped_log_ratio(x, op)?;
-                let ratio = neg_kl.f_exp().op(op)?;
+                let (ratio, ppo_kl) = clamped_ratio(x, op)?;
                 let positive = adv.f_gt(0.0).op(op)?;
                 // Built in the advantages' dtype so f64 runs see exactly the configured temperatures.
                 let taus = adv
@@ -381,7 +378,6 @@ impl PolicyLoss {
                     .f_mul(&taus.f_reciprocal().op(op)?.f_mul_scalar(4.0).op(op)?)
                     .op(op)?;
                 let pg = gates.f_mul(adv).op(op)?.f_neg().op(op)?;
-                let ppo_kl = masked_mean(&neg_kl.f_neg().op(op)?, mask)?;
                 let agg = AggSpec {
                     mode: LossAggMode::SeqMeanTokenMean,
                     ..agg
@@ -401,9 +397,7 @@ impl PolicyLoss {
                 clip_ratio_low,
                 clip_ratio_high,
             } => {
-                let neg_kl = clamped_log_ratio(x, op)?;
-                let ratio = neg_kl.f_exp().op(op)?;
-                let ppo_kl = masked_mean(&neg_kl.f_neg().op(op)?, mask)?;
+                let (ratio, ppo_kl) = clamped_ratio(x, op)?;
                 let clipped = ratio
                     .f_clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
                     .op(op)?;
@@ -446,9 +440,7 @@ impl PolicyLoss {
                 clip_ratio_high,
                 clip_ratio_c,
             } => {
-                let neg_kl = clamped_log_ratio(x, op)?;
-                let ratio = neg_kl.f_exp().op(op)?;
-                let ppo_kl = masked_mean(&neg_kl.f_neg().op(op)?, mask)?;
+                let (ratio, ppo_kl) = clamped_ratio(x, op)?;
                 // Truncated importance sampling in place of the dual clip; a constant weight.
                 let truncated = ratio.f_clamp_max(clip_ratio_c).op(op)?.f_detach().op(op)?;
                 let prob = x.log_prob.f_exp().op(op)?;
@@ -606,12 +598,18 @@ fn binary_kl(
         .op(op)
 }
 
-fn clamped_log_ratio(x: &PolicyInputs<'_>, op: &'static str) -> Result<Tensor> {
-    x.log_prob
+/// The token ratio `exp(clamp(log π - log π_old, ±20))` and `ppo_kl`, the masked mean of
+/// `log π_old - log π` (of the clamped log-ratio, as verl's vanilla, SAPO, CISPO and DPPO report it).
+fn clamped_ratio(x: &PolicyInputs<'_>, op: &'static str) -> Result<(Tensor, Tensor)> {
+    let neg_kl = x
+        .log_prob
         .f_sub(x.old_log_prob)
         .op(op)?
         .f_clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        .op(op)
+        .op(op)?;
+    let ratio = neg_kl.f_exp().op(op)?;
+    let ppo_kl = masked_mean(&neg_kl.f_neg().op(op)?, x.response_mask)?;
+    Ok((ratio, ppo_kl))
 }
 
 fn zero(like: &Tensor) -> Result<Tensor> {
